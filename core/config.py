@@ -1,0 +1,125 @@
+"""Configuration: the model's shape (ModelConfig) and the engine's settings (EngineConfig).
+
+Each EngineConfig field carries its ``--help`` text in ``metadata["help"]``; the CLI builds its
+flags from these fields so there is one source of truth.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A bad setting or model directory; the message names the setting and what would work."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """What the core needs of a model's ``config.json``; the raw dict travels along."""
+
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    raw: dict[str, Any]
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"model directory '{model_dir}' has no config.json")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        archs = raw.get("architectures") or []
+        if not archs:
+            raise ConfigError("config.json names no 'architectures'")
+        try:
+            hidden = int(raw["hidden_size"])
+            heads = int(raw["num_attention_heads"])
+            layers = int(raw["num_hidden_layers"])
+            vocab = int(raw["vocab_size"])
+        except KeyError as e:
+            raise ConfigError(f"config.json lacks required field {e}") from e
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=archs[0],
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            vocab_size=vocab,
+            max_context=int(raw.get("max_position_embeddings") or 2048),
+            eos_token_ids=eos_ids,
+            bos_token_id=raw.get("bos_token_id"),
+            raw=raw,
+        )
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Settings of the engine (scheduler, KV pool, plugins). Resolved before freezing."""
+
+    model_path: str | None = _opt(
+        None, "Model: an HF-layout directory or a .gguf file (default: SmolLM2-135M-Instruct)"
+    )
+    served_model_name: str | None = _opt(None, "Model name reported by the API")
+    plugins: tuple[str, ...] = _opt((), "Plugin selection KIND=NAME (repeatable)")
+    dtype: str = _opt("auto", "Weight and KV dtype: auto, float32, bfloat16, float16")
+    context_length: int | None = _opt(None, "Maximum tokens per request (prompt + output)")
+    max_running_requests: int = _opt(64, "Most requests decoding at once")
+    max_total_tokens: int | None = _opt(
+        None, "KV pool size in tokens (default: from --mem-fraction-static)"
+    )
+    mem_fraction_static: float = _opt(0.2, "Fraction of device memory for weights + KV pool")
+    chunked_prefill_size: int = _opt(
+        1024, "Most tokens computed per step (prefill chunks + decodes); -1 disables chunking"
+    )
+    schedule_policy: str = _opt("lpm", "Waiting-queue order: lpm, dfs-weight, fcfs, random")
+    disable_radix_cache: bool = _opt(False, "Turn the radix prefix cache off")
+    random_seed: int = _opt(0, "Seed of the engine's random generator")
+    debug_leak_check: bool = _opt(False, "Check the KV leak invariant whenever the engine idles")
+    log_level: str = _opt("warning", "Log level: debug, info, warning, error")
+
+    def __post_init__(self) -> None:
+        if self.max_running_requests < 1:
+            raise ConfigError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            raise ConfigError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ConfigError(
+                f"chunked_prefill_size must be positive or -1, got {self.chunked_prefill_size}"
+            )
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ConfigError(
+                f"unknown schedule policy '{self.schedule_policy}'; "
+                f"choose one of {', '.join(SCHEDULE_POLICIES)}"
+            )
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype '{self.dtype}'; choose one of {', '.join(DTYPES)}")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ConfigError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+
+    @classmethod
+    def field_help(cls) -> dict[str, str]:
+        return {f.name: f.metadata.get("help", "") for f in fields(cls)}
+
+
+SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
+DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -1,0 +1,160 @@
+"""ModelRunner: resolves the plugins, owns the model, the KV pool and the attention backend,
+builds each step's ForwardBatch and samples.
+
+Per step it does one ForwardBatch build, one model call and one host sync (the sampled ids).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from radixserve.core.batch import ForwardBatch
+from radixserve.core.config import ConfigError, EngineConfig, ModelConfig
+from radixserve.core.interfaces import PLUGIN_KINDS, AttentionBackend, CausalLM, HardwarePlatform
+from radixserve.core.memory import KVPool, ReqToTokenPool, TokenAllocator
+from radixserve.core.plugins import PluginError, PluginHost, parse_plugin_selections
+from radixserve.core.sampling import SampleResult, sample
+from radixserve.core.scheduler import SampledToken, ScheduledBatch
+from radixserve.core.weights import count_parameters, iter_weights
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Without --max-total-tokens the pool is capped here: large enough for every test and benchmark
+# on a CPU host, small enough not to reserve most of its memory.
+DEFAULT_MAX_KV_TOKENS = 1 << 18
+
+
+@dataclass(frozen=True, slots=True)
+class ChosenPlugins:
+    names: dict[str, str]
+
+    def __str__(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.names.items())
+
+
+class ModelRunner:
+    def __init__(self, model_dir: Path, config: EngineConfig, host: PluginHost) -> None:
+        selections = parse_plugin_selections(config.plugins)
+        hw = host.select_hardware(selections.get("hardware"))
+        self.platform: HardwarePlatform = hw.factory()
+        self.device = self.platform.device
+        self.platform.seed_everything(config.random_seed)
+        self.model_config = ModelConfig.from_dir(model_dir)
+        defaults = self.platform.default_plugins()
+        chosen = {"hardware": hw.name}
+        for kind in PLUGIN_KINDS:
+            if kind in ("hardware", "model"):
+                continue
+            chosen[kind] = host.select(kind, selections.get(kind), defaults.get(kind)).name
+        model_reg = self._select_model(host, selections.get("model"))
+        chosen["model"] = model_reg.name
+        self.plugins = ChosenPlugins(chosen)
+
+        self.dtype = (
+            self.platform.default_dtype() if config.dtype == "auto" else _DTYPES[config.dtype]
+        )
+        mc = self.model_config
+        self.max_context = min(config.context_length or mc.max_context, mc.max_context)
+        self.kv_size = self._kv_pool_size(model_dir, config)
+        self.allocator = TokenAllocator(self.kv_size)
+        self.req_to_token = ReqToTokenPool(config.max_running_requests + 1, self.max_context + 1)
+        self.kv_pool = KVPool(
+            self.kv_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
+        )
+        attn_factory = host.registries["attention"].get(chosen["attention"]).factory
+        self.attention: AttentionBackend = attn_factory(self.kv_pool, mc, self.device)
+        self.model: CausalLM = model_reg.factory(mc, self.attention, self.dtype, self.device)
+        self.model.load_weights(iter_weights(model_dir, self.dtype))
+
+    def _select_model(self, host: PluginHost, requested: str | None) -> Any:
+        arch = self.model_config.architecture
+        try:
+            return host.select("model", requested, arch)
+        except PluginError as e:
+            if requested:
+                raise
+            raise PluginError(
+                f"no model plugin for architecture '{arch}'; "
+                f"available: {', '.join(host.registries['model'].available_names())}"
+            ) from e
+
+    def _kv_pool_size(self, model_dir: Path, config: EngineConfig) -> int:
+        mc = self.model_config
+        per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        if config.max_total_tokens is not None:
+            return config.max_total_tokens
+        weight_bytes = count_parameters(model_dir) * self.dtype.itemsize
+        budget = self.platform.kv_cache_bytes(weight_bytes, config.mem_fraction_static)
+        size = min(budget // per_token, DEFAULT_MAX_KV_TOKENS)
+        if size < 16:
+            raise ConfigError(
+                f"no memory left for the KV pool with mem_fraction_static="
+                f"{config.mem_fraction_static}; raise it or set max_total_tokens"
+            )
+        return int(size)
+
+    def build_batch(self, batch: ScheduledBatch) -> ForwardBatch:
+        rows: list[int] = []
+        positions: list[int] = []
+        input_ids: list[int] = []
+        pool_rows: list[int] = []
+        seq_lens: list[int] = []
+        for req, n in zip(batch.reqs, batch.extend_lens, strict=True):
+            assert req.req_pool_idx is not None
+            start = req.kv_len
+            input_ids += _token_slice(req.input_ids, req.output_ids, start, n)
+            positions += range(start, start + n)
+            rows += [req.req_pool_idx] * n
+            pool_rows.append(req.req_pool_idx)
+            seq_lens.append(start + n)
+        dev = self.device
+        positions_t = torch.tensor(positions, dtype=torch.int64)
+        out_cache_loc = self.req_to_token.table[torch.tensor(rows), positions_t]
+        ends = torch.tensor(batch.extend_lens).cumsum(0) - 1
+        return ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=positions_t.to(dev),
+            out_cache_loc=out_cache_loc.to(dev),
+            req_pool_indices=torch.tensor(pool_rows, dtype=torch.int64),
+            req_to_token=self.req_to_token.table,
+            seq_lens=seq_lens,
+            extend_lens=list(batch.extend_lens),
+            num_decode=batch.num_decode,
+            logits_indices=ends.to(dev),
+            kv_pool=self.kv_pool,
+        )
+
+    def run(
+        self, batch: ScheduledBatch, sample_rows: list[int], eos_ids: tuple[int, ...]
+    ) -> dict[int, SampledToken]:
+        """Forward ``batch``; sample the rows in ``sample_rows``.
+        Returns {batch index: (token id, its logprob or None, top logprobs or None)}."""
+        fb = self.build_batch(batch)
+        self.attention.prepare(fb)
+        logits = self.model.forward(fb)
+        if not sample_rows:
+            return {}
+        reqs = [batch.reqs[i] for i in sample_rows]
+        result: SampleResult = sample(logits[sample_rows], reqs, eos_ids)
+        out = {}
+        for j, i in enumerate(sample_rows):
+            lp = result.logprobs[j] if result.logprobs is not None else None
+            top = result.top_logprobs[j] if result.top_logprobs is not None else None
+            out[i] = (result.next_ids[j], lp, top)
+        return out
+
+
+def _token_slice(prompt: list[int], output: list[int], start: int, n: int) -> list[int]:
+    """Tokens [start, start+n) of prompt+output without concatenating the two lists."""
+    p = len(prompt)
+    if start >= p:
+        return output[start - p : start - p + n]
+    if start + n <= p:
+        return prompt[start : start + n]
+    return prompt[start:] + output[: start + n - p]

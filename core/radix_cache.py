@@ -1,0 +1,238 @@
+"""RadixCache: a radix tree over token ids whose nodes own KV slots of the shared pool.
+
+Matches are exact (page size 1). Nodes in use by running requests are locked (reference
+counted, up to the root); ``evict`` frees least-recently-used unlocked leaves first.
+Invariant at idle: ``allocator.available() + evictable_size + locked_size == pool size``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import NamedTuple
+
+import torch
+
+from radixserve.core.memory import ReqToTokenPool, TokenAllocator
+from radixserve.core.request import Req
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class TreeNode:
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access")
+
+    def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None) -> None:
+        self.children: dict[int, TreeNode] = {}
+        self.parent = parent
+        self.key = key
+        self.value = value
+        self.lock_ref = 0
+        self.last_access = 0
+
+    def __lt__(self, other: TreeNode) -> bool:
+        return self.last_access < other.last_access
+
+
+class MatchResult(NamedTuple):
+    kv_indices: torch.Tensor
+    last_node: TreeNode
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class RadixCache:
+    """The shared prefix cache. ``extra_key`` (cache salt, LoRA id) keeps namespaces disjoint."""
+
+    def __init__(self, allocator: TokenAllocator, req_to_token: ReqToTokenPool) -> None:
+        self.allocator = allocator
+        self.req_to_token = req_to_token
+        self._clock = itertools.count(1)
+        self.reset()
+
+    def reset(self) -> None:
+        self._roots: dict[str | None, TreeNode] = {}
+        self.evictable_size = 0
+        self.locked_size = 0
+
+    def _root(self, extra_key: str | None) -> TreeNode:
+        root = self._roots.get(extra_key)
+        if root is None:
+            root = TreeNode([], _EMPTY, None)
+            root.lock_ref = 1  # the root is never evicted
+            self._roots[extra_key] = root
+        return root
+
+    # -- tree operations --------------------------------------------------------------------
+
+    def match_prefix(self, key: list[int], extra_key: str | None = None) -> MatchResult:
+        """Longest cached prefix of ``key``: its KV slots and the deepest node matched."""
+        node = self._root(extra_key)
+        values: list[torch.Tensor] = []
+        now = next(self._clock)
+        node.last_access = now
+        while key:
+            child = node.children.get(key[0])
+            if child is None:
+                break
+            n = _common_prefix_len(child.key, key)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            values.append(child.value)
+            node, key = child, key[n:]
+        kv = torch.cat(values) if values else _EMPTY
+        return MatchResult(kv, node)
+
+    def insert(self, key: list[int], value: torch.Tensor, extra_key: str | None = None) -> int:
+        """Insert ``key`` with its KV slots; return how many leading tokens were already cached
+        (the caller owns, and must free, its slots for those)."""
+        node = self._root(extra_key)
+        now = next(self._clock)
+        matched = 0
+        while key:
+            child = node.children.get(key[0])
+            if child is None:
+                leaf = TreeNode(list(key), value.clone(), node)
+                leaf.last_access = now
+                node.children[key[0]] = leaf
+                self.evictable_size += len(key)
+                break
+            n = _common_prefix_len(child.key, key)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            matched += n
+            node, key, value = child, key[n:], value[n:]
+        return matched
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Split ``child`` after its first n tokens; return the new upper node."""
+        assert child.parent is not None
+        upper = TreeNode(child.key[:n], child.value[:n], child.parent)
+        upper.lock_ref = child.lock_ref
+        upper.last_access = child.last_access
+        upper.children = {child.key[n]: child}
+        child.parent.children[child.key[0]] = upper
+        child.parent = upper
+        child.key = child.key[n:]
+        child.value = child.value[n:]
+        return upper
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                self.evictable_size -= len(node.key)
+                self.locked_size += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        while node.parent is not None:
+            assert node.lock_ref > 0, "dec_lock_ref on an unlocked node"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.evictable_size += len(node.key)
+                self.locked_size -= len(node.key)
+            node = node.parent
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` slots from unlocked LRU leaves, if possible; return the
+        number freed."""
+        leaves = [n for n in self._all_nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(leaves)
+        freed = 0
+        while freed < num_tokens and leaves:
+            leaf = heapq.heappop(leaves)
+            parent = leaf.parent
+            assert parent is not None
+            self.allocator.free(leaf.value)
+            freed += len(leaf.key)
+            self.evictable_size -= len(leaf.key)
+            del parent.children[leaf.key[0]]
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(leaves, parent)
+        return freed
+
+    def _all_nodes(self) -> list[TreeNode]:
+        nodes: list[TreeNode] = []
+        stack = [c for root in self._roots.values() for c in root.children.values()]
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(node.children.values())
+        return nodes
+
+    def total_size(self) -> int:
+        return sum(len(n.key) for n in self._all_nodes())
+
+    # -- request integration ----------------------------------------------------------------
+
+    def cache_unfinished_req(self, req: Req) -> None:
+        """After a prefill chunk: put the computed prefix in the tree and lock it for ``req``."""
+        assert req.req_pool_idx is not None
+        row = self.req_to_token.table[req.req_pool_idx]
+        token_ids = req.fill_ids()[: req.kv_len]
+        kv = row[: req.kv_len].clone()
+        already = self.insert(token_ids, kv, req.extra_key)
+        self.allocator.free(kv[req.prefix_len : already])
+        new_kv, new_node = self.match_prefix(token_ids, req.extra_key)
+        row[: len(new_kv)] = new_kv
+        self.inc_lock_ref(new_node)
+        if req.cache_node is not None:
+            self.dec_lock_ref(req.cache_node)
+        req.cache_node, req.prefix_len = new_node, len(new_kv)
+
+    def cache_finished_req(self, req: Req) -> None:
+        """Release ``req``'s KV: computed tokens go into the tree, its lock is dropped."""
+        assert req.req_pool_idx is not None
+        kv = self.req_to_token.table[req.req_pool_idx, : req.kv_len].clone()
+        token_ids = req.fill_ids()[: req.kv_len]
+        already = self.insert(token_ids, kv, req.extra_key)
+        self.allocator.free(kv[req.prefix_len : already])
+        if req.cache_node is not None:
+            self.dec_lock_ref(req.cache_node)
+        req.cache_node, req.prefix_len = None, 0
+
+
+class NoPrefixCache:
+    """``--disable-radix-cache``: nothing is shared; a request's KV is freed when it ends."""
+
+    evictable_size = 0
+    locked_size = 0
+
+    def __init__(self, allocator: TokenAllocator, req_to_token: ReqToTokenPool) -> None:
+        self.allocator = allocator
+        self.req_to_token = req_to_token
+
+    def reset(self) -> None:
+        pass
+
+    def match_prefix(self, key: list[int], extra_key: str | None = None) -> MatchResult:
+        return MatchResult(_EMPTY, TreeNode([], _EMPTY, None))
+
+    def cache_unfinished_req(self, req: Req) -> None:
+        pass
+
+    def cache_finished_req(self, req: Req) -> None:
+        assert req.req_pool_idx is not None
+        self.allocator.free(self.req_to_token.table[req.req_pool_idx, : req.kv_len].clone())
+        req.cache_node, req.prefix_len = None, 0
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        pass
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        pass
+
+    def evict(self, num_tokens: int) -> int:
+        return 0
+
+    def total_size(self) -> int:
+        return 0

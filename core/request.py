@@ -1,0 +1,197 @@
+"""Req, SamplingParams, finish reasons and the request state machine.
+
+States: WAITING -> PREFILL (possibly over several chunks) -> DECODE -> FINISHED | ABORTED,
+and RETRACTED back to WAITING under KV pressure (its tokens are recomputed later).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses; the message names the field and the bad value."""
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(slots=True)
+class FinishReason:
+    """Why a request ended: stop (with the matched token id or string), length or abort."""
+
+    type: str
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type}
+        if self.type == "stop":
+            out["matched"] = self.matched
+        elif self.type == "length":
+            out["length"] = self.length
+        elif self.type == "abort":
+            out["message"] = self.message
+        return out
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """SGLang's sampling parameters. ``None`` in an incoming dict means the default."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    seed: int | None = None
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs_num: int = 0
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> SamplingParams:
+        if values is None:
+            return cls()
+        if not isinstance(values, dict):
+            raise InvalidRequest(f"sampling_params must be an object, got {type(values).__name__}")
+        known = cls.__dataclass_fields__
+        params = cls()
+        for key, value in values.items():
+            if key == "sampling_seed":
+                key = "seed"
+            if key not in known:
+                raise InvalidRequest(f"unknown sampling parameter '{key}'")
+            if value is None:
+                continue
+            setattr(params, key, value)
+        if isinstance(params.stop, str):
+            params.stop = [params.stop]
+        params.validate()
+        return params
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise InvalidRequest naming the first bad field."""
+        _check_int("max_new_tokens", self.max_new_tokens, 0)
+        _check_int("min_new_tokens", self.min_new_tokens, 0)
+        _check_int("n", self.n, 1)
+        _check_int("top_logprobs_num", self.top_logprobs_num, 0)
+        _check_int("top_k", self.top_k, -1)
+        if self.top_k == 0:
+            raise InvalidRequest("top_k must be -1 (disabled) or >= 1, got 0")
+        _check_float("temperature", self.temperature, 0.0, math.inf)
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, math.inf)
+        if self.repetition_penalty == 0.0:
+            raise InvalidRequest("repetition_penalty must be > 0, got 0")
+        _check_float("top_p", self.top_p, 0.0, 1.0)
+        if self.top_p == 0.0:
+            raise InvalidRequest("top_p must be in (0, 1], got 0")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidRequest("stop must be a non-empty string or a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise InvalidRequest("stop_token_ids must be a list of non-negative token ids")
+        if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids must be < vocab size {vocab_size}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise InvalidRequest(
+                f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens "
+                f"({self.max_new_tokens})"
+            )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidRequest(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise InvalidRequest(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_float(name: str, value: Any, lo: float, hi: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+        raise InvalidRequest(f"{name} must be a number, got {value!r}")
+    if not lo <= value <= hi:
+        raise InvalidRequest(f"{name} must be in [{lo}, {hi}], got {value}")
+
+
+class Req:
+    """One generation request as the scheduler sees it (mutable identity state)."""
+
+    def __init__(
+        self,
+        rid: str,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        extra_key: str | None = None,
+    ) -> None:
+        self.rid = rid
+        self.input_ids = input_ids
+        self.sampling = sampling
+        self.extra_key = extra_key
+        self.output_ids: list[int] = []
+        self.state = ReqState.WAITING
+        self.finish_reason: FinishReason | None = None
+        # KV bookkeeping (owned by the scheduler)
+        self.req_pool_idx: int | None = None
+        self.kv_len = 0  # tokens of fill_ids whose KV is in the pool for this request
+        self.cached_tokens = 0  # prompt tokens matched in the radix cache at first admission
+        self.prefix_len = 0  # tokens of the current admission matched in the cache
+        self.cache_node: Any = None  # locked radix node covering the shared prefix
+        self.num_retractions = 0
+        # outputs
+        self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[float, int]]] = []
+        self.detok: Any = None  # IncrementalDetokenizer, created at the first output token
+        # timing
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    def fill_ids(self) -> list[int]:
+        """All tokens whose KV the request needs: prompt then output so far."""
+        return self.input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.state in (ReqState.FINISHED, ReqState.ABORTED)
+
+    def finish(self, reason: FinishReason) -> None:
+        self.finish_reason = reason
+        self.state = ReqState.ABORTED if reason.type == "abort" else ReqState.FINISHED
+        self.finish_time = time.perf_counter()
+
+    def __repr__(self) -> str:
+        return f"Req({self.rid}, {self.state.value}, in={len(self.input_ids)}, out={len(self.output_ids)})"

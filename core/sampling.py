@@ -1,0 +1,131 @@
+"""Batched sampling: penalties, min-tokens masking, temperature / top-k / top-p / min-p, seeds
+and logprobs, for all requests of a step at once.
+
+Seeded rows draw their noise from a generator keyed by (seed, output position), so a seeded
+request gives the same output whatever else shares its batch. Sampling uses the exponential
+race (argmax of p / Exp(1)), which equals drawing from p.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from radixserve.core.request import Req
+
+
+class SampleResult(NamedTuple):
+    next_ids: list[int]
+    logprobs: list[float] | None  # logprob of each chosen token (rows that asked; else 0.0)
+    top_logprobs: list[list[tuple[float, int]]] | None
+
+
+def sample(logits: torch.Tensor, reqs: Sequence[Req], eos_ids: Sequence[int]) -> SampleResult:
+    """Choose the next token of each request; ``logits`` is [len(reqs), vocab] float32."""
+    raw = logits
+    logits = _apply_penalties(logits, reqs)
+    logits = _mask_until_min_tokens(logits, reqs, eos_ids)
+    if all(r.sampling.is_greedy for r in reqs):
+        next_ids = logits.argmax(dim=-1)
+    else:
+        next_ids = _sample_rows(logits, reqs)
+    return _with_logprobs(raw, next_ids, reqs)
+
+
+def _apply_penalties(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
+    rows = [
+        i
+        for i, r in enumerate(reqs)
+        if r.sampling.frequency_penalty
+        or r.sampling.presence_penalty
+        or r.sampling.repetition_penalty != 1.0
+    ]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        params, req = reqs[i].sampling, reqs[i]
+        row = logits[i]
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(req.input_ids) | set(req.output_ids)), device=row.device)
+            vals = row[seen]
+            row[seen] = torch.where(
+                vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty
+            )
+        if req.output_ids and (params.frequency_penalty or params.presence_penalty):
+            ids = torch.tensor(req.output_ids, device=row.device)
+            counts = torch.zeros_like(row).scatter_add_(0, ids, torch.ones_like(ids, dtype=row.dtype))
+            row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return logits
+
+
+def _mask_until_min_tokens(
+    logits: torch.Tensor, reqs: Sequence[Req], eos_ids: Sequence[int]
+) -> torch.Tensor:
+    rows = [i for i, r in enumerate(reqs) if len(r.output_ids) < r.sampling.min_new_tokens]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        banned = list(eos_ids) + list(reqs[i].sampling.stop_token_ids)
+        if banned:
+            logits[i, banned] = float("-inf")
+    return logits
+
+
+def _sample_rows(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
+    temps = torch.tensor(
+        [max(r.sampling.temperature, 1e-6) for r in reqs], device=logits.device
+    ).unsqueeze(1)
+    probs = torch.softmax(logits / temps, dim=-1)
+    if any(r.sampling.top_k > 0 or r.sampling.top_p < 1.0 or r.sampling.min_p > 0 for r in reqs):
+        probs = _filter_probs(probs, reqs)
+    noise = torch.empty_like(probs).exponential_()
+    for i, r in enumerate(reqs):
+        if r.sampling.seed is not None:
+            gen = torch.Generator(device=probs.device)
+            gen.manual_seed(r.sampling.seed * 1_000_003 + len(r.output_ids))
+            noise[i].exponential_(generator=gen)
+    sampled = (probs / noise).argmax(dim=-1)
+    greedy = torch.tensor([r.sampling.is_greedy for r in reqs], device=logits.device)
+    return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def _filter_probs(probs: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
+    """Zero the tokens outside each row's top-k, top-p nucleus and min-p floor."""
+    device = probs.device
+    vocab = probs.shape[-1]
+    top_k = torch.tensor(
+        [r.sampling.top_k if r.sampling.top_k > 0 else vocab for r in reqs], device=device
+    )
+    top_p = torch.tensor([r.sampling.top_p for r in reqs], device=device)
+    min_p = torch.tensor([r.sampling.min_p for r in reqs], device=device)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=device)[None, :]
+    drop = rank >= top_k[:, None]
+    # NOTE: keep a token while the mass before it is below top_p, so the first always stays.
+    drop |= (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[:, None]
+    drop |= sorted_probs < (min_p * sorted_probs[:, 0])[:, None]
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def _with_logprobs(raw: torch.Tensor, next_ids: torch.Tensor, reqs: Sequence[Req]) -> SampleResult:
+    rows = [i for i, r in enumerate(reqs) if r.sampling.logprobs]
+    if not rows:
+        return SampleResult(next_ids.tolist(), None, None)
+    idx = torch.tensor(rows, device=raw.device)
+    logprobs = torch.log_softmax(raw[idx], dim=-1)
+    chosen = logprobs.gather(1, next_ids[idx].unsqueeze(1)).squeeze(1).tolist()
+    k = max(reqs[i].sampling.top_logprobs_num for i in rows)
+    top_vals, top_ids = (logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0]))
+    top_vals_l, top_ids_l = top_vals.tolist(), top_ids.long().tolist()
+    out_lp = [0.0] * len(reqs)
+    out_top: list[list[tuple[float, int]]] = [[] for _ in reqs]
+    for j, i in enumerate(rows):
+        n = reqs[i].sampling.top_logprobs_num
+        out_lp[i] = chosen[j]
+        out_top[i] = list(zip(top_vals_l[j][:n], top_ids_l[j][:n], strict=True))
+    return SampleResult(next_ids.tolist(), out_lp, out_top)

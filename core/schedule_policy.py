@@ -1,0 +1,59 @@
+"""Waiting-queue orders: lpm (longest prefix match first), dfs-weight, fcfs, random."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from radixserve.core.radix_cache import TreeNode
+from radixserve.core.request import Req
+
+# Past this queue length, prefix matching every waiting request costs more than it saves.
+LPM_MAX_QUEUE = 128
+
+
+def order_waiting(
+    policy: str,
+    waiting: list[Req],
+    match: Callable[[Req], tuple[int, TreeNode]],
+    rng: random.Random,
+) -> list[Req]:
+    """Return ``waiting`` in the order admission should try it (ties keep arrival order)."""
+    if policy == "fcfs" or len(waiting) <= 1:
+        return list(waiting)
+    if policy == "random":
+        shuffled = list(waiting)
+        rng.shuffle(shuffled)
+        return shuffled
+    if len(waiting) > LPM_MAX_QUEUE:
+        return list(waiting)
+    matches = {id(r): match(r) for r in waiting}
+    if policy == "lpm":
+        return sorted(waiting, key=lambda r: -matches[id(r)][0])
+    if policy == "dfs-weight":
+        return _dfs_weight_order(waiting, {id(r): matches[id(r)][1] for r in waiting})
+    raise ValueError(f"unknown schedule policy '{policy}'")
+
+
+def _dfs_weight_order(waiting: list[Req], nodes: dict[int, TreeNode]) -> list[Req]:
+    """Visit the tree depth-first, heaviest subtree (most waiting requests) first, so requests
+    sharing a prefix run back to back."""
+    attached: dict[int, list[Req]] = {}
+    weight: dict[int, int] = {}
+    node_of: dict[int, TreeNode] = {}
+    for req in waiting:
+        node: TreeNode | None = nodes[id(req)]
+        attached.setdefault(id(node), []).append(req)
+        while node is not None:
+            weight[id(node)] = weight.get(id(node), 0) + 1
+            node_of[id(node)] = node
+            node = node.parent
+    roots = [n for n in node_of.values() if n.parent is None]
+    ordered: list[Req] = []
+    stack = sorted(roots, key=lambda n: weight[id(n)])
+    while stack:
+        node = stack.pop()
+        ordered.extend(attached.get(id(node), []))
+        children = [c for c in node.children.values() if id(c) in weight]
+        stack.extend(sorted(children, key=lambda n: weight[id(n)]))
+    return ordered

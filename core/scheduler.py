@@ -1,0 +1,289 @@
+"""Scheduler: admission, a per-step token budget, chunked prefill, policies and retraction.
+
+One step is ``schedule -> run batch -> process output``. Decodes go first (one token each),
+then prefill chunks fill the rest of the token budget, so a long prompt never stalls running
+decodes. Under KV pressure the scheduler evicts cache, then retracts the newest running
+requests (their tokens are recomputed later; greedy output does not change).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from radixserve.core.memory import ReqToTokenPool, TokenAllocator
+from radixserve.core.radix_cache import NoPrefixCache, RadixCache
+from radixserve.core.request import FinishReason, Req, ReqState
+from radixserve.core.schedule_policy import order_waiting
+from radixserve.core.stop import StopChecker
+
+logger = logging.getLogger(__name__)
+
+SampledToken = tuple[int, float | None, list[tuple[float, int]] | None]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_running_requests: int
+    chunked_prefill_size: int  # -1: no chunking
+    schedule_policy: str
+    max_context: int
+    random_seed: int = 0
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """The requests of one step, decodes (extend 1) first, with their new-token counts."""
+
+    reqs: list[Req]
+    extend_lens: list[int]
+    num_decode: int
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    retractions: int = 0
+    step_trace: list[tuple[int, int]] = field(default_factory=list)  # (decodes, prefill tokens)
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        allocator: TokenAllocator,
+        req_to_token: ReqToTokenPool,
+        cache: RadixCache | NoPrefixCache,
+        stop_checker: StopChecker,
+    ) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.req_to_token = req_to_token
+        self.cache = cache
+        self.stop_checker = stop_checker
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.stats = SchedulerStats()
+        self._rng = random.Random(config.random_seed)
+        self.trace_steps = False
+
+    # -- queue -----------------------------------------------------------------------------
+
+    def add_request(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def abort(self, rid: str, message: str = "aborted by the client") -> Req | None:
+        """Abort ``rid`` in any state, freeing its KV; return it, or None if unknown."""
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                req.finish(FinishReason("abort", message=message))
+                return req
+        for req in self.running:
+            if req.rid == rid:
+                self._release(req)
+                req.finish(FinishReason("abort", message=message))
+                return req
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch | None:
+        decodes = self._schedule_decodes()
+        budget = self.config.chunked_prefill_size
+        budget = (budget if budget > 0 else 1 << 62) - len(decodes)
+        prefills: list[tuple[Req, int]] = []
+        for req in [r for r in self.running if r.state == ReqState.PREFILL]:
+            chunk = self._extend_running(req, budget)
+            if chunk:
+                prefills.append((req, chunk))
+                budget -= chunk
+        if budget > 0 and self.waiting:
+            prefills += self._admit(budget)
+        if not decodes and not prefills:
+            return None
+        # Single-token extends attend like decodes, so they join the batched decode path.
+        entries = [(r, 1) for r in decodes] + sorted(prefills, key=lambda e: e[1] != 1)
+        num_decode = sum(1 for _, n in entries if n == 1)
+        if self.trace_steps:
+            self.stats.step_trace.append((len(decodes), sum(n for _, n in prefills)))
+        return ScheduledBatch([r for r, _ in entries], [n for _, n in entries], num_decode)
+
+    def process_output(self, batch: ScheduledBatch, sampled: dict[int, SampledToken]) -> list[Req]:
+        """Advance requests after a forward; ``sampled`` maps batch index -> (token id,
+        logprob, top logprobs).
+        Returns the requests that produced a token or finished this step."""
+        self.stats.steps += 1
+        changed: list[Req] = []
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens, strict=True)):
+            req.kv_len += n
+            if req.kv_len < req.seq_len:
+                self.cache.cache_unfinished_req(req)  # chunked prefill continues next step
+                continue
+            if req.sampling.max_new_tokens == 0:
+                req.finish(FinishReason("length", length=0))
+            else:
+                req.state = ReqState.DECODE
+                token, logprob, top = sampled[i]
+                req.output_ids.append(token)
+                if req.sampling.logprobs:
+                    req.output_logprobs.append(logprob if logprob is not None else 0.0)
+                    req.output_top_logprobs.append(top or [])
+                if req.first_token_time is None:
+                    req.first_token_time = time.perf_counter()
+                self.stop_checker.check(req, token)
+            if req.finished:
+                self._release(req)
+            changed.append(req)
+        return changed
+
+    def needs_sampling(self, batch: ScheduledBatch) -> list[int]:
+        """Batch indices whose forward reaches the end of their tokens and must sample."""
+        return [
+            i
+            for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens, strict=True))
+            if req.kv_len + n == req.seq_len and req.sampling.max_new_tokens > 0
+        ]
+
+    # -- decodes and KV pressure -----------------------------------------------------------
+
+    def _schedule_decodes(self) -> list[Req]:
+        decodes = [r for r in self.running if r.state == ReqState.DECODE]
+        while decodes:
+            slots = self._alloc_kv(len(decodes))
+            if slots is not None:
+                for req, slot in zip(decodes, slots.tolist(), strict=True):
+                    assert req.req_pool_idx is not None
+                    self.req_to_token.table[req.req_pool_idx, req.kv_len] = slot
+                return decodes
+            victim = max(decodes, key=lambda r: r.arrival_time)
+            decodes.remove(victim)
+            if decodes or self.running != [victim]:
+                self._retract(victim)
+            else:
+                self._release(victim)
+                victim.finish(FinishReason("abort", message="KV pool too small for this request"))
+        return decodes
+
+    def _retract(self, req: Req) -> None:
+        logger.debug("retracting %s under KV pressure", req.rid)
+        self._release(req)
+        req.state = ReqState.WAITING
+        req.num_retractions += 1
+        self.stats.retractions += 1
+        self.waiting.appendleft(req)
+
+    def _alloc_kv(self, num_tokens: int) -> torch.Tensor | None:
+        slots = self.allocator.alloc(num_tokens)
+        if slots is None:
+            self.cache.evict(num_tokens - self.allocator.available())
+            slots = self.allocator.alloc(num_tokens)
+        return slots
+
+    def _release(self, req: Req) -> None:
+        """Give back ``req``'s KV (computed tokens go to the cache) and its table row."""
+        if req.req_pool_idx is not None:
+            self.cache.cache_finished_req(req)
+            self.req_to_token.free(req.req_pool_idx)
+            req.req_pool_idx = None
+        req.kv_len = 0
+        if req in self.running:
+            self.running.remove(req)
+
+    # -- prefill ---------------------------------------------------------------------------
+
+    def _extend_running(self, req: Req, budget: int) -> int:
+        chunk = min(req.seq_len - req.kv_len, budget)
+        if chunk <= 0:
+            return 0
+        slots = self._alloc_kv(chunk)
+        if slots is None:
+            return 0
+        assert req.req_pool_idx is not None
+        self.req_to_token.table[req.req_pool_idx, req.kv_len : req.kv_len + chunk] = slots
+        return chunk
+
+    def _admit(self, budget: int) -> list[tuple[Req, int]]:
+        def match(r: Req) -> tuple[int, object]:
+            result = self.cache.match_prefix(r.fill_ids()[:-1], r.extra_key)
+            return len(result.kv_indices), result.last_node
+
+        admitted: list[tuple[Req, int]] = []
+        ordered = order_waiting(self.config.schedule_policy, list(self.waiting), match, self._rng)  # type: ignore[arg-type]
+        for req in ordered:
+            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                break
+            chunk = self._admit_one(req, budget)
+            if chunk == 0:
+                break
+            self.waiting.remove(req)
+            admitted.append((req, chunk))
+            budget -= chunk
+        return admitted
+
+    def _admit_one(self, req: Req, budget: int) -> int:
+        fill = req.fill_ids()
+        prefix, node = self.cache.match_prefix(fill[:-1], req.extra_key)
+        chunk = min(len(fill) - len(prefix), budget)
+        row = self.req_to_token.alloc()
+        if row is None:
+            return 0
+        self.cache.inc_lock_ref(node)  # protect the matched prefix from our own eviction
+        slots = self._alloc_kv(chunk)
+        if slots is None:
+            self.cache.dec_lock_ref(node)
+            self.req_to_token.free(row)
+            return 0
+        table = self.req_to_token.table[row]
+        table[: len(prefix)] = prefix
+        table[len(prefix) : len(prefix) + chunk] = slots
+        req.req_pool_idx, req.cache_node = row, node
+        req.prefix_len = req.kv_len = len(prefix)
+        if req.num_retractions == 0:
+            req.cached_tokens = len(prefix)
+            self.stats.prompt_tokens += len(fill)
+            self.stats.cached_tokens += len(prefix)
+        req.state = ReqState.PREFILL
+        self.running.append(req)
+        return chunk
+
+    # -- accounting ------------------------------------------------------------------------
+
+    def kv_accounting(self) -> dict[str, int]:
+        free = self.allocator.available()
+        evictable, locked = self.cache.evictable_size, self.cache.locked_size
+        return {
+            "size": self.allocator.size,
+            "free": free,
+            "evictable": evictable,
+            "locked": locked,
+            "in_use": self.allocator.size - free - evictable - locked,
+        }
+
+    def check_no_leak(self) -> None:
+        """At idle every slot is free or held by the cache; raise AssertionError otherwise."""
+        acct = self.kv_accounting()
+        if not self.running and acct["in_use"] != 0:
+            raise AssertionError(f"KV leak at idle: {acct}")
+        if not self.running and acct["locked"] != 0:
+            raise AssertionError(f"cache nodes still locked at idle: {acct}")
+
+
+def batch_positions(batch: ScheduledBatch) -> Sequence[tuple[Req, int, int]]:
+    """(req, first new position, number of new tokens) per batch entry."""
+    return [(r, r.kv_len, n) for r, n in zip(batch.reqs, batch.extend_lens, strict=True)]

@@ -1,0 +1,144 @@
+"""Tokenization, chat templates (sandboxed Jinja) and incremental detokenization."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from radixserve.core.config import ConfigError
+from radixserve.core.request import InvalidRequest
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+class Tokenizer:
+    """A model's tokenizer (``tokenizer.json``) and chat template (``tokenizer_config.json``)."""
+
+    def __init__(self, model_dir: str | Path, chat_template: str | None = None) -> None:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ConfigError(f"model directory '{model_dir}' has no tokenizer.json")
+        self._tok = HFTokenizer.from_file(str(path))
+        cfg_path = model_dir / "tokenizer_config.json"
+        self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.chat_template = chat_template or self.config.get("chat_template")
+        self.bos_token = _token_text(self.config.get("bos_token"))
+        self.eos_token = _token_text(self.config.get("eos_token"))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._compiled_template: Any = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **extra: Any,
+    ) -> str:
+        """Render ``messages`` with the model's template; InvalidRequest on a bad message."""
+        if not self.chat_template:
+            raise InvalidRequest("this model has no chat template; pass --chat-template")
+        _check_messages(messages)
+        if self._compiled_template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._compiled_template = env.from_string(self.chat_template)
+        try:
+            return self._compiled_template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **extra,
+            )
+        except TemplateError as e:
+            raise InvalidRequest(f"chat template failed on these messages: {e}") from e
+
+    def encode_chat(self, messages: list[dict[str, Any]], **extra: Any) -> list[int]:
+        # The template already holds any BOS it wants, so no special tokens are added here.
+        return self.encode(self.apply_chat_template(messages, **extra), add_special_tokens=False)
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _raise_template_error(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidRequest(f"messages[{i}] must be an object")
+        if m.get("role") not in CHAT_ROLES:
+            raise InvalidRequest(
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.get('role')!r}"
+            )
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without re-decoding everything.
+
+    Decodes only a small window (from ``prefix_offset``) per token and holds back text that
+    ends in an incomplete UTF-8 sequence (U+FFFD) until the next token completes it.
+    """
+
+    CONTEXT_TOKENS = 5
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        # A few prompt tokens give the first output token its leading-space context.
+        self.ids = list(prompt_ids[-self.CONTEXT_TOKENS :])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the newly completed text (possibly empty)."""
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(prefix_text) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """At the end: emit whatever is held back, even if incomplete."""
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
+        delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += delta
+        return delta

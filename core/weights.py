@@ -1,0 +1,37 @@
+"""Reading weights of an HF-layout model directory (``*.safetensors``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from radixserve.core.config import ConfigError
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"model directory '{model_dir}' has no *.safetensors weights")
+    return files
+
+
+def iter_weights(model_dir: str | Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor, converted to ``dtype``, one at a time."""
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield name, f.get_tensor(name).to(dtype)
+
+
+def count_parameters(model_dir: str | Path) -> int:
+    """Parameter count from the safetensors headers, without loading tensors."""
+    total = 0
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118
+                total += math.prod(f.get_slice(name).get_shape())
+    return total

