@@ -1,0 +1,75 @@
+"""Bad input gets a clear error and the engine keeps serving."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from radixserve import Engine
+from radixserve.core.plugins import PluginError
+from radixserve.core.request import InvalidRequest
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir: Path):
+    eng = Engine(str(tiny_llama_dir), max_total_tokens=4096)
+    yield eng
+    eng.shutdown()
+
+
+def _still_serving(engine: Engine) -> None:
+    out = engine.generate("Hello", {"max_new_tokens": 3, "ignore_eos": True})
+    assert len(out["output_ids"]) == 3
+    engine.core.scheduler.check_no_leak()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"prompt": ""}, "prompt is empty"),
+        ({"input_ids": []}, "prompt is empty"),
+        ({"prompt": "Hi", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens must be >= 0"),
+        ({"prompt": "Hi", "sampling_params": {"top_p": 0}}, "top_p must be in (0, 1]"),
+        ({"prompt": "Hi", "sampling_params": {"top_p": 1.5}}, "top_p must be in"),
+        ({"prompt": "Hi", "sampling_params": {"temperature": -1}}, "temperature must be in"),
+        ({"prompt": "Hi", "sampling_params": {"top_k": 0}}, "top_k must be -1"),
+        ({"prompt": "Hi", "sampling_params": {"n": 0}}, "n must be >= 1"),
+        ({"prompt": "Hi", "sampling_params": {"bogus": 1}}, "unknown sampling parameter 'bogus'"),
+        ({"prompt": "Hi", "sampling_params": {"stop": [""]}}, "stop must be"),
+        ({"input_ids": [1, 2, 10**9]}, "input_ids must be token ids"),
+        ({"input_ids": ["a"]}, "integer token ids"),
+    ],
+)
+def test_bad_request_is_rejected_clearly(engine: Engine, kwargs, message: str) -> None:
+    with pytest.raises(InvalidRequest) as err:
+        engine.generate(**kwargs)
+    assert message in str(err.value)
+    _still_serving(engine)
+
+
+def test_prompt_longer_than_context(engine: Engine) -> None:
+    context = engine.core.max_context
+    with pytest.raises(InvalidRequest, match=f"context length is {context}"):
+        engine.generate(input_ids=[5] * (context + 10))
+    _still_serving(engine)
+
+
+def test_unknown_plugin_name_stops_startup_with_one_line(tiny_llama_dir: Path) -> None:
+    with pytest.raises(PluginError) as err:
+        Engine(str(tiny_llama_dir), plugins=["attention=flashy"], max_total_tokens=256)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "unknown attention plugin 'flashy'" in msg and "torch_native" in msg
+
+
+def test_unknown_plugin_kind(tiny_llama_dir: Path) -> None:
+    with pytest.raises(PluginError, match="unknown plugin kind 'attn'"):
+        Engine(str(tiny_llama_dir), plugins=["attn=torch_native"], max_total_tokens=256)
+
+
+def test_bad_model_path(tmp_path: Path) -> None:
+    from radixserve.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="not a model directory"):
+        Engine(str(tmp_path / "missing"))
