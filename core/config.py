@@ -114,7 +114,9 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype '{self.dtype}'; choose one of {', '.join(DTYPES)}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
-            raise ConfigError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+            raise ConfigError(
+                f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}"
+            )
 
     @classmethod
     def field_help(cls) -> dict[str, str]:

@@ -15,7 +15,6 @@ if TYPE_CHECKING:
     import torch
 
     from radixserve.core.batch import ForwardBatch
-    from radixserve.core.config import ModelConfig
     from radixserve.core.memory import KVPool
 
 PLUGIN_KINDS = ("hardware", "attention", "model", "grammar", "speculative", "kv_transfer")

@@ -194,4 +194,5 @@ class Req:
         self.finish_time = time.perf_counter()
 
     def __repr__(self) -> str:
-        return f"Req({self.rid}, {self.state.value}, in={len(self.input_ids)}, out={len(self.output_ids)})"
+        state, n_in, n_out = self.state.value, len(self.input_ids), len(self.output_ids)
+        return f"Req({self.rid}, {state}, in={n_in}, out={n_out})"

@@ -56,7 +56,9 @@ def _apply_penalties(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
             )
         if req.output_ids and (params.frequency_penalty or params.presence_penalty):
             ids = torch.tensor(req.output_ids, device=row.device)
-            counts = torch.zeros_like(row).scatter_add_(0, ids, torch.ones_like(ids, dtype=row.dtype))
+            counts = torch.zeros_like(row).scatter_add_(
+                0, ids, torch.ones_like(ids, dtype=row.dtype)
+            )
             row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
     return logits
 
@@ -120,7 +122,7 @@ def _with_logprobs(raw: torch.Tensor, next_ids: torch.Tensor, reqs: Sequence[Req
     logprobs = torch.log_softmax(raw[idx], dim=-1)
     chosen = logprobs.gather(1, next_ids[idx].unsqueeze(1)).squeeze(1).tolist()
     k = max(reqs[i].sampling.top_logprobs_num for i in rows)
-    top_vals, top_ids = (logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0]))
+    top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
     top_vals_l, top_ids_l = top_vals.tolist(), top_ids.long().tolist()
     out_lp = [0.0] * len(reqs)
     out_top: list[list[tuple[float, int]]] = [[] for _ in reqs]

@@ -13,7 +13,9 @@ from radixserve.core.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class StopChecker:
-    def __init__(self, tokenizer: Tokenizer, eos_token_ids: Sequence[int], max_context: int) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, eos_token_ids: Sequence[int], max_context: int
+    ) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context = max_context

@@ -12,8 +12,8 @@ import logging
 import queue
 import threading
 import uuid
-from dataclasses import replace
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +44,7 @@ class Engine:
         self.host = host or default_host()
         resolved = self.host.hook.resolve_model_dir(model_path=model_path) or model_path
         if resolved is None or not Path(resolved).is_dir():
-            raise ConfigError(
-                f"model path '{model_path}' is not a model directory or a .gguf file"
-            )
+            raise ConfigError(f"model path '{model_path}' is not a model directory or a .gguf file")
         if isinstance(plugins, dict):
             plugins = [f"{k}={v}" for k, v in plugins.items()]
         self.config = EngineConfig(model_path=str(resolved), plugins=tuple(plugins), **settings)
@@ -74,13 +72,9 @@ class Engine:
     ) -> Any:
         """One prompt -> one dict (a list when n > 1); a list of prompts -> a list in order."""
         batch = self._prompts(prompt, input_ids)
-        single = not isinstance(prompt, list) and not (
-            input_ids and isinstance(input_ids[0], list)
-        )
+        single = not isinstance(prompt, list) and not (input_ids and isinstance(input_ids[0], list))
         params = _params(sampling_params, return_logprob, top_logprobs_num)
-        reqs = [
-            self._make_req(ids, params) for ids in batch for _ in range(params.n)
-        ]
+        reqs = [self._make_req(ids, params) for ids in batch for _ in range(params.n)]
         for req in reqs:
             self.core.validate(req)
         if stream:
@@ -177,7 +171,9 @@ class Engine:
         text = req.detok.text if req.detok is not None else ""
         meta: dict[str, Any] = {
             "id": req.rid,
-            "finish_reason": req.finish_reason.to_json() if finished and req.finish_reason else None,
+            "finish_reason": req.finish_reason.to_json()
+            if finished and req.finish_reason
+            else None,
             "prompt_tokens": len(req.input_ids),
             "completion_tokens": len(ids),
             "cached_tokens": req.cached_tokens,
@@ -273,4 +269,3 @@ def _params(
 
 def _copy_params(params: SamplingParams) -> SamplingParams:
     return replace(params, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids))
-

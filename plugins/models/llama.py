@@ -55,7 +55,9 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     elif kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif kind not in (None, "default"):
-        raise NotImplementedError(f"rope_scaling type '{kind}' is not supported by the llama plugin")
+        raise NotImplementedError(
+            f"rope_scaling type '{kind}' is not supported by the llama plugin"
+        )
     return inv_freq.float()
 
 
@@ -97,9 +99,7 @@ class LlamaLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
 
-    def forward(
-        self, h: torch.Tensor, rope: RotaryEmbedding, batch: ForwardBatch
-    ) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, rope: RotaryEmbedding, batch: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(self.input_layernorm(h))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = h.shape[0]

@@ -29,7 +29,10 @@ def _still_serving(engine: Engine) -> None:
     [
         ({"prompt": ""}, "prompt is empty"),
         ({"input_ids": []}, "prompt is empty"),
-        ({"prompt": "Hi", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens must be >= 0"),
+        (
+            {"prompt": "Hi", "sampling_params": {"max_new_tokens": -1}},
+            "max_new_tokens must be >= 0",
+        ),
         ({"prompt": "Hi", "sampling_params": {"top_p": 0}}, "top_p must be in (0, 1]"),
         ({"prompt": "Hi", "sampling_params": {"top_p": 1.5}}, "top_p must be in"),
         ({"prompt": "Hi", "sampling_params": {"temperature": -1}}, "temperature must be in"),

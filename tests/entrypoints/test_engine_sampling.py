@@ -134,8 +134,11 @@ def test_logprobs_with_top_k(engine: Engine) -> None:
 
 def test_streaming_yields_cumulative_text(engine: Engine) -> None:
     full = _gen(engine, temperature=0)
-    chunks = list(engine.generate(PROMPT, {"max_new_tokens": 24, "ignore_eos": True,
-                                           "temperature": 0}, stream=True))
+    chunks = list(
+        engine.generate(
+            PROMPT, {"max_new_tokens": 24, "ignore_eos": True, "temperature": 0}, stream=True
+        )
+    )
     assert len(chunks) > 2
     texts = [c["text"] for c in chunks]
     assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))

@@ -1,0 +1,130 @@
+"""Messages between the server process and the engine process (msgspec structs, msgpack).
+
+Two one-way ZMQ IPC channels: the server PUSHes ``EngineInbound`` messages to the engine and
+PULLs ``EngineOutbound`` messages back. Every message is a tagged struct; nothing is pickled.
+
+Per step the engine sends one ``StepOutput`` holding a ``ReqDelta`` for each request that
+changed: the new token ids, the text splice and the new logprobs, never the whole request.
+Each request gets exactly one delta with ``finish`` set, after which the engine forgets it.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from radixserve.core.request import FinishReason, SamplingParams
+
+# -- server -> engine ------------------------------------------------------------------------
+
+
+class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
+    """Queue a request; the prompt is already tokenized and the params validated."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    extra_key: str | None = None
+
+
+class AbortRequest(msgspec.Struct, tag="abort"):
+    """Abort ``rid`` in any state; unknown or finished rids are ignored."""
+
+    rid: str
+
+
+class FlushCacheRequest(msgspec.Struct, tag="flush_cache"):
+    call_id: int
+
+
+class StateRequest(msgspec.Struct, tag="state"):
+    call_id: int
+
+
+class ShutdownRequest(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+EngineInbound = Union[  # noqa: UP007 - msgspec needs a runtime union object
+    GenerateRequest, AbortRequest, FlushCacheRequest, StateRequest, ShutdownRequest
+]
+
+# -- engine -> server ------------------------------------------------------------------------
+
+
+class ReqDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What changed for one request in one step.
+
+    The cumulative output text becomes ``text[:text_start] + text_delta``: usually an append,
+    but a matched stop string can cut text already sent (``text_start`` below its length).
+    """
+
+    rid: str
+    token_ids: list[int] = []
+    text_start: int = 0
+    text_delta: str = ""
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[float, int]]] | None = None
+    cached_tokens: int = 0
+    finish: FinishReason | None = None
+    # 400: the engine refused the request (it never ran); 500: the engine failed.
+    error_status: int = 0
+
+
+class StepOutput(msgspec.Struct, tag="step"):
+    reqs: list[ReqDelta]
+
+
+class EngineReady(msgspec.Struct, tag="ready", kw_only=True):
+    """Sent once after the model and KV pool are built."""
+
+    model_dir: str
+    max_context: int
+    kv_size: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    plugins: dict[str, str]
+    max_running_requests: int
+
+
+class EngineFailed(msgspec.Struct, tag="failed"):
+    """The engine could not start, or its loop failed; it exits after sending this."""
+
+    message: str
+
+
+class FlushCacheReply(msgspec.Struct, tag="flush_cache_reply"):
+    call_id: int
+    ok: bool
+
+
+class EngineState(msgspec.Struct, tag="state_reply", kw_only=True):
+    call_id: int
+    num_running: int
+    num_waiting: int
+    kv: dict[str, int]  # size, free, evictable, locked, in_use (scheduler.kv_accounting())
+    cache_hit_rate: float
+    retractions: int
+    steps: int
+
+
+EngineOutbound = Union[  # noqa: UP007 - msgspec needs a runtime union object
+    StepOutput, EngineReady, EngineFailed, FlushCacheReply, EngineState
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_inbound = msgspec.msgpack.Decoder(EngineInbound)
+_outbound = msgspec.msgpack.Decoder(EngineOutbound)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_inbound(data: bytes) -> EngineInbound:
+    return _inbound.decode(data)
+
+
+def decode_outbound(data: bytes) -> EngineOutbound:
+    return _outbound.decode(data)
