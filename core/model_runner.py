@@ -9,13 +9,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.config import ConfigError, EngineConfig, ModelConfig
 from radixserve.core.interfaces import PLUGIN_KINDS, AttentionBackend, CausalLM, HardwarePlatform
+from radixserve.core.logprobs import record_input_logprobs, scored_positions
 from radixserve.core.memory import KVPool, ReqToTokenPool, TokenAllocator
 from radixserve.core.plugins import PluginError, PluginHost, parse_plugin_selections
 from radixserve.core.sampling import SampleResult, sample
@@ -28,6 +29,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # Without --max-total-tokens the pool is capped here: large enough for every test and benchmark
 # on a CPU host, small enough not to reserve most of its memory.
 DEFAULT_MAX_KV_TOKENS = 1 << 18
+
+
+class LogitsPlan(NamedTuple):
+    scored: range  # positions scored for input logprobs
+    first_row: int  # logits row of scored[0]
+    sample_row: int  # logits row of the entry's last new token
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +106,11 @@ class ModelRunner:
             )
         return int(size)
 
-    def build_batch(self, batch: ScheduledBatch) -> ForwardBatch:
+    def build_batch(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[LogitsPlan]]:
+        """The step's ForwardBatch and, per entry, which logits rows belong to it."""
         rows: list[int] = []
+        logits_rows: list[int] = []
+        plans: list[LogitsPlan] = []
         positions: list[int] = []
         input_ids: list[int] = []
         pool_rows: list[int] = []
@@ -113,11 +123,16 @@ class ModelRunner:
             rows += [req.req_pool_idx] * n
             pool_rows.append(req.req_pool_idx)
             seq_lens.append(start + n)
+            offset = len(positions) - n - start  # flattened row of sequence position 0
+            scored = scored_positions(req, start, n)
+            first = len(logits_rows)
+            logits_rows += [offset + p for p in scored]
+            logits_rows.append(offset + start + n - 1)
+            plans.append(LogitsPlan(scored, first, len(logits_rows) - 1))
         dev = self.device
         positions_t = torch.tensor(positions, dtype=torch.int64)
         out_cache_loc = self.req_to_token.table[torch.tensor(rows), positions_t]
-        ends = torch.tensor(batch.extend_lens).cumsum(0) - 1
-        return ForwardBatch(
+        fb = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=positions_t.to(dev),
             out_cache_loc=out_cache_loc.to(dev),
@@ -126,22 +141,28 @@ class ModelRunner:
             seq_lens=seq_lens,
             extend_lens=list(batch.extend_lens),
             num_decode=batch.num_decode,
-            logits_indices=ends.to(dev),
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
             kv_pool=self.kv_pool,
         )
+        return fb, plans
 
     def run(
         self, batch: ScheduledBatch, sample_rows: list[int], eos_ids: tuple[int, ...]
     ) -> dict[int, SampledToken]:
         """Forward ``batch``; sample the rows in ``sample_rows``.
         Returns {batch index: (token id, its logprob or None, top logprobs or None)}."""
-        fb = self.build_batch(batch)
+        fb, plans = self.build_batch(batch)
         self.attention.prepare(fb)
         logits = self.model.forward(fb)
+        for req, plan in zip(batch.reqs, plans, strict=True):
+            if plan.scored:
+                rows = logits[plan.first_row : plan.first_row + len(plan.scored)]
+                record_input_logprobs(req, plan.scored, rows)
         if not sample_rows:
             return {}
         reqs = [batch.reqs[i] for i in sample_rows]
-        result: SampleResult = sample(logits[sample_rows], reqs, eos_ids)
+        last_rows = [plans[i].sample_row for i in sample_rows]
+        result: SampleResult = sample(logits[last_rows], reqs, eos_ids)
         out = {}
         for j, i in enumerate(sample_rows):
             lp = result.logprobs[j] if result.logprobs is not None else None

@@ -168,6 +168,10 @@ class Req:
         self.cache_node: Any = None  # locked radix node covering the shared prefix
         self.num_retractions = 0
         # outputs
+        self.logprob_start_len = -1  # >= 0: also score prompt tokens from this position
+        self.input_token_logprobs: list[float] = []  # for prompt positions max(start, 1)..
+        self.input_top_logprobs: list[list[tuple[float, int]]] = []
+        self.return_text_in_logprobs = False
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
         self.detok: Any = None  # IncrementalDetokenizer, created at the first output token

@@ -19,6 +19,7 @@ from typing import Any
 
 from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.core.engine_core import EngineCore
+from radixserve.core.output import input_logprob_entries, logprob_triples, top_logprob_triples
 from radixserve.core.plugins import PluginHost, default_host
 from radixserve.core.request import FinishReason, InvalidRequest, Req, SamplingParams
 
@@ -68,6 +69,8 @@ class Engine:
         input_ids: list[int] | list[list[int]] | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        logprob_start_len: int | None = None,
+        return_text_in_logprobs: bool = False,
         stream: bool = False,
     ) -> Any:
         """One prompt -> one dict (a list when n > 1); a list of prompts -> a list in order."""
@@ -75,6 +78,14 @@ class Engine:
         single = not isinstance(prompt, list) and not (input_ids and isinstance(input_ids[0], list))
         params = _params(sampling_params, return_logprob, top_logprobs_num)
         reqs = [self._make_req(ids, params) for ids in batch for _ in range(params.n)]
+        if return_logprob:
+            # SGLang: without a start, a prefill-only request scores its whole prompt.
+            start = logprob_start_len
+            if start is None:
+                start = 0 if params.max_new_tokens == 0 else -1
+            for req in reqs:
+                req.logprob_start_len = start
+                req.return_text_in_logprobs = return_text_in_logprobs
         for req in reqs:
             self.core.validate(req)
         if stream:
@@ -182,14 +193,27 @@ class Engine:
             meta["e2e_latency"] = req.finish_time - req.arrival_time
         if req.sampling.logprobs:
             n = len(ids)
-            meta["output_token_logprobs"] = [
-                [lp, tid, None] for lp, tid in zip(req.output_logprobs[:n], ids, strict=False)
-            ]
+            decode = self._token_text if req.return_text_in_logprobs else None
+            meta["output_token_logprobs"] = logprob_triples(req.output_logprobs[:n], ids, decode)
             if req.sampling.top_logprobs_num:
-                meta["output_top_logprobs"] = [
-                    [[lp, tid, None] for lp, tid in top] for top in req.output_top_logprobs[:n]
-                ]
+                meta["output_top_logprobs"] = top_logprob_triples(
+                    req.output_top_logprobs[:n], decode
+                )
+            if req.logprob_start_len >= 0:
+                entries, tops = input_logprob_entries(
+                    req.input_ids,
+                    req.logprob_start_len,
+                    req.input_token_logprobs,
+                    req.input_top_logprobs,
+                    decode,
+                )
+                meta["input_token_logprobs"] = entries
+                if tops is not None:
+                    meta["input_top_logprobs"] = tops
         return {"text": text, "output_ids": list(ids), "meta_info": meta}
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _loop(self) -> None:
         core = self.core

@@ -152,3 +152,43 @@ def test_max_new_tokens_zero_prefills_only(engine: Engine) -> None:
     out = engine.generate(PROMPT, {"max_new_tokens": 0})
     assert out["output_ids"] == [] and out["text"] == ""
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+
+
+def test_input_logprobs_match_teacher_forced_scores(engine: Engine, tiny_llama_dir: Path) -> None:
+    """Prefill-only scoring (what the frontend's select() uses) equals HF's log-softmax."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0})  # cache the prompt
+    out = engine.generate(
+        input_ids=ids,
+        sampling_params={"max_new_tokens": 0},
+        return_logprob=True,
+        return_text_in_logprobs=True,
+    )
+    entries = out["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in entries] == ids
+    assert entries[0][0] is None
+    assert entries[3][2] == engine.tokenizer.decode([ids[3]], skip_special_tokens=False)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0], -1)
+    expected = [ref[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    assert [e[0] for e in entries[1:]] == pytest.approx(expected, abs=1e-4)
+    # from a start position, with generation: only later prompt positions are scored
+    start = 4
+    out = engine.generate(
+        input_ids=ids,
+        sampling_params={"max_new_tokens": 2, "temperature": 0},
+        return_logprob=True,
+        logprob_start_len=start,
+        top_logprobs_num=2,
+    )
+    meta = out["meta_info"]
+    assert [e[1] for e in meta["input_token_logprobs"]] == ids[start:]
+    assert [e[0] for e in meta["input_token_logprobs"]] == pytest.approx(
+        expected[start - 1 :], abs=1e-4
+    )
+    assert len(meta["input_top_logprobs"]) == len(ids) - start
+    assert len(meta["output_token_logprobs"]) == 2

@@ -46,7 +46,7 @@ def _forward(runner: ModelRunner, reqs: list[Req], lens: list[int], all_logits: 
         assert slots is not None
         runner.req_to_token.table[req.req_pool_idx, req.kv_len : req.kv_len + n] = slots
     num_decode = sum(1 for n in lens if n == 1)
-    fb = runner.build_batch(ScheduledBatch(reqs, lens, num_decode))
+    fb, _ = runner.build_batch(ScheduledBatch(reqs, lens, num_decode))
     if all_logits:
         fb.logits_indices = torch.arange(sum(lens))
     runner.attention.prepare(fb)
