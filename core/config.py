@@ -111,6 +111,10 @@ class EngineConfig:
                 f"unknown schedule policy '{self.schedule_policy}'; "
                 f"choose one of {', '.join(SCHEDULE_POLICIES)}"
             )
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(
+                f"unknown log level '{self.log_level}'; choose one of {', '.join(LOG_LEVELS)}"
+            )
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype '{self.dtype}'; choose one of {', '.join(DTYPES)}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
@@ -124,4 +128,5 @@ class EngineConfig:
 
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -81,18 +81,21 @@ class Registry:
     def get(self, name: str) -> Registration:
         """The usable implementation called ``name``; a one-line PluginError otherwise."""
         registration = self._entries.get(name)
-        choices = ", ".join(self.available_names()) or "none"
         if registration is None:
             raise PluginError(
-                f"unknown {self.kind} plugin '{name}'; available: {choices}; "
+                f"unknown {self.kind} plugin '{name}'; available: {self._choices()}; "
                 "see `radixserve plugins`"
             )
         reason = registration.unavailable_reason()
         if reason is not None:
             raise PluginError(
-                f"{self.kind} plugin '{name}' is unavailable ({reason}); available: {choices}"
+                f"{self.kind} plugin '{name}' is unavailable ({reason}); "
+                f"available: {self._choices()}"
             )
         return registration
+
+    def _choices(self) -> str:
+        return ", ".join(self.available_names()) or "none"
 
 
 class PluginHost:
@@ -113,19 +116,29 @@ class PluginHost:
                 self._add_plugin(name, module)
         for name, plugin in extra_plugins:
             self._add_plugin(name, plugin)
-        self.pm.check_pending()
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as e:
+            raise PluginError(f"plugin '{self.pm.get_name(e.plugin)}' is invalid: {e}") from e
 
     def _add_plugin(self, name: str, plugin: object) -> None:
         if self.pm.has_plugin(name):
-            return
+            raise PluginError(f"plugin name '{name}' is used twice; rename one")
         try:
             self.pm.register(plugin, name=name)
         except pluggy.PluginValidationError as e:
             raise PluginError(f"plugin '{name}' is invalid: {e}") from e
         for kind, hook_name in _REGISTER_HOOKS.items():
-            impl = getattr(plugin, hook_name, None)
-            if impl is not None:
-                impl(register=self._register_callback(kind, name))
+            # Only functions marked @hookimpl count, exactly as pluggy would call them.
+            for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+                if impl.plugin_name != name:
+                    continue
+                try:
+                    impl.function(register=self._register_callback(kind, name))
+                except PluginError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - re-raised with the plugin's name
+                    raise PluginError(f"plugin '{name}' failed in {hook_name}: {e}") from e
 
     def _register_callback(self, kind: str, plugin_name: str) -> Callable[..., None]:
         registry = self.registries[kind]
