@@ -5,18 +5,18 @@ from __future__ import annotations
 import json
 import pathlib
 import time
+from typing import Any
 
+import gguf
+import numpy as np
 import pytest
+import torch
+import transformers
+from safetensors import safe_open
+from safetensors.numpy import load_file
+from tokenizers import Tokenizer
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-# transformers refuses to load a model from a GGUF file without accelerate.
-pytest.importorskip("accelerate")
-
-from safetensors import safe_open  # noqa: E402
-from tokenizers import Tokenizer  # noqa: E402
-
-from radixserve.plugins.models.gguf_loader import (  # noqa: E402
+from radixserve.plugins.models.gguf_loader import (
     COMPLETE_MARKER,
     convert_gguf_to_hf_dir,
     default_model_gguf_path,
@@ -39,7 +39,7 @@ SAMPLES = [
     "<|endoftext|>text after special<|endoftext|>",
     "don't won't I'm you're they've we'll she'd",
     "URL: https://example.com/path?q=1&r=2#frag",
-    "JSON {\"key\": [1, 2, 3], \"nested\": {\"a\": null}}",
+    'JSON {"key": [1, 2, 3], "nested": {"a": null}}',
     "a",
     "",
     "    indented code block\n\t\ttabbed",
@@ -57,12 +57,14 @@ def converted(gguf_file: pathlib.Path, tmp_path_factory: pytest.TempPathFactory)
 
 
 @pytest.fixture(scope="module")
-def reference_tokenizer(gguf_file: pathlib.Path):  # type: ignore[no-untyped-def]
+def reference_tokenizer(gguf_file: pathlib.Path) -> Any:
     return transformers.AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
 
 
 @pytest.fixture(scope="module")
-def reference_model(gguf_file: pathlib.Path):  # type: ignore[no-untyped-def]
+def reference_model(gguf_file: pathlib.Path) -> Any:
+    # transformers refuses to read a model from a GGUF file without accelerate.
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF models")
     model = transformers.AutoModelForCausalLM.from_pretrained(
         gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32
     )
@@ -93,7 +95,7 @@ def test_config_describes_smollm2(converted: pathlib.Path) -> None:
     assert (generation["bos_token_id"], generation["eos_token_id"]) == (1, 2)
 
 
-def test_tokenizer_matches_transformers(converted: pathlib.Path, reference_tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_tokenizer_matches_transformers(converted: pathlib.Path, reference_tokenizer: Any) -> None:
     ours = Tokenizer.from_file(str(converted / "tokenizer.json"))
     assert ours.get_vocab_size() == 49152
     for text in SAMPLES:
@@ -106,7 +108,7 @@ def test_tokenizer_matches_transformers(converted: pathlib.Path, reference_token
     assert ours.encode("<|im_start|>user\nhi<|im_end|>").ids[0] == 1
 
 
-def test_weights_match_transformers(converted: pathlib.Path, reference_model) -> None:  # type: ignore[no-untyped-def]
+def test_weights_match_transformers(converted: pathlib.Path, reference_model: Any) -> None:
     expected = reference_model.state_dict()
     with safe_open(str(converted / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
@@ -121,7 +123,7 @@ def test_weights_match_transformers(converted: pathlib.Path, reference_model) ->
 
 
 def test_converted_dir_loads_and_generates_like_gguf(
-    converted: pathlib.Path, reference_model, reference_tokenizer  # type: ignore[no-untyped-def]
+    converted: pathlib.Path, reference_model: Any, reference_tokenizer: Any
 ) -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(converted).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(converted)
@@ -134,8 +136,9 @@ def test_converted_dir_loads_and_generates_like_gguf(
         "<|im_start|>system\nYou are a concise assistant.<|im_end|>\n"
         "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
     )
+    for text in [prompt, *SAMPLES]:
+        assert tokenizer.encode(text) == reference_tokenizer.encode(text), text
     ids = tokenizer(prompt, return_tensors="pt").input_ids
-    assert ids[0].tolist() == reference_tokenizer.encode(prompt)
     with torch.no_grad():
         ours = model.generate(ids, max_new_tokens=8, do_sample=False)
         reference = reference_model.generate(ids, max_new_tokens=8, do_sample=False)
@@ -144,19 +147,135 @@ def test_converted_dir_loads_and_generates_like_gguf(
     assert "Paris" in tokenizer.decode(ours[0, ids.shape[1] :])
 
 
+def _llamacpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf q/k row permutation, written out independently."""
+    rows = weight.shape[0]
+    return weight.reshape(n_heads, 2, rows // n_heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _write_tiny_gguf(
+    path: pathlib.Path, arch: str = "llama", tokenizer: str = "llama"
+) -> dict[str, np.ndarray]:
+    """Write a 1-layer llama with a sentencepiece vocabulary and an untied lm_head, all float32;
+    return the HF-layout tensors it was made from."""
+    rng = np.random.default_rng(0)
+    words = ["hello", "world", "the", "thing", "low", "lower", "newest", "wide"]
+    learned: list[str] = []
+    for word in ("\u2581" + w for w in words):
+        for n in range(2, len(word) + 1):
+            learned += [
+                word[i : i + n] for i in range(len(word) - n + 1) if word[i : i + n] not in learned
+            ]
+    learned.sort(key=len)
+    chars = sorted({c for w in words for c in "\u2581" + w})
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]  # sentencepiece's byte fallback
+    tokens = ["<unk>", "<s>", "</s>", *byte_tokens, "<tool>", *chars, *learned]
+    types = [2, 3, 3] + [6] * 256 + [4] + [1] * (len(chars) + len(learned))
+    scores = [0.0] * (260 + len(chars)) + list(-np.arange(len(learned)) - rng.random(len(learned)))
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    # head_dim 8: with head_dim 4 llama.cpp's row permutation would be its own inverse.
+    writer.add_embedding_length(16)
+    writer.add_feed_forward_length(32)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model(tokenizer)
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+    shapes = {
+        "token_embd": ("model.embed_tokens", (len(tokens), 16)),
+        "blk.0.attn_q": ("model.layers.0.self_attn.q_proj", (16, 16)),
+        "blk.0.attn_k": ("model.layers.0.self_attn.k_proj", (8, 16)),
+        "blk.0.attn_v": ("model.layers.0.self_attn.v_proj", (8, 16)),
+        "blk.0.attn_output": ("model.layers.0.self_attn.o_proj", (16, 16)),
+        "blk.0.ffn_gate": ("model.layers.0.mlp.gate_proj", (32, 16)),
+        "blk.0.ffn_up": ("model.layers.0.mlp.up_proj", (32, 16)),
+        "blk.0.ffn_down": ("model.layers.0.mlp.down_proj", (16, 32)),
+        "blk.0.attn_norm": ("model.layers.0.input_layernorm", (16,)),
+        "blk.0.ffn_norm": ("model.layers.0.post_attention_layernorm", (16,)),
+        "output_norm": ("model.norm", (16,)),
+        "output": ("lm_head", (len(tokens), 16)),
+    }
+    hf = {}
+    for gguf_name, (hf_name, shape) in shapes.items():
+        weight = rng.standard_normal(shape).astype(np.float32)
+        hf[hf_name + ".weight"] = weight
+        if gguf_name.endswith(("attn_q", "attn_k")):
+            weight = _llamacpp_permute(weight, 2 if gguf_name.endswith("q") else 1)
+        writer.add_tensor(gguf_name + ".weight", np.ascontiguousarray(weight))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return hf
+
+
+def test_tiny_sentencepiece_model_roundtrips(tmp_path: pathlib.Path) -> None:
+    src = tmp_path / "tiny.gguf"
+    expected = _write_tiny_gguf(src)
+    out = convert_gguf_to_hf_dir(src, tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    assert config["num_attention_heads"] == 2 and config["num_key_value_heads"] == 1
+    assert config["head_dim"] == 8
+    # Exact round trip, q/k included: checks the un-permutation against llama.cpp's permutation.
+    ours = load_file(out / "model.safetensors")
+    assert ours.keys() == expected.keys()
+    for name, weight in expected.items():
+        np.testing.assert_array_equal(ours[name], weight, err_msg=name)
+    reference = transformers.AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    texts = ["hello world", "the thing", " leading", "lower newest widest", "h\u00e9llo \u4e2d"]
+    for text in [*texts, "<s>hello</s>", "a  b", "\n", "<tool>the", "hello<tool> world", ""]:
+        ids = tokenizer.encode(text).ids
+        assert ids == reference.encode(text), text
+        assert ids[0] == 1  # add_bos_token from the file
+        assert tokenizer.decode(ids) == reference.decode(ids, skip_special_tokens=True), text
+
+
+def test_rejects_what_it_cannot_convert(tmp_path: pathlib.Path) -> None:
+    _write_tiny_gguf(tmp_path / "bert.gguf", tokenizer="bert")
+    with pytest.raises(NotImplementedError, match="'bert'"):
+        convert_gguf_to_hf_dir(tmp_path / "bert.gguf", tmp_path / "out")
+    _write_tiny_gguf(tmp_path / "qwen.gguf", arch="qwen2")
+    with pytest.raises(ValueError, match="'qwen2'"):
+        convert_gguf_to_hf_dir(tmp_path / "qwen.gguf", tmp_path / "out")
+    # Failed conversions leave nothing behind, not even their temporary directory.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bert.gguf", "qwen.gguf"]
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "stray.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="not empty"):
+        convert_gguf_to_hf_dir(tmp_path / "bert.gguf", tmp_path / "out")
+
+
 def test_cache_reuses_complete_conversion(
-    gguf_file: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
-    first = convert_gguf_to_hf_dir(gguf_file)
-    assert first.parent == tmp_path and first.name.startswith(gguf_file.stem + "-")
+    # A tiny file: caching does not depend on the model, and re-converting SmolLM2 costs seconds.
+    src = tmp_path / "src" / "tiny.gguf"
+    src.parent.mkdir()
+    _write_tiny_gguf(src)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(cache))
+    first = convert_gguf_to_hf_dir(src)
+    assert first.parent == cache and first.name.startswith("tiny-")
     assert (first / COMPLETE_MARKER).is_file()
-    # Nothing but the published directory is left behind (no temp dirs).
-    assert list(tmp_path.iterdir()) == [first]
+    assert list(cache.iterdir()) == [first]  # no temporary directory left behind
     weights = first / "model.safetensors"
     mtime = weights.stat().st_mtime_ns
     start = time.perf_counter()
-    second = convert_gguf_to_hf_dir(gguf_file)
-    assert second == first
-    assert time.perf_counter() - start < 2.0
+    assert convert_gguf_to_hf_dir(src) == first
+    assert time.perf_counter() - start < 1.0
     assert weights.stat().st_mtime_ns == mtime
+    # Another file (different size and mtime) gets its own directory.
+    other = tmp_path / "src" / "other.gguf"
+    other.write_bytes(src.read_bytes() + b"\0" * 32)
+    assert convert_gguf_to_hf_dir(other).parent == cache
+    assert len(list(cache.iterdir())) == 2
