@@ -108,7 +108,7 @@ class RadixCache:
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
-            matched += n - 1 if n > 1 else n
+            matched += n
             node, key, value = child, key[n:], value[n:]
         return matched
 

@@ -37,23 +37,27 @@ def order_waiting(
 
 def _dfs_weight_order(waiting: list[Req], nodes: dict[int, TreeNode]) -> list[Req]:
     """Visit the tree depth-first, heaviest subtree (most waiting requests) first, so requests
-    sharing a prefix run back to back."""
+    sharing a prefix run back to back; equal weights go in order of their earliest arrival."""
     attached: dict[int, list[Req]] = {}
     weight: dict[int, int] = {}
+    first: dict[int, int] = {}  # arrival index of the earliest waiting request below the node
     node_of: dict[int, TreeNode] = {}
-    for req in waiting:
+    for i, req in enumerate(waiting):
         node: TreeNode | None = nodes[id(req)]
         attached.setdefault(id(node), []).append(req)
         while node is not None:
             weight[id(node)] = weight.get(id(node), 0) + 1
+            first.setdefault(id(node), i)
             node_of[id(node)] = node
             node = node.parent
-    roots = [n for n in node_of.values() if n.parent is None]
+
+    def stacked(ns: list[TreeNode]) -> list[TreeNode]:  # the stack pops the last one first
+        return sorted(ns, key=lambda n: (weight[id(n)], -first[id(n)]))
+
     ordered: list[Req] = []
-    stack = sorted(roots, key=lambda n: weight[id(n)])
+    stack = stacked([n for n in node_of.values() if n.parent is None])
     while stack:
         node = stack.pop()
         ordered.extend(attached.get(id(node), []))
-        children = [c for c in node.children.values() if id(c) in weight]
-        stack.extend(sorted(children, key=lambda n: weight[id(n)]))
+        stack.extend(stacked([c for c in node.children.values() if id(c) in weight]))
     return ordered

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from radixserve.core.logprobs import first_scored_position
 from radixserve.core.memory import ReqToTokenPool, TokenAllocator
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
 from radixserve.core.request import FinishReason, Req, ReqState
@@ -135,6 +136,8 @@ class Scheduler:
             if req.kv_len < req.seq_len:
                 self.cache.cache_unfinished_req(req)  # chunked prefill continues next step
                 continue
+            if req.state == ReqState.PREFILL:
+                self.cache.cache_unfinished_req(req)  # share the prompt while it decodes
             if req.sampling.max_new_tokens == 0:
                 req.finish(FinishReason("length", length=0))
             else:
@@ -220,7 +223,7 @@ class Scheduler:
 
     def _admit(self, budget: int) -> list[tuple[Req, int]]:
         def match(r: Req) -> tuple[int, object]:
-            result = self.cache.match_prefix(r.fill_ids()[:-1], r.extra_key)
+            result = self.cache.match_prefix(r.fill_ids()[: _match_limit(r)], r.extra_key)
             return len(result.kv_indices), result.last_node
 
         admitted: list[tuple[Req, int]] = []
@@ -238,7 +241,7 @@ class Scheduler:
 
     def _admit_one(self, req: Req, budget: int) -> int:
         fill = req.fill_ids()
-        prefix, node = self.cache.match_prefix(fill[:-1], req.extra_key)
+        prefix, node = self.cache.match_prefix(fill[: _match_limit(req)], req.extra_key)
         chunk = min(len(fill) - len(prefix), budget)
         row = self.req_to_token.alloc()
         if row is None:
@@ -287,3 +290,11 @@ class Scheduler:
 def batch_positions(batch: ScheduledBatch) -> Sequence[tuple[Req, int, int]]:
     """(req, first new position, number of new tokens) per batch entry."""
     return [(r, r.kv_len, n) for r, n in zip(batch.reqs, batch.extend_lens, strict=True)]
+
+
+def _match_limit(req: Req) -> int:
+    """How many leading tokens may come from the cache: never the last one (its logits are
+    needed), and none whose logits input-logprob scoring still needs."""
+    limit = req.seq_len - 1
+    scored_from = first_scored_position(req)
+    return limit if scored_from is None else min(limit, scored_from)

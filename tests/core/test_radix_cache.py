@@ -1,0 +1,435 @@
+"""RadixCache: match/insert/split/lock/evict, namespaces, request integration, and a
+property-based model check against a naive reference (a dict of cached prefixes)."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from radixserve.core.memory import ReqToTokenPool, TokenAllocator
+from radixserve.core.radix_cache import NoPrefixCache, RadixCache, TreeNode
+from radixserve.core.request import Req, SamplingParams
+
+
+class TrackingAllocator(TokenAllocator):
+    """A TokenAllocator that keeps the free set in Python and fails loudly on a double free, a
+    free of a slot never handed out, or the reserved slot 0."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.free_set = set(range(1, size + 1))
+        self.freed_log: list[int] = []
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        out = super().alloc(num_tokens)
+        if out is not None:
+            slots = out.tolist()
+            assert len(set(slots)) == len(slots), f"duplicate slots handed out: {slots}"
+            assert 0 not in slots, "the reserved padding slot 0 was handed out"
+            assert set(slots) <= self.free_set, f"handed out slots that are in use: {slots}"
+            self.free_set -= set(slots)
+        return out
+
+    def free(self, slots: torch.Tensor) -> None:
+        values = slots.tolist()
+        assert len(set(values)) == len(values), f"freeing the same slot twice at once: {values}"
+        for s in values:
+            assert 1 <= s <= self.size, f"freeing slot {s}, never handed out"
+            assert s not in self.free_set, f"double free of slot {s}"
+        self.free_set |= set(values)
+        self.freed_log += values
+        super().free(slots)
+
+
+def make_cache(size: int = 64) -> tuple[RadixCache, TrackingAllocator]:
+    alloc = TrackingAllocator(size)
+    return RadixCache(alloc, ReqToTokenPool(4, 64)), alloc
+
+
+def insert_fresh(cache: RadixCache, key: list[int], extra_key: str | None = None) -> torch.Tensor:
+    """Insert ``key`` with freshly allocated slots, freeing the duplicates as callers must;
+    return the slots the tree now holds for ``key``."""
+    slots = cache.allocator.alloc(len(key))
+    assert slots is not None
+    already = cache.insert(key, slots, extra_key)
+    cache.allocator.free(slots[:already])
+    return cache.match_prefix(key, extra_key).kv_indices
+
+
+def tree_slots(cache: RadixCache) -> list[int]:
+    return [s for node in cache._all_nodes() for s in node.value.tolist()]
+
+
+def assert_accounted(cache: RadixCache, alloc: TokenAllocator, held: int = 0) -> None:
+    assert alloc.available() + cache.evictable_size + cache.locked_size + held == alloc.size
+    assert cache.evictable_size + cache.locked_size == cache.total_size()
+
+
+# -- allocator ------------------------------------------------------------------------------
+
+
+def test_allocator_never_hands_out_slot_0_and_alloc_failure_changes_nothing() -> None:
+    alloc = TrackingAllocator(8)
+    a = alloc.alloc(5)
+    assert a is not None and 0 not in a.tolist()
+    assert alloc.alloc(4) is None
+    assert alloc.available() == 3
+    alloc.free(a[:2])
+    b = alloc.alloc(5)  # needs the lazily released slots
+    assert b is not None and sorted(b.tolist() + a[2:].tolist()) == list(range(1, 9))
+    assert alloc.available() == 0
+
+
+# -- match / insert / split -----------------------------------------------------------------
+
+
+def test_match_on_empty_tree_returns_root_and_no_slots() -> None:
+    cache, _ = make_cache()
+    kv, node = cache.match_prefix([1, 2, 3])
+    assert kv.numel() == 0 and node.parent is None
+
+
+def test_insert_then_match_returns_the_inserted_slots() -> None:
+    cache, alloc = make_cache()
+    slots = alloc.alloc(4)
+    assert slots is not None
+    assert cache.insert([1, 2, 3, 4], slots) == 0
+    kv, node = cache.match_prefix([1, 2, 3, 4, 5, 6])
+    assert kv.tolist() == slots.tolist()
+    assert node.key == [1, 2, 3, 4]
+    assert cache.evictable_size == 4 and cache.locked_size == 0
+    assert_accounted(cache, alloc)
+
+
+def test_partial_match_splits_the_node_at_the_divergence() -> None:
+    cache, alloc = make_cache()
+    slots = insert_fresh(cache, [1, 2, 3, 4, 5])
+    kv, node = cache.match_prefix([1, 2, 3, 9])
+    assert kv.tolist() == slots[:3].tolist()
+    assert node.key == [1, 2, 3]
+    assert list(node.children) == [4] and node.children[4].key == [4, 5]
+    assert node.children[4].value.tolist() == slots[3:].tolist()
+    assert cache.total_size() == 5  # a split moves no tokens
+    assert_accounted(cache, alloc)
+
+
+def test_match_of_a_shorter_key_ends_inside_a_node() -> None:
+    cache, _ = make_cache()
+    slots = insert_fresh(cache, [1, 2, 3, 4])
+    kv, node = cache.match_prefix([1, 2])
+    assert kv.tolist() == slots[:2].tolist() and node.key == [1, 2]
+
+
+def test_insert_returns_the_already_cached_length_and_keeps_the_trees_slots() -> None:
+    cache, alloc = make_cache()
+    first = insert_fresh(cache, [1, 2, 3, 4])
+    mine = alloc.alloc(6)
+    assert mine is not None
+    already = cache.insert([1, 2, 3, 7, 8, 9], mine)
+    assert already == 3
+    alloc.free(mine[:already])
+    kv, _ = cache.match_prefix([1, 2, 3, 7, 8, 9])
+    assert kv.tolist() == first[:3].tolist() + mine[3:].tolist()
+    assert cache.match_prefix([1, 2, 3, 4]).kv_indices.tolist() == first.tolist()
+    assert cache.total_size() == 7
+    assert_accounted(cache, alloc)
+
+
+def test_insert_of_a_fully_cached_key_adds_nothing() -> None:
+    cache, alloc = make_cache()
+    insert_fresh(cache, [1, 2, 3])
+    mine = alloc.alloc(2)
+    assert mine is not None
+    assert cache.insert([1, 2], mine) == 2
+    alloc.free(mine)
+    assert cache.total_size() == 3
+    assert_accounted(cache, alloc)
+
+
+def test_namespaces_via_extra_key_are_disjoint() -> None:
+    cache, alloc = make_cache()
+    a = insert_fresh(cache, [1, 2, 3], extra_key="lora-a")
+    assert cache.match_prefix([1, 2, 3]).kv_indices.numel() == 0
+    assert cache.match_prefix([1, 2, 3], "lora-b").kv_indices.numel() == 0
+    b = insert_fresh(cache, [1, 2, 3])
+    assert set(a.tolist()).isdisjoint(b.tolist())
+    assert cache.match_prefix([1, 2, 3], "lora-a").kv_indices.tolist() == a.tolist()
+    assert cache.match_prefix([1, 2, 3]).kv_indices.tolist() == b.tolist()
+    assert cache.total_size() == 6
+    assert_accounted(cache, alloc)
+
+
+# -- lock / evict ---------------------------------------------------------------------------
+
+
+def test_lock_moves_tokens_from_evictable_to_locked_up_to_the_root() -> None:
+    cache, alloc = make_cache()
+    insert_fresh(cache, [1, 2, 3, 4])
+    insert_fresh(cache, [1, 2, 5])
+    node = cache.match_prefix([1, 2, 3, 4]).last_node
+    cache.inc_lock_ref(node)
+    assert (cache.locked_size, cache.evictable_size) == (4, 1)
+    cache.inc_lock_ref(node)  # a second user of the same prefix
+    assert (cache.locked_size, cache.evictable_size) == (4, 1)
+    cache.dec_lock_ref(node)
+    assert (cache.locked_size, cache.evictable_size) == (4, 1)
+    cache.dec_lock_ref(node)
+    assert (cache.locked_size, cache.evictable_size) == (0, 5)
+    assert_accounted(cache, alloc)
+
+
+def test_split_of_a_locked_node_keeps_both_halves_locked() -> None:
+    cache, alloc = make_cache()
+    insert_fresh(cache, [1, 2, 3, 4])
+    node = cache.match_prefix([1, 2, 3, 4]).last_node
+    cache.inc_lock_ref(node)
+    cache.match_prefix([1, 2, 9])  # splits the locked node
+    assert node.parent is not None and node.parent.lock_ref == 1
+    assert cache.evict(100) == 0
+    assert cache.locked_size == 4
+    cache.dec_lock_ref(node)
+    assert cache.locked_size == 0 and cache.evictable_size == 4
+    assert cache.evict(100) == 4
+    assert_accounted(cache, alloc)
+
+
+def test_evict_frees_least_recently_used_leaves_first() -> None:
+    cache, alloc = make_cache()
+    old = insert_fresh(cache, [1, 2])
+    new = insert_fresh(cache, [3, 4])
+    cache.match_prefix([1, 2])  # touch: [3, 4] is now the least recently used
+    freed_before = len(alloc.freed_log)
+    assert cache.evict(1) == 2
+    assert sorted(alloc.freed_log[freed_before:]) == sorted(new.tolist())
+    assert cache.match_prefix([3, 4]).kv_indices.numel() == 0
+    assert cache.match_prefix([1, 2]).kv_indices.tolist() == old.tolist()
+    assert_accounted(cache, alloc)
+
+
+def test_evict_removes_leaves_before_their_parents() -> None:
+    cache, alloc = make_cache()
+    insert_fresh(cache, [1, 2, 3])
+    insert_fresh(cache, [1, 2, 4, 5])
+    cache.match_prefix([1, 2, 4, 5])  # [3] is the LRU leaf; the shared [1, 2] is inner
+    assert cache.evict(1) == 1
+    assert cache.match_prefix([1, 2, 4, 5]).kv_indices.numel() == 4
+    assert cache.evict(3) == 4  # [4, 5] then the now-leaf [1, 2]
+    assert cache.total_size() == 0 and alloc.available() == alloc.size
+
+
+def test_evict_never_frees_a_locked_prefix() -> None:
+    cache, alloc = make_cache()
+    kept = insert_fresh(cache, [1, 2, 3])
+    insert_fresh(cache, [1, 2, 3, 4, 5])
+    insert_fresh(cache, [7, 8])
+    node = cache.match_prefix([1, 2, 3]).last_node
+    cache.inc_lock_ref(node)
+    assert cache.evict(100) == 4  # the unlocked tail [4, 5] and [7, 8]
+    assert cache.match_prefix([1, 2, 3, 4]).kv_indices.tolist() == kept.tolist()
+    assert (cache.locked_size, cache.evictable_size) == (3, 0)
+    cache.dec_lock_ref(node)
+    assert_accounted(cache, alloc)
+
+
+def test_no_prefix_cache_never_matches_and_frees_on_finish() -> None:
+    alloc = TrackingAllocator(16)
+    pool = ReqToTokenPool(2, 16)
+    cache = NoPrefixCache(alloc, pool)
+    req = _running_req(pool, alloc, [1, 2, 3, 4])
+    cache.cache_unfinished_req(req)
+    assert cache.match_prefix([1, 2, 3]).kv_indices.numel() == 0
+    cache.cache_finished_req(req)
+    assert alloc.available() == alloc.size and cache.evict(10) == 0
+
+
+# -- request integration --------------------------------------------------------------------
+
+
+def _running_req(pool: ReqToTokenPool, alloc: TokenAllocator, ids: list[int]) -> Req:
+    """A request whose KV for all of ``ids`` was just computed into fresh slots."""
+    req = Req("r", ids, SamplingParams())
+    req.req_pool_idx = pool.alloc()
+    slots = alloc.alloc(len(ids))
+    assert req.req_pool_idx is not None and slots is not None
+    pool.table[req.req_pool_idx, : len(ids)] = slots
+    req.kv_len = len(ids)
+    return req
+
+
+def test_cache_unfinished_then_finished_req_shares_and_releases() -> None:
+    cache, alloc = make_cache()
+    pool = cache.req_to_token
+    first = insert_fresh(cache, [1, 2, 3])
+    # A request computed [1, 2, 3, 4, 5] itself while [1, 2, 3] was cached by someone else.
+    req = _running_req(pool, alloc, [1, 2, 3, 4, 5])
+    cache.cache_unfinished_req(req)
+    row = pool.table[req.req_pool_idx, :5]
+    assert row[:3].tolist() == first.tolist()  # switched to the tree's slots, dups freed
+    assert req.prefix_len == 5 and req.cache_node is not None
+    assert (cache.locked_size, cache.evictable_size) == (5, 0)
+    assert_accounted(cache, alloc)
+    cache.cache_finished_req(req)
+    assert req.cache_node is None and req.prefix_len == 0
+    assert (cache.locked_size, cache.evictable_size) == (0, 5)
+    assert cache.match_prefix([1, 2, 3, 4, 5]).kv_indices.tolist() == row.tolist()
+    assert_accounted(cache, alloc)
+
+
+# -- property-based: RadixCache against a naive reference -----------------------------------
+
+POOL = 20
+NAMESPACES = (None, "ns")
+keys = st.lists(st.integers(1, 3), min_size=1, max_size=7)
+
+
+class RadixCacheMachine(RuleBasedStateMachine):
+    """The reference is, per namespace, a dict {cached prefix (tuple): slot of its last token};
+    it is prefix-closed. Eviction is checked through the slots the allocator sees freed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alloc = TrackingAllocator(POOL)
+        self.cache = RadixCache(self.alloc, ReqToTokenPool(2, 8))
+        self.ref: dict[str | None, dict[tuple[int, ...], int]] = {ns: {} for ns in NAMESPACES}
+        self.locks: list[tuple[str | None, tuple[int, ...], TreeNode, list[int]]] = []
+        self.pending: list[tuple[str | None, list[int], torch.Tensor]] = []  # held by the test
+
+    # -- reference helpers --
+
+    def ref_match(self, ns: str | None, key: list[int]) -> list[int]:
+        out = []
+        for i in range(1, len(key) + 1):
+            slot = self.ref[ns].get(tuple(key[:i]))
+            if slot is None:
+                break
+            out.append(slot)
+        return out
+
+    def evict(self, n: int) -> None:
+        log_start = len(self.alloc.freed_log)
+        evictable_before = self.cache.evictable_size
+        freed = self.cache.evict(n)
+        slots = set(self.alloc.freed_log[log_start:])
+        assert freed == len(slots) == len(self.alloc.freed_log) - log_start
+        assert freed >= min(n, evictable_before), "evict stopped while it could free more"
+        for ns in NAMESPACES:
+            gone = [p for p, s in self.ref[ns].items() if s in slots]
+            for p in gone:
+                del self.ref[ns][p]
+            for p in self.ref[ns]:  # still prefix-closed: only whole suffixes were evicted
+                assert len(p) == 1 or p[:-1] in self.ref[ns]
+        for ns, prefix, _, _ in self.locks:
+            assert prefix in self.ref[ns] or not prefix, "evicted a locked prefix"
+
+    # -- rules --
+
+    @rule(ns=st.sampled_from(NAMESPACES), key=keys)
+    def compute(self, ns: str | None, key: list[int]) -> None:
+        """A request computes KV for ``key`` into fresh slots (evicting if needed)."""
+        slots = self.alloc.alloc(len(key))
+        if slots is None:
+            self.evict(len(key) - self.alloc.available())
+            slots = self.alloc.alloc(len(key))
+        if slots is not None:
+            self.pending.append((ns, key, slots))
+
+    @rule(ns=st.sampled_from(NAMESPACES), key=keys)
+    def compute_and_insert(self, ns: str | None, key: list[int]) -> None:
+        self.compute(ns, key)
+        if self.pending and self.pending[-1][1] is key:
+            self.insert(len(self.pending) - 1)
+
+    @precondition(lambda self: self.pending)
+    @rule(i=st.integers(0, 100))
+    def insert(self, i: int) -> None:
+        ns, key, slots = self.pending.pop(i % len(self.pending))
+        expected_already = len(self.ref_match(ns, key))
+        already = self.cache.insert(key, slots, ns)
+        assert already == expected_already
+        self.alloc.free(slots[:already])
+        for j in range(already, len(key)):
+            self.ref[ns][tuple(key[: j + 1])] = int(slots[j])
+
+    @precondition(lambda self: self.pending)
+    @rule(i=st.integers(0, 100))
+    def drop(self, i: int) -> None:
+        """A request aborts before caching: its slots go straight back."""
+        _, _, slots = self.pending.pop(i % len(self.pending))
+        self.alloc.free(slots)
+
+    @rule(ns=st.sampled_from(NAMESPACES), key=keys)
+    def match(self, ns: str | None, key: list[int]) -> None:
+        kv, node = self.cache.match_prefix(key, ns)
+        assert kv.tolist() == self.ref_match(ns, key)
+        depth = 0
+        while node.parent is not None:
+            depth += len(node.key)
+            node = node.parent
+        assert depth == kv.numel()
+        assert self.cache._root(ns) is node
+
+    @rule(ns=st.sampled_from(NAMESPACES), key=keys)
+    def lock(self, ns: str | None, key: list[int]) -> None:
+        kv, node = self.cache.match_prefix(key, ns)
+        self.cache.inc_lock_ref(node)
+        self.locks.append((ns, tuple(key[: kv.numel()]), node, kv.tolist()))
+
+    @precondition(lambda self: self.locks)
+    @rule(i=st.integers(0, 100))
+    def unlock(self, i: int) -> None:
+        _, _, node, _ = self.locks.pop(i % len(self.locks))
+        self.cache.dec_lock_ref(node)
+
+    @rule(n=st.integers(1, POOL))
+    def evict_some(self, n: int) -> None:
+        self.evict(n)
+
+    # -- invariants --
+
+    @invariant()
+    def tree_matches_reference(self) -> None:
+        ref_slots = [s for r in self.ref.values() for s in r.values()]
+        in_tree = tree_slots(self.cache)
+        assert sorted(in_tree) == sorted(ref_slots)
+        assert len(set(in_tree)) == len(in_tree), "a slot is held twice by the tree"
+        assert not set(in_tree) & self.alloc.free_set, "a slot is both free and in the tree"
+        held = sum(len(s) for _, _, s in self.pending)
+        assert not {s for _, _, t in self.pending for s in t.tolist()} & self.alloc.free_set
+        assert_accounted(self.cache, self.alloc, held)
+        assert self.alloc.available() == len(self.alloc.free_set)
+
+    @invariant()
+    def locked_prefixes_still_match_fully(self) -> None:
+        locked: set[tuple[str | None, tuple[int, ...]]] = set()
+        for ns, prefix, _, kv in self.locks:
+            assert self.ref_match(ns, list(prefix)) == kv
+            assert self.cache.match_prefix(list(prefix), ns).kv_indices.tolist() == kv
+            locked |= {(ns, prefix[:i]) for i in range(1, len(prefix) + 1)}
+        assert self.cache.locked_size == len(locked)
+
+    @invariant()
+    def lock_refs_count_the_locks_below(self) -> None:
+        direct: dict[int, int] = {}
+        for _, _, node, _ in self.locks:
+            direct[id(node)] = direct.get(id(node), 0) + 1
+        locked = evictable = 0
+        for node in self.cache._all_nodes():
+            below = sum(c.lock_ref for c in node.children.values())
+            assert node.lock_ref == direct.get(id(node), 0) + below
+            assert all(c.parent is node and c.key[0] == t for t, c in node.children.items())
+            if node.lock_ref:
+                locked += len(node.key)
+            else:
+                evictable += len(node.key)
+        assert (self.cache.locked_size, self.cache.evictable_size) == (locked, evictable)
+
+
+TestRadixCacheMachine = RadixCacheMachine.TestCase
+TestRadixCacheMachine.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
