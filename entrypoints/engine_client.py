@@ -1,0 +1,151 @@
+"""The server side of the engine sockets: starting the engine process, sending requests and
+receiving its outputs in an asyncio task.
+
+The server binds both IPC sockets in a private temporary directory before it spawns the engine,
+so nothing is lost whichever side comes up first. No TCP, no pickle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import shutil
+import tempfile
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from radixserve.core import ipc
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDied(RuntimeError):
+    """The engine process failed or exited; the message says why."""
+
+
+class EngineClient:
+    """Owns the engine process and both sockets. ``on_step`` receives every StepOutput;
+    ``on_death`` is called once if the engine fails or exits."""
+
+    def __init__(self) -> None:
+        self.ipc_dir = tempfile.mkdtemp(prefix="radixserve-ipc-")
+        self.ctx = zmq.asyncio.Context()
+        # No high-water marks: a full queue must never drop or refuse a request or an output.
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.SNDHWM, 0)
+        self.push.bind(f"ipc://{self.ipc_dir}/engine_in")
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.RCVHWM, 0)
+        self.pull.bind(f"ipc://{self.ipc_dir}/engine_out")
+        self.process: BaseProcess | None = None
+        self.dead: str | None = None
+        self.on_step: Callable[[ipc.StepOutput], None] = lambda _: None
+        self.on_death: Callable[[str], None] = lambda _: None
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._task: asyncio.Task[None] | None = None
+
+    def start_process(self, settings: dict[str, Any]) -> None:
+        from radixserve.entrypoints.engine_process import run_engine
+
+        ctx = multiprocessing.get_context("spawn")
+        self.process = ctx.Process(
+            target=run_engine,
+            args=(settings, f"ipc://{self.ipc_dir}/engine_in", f"ipc://{self.ipc_dir}/engine_out"),
+            name="radixserve-engine",
+            daemon=True,
+        )
+        self.process.start()
+
+    async def wait_ready(self) -> ipc.EngineReady:
+        """Wait (as long as the engine lives) for its ready message; EngineDied otherwise."""
+        while True:
+            if await self.pull.poll(1000):
+                msg = ipc.decode_outbound(await self.pull.recv())
+                if isinstance(msg, ipc.EngineReady):
+                    return msg
+                if isinstance(msg, ipc.EngineFailed):
+                    raise EngineDied(msg.message)
+                raise EngineDied(f"unexpected first message from the engine: {type(msg).__name__}")
+            if not self._alive():
+                raise EngineDied(f"the engine process exited with code {self._exitcode()}")
+
+    def start_receiving(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._receive_loop())
+
+    def send(self, message: Any) -> None:
+        if self.dead is not None:
+            raise EngineDied(self.dead)
+        # A PUSH socket with a live peer never blocks here; NOBLOCK keeps the loop safe anyway.
+        self.push.send(ipc.encode(message), zmq.NOBLOCK)
+
+    async def call(self, make: Callable[[int], Any], timeout: float = 30.0) -> Any:
+        """Send a request built from a fresh call id and await the engine's reply to it."""
+        call_id = next(self._call_ids)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        try:
+            self.send(make(call_id))
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._calls.pop(call_id, None)
+
+    async def _receive_loop(self) -> None:
+        while self.dead is None:
+            # The timeout only serves to notice an engine that vanished without a word.
+            if not await self.pull.poll(2000):
+                if not self._alive():
+                    self._die(f"the engine process exited with code {self._exitcode()}")
+                continue
+            msg = ipc.decode_outbound(await self.pull.recv())
+            if isinstance(msg, ipc.StepOutput):
+                self.on_step(msg)
+            elif isinstance(msg, (ipc.EngineState, ipc.FlushCacheReply)):
+                fut = self._calls.get(msg.call_id)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            elif isinstance(msg, ipc.EngineFailed):
+                self._die(msg.message)
+
+    def _die(self, reason: str) -> None:
+        logger.error("engine died: %s", reason)
+        self.dead = reason
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(EngineDied(reason))
+        self.on_death(reason)
+
+    def _alive(self) -> bool:
+        return self.process is not None and self.process.is_alive()
+
+    def _exitcode(self) -> int | None:
+        return None if self.process is None else self.process.exitcode
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine process (politely, then by force) and remove the sockets."""
+        if self._task is not None:
+            self._task.cancel()
+        proc = self.process
+        if proc is not None and proc.is_alive():
+            if self.dead is None:
+                try:
+                    self.push.send(ipc.encode(ipc.ShutdownRequest()), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # the socket is gone; terminate below
+            proc.join(timeout)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self.push.close(linger=0)
+        self.pull.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)

@@ -1,0 +1,193 @@
+"""The engine process: builds EngineCore and serves it over two ZMQ IPC sockets.
+
+Loop: block on the inbound socket while idle (no busy polling; the parent's death also wakes
+it), drain every queued message, run one step, push one ``StepOutput`` of per-request deltas.
+Started by the launcher with the multiprocessing spawn context; all arguments are plain data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import signal
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from radixserve.core import ipc
+from radixserve.core.config import ConfigError, EngineConfig
+from radixserve.core.engine_core import EngineCore
+from radixserve.core.plugins import PluginError, default_host
+from radixserve.core.request import FinishReason, InvalidRequest, Req
+
+logger = logging.getLogger(__name__)
+
+
+def run_engine(settings: dict[str, Any], inbound_addr: str, outbound_addr: str) -> None:
+    """Process entry point. ``settings`` are EngineConfig fields; the server binds both
+    addresses, the engine connects."""
+    # Ctrl-C reaches the whole process group; the server decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=str(settings.get("log_level", "warning")).upper(),
+        format="%(asctime)s engine %(levelname)s %(name)s: %(message)s",
+    )
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 0)  # unbounded, like the server's side
+    pull.connect(inbound_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 0)
+    push.connect(outbound_addr)
+    try:
+        try:
+            core = _build_core(settings)
+        except (ConfigError, PluginError) as e:  # a bad setting: its one line says it all
+            push.send(ipc.encode(ipc.EngineFailed(str(e))))
+            return
+        except Exception as e:  # noqa: BLE001 - reported to the server, which prints it
+            logger.exception("engine failed to start")
+            push.send(ipc.encode(ipc.EngineFailed(f"{type(e).__name__}: {e}")))
+            return
+        push.send(ipc.encode(_ready(core)))
+        EngineLoop(core, pull, push).run()
+    finally:
+        push.close(linger=2000)  # let a final message (EngineFailed) reach the server
+        pull.close(linger=0)
+        ctx.term()
+
+
+def _build_core(settings: dict[str, Any]) -> EngineCore:
+    host = default_host()
+    model_path = settings.get("model_path")
+    resolved = host.hook.resolve_model_dir(model_path=model_path) or model_path
+    if resolved is None or not Path(resolved).is_dir():
+        raise ConfigError(f"model path '{model_path}' is not a model directory or a .gguf file")
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    values = {k: v for k, v in settings.items() if k in names}
+    values["model_path"] = str(resolved)
+    values["plugins"] = tuple(values.get("plugins") or ())
+    config = EngineConfig(**values)
+    return EngineCore(Path(resolved), config, host)
+
+
+def _ready(core: EngineCore) -> ipc.EngineReady:
+    return ipc.EngineReady(
+        model_dir=str(core.config.model_path),
+        max_context=core.max_context,
+        kv_size=core.runner.kv_size,
+        vocab_size=core.runner.model_config.vocab_size,
+        eos_token_ids=list(core.eos_token_ids),
+        plugins=dict(core.runner.plugins.names),
+        max_running_requests=core.config.max_running_requests,
+    )
+
+
+class EngineLoop:
+    """Drives EngineCore from the socket; remembers what each live request has been sent."""
+
+    def __init__(self, core: EngineCore, pull: zmq.Socket, push: zmq.Socket) -> None:
+        self.core = core
+        self.pull = pull
+        self.push = push
+        self.sent: dict[str, tuple[int, int]] = {}  # rid -> (tokens sent, text length sent)
+        self.outbox: list[ipc.ReqDelta] = []
+        self.poller = zmq.Poller()
+        self.poller.register(pull, zmq.POLLIN)
+        parent = multiprocessing.parent_process()
+        self.parent_sentinel = parent.sentinel if parent is not None else None
+        if self.parent_sentinel is not None:
+            self.poller.register(self.parent_sentinel, zmq.POLLIN)
+
+    def run(self) -> None:
+        try:
+            while True:
+                if not self.core.has_work():
+                    events = dict(self.poller.poll())  # blocks until a message or parent death
+                    if self.parent_sentinel is not None and self.parent_sentinel in events:
+                        logger.warning("server process died; engine exiting")
+                        return
+                if not self._drain():
+                    return
+                if self.core.has_work():
+                    for req in self.core.step():
+                        self.outbox.append(self._delta(req))
+                self._flush()
+        except Exception as e:  # noqa: BLE001 - reported to the server, which fails its requests
+            logger.exception("engine loop failed")
+            self.push.send(ipc.encode(ipc.EngineFailed(f"engine loop failed: {e}")))
+
+    def _drain(self) -> bool:
+        """Handle every queued message; False on shutdown."""
+        while True:
+            try:
+                data = self.pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            if not self._handle(ipc.decode_inbound(data)):
+                return False
+
+    def _handle(self, msg: ipc.EngineInbound) -> bool:
+        core = self.core
+        if isinstance(msg, ipc.GenerateRequest):
+            req = Req(msg.rid, msg.input_ids, msg.sampling, msg.extra_key)
+            try:
+                core.add_request(req)
+            except InvalidRequest as e:
+                req.finish(FinishReason("abort", message=str(e)))
+                self.outbox.append(self._delta(req, error_status=400))
+        elif isinstance(msg, ipc.AbortRequest):
+            aborted = core.abort(msg.rid)
+            if aborted is not None:
+                self.outbox.append(self._delta(aborted))
+        elif isinstance(msg, ipc.StateRequest):
+            self._flush()  # replies never overtake the deltas before them
+            self.push.send(ipc.encode(self._state(msg.call_id)))
+        elif isinstance(msg, ipc.FlushCacheRequest):
+            self._flush()
+            self.push.send(ipc.encode(ipc.FlushCacheReply(msg.call_id, core.flush_cache())))
+        elif isinstance(msg, ipc.ShutdownRequest):
+            return False
+        return True
+
+    def _delta(self, req: Req, error_status: int = 0) -> ipc.ReqDelta:
+        n_sent, text_sent = self.sent.get(req.rid, (0, 0))
+        text = req.detok.text if req.detok is not None else ""
+        start = min(text_sent, len(text))
+        delta = ipc.ReqDelta(
+            rid=req.rid,
+            token_ids=req.output_ids[n_sent:],
+            text_start=start,
+            text_delta=text[start:],
+            cached_tokens=req.cached_tokens,
+            finish=req.finish_reason if req.finished else None,
+            error_status=error_status,
+        )
+        if req.sampling.logprobs:
+            delta.logprobs = req.output_logprobs[n_sent:]
+            if req.sampling.top_logprobs_num:
+                delta.top_logprobs = req.output_top_logprobs[n_sent:]
+        if req.finished:
+            self.sent.pop(req.rid, None)
+        else:
+            self.sent[req.rid] = (len(req.output_ids), len(text))
+        return delta
+
+    def _flush(self) -> None:
+        if self.outbox:
+            self.push.send(ipc.encode(ipc.StepOutput(self.outbox)))
+            self.outbox = []
+
+    def _state(self, call_id: int) -> ipc.EngineState:
+        sched = self.core.scheduler
+        return ipc.EngineState(
+            call_id=call_id,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            kv=sched.kv_accounting(),
+            cache_hit_rate=sched.stats.cache_hit_rate,
+            retractions=sched.stats.retractions,
+            steps=sched.stats.steps,
+        )

@@ -1,0 +1,145 @@
+"""Errors as OpenAI error objects, and the ASGI guard (API key, body size) in front of the app.
+
+Every error leaves the server as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx
+or 5xx status; pydantic validation failures become a readable 400, not a 422 dump.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from radixserve.core.request import InvalidRequest
+from radixserve.entrypoints.engine_client import EngineDied
+from radixserve.entrypoints.tokenizer_manager import ClientGone
+
+_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}
+# No key needed to ask whether the server is up, or for Prometheus scrapes.
+PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+
+
+class ApiError(Exception):
+    """Raised by handlers: becomes an error response with this status."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | int | None = None
+) -> dict[str, Any]:
+    kind = _TYPES.get(status) or ("invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code or status}}
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return f"the request body is not valid JSON: {detail}".rstrip(": "), None
+    if not loc:  # the body itself is not an object
+        return f"the request body must be a JSON object: {first.get('msg')}", None
+    field = ".".join(loc)
+    msg = f"{field}: {first.get('msg')}"
+    if first.get("type") != "missing" and "input" in first:
+        msg += f" (got {json.dumps(first['input'], default=str)[:200]})"
+    return msg, field
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _describe_validation(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = "no such route; see /v1/models, /generate and /get_server_info"
+        return error_response(exc.status_code, message)
+
+    @app.exception_handler(ApiError)
+    async def _api(_: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(InvalidRequest)
+    async def _invalid(_: Request, exc: InvalidRequest) -> JSONResponse:
+        return error_response(400, str(exc))
+
+    @app.exception_handler(EngineDied)
+    async def _dead(_: Request, exc: EngineDied) -> JSONResponse:
+        return error_response(503, f"the engine is not running: {exc}")
+
+    @app.exception_handler(ClientGone)
+    async def _gone(_: Request, exc: ClientGone) -> JSONResponse:
+        return error_response(499, "the client disconnected; the request was aborted")
+
+
+class GuardMiddleware:
+    """Pure ASGI (streaming and disconnect detection stay intact): checks the API key with a
+    constant-time compare and caps the request body size."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_body = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        if self.expected is not None and scope["path"] not in PUBLIC_PATHS:
+            got = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                msg = "invalid or missing API key; send 'Authorization: Bearer <key>'"
+                await _send(send, 401, error_body(401, msg, code="invalid_api_key"))
+                return
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            await _send(send, 413, self._too_large())
+            return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body:
+                    # Raised inside the app, whose handler turns it into the error object.
+                    raise StarletteHTTPException(413, self._too_large()["error"]["message"])
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+    def _too_large(self) -> dict[str, Any]:
+        return error_body(413, f"the request body exceeds the limit of {self.max_body} bytes")
+
+
+async def _send(send: Send, status: int, body: dict[str, Any]) -> None:
+    data = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})

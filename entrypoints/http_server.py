@@ -1,0 +1,195 @@
+"""The FastAPI app: OpenAI routes, the native /generate, and the admin routes SGLang's
+clients call (model/server info, health, cache flush, abort, tokenize, metrics, profiling).
+
+Every route except /health and /metrics needs the API key when one is set (GuardMiddleware).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+import radixserve
+from radixserve.core.request import InvalidRequest, SamplingParams
+from radixserve.entrypoints.http_errors import (
+    ApiError,
+    GuardMiddleware,
+    error_response,
+    install_error_handlers,
+)
+from radixserve.entrypoints.metrics import ServerMetrics
+from radixserve.entrypoints.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from radixserve.entrypoints.server_args import ServerArgs
+from radixserve.entrypoints.serving_chat import ChatServing
+from radixserve.entrypoints.serving_completions import CompletionServing
+from radixserve.entrypoints.serving_native import NativeServing
+from radixserve.entrypoints.streaming import json_response
+from radixserve.entrypoints.tokenizer_manager import TokenizerManager
+
+HEALTH_TIMEOUT_S = 20.0
+GET_POST = ["GET", "POST"]
+
+
+async def read_json(request: Request) -> Any:
+    """The body as JSON; an empty body is ``{}``. Invalid JSON is a 400."""
+    data = await request.body()
+    if not data.strip():
+        return {}
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def create_app(
+    tm: TokenizerManager, args: ServerArgs, metrics: ServerMetrics | None = None
+) -> FastAPI:
+    app = FastAPI(title="radixserve", version=radixserve.__version__, docs_url=None, redoc_url=None)
+    app.add_middleware(GuardMiddleware, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    install_error_handlers(app)
+    name = args.model_name
+    aliases = [a for a in (args.engine.model_path, tm.info.model_dir) if a]
+    chat = ChatServing(tm, name, aliases)
+    completions = CompletionServing(tm, name, aliases)
+    native = NativeServing(tm)
+
+    # -- OpenAI --------------------------------------------------------------------------------
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
+        return await chat.create(body, raw)
+
+    @app.post("/v1/completions")
+    async def text_completions(body: CompletionRequest, raw: Request) -> Any:
+        return await completions.create(body, raw)
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        card = ModelCard(id=name, root=name, max_model_len=tm.info.max_context)
+        return json_response(ModelList(data=[card]))
+
+    # -- native ------------------------------------------------------------------------------
+
+    @app.api_route("/generate", methods=GET_POST)
+    async def generate(raw: Request) -> Any:
+        return await native.generate(await read_json(raw), raw)
+
+    @app.api_route("/get_model_info", methods=GET_POST)
+    @app.api_route("/model_info", methods=GET_POST)
+    async def model_info() -> Any:
+        return {
+            "model_path": name,
+            "tokenizer_path": name,
+            "is_generation": True,
+            "served_model_name": name,
+            "context_length": tm.info.max_context,
+            "vocab_size": tm.info.vocab_size,
+        }
+
+    @app.api_route("/get_server_info", methods=GET_POST)
+    @app.api_route("/server_info", methods=GET_POST)
+    async def server_info() -> Any:
+        state = await tm.engine_state()
+        info = tm.info
+        return {
+            **args.to_json(),
+            "version": radixserve.__version__,
+            "model_name": name,
+            "model_dir": info.model_dir,
+            "context_length": info.max_context,
+            "max_total_num_tokens": info.kv_size,
+            "active_plugins": info.plugins,
+            "num_running_reqs": state.num_running,
+            "num_waiting_reqs": state.num_waiting,
+            "kv": state.kv,
+            "cache_hit_rate": state.cache_hit_rate,
+            "num_retractions": state.retractions,
+            "num_steps": state.steps,
+            "num_live_requests": len(tm.reqs),
+        }
+
+    @app.get("/health")
+    async def health() -> Any:
+        if tm.dead is not None:
+            return error_response(503, f"the engine is not running: {tm.dead}")
+        return {"status": "ok"}
+
+    @app.api_route("/health_generate", methods=GET_POST)
+    async def health_generate() -> Any:
+        ids = tm.encode("hi")[:4] or [0]
+        req = tm.submit(ids, SamplingParams(max_new_tokens=1, temperature=0.0), asyncio.Event())
+        try:
+            await asyncio.wait_for(tm.wait_finished([req]), HEALTH_TIMEOUT_S)
+        except TimeoutError:
+            tm.abort(req.rid)
+            return error_response(503, f"no token generated within {HEALTH_TIMEOUT_S:.0f} s")
+        if req.failed:
+            return error_response(503, f"generation failed: {req.finish}")
+        return {"status": "ok"}
+
+    @app.api_route("/flush_cache", methods=GET_POST)
+    async def flush_cache() -> Any:
+        if not await tm.flush_cache():
+            return error_response(400, "cache not flushed: requests are running; retry when idle")
+        return {"success": True, "message": "cache flushed"}
+
+    @app.post("/abort_request")
+    async def abort_request(raw: Request) -> Any:
+        body = await read_json(raw)
+        if body.get("abort_all"):
+            tm.abort_all()
+        elif isinstance(body.get("rid"), str):
+            tm.abort(body["rid"])
+        else:
+            raise InvalidRequest("send {'rid': <request id>} or {'abort_all': true}")
+        return {"success": True}
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> Any:
+        body = await read_json(raw)
+        prompt = body.get("prompt", body.get("text"))
+        special = body.get("add_special_tokens", True) is not False
+        if isinstance(prompt, str):
+            tokens: Any = tm.encode(prompt, special)
+            count: Any = len(tokens)
+        elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+            tokens = [tm.encode(p, special) for p in prompt]
+            count = [len(t) for t in tokens]
+        else:
+            raise InvalidRequest("prompt must be a string or a list of strings")
+        return {"tokens": tokens, "count": count, "max_model_len": tm.info.max_context}
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> Any:
+        body = await read_json(raw)
+        tokens = body.get("tokens")
+        vocab = tm.info.vocab_size
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens
+        ):
+            raise InvalidRequest(f"tokens must be a list of token ids in [0, {vocab})")
+        skip = body.get("skip_special_tokens", True) is not False
+        return {"text": tm.tokenizer.decode(tokens, skip_special_tokens=skip)}
+
+    @app.api_route("/start_profile", methods=GET_POST)
+    @app.api_route("/stop_profile", methods=GET_POST)
+    async def profile() -> Any:
+        return {"success": True, "message": "profiling is not implemented yet; nothing recorded"}
+
+    if metrics is not None:
+
+        @app.get("/metrics")
+        async def metrics_route() -> Response:
+            state = await tm.engine_state() if tm.dead is None else None
+            return Response(metrics.render(state), media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,143 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from radixserve.entrypoints.http_errors import ApiError
+from radixserve.entrypoints.openai_protocol import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from radixserve.entrypoints.serving_openai import OpenAIServing
+from radixserve.entrypoints.streaming import Update, finish_reason, json_response, sse
+from radixserve.entrypoints.tokenizer_manager import ServerReq
+
+
+class CompletionServing(OpenAIServing):
+    async def create(self, body: CompletionRequest, raw: Request) -> Any:
+        model = self.check_model(body.model)
+        _check_unsupported(body)
+        prompts = self._prompts(body.prompt)
+        top_n = body.logprobs or 0
+        params, max_field = self.sampling(
+            body,
+            [len(p) for p in prompts],
+            body.max_tokens,
+            "max_tokens",
+            body.logprobs is not None,
+            top_n,
+        )
+        reqs = self.submit_all(prompts, params, body.n, max_field)
+        echoes = [self._echo(body, r) for r in reqs]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            stream = self._stream(body, reqs, echoes, rid, model)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        await self.wait(reqs, raw.is_disconnected)
+        choices = [
+            CompletionChoice(
+                index=i,
+                text=echoes[i] + r.text,
+                logprobs=self._logprobs(r, 0, len(r.output_ids), len(echoes[i]), top_n)
+                if body.logprobs is not None
+                else None,
+                finish_reason=finish_reason(r),
+            )
+            for i, r in enumerate(reqs)
+        ]
+        usage = self.usage(reqs, body.n)
+        return json_response(CompletionResponse(id=rid, model=model, choices=choices, usage=usage))
+
+    def _prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [self.tm.encode(prompt)]
+        if not prompt:
+            raise ApiError(400, "prompt must not be empty", param="prompt")
+        if isinstance(prompt[0], int):
+            return [list(prompt)]
+        if isinstance(prompt[0], str):
+            return [self.tm.encode(p) for p in prompt]
+        return [list(p) for p in prompt]
+
+    def _echo(self, body: CompletionRequest, req: ServerReq) -> str:
+        return self.tm.tokenizer.decode(req.prompt_ids) if body.echo else ""
+
+    async def _stream(
+        self,
+        body: CompletionRequest,
+        reqs: list[ServerReq],
+        echoes: list[str],
+        rid: str,
+        model: str,
+    ) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        offsets = [len(e) for e in echoes]
+
+        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None) -> BaseModel:
+            return CompletionChunk(
+                id=rid, created=created, model=model, choices=choices, usage=usage
+            )
+
+        def choice(u: Update) -> CompletionChoice | None:
+            logprobs = None
+            if body.logprobs is not None and u.token_end > u.token_start:
+                start, end, offset = u.token_start, u.token_end, offsets[u.index]
+                logprobs = self._logprobs(u.req, start, end, offset, body.logprobs)
+                offsets[u.index] += sum(len(t) for t in logprobs.tokens)
+            if not (u.text or logprobs is not None or u.finished):
+                return None
+            return CompletionChoice(
+                index=u.index,
+                text=u.text,
+                logprobs=logprobs,
+                finish_reason=finish_reason(u.req) if u.finished else None,
+            )
+
+        for i, echo in enumerate(echoes):
+            if echo:
+                yield sse(chunk([CompletionChoice(index=i, text=echo)], None))
+        async for event in self.stream_chunks(reqs, body.n, include_usage, choice, chunk):
+            yield event
+
+    def _logprobs(
+        self, req: ServerReq, start: int, end: int, offset: int, top_n: int
+    ) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for pos in range(start, min(end, len(req.logprobs))):
+            text = self.token_text(req.output_ids[pos])
+            out.tokens.append(text)
+            out.token_logprobs.append(req.logprobs[pos])
+            out.text_offset.append(offset)
+            offset += len(text)
+            if top_n:
+                tops = req.top_logprobs[pos] if pos < len(req.top_logprobs) else []
+                out.top_logprobs.append({self.token_text(tid): lp for lp, tid in tops})
+            else:
+                out.top_logprobs.append(None)
+        return out
+
+
+def _check_unsupported(body: CompletionRequest) -> None:
+    if body.suffix:
+        raise ApiError(400, "suffix is not supported", param="suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise ApiError(400, "best_of must equal n (or be omitted)", param="best_of")
+    if body.echo and body.logprobs is not None:
+        raise ApiError(
+            400,
+            "echo with logprobs needs prompt logprobs, which are not supported yet",
+            param="echo",
+        )

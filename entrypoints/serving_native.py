@@ -1,0 +1,212 @@
+"""POST /generate: SGLang's native API (the wire contract is PROTOCOL.md).
+
+One input gives one object, a batch (a list input, or n > 1) a list in input order (input-major,
+then choice). ``stream`` sends cumulative ``text`` per event and ends with ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from radixserve.core.request import InvalidRequest, SamplingParams
+from radixserve.entrypoints.serving_openai import choice_params, error_event, raise_if_failed
+from radixserve.entrypoints.streaming import SSE_DONE, follow, json_response, sse
+from radixserve.entrypoints.tokenizer_manager import ServerReq, TokenizerManager
+
+# Constrained decoding needs a grammar backend; none is installed yet.
+_GRAMMAR_KEYS = ("regex", "json_schema", "ebnf", "stop_regex", "structural_tag")
+_IGNORED_KEYS = ("spaces_between_special_tokens", "custom_params")
+_LIST_KEYS = ("stop", "stop_token_ids")
+
+
+@dataclass(frozen=True, slots=True)
+class LogprobOptions:
+    return_logprob: bool = False
+    top_n: int = 0
+    with_text: bool = False
+
+
+class NativeServing:
+    def __init__(self, tm: TokenizerManager) -> None:
+        self.tm = tm
+
+    async def generate(self, body: Any, raw: Request) -> Any:
+        if not isinstance(body, dict):
+            raise InvalidRequest("the request body must be a JSON object")
+        prompts, batch = self._prompts(body)
+        count = len(prompts)
+        raw_params = _per_item(body.get("sampling_params"), count, "sampling_params")
+        options = [
+            LogprobOptions(bool(lp), _count(top, "top_logprobs_num"), bool(txt))
+            for lp, top, txt in zip(
+                _per_item(body.get("return_logprob"), count, "return_logprob"),
+                _per_item(body.get("top_logprobs_num"), count, "top_logprobs_num"),
+                _per_item(body.get("return_text_in_logprobs"), count, "return_text_in_logprobs"),
+                strict=True,
+            )
+        ]
+        params = [_sampling(p, o) for p, o in zip(raw_params, options, strict=True)]
+        for ids, p, raw_p in zip(prompts, params, raw_params, strict=True):
+            explicit = isinstance(raw_p, dict) and raw_p.get("max_new_tokens") is not None
+            self.tm.check(ids, p, "max_new_tokens" if explicit else None)
+        rids = _rids(body.get("rid"), count)
+        reqs, req_options = self._submit(prompts, params, options, rids)
+        batch = batch or len(reqs) > 1
+        if body.get("stream"):
+            stream = self._stream(reqs, req_options, batch)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        await self.tm.wait_finished(reqs, raw.is_disconnected)
+        raise_if_failed(reqs)
+        results = [self.result(r, o) for r, o in zip(reqs, req_options, strict=True)]
+        return json_response(results if batch else results[0])
+
+    def _prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
+        text, input_ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (input_ids is None):
+            raise InvalidRequest("send exactly one of 'text' or 'input_ids'")
+        if text is not None:
+            if isinstance(text, str):
+                return [self.tm.encode(text)], False
+            if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+                return [self.tm.encode(t) for t in text], True
+            raise InvalidRequest("text must be a string or a non-empty list of strings")
+        if isinstance(input_ids, list) and input_ids and all(_is_int(t) for t in input_ids):
+            return [list(input_ids)], False
+        if (
+            isinstance(input_ids, list)
+            and input_ids
+            and all(isinstance(ids, list) and all(_is_int(t) for t in ids) for ids in input_ids)
+        ):
+            return [list(ids) for ids in input_ids], True
+        raise InvalidRequest(
+            "input_ids must be a non-empty list of token ids or a list of such lists"
+        )
+
+    def _submit(
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        options: list[LogprobOptions],
+        rids: list[str | None],
+    ) -> tuple[list[ServerReq], list[LogprobOptions]]:
+        event = asyncio.Event()
+        reqs: list[ServerReq] = []
+        req_options: list[LogprobOptions] = []
+        try:
+            for ids, p, o, rid in zip(prompts, params, options, rids, strict=True):
+                for i in range(p.n):
+                    choice_rid = rid if rid is None or p.n == 1 else f"{rid}-{i}"
+                    reqs.append(self.tm.submit(ids, choice_params(p, i), event, choice_rid))
+                    req_options.append(o)
+        except Exception:
+            for r in reqs:
+                self.tm.abort(r.rid)
+            raise
+        return reqs, req_options
+
+    async def _stream(
+        self, reqs: list[ServerReq], options: list[LogprobOptions], batch: bool
+    ) -> AsyncIterator[bytes]:
+        async for updates in follow(self.tm, reqs):
+            for u in updates:
+                if u.req.failed:
+                    yield sse(error_event(u.req))
+                    continue
+                out = self.result(u.req, options[u.index])
+                if batch:
+                    out["index"] = u.index
+                yield sse(out)
+        yield SSE_DONE
+
+    def result(self, r: ServerReq, opts: LogprobOptions) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": r.rid,
+            "finish_reason": r.finish.to_json() if r.finish is not None else None,
+            "prompt_tokens": len(r.prompt_ids),
+            "completion_tokens": len(r.output_ids),
+            "cached_tokens": r.cached_tokens,
+        }
+        if r.finished:
+            meta["e2e_latency"] = r.e2e_latency
+        if opts.return_logprob or opts.top_n:
+            # NOTE: the core does not compute prompt logprobs yet, so input lists stay empty.
+            meta["input_token_logprobs"] = []
+            meta["output_token_logprobs"] = [
+                self._triple(lp, tid, opts.with_text)
+                for lp, tid in zip(r.logprobs, r.output_ids, strict=False)
+            ]
+            if opts.top_n:
+                meta["input_top_logprobs"] = []
+                meta["output_top_logprobs"] = [
+                    [self._triple(lp, tid, opts.with_text) for lp, tid in top]
+                    for top in r.top_logprobs
+                ]
+        return {"text": r.visible_text(), "output_ids": list(r.output_ids), "meta_info": meta}
+
+    def _triple(self, logprob: float, token_id: int, with_text: bool) -> list[Any]:
+        return [logprob, token_id, self.tm.token_text(token_id) if with_text else None]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _count(value: Any, name: str) -> int:
+    if value is None:
+        return 0
+    if not _is_int(value) or value < 0:
+        raise InvalidRequest(f"{name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def _nullish(value: Any) -> Any:
+    # Some SGLang client versions send [null] for the logprob fields: that means null.
+    return None if value == [None] else value
+
+
+def _per_item(value: Any, count: int, name: str) -> list[Any]:
+    """One value per input: a list must match the batch; anything else applies to all."""
+    value = _nullish(value)
+    if isinstance(value, list):
+        if len(value) == count:
+            return [_nullish(v) for v in value]
+        if len(value) == 1:
+            return [_nullish(value[0])] * count
+        raise InvalidRequest(f"{name} has {len(value)} entries for a batch of {count} inputs")
+    return [value] * count
+
+
+def _rids(value: Any, count: int) -> list[str | None]:
+    rids = _per_item(value, count, "rid") if value is not None else [None] * count
+    if any(r is not None and not isinstance(r, str) for r in rids):
+        raise InvalidRequest(f"rid must be a string or a list of strings, got {value!r}")
+    if count > 1 and value is not None and len(set(rids)) != count:
+        raise InvalidRequest("rid must give a distinct id per input of the batch")
+    return rids
+
+
+def _sampling(raw: Any, opts: LogprobOptions) -> SamplingParams:
+    if raw is not None and not isinstance(raw, dict):
+        raise InvalidRequest(f"sampling_params must be an object, got {type(raw).__name__}")
+    values: dict[str, Any] = {}
+    for key, value in (raw or {}).items():
+        if value == [] and key not in _LIST_KEYS:
+            value = None  # SGLang clients send [] for unset fields
+        if key in _GRAMMAR_KEYS:
+            if value not in (None, ""):
+                raise InvalidRequest(
+                    f"sampling_params.{key} needs constrained decoding, which is not supported yet"
+                )
+            continue
+        if key not in _IGNORED_KEYS:
+            values[key] = value
+    if opts.return_logprob or opts.top_n:
+        values["logprobs"] = True
+        values["top_logprobs_num"] = max(opts.top_n, int(values.get("top_logprobs_num") or 0))
+    return SamplingParams.from_dict(values)

@@ -1,0 +1,152 @@
+"""What the OpenAI routes share: model names, request -> SamplingParams, fan-out of n choices,
+usage objects and turning failed requests into errors."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from pydantic import BaseModel
+
+from radixserve.core.request import SamplingParams
+from radixserve.entrypoints.http_errors import ApiError, error_body
+from radixserve.entrypoints.openai_protocol import (
+    PromptTokensDetails,
+    SamplingRequest,
+    UsageInfo,
+)
+from radixserve.entrypoints.streaming import SSE_DONE, Update, follow, sse, usage_counts
+from radixserve.entrypoints.tokenizer_manager import ServerReq, TokenizerManager
+
+
+class OpenAIServing:
+    def __init__(self, tm: TokenizerManager, model_name: str, aliases: Sequence[str] = ()) -> None:
+        self.tm = tm
+        self.model_name = model_name
+        # SGLang clients often send "default"; the model's path names it too.
+        self.accepted = {model_name, "default", *aliases}
+
+    def check_model(self, model: str | None) -> str:
+        if model is not None and model not in self.accepted:
+            raise ApiError(
+                404,
+                f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+        return self.model_name
+
+    def sampling(
+        self,
+        body: SamplingRequest,
+        prompt_lens: Sequence[int],
+        max_tokens: int | None,
+        max_field: str,
+        logprobs: bool,
+        top_logprobs: int,
+    ) -> tuple[SamplingParams, str | None]:
+        """The request's SamplingParams, and the name of its output budget field when the
+        client set it (then prompt + budget must fit the context)."""
+        explicit = max_tokens is not None
+        if max_tokens is None:
+            max_tokens = min(self.tm.default_max_tokens(n) for n in prompt_lens)
+        values: dict[str, Any] = {
+            "max_new_tokens": max_tokens,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "top_k": body.top_k,
+            "min_p": body.min_p,
+            "presence_penalty": body.presence_penalty,
+            "frequency_penalty": body.frequency_penalty,
+            "repetition_penalty": body.repetition_penalty,
+            "min_new_tokens": body.min_tokens,
+            "stop": body.stop or None,
+            "stop_token_ids": body.stop_token_ids,
+            "ignore_eos": body.ignore_eos,
+            "skip_special_tokens": body.skip_special_tokens,
+            "no_stop_trim": body.no_stop_trim,
+            "seed": body.seed,
+            "logprobs": logprobs,
+            "top_logprobs_num": top_logprobs,
+        }
+        return SamplingParams.from_dict(values), (max_field if explicit else None)
+
+    def submit_all(
+        self, prompts: Sequence[list[int]], params: SamplingParams, n: int, max_field: str | None
+    ) -> list[ServerReq]:
+        """Check every prompt, then queue n choices of each (prompt-major order)."""
+        for ids in prompts:
+            self.tm.check(ids, params, max_field)
+        event = asyncio.Event()
+        reqs: list[ServerReq] = []
+        try:
+            for ids in prompts:
+                for i in range(n):
+                    reqs.append(self.tm.submit(ids, choice_params(params, i), event))
+        except Exception:
+            for r in reqs:
+                self.tm.abort(r.rid)
+            raise
+        return reqs
+
+    async def wait(
+        self, reqs: list[ServerReq], is_disconnected: Callable[[], Awaitable[bool]]
+    ) -> None:
+        await self.tm.wait_finished(reqs, is_disconnected)
+        raise_if_failed(reqs)
+
+    async def stream_chunks(
+        self,
+        reqs: list[ServerReq],
+        n: int,
+        include_usage: bool,
+        make_choice: Callable[[Update], BaseModel | None],
+        make_chunk: Callable[[list[Any], UsageInfo | None], BaseModel],
+    ) -> AsyncIterator[bytes]:
+        """The SSE events of a stream: one chunk per step with a choice per updated request
+        (``make_choice`` may skip one), errors as error events, the usage chunk, [DONE]."""
+        async for updates in follow(self.tm, reqs):
+            choices = []
+            for u in updates:
+                if u.req.failed:
+                    yield sse(error_event(u.req))
+                elif (choice := make_choice(u)) is not None:
+                    choices.append(choice)
+            if choices:
+                yield sse(make_chunk(choices, None))
+        if include_usage:
+            yield sse(make_chunk([], self.usage(reqs, n)))
+        yield SSE_DONE
+
+    def usage(self, reqs: Sequence[ServerReq], n: int) -> UsageInfo:
+        prompt, completion, cached = usage_counts(reqs, n)
+        return UsageInfo(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
+
+    def token_text(self, token_id: int) -> str:
+        return self.tm.token_text(token_id)
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The params of choice ``index``: seeded choices get distinct seeds, or all n would be
+    identical."""
+    seed = params.seed + index if params.seed is not None else None
+    stop, stop_ids = list(params.stop), list(params.stop_token_ids)
+    return replace(params, stop=stop, stop_token_ids=stop_ids, seed=seed, n=1)
+
+
+def raise_if_failed(reqs: Sequence[ServerReq]) -> None:
+    for r in reqs:
+        if r.failed and r.finish is not None:
+            raise ApiError(r.error_status, r.finish.message or "the request failed")
+
+
+def error_event(req: ServerReq) -> dict[str, Any]:
+    message = req.finish.message if req.finish is not None else None
+    return error_body(req.error_status, message or "the request failed")

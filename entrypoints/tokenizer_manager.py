@@ -1,0 +1,258 @@
+"""TokenizerManager: the server process's side of every request.
+
+Tokenizes prompts and applies chat templates, validates (an ``InvalidRequest`` here becomes a
+400 before the engine sees anything), assigns rids, and keeps one ``ServerReq`` per live
+request, updated from the engine's per-step deltas by the EngineClient's receive task. HTTP
+handlers wait on a request's ``event`` and read its state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from radixserve.core import ipc
+from radixserve.core.request import FinishReason, InvalidRequest, SamplingParams
+from radixserve.core.tokenizer import Tokenizer
+from radixserve.entrypoints.engine_client import EngineClient, EngineDied
+from radixserve.entrypoints.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+# How often a non-streaming handler checks whether its client is still connected.
+DISCONNECT_CHECK_S = 1.0
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected; its requests were aborted."""
+
+
+class ServerReq:
+    """The server's view of one request: cumulative outputs and timing."""
+
+    __slots__ = (
+        "rid", "prompt_ids", "sampling", "event", "output_ids", "text", "logprobs",
+        "top_logprobs", "cached_tokens", "finish", "error_status", "created",
+        "first_token_time", "last_token_time", "finish_time",
+    )  # fmt: skip
+
+    def __init__(
+        self, rid: str, prompt_ids: list[int], sampling: SamplingParams, event: asyncio.Event
+    ) -> None:
+        self.rid = rid
+        self.prompt_ids = prompt_ids
+        self.sampling = sampling
+        self.event = event  # shared by all requests of one HTTP call
+        self.output_ids: list[int] = []
+        self.text = ""
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[float, int]]] = []
+        self.cached_tokens = 0
+        self.finish: FinishReason | None = None
+        self.error_status = 0
+        self.created = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+    @property
+    def failed(self) -> bool:
+        """Ended by the engine's refusal or failure (not by the client's own abort)."""
+        return self.error_status != 0
+
+    def visible_text(self) -> str:
+        """The text safe to stream: while running, a tail that could still grow into a stop
+        string is held back, because a matched stop string is cut from the output."""
+        if self.finished or not self.sampling.stop:
+            return self.text
+        hold = 0
+        for stop in self.sampling.stop:
+            for k in range(min(len(stop) - 1, len(self.text)), hold, -1):
+                if self.text.endswith(stop[:k]):
+                    hold = k
+                    break
+        return self.text[: len(self.text) - hold] if hold else self.text
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.created
+
+
+class TokenizerManager:
+    def __init__(
+        self,
+        client: EngineClient,
+        info: ipc.EngineReady,
+        tokenizer: Tokenizer,
+        metrics: ServerMetrics | None = None,
+    ) -> None:
+        self.client = client
+        self.info = info
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.reqs: dict[str, ServerReq] = {}
+        self._token_texts: dict[int, str] = {}
+        self.on_engine_death: Callable[[str], None] | None = None
+        client.on_step = self._on_step
+        client.on_death = self._on_death
+
+    @property
+    def dead(self) -> str | None:
+        return self.client.dead
+
+    # -- prompt side -----------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_chat(self, messages: list[dict[str, Any]], **extra: Any) -> list[int]:
+        return self.tokenizer.encode_chat(messages, **extra)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token (special tokens included), memoized: logprob responses ask
+        for the same tokens again and again."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
+
+    def check(
+        self, ids: Sequence[int], params: SamplingParams, max_field: str | None = None
+    ) -> None:
+        """Raise InvalidRequest when the prompt or params can never be served. With
+        ``max_field`` (the name the client used) the output budget must fit the context."""
+        n, info = len(ids), self.info
+        if n == 0:
+            raise InvalidRequest("the prompt is empty; send at least one token")
+        bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {info.vocab_size})")
+        if n >= info.max_context:
+            raise InvalidRequest(
+                f"the prompt has {n} tokens; this model's context length is {info.max_context}"
+            )
+        if n >= info.kv_size:
+            raise InvalidRequest(f"the prompt has {n} tokens; the KV pool holds {info.kv_size}")
+        if max_field is not None and n + params.max_new_tokens > info.max_context:
+            raise InvalidRequest(
+                f"{max_field}={params.max_new_tokens} plus the prompt's {n} tokens exceeds "
+                f"this model's context length of {info.max_context} tokens"
+            )
+        params.validate(info.vocab_size)
+
+    def default_max_tokens(self, prompt_len: int) -> int:
+        return max(self.info.max_context - prompt_len, 0)
+
+    def submit(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        event: asyncio.Event,
+        rid: str | None = None,
+    ) -> ServerReq:
+        """Queue a checked request in the engine."""
+        if self.dead is not None:
+            raise EngineDied(self.dead)
+        if rid is None:
+            rid = uuid.uuid4().hex
+        elif rid in self.reqs:
+            raise InvalidRequest(f"rid '{rid}' is already in use by a running request")
+        req = ServerReq(rid, ids, params, event)
+        self.reqs[rid] = req
+        self.client.send(ipc.GenerateRequest(rid=rid, input_ids=ids, sampling=params))
+        return req
+
+    def abort(self, rid: str) -> None:
+        if rid in self.reqs and self.dead is None:
+            self.client.send(ipc.AbortRequest(rid))
+
+    def abort_all(self) -> None:
+        for rid in list(self.reqs):
+            self.abort(rid)
+
+    async def wait_finished(
+        self,
+        reqs: Sequence[ServerReq],
+        is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+    ) -> None:
+        """Wait until every request of ``reqs`` (sharing one event) has finished; abort them
+        and raise ClientGone if the client goes away meanwhile."""
+        event = reqs[0].event
+        while not all(r.finished for r in reqs):
+            try:
+                await asyncio.wait_for(event.wait(), DISCONNECT_CHECK_S)
+                event.clear()
+            except TimeoutError:
+                if is_disconnected is not None and await is_disconnected():
+                    for r in reqs:
+                        if not r.finished:
+                            self.abort(r.rid)
+                    raise ClientGone() from None
+
+    async def flush_cache(self) -> bool:
+        reply = await self.client.call(ipc.FlushCacheRequest)
+        return bool(reply.ok)
+
+    async def engine_state(self) -> ipc.EngineState:
+        return await self.client.call(ipc.StateRequest)
+
+    # -- output side (runs in the receive task) --------------------------------------------
+
+    def _on_step(self, out: ipc.StepOutput) -> None:
+        now = time.perf_counter()
+        metrics = self.metrics
+        for d in out.reqs:
+            r = self.reqs.get(d.rid)
+            if r is None:
+                continue
+            if d.token_ids:
+                k = len(d.token_ids)
+                if r.first_token_time is None:
+                    r.first_token_time = now
+                    if metrics is not None:
+                        metrics.on_first_token(now - r.created)
+                    k -= 1
+                if metrics is not None and k > 0 and r.last_token_time is not None:
+                    metrics.on_tokens((now - r.last_token_time) / k, k)
+                r.last_token_time = now
+                r.output_ids.extend(d.token_ids)
+            if d.text_delta or d.text_start != len(r.text):
+                r.text = r.text[: d.text_start] + d.text_delta
+            if d.logprobs:
+                r.logprobs.extend(d.logprobs)
+            if d.top_logprobs:
+                r.top_logprobs.extend(d.top_logprobs)
+            r.cached_tokens = d.cached_tokens
+            if d.finish is not None:
+                self._finish(r, d.finish, d.error_status, now)
+            r.event.set()
+
+    def _finish(self, r: ServerReq, reason: FinishReason, status: int, now: float) -> None:
+        r.finish, r.error_status, r.finish_time = reason, status, now
+        self.reqs.pop(r.rid, None)
+        logger.info(
+            "request %s: %s, prompt %d (cached %d), output %d tokens, %.3f s",
+            r.rid, reason.to_json(), len(r.prompt_ids), r.cached_tokens, len(r.output_ids),
+            now - r.created,
+        )  # fmt: skip
+        if self.metrics is not None:
+            self.metrics.on_finish(
+                reason.type, len(r.prompt_ids), len(r.output_ids), r.cached_tokens, now - r.created
+            )
+
+    def _on_death(self, reason: str) -> None:
+        now = time.perf_counter()
+        for r in list(self.reqs.values()):
+            self._finish(r, FinishReason("abort", message=f"engine died: {reason}"), 500, now)
+            r.event.set()
+        if self.on_engine_death is not None:
+            self.on_engine_death(reason)

@@ -1,0 +1,36 @@
+"""A real server on loopback over a tiny random Llama, shared by the HTTP test modules."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from server_process import (
+    TINY_API_KEY,
+    TINY_CONTEXT,
+    RunningServer,
+    start_server,
+    stop_server,
+    tiny_server_args,
+)
+from tiny_models import make_tiny_llama_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_long_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with a 2048-token context, so a long generation can be cut short."""
+    out = tmp_path_factory.mktemp("tiny-llama-2k")
+    return make_tiny_llama_dir(out, max_position_embeddings=TINY_CONTEXT)
+
+
+@pytest.fixture(scope="session")
+def server(
+    tiny_long_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    log = tmp_path_factory.mktemp("server-log") / "server.log"
+    running = start_server(tiny_server_args(tiny_long_llama_dir), log, TINY_API_KEY, timeout=300)
+    yield running
+    code = stop_server(running)
+    # --debug-leak-check makes the engine fail (and the server exit non-zero) on a KV leak.
+    assert code == 0, f"server exited with {code}:\n{running.log()[-4000:]}"

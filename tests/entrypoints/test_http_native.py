@@ -1,0 +1,303 @@
+"""The SGLang-compatible native routes (PROTOCOL.md), over plain HTTP against a real server."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import requests
+from server_process import TINY_CONTEXT, TINY_MODEL_NAME, RunningServer
+
+TIMEOUT = 60
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def post(server: RunningServer, path: str, body: Any = None, **kw: Any) -> requests.Response:
+    return requests.post(
+        server.url + path, json=body, headers=server.headers, timeout=TIMEOUT, **kw
+    )
+
+
+def get(server: RunningServer, path: str) -> requests.Response:
+    return requests.get(server.url + path, headers=server.headers, timeout=TIMEOUT)
+
+
+def generate(server: RunningServer, **body: Any) -> Any:
+    r = post(server, "/generate", body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream_events(response: requests.Response) -> list[str]:
+    return [line.decode() for line in response.iter_lines() if line]
+
+
+def wait_idle(server: RunningServer, timeout: float = 30.0) -> dict[str, Any]:
+    """Poll /get_server_info until nothing runs and no KV is held by a request."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = get(server, "/get_server_info").json()
+        if info["num_running_reqs"] == 0 and info["kv"]["in_use"] == 0:
+            return info
+        assert time.monotonic() < deadline, f"server not idle after {timeout} s: {info}"
+        time.sleep(0.1)
+
+
+def metric(server: RunningServer, name: str, **labels: str) -> float:
+    text = requests.get(server.url + "/metrics", timeout=TIMEOUT).text
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_generate_single(server: RunningServer) -> None:
+    out = generate(server, text="Hello world", sampling_params={"max_new_tokens": 8, **GREEDY})
+    assert set(out) == {"text", "output_ids", "meta_info"}
+    meta = out["meta_info"]
+    assert len(out["output_ids"]) == meta["completion_tokens"] == 8
+    assert meta["finish_reason"] == {"type": "length", "length": 8}
+    tokens = post(server, "/tokenize", {"prompt": "Hello world"}).json()["tokens"]
+    assert meta["prompt_tokens"] == len(tokens)
+    assert meta["e2e_latency"] > 0 and isinstance(meta["id"], str)
+    assert out["text"] == post(server, "/detokenize", {"tokens": out["output_ids"]}).json()["text"]
+
+
+def test_batch_is_in_input_order_and_input_ids_match_text(server: RunningServer) -> None:
+    prompts = ["The quick brown fox", "def add(a, b):", "0123456789"]
+    params = {"max_new_tokens": 6, **GREEDY}
+    singles = [generate(server, text=p, sampling_params=params)["output_ids"] for p in prompts]
+    batch = generate(server, text=prompts, sampling_params=params)
+    assert [b["output_ids"] for b in batch] == singles
+    ids = [post(server, "/tokenize", {"prompt": p}).json()["tokens"] for p in prompts]
+    by_ids = generate(server, input_ids=ids, sampling_params=[params] * 3)
+    assert [b["output_ids"] for b in by_ids] == singles
+    one = generate(server, input_ids=ids[0], sampling_params=params)
+    assert isinstance(one, dict) and one["output_ids"] == singles[0]
+
+
+def test_null_and_empty_values_mean_defaults(server: RunningServer) -> None:
+    params = {
+        "max_new_tokens": 3,
+        "temperature": 0,
+        "top_p": None,
+        "stop": [],
+        "regex": None,
+        "json_schema": [],
+        "min_p": None,
+        "spaces_between_special_tokens": True,
+    }
+    out = generate(
+        server,
+        text="Hello",
+        sampling_params=params,
+        return_logprob=[None],
+        top_logprobs_num=[None],
+        return_text_in_logprobs=[None],
+        logprob_start_len=[None],
+    )
+    assert out["meta_info"]["completion_tokens"] <= 3
+    assert "output_token_logprobs" not in out["meta_info"]
+
+
+def test_stream_sends_cumulative_text_then_done(server: RunningServer) -> None:
+    params = {"max_new_tokens": 10, **GREEDY}
+    whole = generate(server, text="Hello world", sampling_params=params)
+    r = post(
+        server,
+        "/generate",
+        {"text": "Hello world", "sampling_params": params, "stream": True},
+        stream=True,
+    )
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = stream_events(r)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    texts = [c["text"] for c in chunks]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
+    assert texts[-1] == whole["text"] and chunks[-1]["output_ids"] == whole["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_batch_stream_tags_events_with_their_index(server: RunningServer) -> None:
+    params = {"max_new_tokens": 6, **GREEDY}
+    prompts = ["Hello world", "def add(a, b):"]
+    whole = generate(server, text=prompts, sampling_params=params)
+    body = {"text": prompts, "sampling_params": params, "stream": True}
+    events = stream_events(post(server, "/generate", body, stream=True))
+    assert events[-1] == "data: [DONE]"
+    last: dict[int, Any] = {}
+    for e in events[:-1]:
+        chunk = json.loads(e.removeprefix("data: "))
+        last[chunk["index"]] = chunk
+    assert [last[i]["text"] for i in (0, 1)] == [w["text"] for w in whole]
+
+
+def test_max_new_tokens_zero_only_prefills(server: RunningServer) -> None:
+    out = generate(server, text="The quick brown fox", sampling_params={"max_new_tokens": 0})
+    assert out["text"] == "" and out["output_ids"] == []
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert out["meta_info"]["prompt_tokens"] > 0 and out["meta_info"]["completion_tokens"] == 0
+
+
+def test_logprob_triples(server: RunningServer) -> None:
+    out = generate(
+        server,
+        text="Hello",
+        sampling_params={"max_new_tokens": 5, **GREEDY},
+        return_logprob=True,
+        top_logprobs_num=2,
+        return_text_in_logprobs=True,
+    )
+    meta = out["meta_info"]
+    triples = meta["output_token_logprobs"]
+    assert [t[1] for t in triples] == out["output_ids"]
+    for (logprob, token_id, text), top in zip(triples, meta["output_top_logprobs"], strict=True):
+        assert logprob <= 0 and isinstance(text, str)
+        detok = post(server, "/detokenize", {"tokens": [token_id], "skip_special_tokens": False})
+        assert text == detok.json()["text"]
+        assert len(top) == 2 and top[0][1] == token_id  # greedy picks the top token
+        assert top[0][0] >= top[1][0]
+    assert "input_token_logprobs" in meta
+    no_text = generate(
+        server, text="Hello", sampling_params={"max_new_tokens": 2}, return_logprob=True
+    )
+    assert all(t[2] is None for t in no_text["meta_info"]["output_token_logprobs"])
+
+
+def test_n_gives_a_list(server: RunningServer) -> None:
+    out = generate(
+        server, text="Hello", sampling_params={"max_new_tokens": 4, "n": 2, "sampling_seed": 1}
+    )
+    assert isinstance(out, list) and len(out) == 2
+    assert len({o["meta_info"]["id"] for o in out}) == 2
+
+
+def test_model_and_server_info(server: RunningServer) -> None:
+    for path in ("/get_model_info", "/model_info"):
+        info = get(server, path).json()
+        assert info["model_path"] == TINY_MODEL_NAME and info["is_generation"] is True
+    for path in ("/get_server_info", "/server_info"):
+        info = get(server, path).json()
+        assert set(info["kv"]) >= {"free", "evictable", "locked", "in_use"}
+        assert info["context_length"] == TINY_CONTEXT and info["api_key"] == "***"
+        assert {"num_running_reqs", "num_waiting_reqs", "cache_hit_rate"} <= set(info)
+
+
+def test_health_routes_and_profile(server: RunningServer) -> None:
+    assert requests.get(server.url + "/health", timeout=TIMEOUT).status_code == 200  # no key
+    assert get(server, "/health_generate").status_code == 200
+    assert requests.get(server.url + "/health_generate", timeout=TIMEOUT).status_code == 401
+    assert get(server, "/start_profile").status_code == 200
+    assert get(server, "/stop_profile").status_code == 200
+
+
+def test_flush_cache_empties_the_prefix_cache(server: RunningServer) -> None:
+    generate(server, text="Hello world " * 8, sampling_params={"max_new_tokens": 2})
+    wait_idle(server)
+    assert post(server, "/flush_cache").status_code == 200
+    kv = get(server, "/get_server_info").json()["kv"]
+    assert kv["evictable"] == 0 and kv["free"] == kv["size"]
+
+
+def test_tokenize_detokenize_round_trip(server: RunningServer) -> None:
+    text = "Hello world! def add(a, b): return a + b"
+    tok = post(server, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == TINY_CONTEXT
+    assert post(server, "/detokenize", {"tokens": tok["tokens"]}).json()["text"] == text
+    assert post(server, "/detokenize", {"tokens": [10**9]}).status_code == 400
+
+
+def test_metrics_names(server: RunningServer) -> None:
+    generate(server, text="Hello", sampling_params={"max_new_tokens": 2})
+    text = requests.get(server.url + "/metrics", timeout=TIMEOUT).text  # no key needed
+    for name in (
+        "radixserve_requests_total",
+        "radixserve_prompt_tokens_total",
+        "radixserve_generation_tokens_total",
+        "radixserve_time_to_first_token_seconds_bucket",
+        "radixserve_inter_token_latency_seconds_bucket",
+        "radixserve_num_running_reqs",
+        "radixserve_num_waiting_reqs",
+        "radixserve_cache_hit_rate",
+        "radixserve_kv_usage",
+    ):
+        assert name in text
+
+
+def test_client_disconnect_aborts_the_request(server: RunningServer) -> None:
+    aborted = metric(server, "radixserve_requests_total", finish_reason="abort")
+    body = {"text": "Hello", "stream": True, "sampling_params": {"max_new_tokens": 1800, **GREEDY}}
+    r = post(server, "/generate", body, stream=True)
+    first = next(line for line in r.iter_lines() if line)
+    assert first.startswith(b"data: {")
+    r.close()
+    info = wait_idle(server)
+    assert info["num_waiting_reqs"] == 0 and info["kv"]["locked"] == 0
+    assert metric(server, "radixserve_requests_total", finish_reason="abort") == aborted + 1
+
+
+def test_abort_request_by_rid(server: RunningServer) -> None:
+    body = {
+        "text": "Hello",
+        "stream": True,
+        "rid": "abort-me",
+        "sampling_params": {"max_new_tokens": 1800, **GREEDY},
+    }
+    r = post(server, "/generate", body, stream=True)
+    lines = r.iter_lines()
+    assert next(line for line in lines if line).startswith(b"data: {")
+    assert post(server, "/abort_request", {"rid": "abort-me"}).status_code == 200
+    rest = [line.decode() for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    last = json.loads(rest[-2].removeprefix("data: "))
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert last["meta_info"]["completion_tokens"] < 1800
+    wait_idle(server)
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"sampling_params": {"max_new_tokens": 1}}, "exactly one of"),
+        ({"text": "a", "input_ids": [1], "sampling_params": {}}, "exactly one of"),
+        ({"text": "a", "sampling_params": {"bogus": 1}}, "bogus"),
+        ({"text": "a", "sampling_params": {"temperature": -2}}, "temperature"),
+        ({"text": "a", "sampling_params": {"regex": "[ab]+"}}, "regex"),
+        ({"text": "a", "sampling_params": {"max_new_tokens": TINY_CONTEXT}}, "context length"),
+        ({"input_ids": [1, 10**7]}, "vocabulary"),
+        ({"input_ids": [5] * (TINY_CONTEXT + 1)}, "context length"),
+        ({"text": ["a", "b"], "sampling_params": [{}, {}, {}]}, "batch of 2"),
+    ],
+)
+def test_bad_generate_requests_are_400(server: RunningServer, body: dict, needle: str) -> None:
+    r = post(server, "/generate", body)
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+def test_invalid_json_is_400(server: RunningServer) -> None:
+    r = requests.post(server.url + "/generate", data=b"{oops", headers=server.headers, timeout=30)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_concurrent_streams_complete_without_leaks(server: RunningServer) -> None:
+    def one(i: int) -> tuple[int, str]:
+        body = {
+            "text": f"Hello {i}",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 16, **GREEDY},
+        }
+        with post(server, "/generate", body, stream=True) as r:
+            events = stream_events(r)
+        last = json.loads(events[-2].removeprefix("data: "))
+        return last["meta_info"]["completion_tokens"], events[-1]
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one, range(32)))
+    assert results == [(16, "data: [DONE]")] * 32
+    wait_idle(server)

@@ -1,0 +1,91 @@
+"""Run the real server (``python -m radixserve.launch_server``) as a subprocess for tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+READY_LINE = "radixserve ready at "
+
+# The shared tiny-model test server (tests/entrypoints/conftest.py) and what tests know of it.
+TINY_API_KEY = "sk-radixserve-test"
+TINY_MODEL_NAME = "tiny-llama"
+TINY_CONTEXT = 2048
+TINY_MAX_BODY_BYTES = 1 << 20
+
+
+def tiny_server_args(model_dir: Path) -> list[str]:
+    return [
+        "--model-path", str(model_dir),
+        "--served-model-name", TINY_MODEL_NAME,
+        "--enable-metrics",
+        "--max-total-tokens", "16384",
+        "--max-body-bytes", str(TINY_MAX_BODY_BYTES),
+        "--debug-leak-check",
+    ]  # fmt: skip
+
+
+@dataclass
+class RunningServer:
+    url: str
+    api_key: str | None
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(
+    args: list[str], log_path: Path, api_key: str | None = None, timeout: float = 300.0
+) -> RunningServer:
+    """Start a server on a free loopback port and wait (up to ``timeout`` s) for its ready line."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "radixserve.launch_server", "--host", "127.0.0.1"]
+    cmd += ["--port", str(port), *args]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    # One intra-op thread: the test machine's 2 cores are shared, and OpenMP spinning under
+    # oversubscription makes every step many times slower.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = RunningServer(f"http://127.0.0.1:{port}", api_key, proc, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if READY_LINE in server.log():
+            return server
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()[-4000:]}")
+        time.sleep(0.25)
+    stop_server(server)
+    raise RuntimeError(f"server not ready within {timeout:.0f} s:\n{server.log()[-4000:]}")
+
+
+def stop_server(server: RunningServer, timeout: float = 30.0) -> int | None:
+    """SIGTERM (graceful: the server stops its engine process), then SIGKILL if needed."""
+    proc = server.proc
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
+    return proc.returncode
