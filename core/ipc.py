@@ -26,6 +26,7 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
     input_ids: list[int]
     sampling: SamplingParams
     extra_key: str | None = None
+    logprob_start_len: int = -1  # >= 0: also score prompt tokens from this position
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):
@@ -66,6 +67,9 @@ class ReqDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     text_delta: str = ""
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[float, int]]] | None = None
+    # prompt-token logprobs, sent once in the finishing delta
+    input_logprobs: list[float] | None = None
+    input_top_logprobs: list[list[tuple[float, int]]] | None = None
     cached_tokens: int = 0
     finish: FinishReason | None = None
     # 400: the engine refused the request (it never ran); 500: the engine failed.

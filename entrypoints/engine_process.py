@@ -133,6 +133,7 @@ class EngineLoop:
         core = self.core
         if isinstance(msg, ipc.GenerateRequest):
             req = Req(msg.rid, msg.input_ids, msg.sampling, msg.extra_key)
+            req.logprob_start_len = msg.logprob_start_len
             try:
                 core.add_request(req)
             except InvalidRequest as e:
@@ -169,6 +170,10 @@ class EngineLoop:
             delta.logprobs = req.output_logprobs[n_sent:]
             if req.sampling.top_logprobs_num:
                 delta.top_logprobs = req.output_top_logprobs[n_sent:]
+        if req.finished and req.logprob_start_len >= 0:
+            delta.input_logprobs = req.input_token_logprobs
+            if req.sampling.top_logprobs_num:
+                delta.input_top_logprobs = req.input_top_logprobs
         if req.finished:
             self.sent.pop(req.rid, None)
         else:

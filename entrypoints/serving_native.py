@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from radixserve.core.output import input_logprob_entries, logprob_triples, top_logprob_triples
 from radixserve.core.request import InvalidRequest, SamplingParams
 from radixserve.entrypoints.serving_openai import choice_params, error_event, raise_if_failed
 from radixserve.entrypoints.streaming import SSE_DONE, follow, json_response, sse
@@ -30,6 +31,7 @@ class LogprobOptions:
     return_logprob: bool = False
     top_n: int = 0
     with_text: bool = False
+    start_len: int | None = None  # None: SGLang's default (whole prompt when prefill-only)
 
 
 class NativeServing:
@@ -43,11 +45,12 @@ class NativeServing:
         count = len(prompts)
         raw_params = _per_item(body.get("sampling_params"), count, "sampling_params")
         options = [
-            LogprobOptions(bool(lp), _count(top, "top_logprobs_num"), bool(txt))
-            for lp, top, txt in zip(
+            LogprobOptions(bool(lp), _count(top, "top_logprobs_num"), bool(txt), _start(start))
+            for lp, top, txt, start in zip(
                 _per_item(body.get("return_logprob"), count, "return_logprob"),
                 _per_item(body.get("top_logprobs_num"), count, "top_logprobs_num"),
                 _per_item(body.get("return_text_in_logprobs"), count, "return_text_in_logprobs"),
+                _per_item(body.get("logprob_start_len"), count, "logprob_start_len"),
                 strict=True,
             )
         ]
@@ -102,7 +105,8 @@ class NativeServing:
             for ids, p, o, rid in zip(prompts, params, options, rids, strict=True):
                 for i in range(p.n):
                     choice_rid = rid if rid is None or p.n == 1 else f"{rid}-{i}"
-                    reqs.append(self.tm.submit(ids, choice_params(p, i), event, choice_rid))
+                    start = _resolved_start(o, p)
+                    reqs.append(self.tm.submit(ids, choice_params(p, i), event, choice_rid, start))
                     req_options.append(o)
         except Exception:
             for r in reqs:
@@ -135,22 +139,26 @@ class NativeServing:
         if r.finished:
             meta["e2e_latency"] = r.e2e_latency
         if opts.return_logprob or opts.top_n:
-            # NOTE: the core does not compute prompt logprobs yet, so input lists stay empty.
-            meta["input_token_logprobs"] = []
-            meta["output_token_logprobs"] = [
-                self._triple(lp, tid, opts.with_text)
-                for lp, tid in zip(r.logprobs, r.output_ids, strict=False)
-            ]
+            decode = self.tm.token_text if opts.with_text else None
+            n = min(len(r.logprobs), len(r.output_ids))
+            meta["output_token_logprobs"] = logprob_triples(
+                r.logprobs[:n], r.output_ids[:n], decode
+            )
+            entries: list[Any] = []
+            tops: list[Any] | None = []
+            if r.logprob_start_len >= 0 and r.finished:
+                entries, tops = input_logprob_entries(
+                    r.prompt_ids,
+                    r.logprob_start_len,
+                    r.input_logprobs,
+                    r.input_top_logprobs,
+                    decode,
+                )
+            meta["input_token_logprobs"] = entries
             if opts.top_n:
-                meta["input_top_logprobs"] = []
-                meta["output_top_logprobs"] = [
-                    [self._triple(lp, tid, opts.with_text) for lp, tid in top]
-                    for top in r.top_logprobs
-                ]
+                meta["input_top_logprobs"] = tops or []
+                meta["output_top_logprobs"] = top_logprob_triples(r.top_logprobs, decode)
         return {"text": r.visible_text(), "output_ids": list(r.output_ids), "meta_info": meta}
-
-    def _triple(self, logprob: float, token_id: int, with_text: bool) -> list[Any]:
-        return [logprob, token_id, self.tm.token_text(token_id) if with_text else None]
 
 
 def _is_int(value: Any) -> bool:
@@ -163,6 +171,23 @@ def _count(value: Any, name: str) -> int:
     if not _is_int(value) or value < 0:
         raise InvalidRequest(f"{name} must be a non-negative integer, got {value!r}")
     return int(value)
+
+
+def _start(value: Any) -> int | None:
+    if value is None:
+        return None
+    if not _is_int(value) or value < -1:
+        raise InvalidRequest(f"logprob_start_len must be an integer >= -1, got {value!r}")
+    return int(value)
+
+
+def _resolved_start(opts: LogprobOptions, params: SamplingParams) -> int:
+    """SGLang: without a start, a prefill-only request scores its whole prompt."""
+    if not (opts.return_logprob or opts.top_n):
+        return -1
+    if opts.start_len is None:
+        return 0 if params.max_new_tokens == 0 else -1
+    return opts.start_len
 
 
 def _nullish(value: Any) -> Any:

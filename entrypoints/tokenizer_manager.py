@@ -37,6 +37,7 @@ class ServerReq:
     __slots__ = (
         "rid", "prompt_ids", "sampling", "event", "output_ids", "text", "logprobs",
         "top_logprobs", "cached_tokens", "finish", "error_status", "created",
+        "logprob_start_len", "input_logprobs", "input_top_logprobs",
         "first_token_time", "last_token_time", "finish_time",
     )  # fmt: skip
 
@@ -51,6 +52,9 @@ class ServerReq:
         self.text = ""
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[float, int]]] = []
+        self.logprob_start_len = -1
+        self.input_logprobs: list[float] = []
+        self.input_top_logprobs: list[list[tuple[float, int]]] = []
         self.cached_tokens = 0
         self.finish: FinishReason | None = None
         self.error_status = 0
@@ -158,6 +162,7 @@ class TokenizerManager:
         params: SamplingParams,
         event: asyncio.Event,
         rid: str | None = None,
+        logprob_start_len: int = -1,
     ) -> ServerReq:
         """Queue a checked request in the engine."""
         if self.dead is not None:
@@ -167,8 +172,13 @@ class TokenizerManager:
         elif rid in self.reqs:
             raise InvalidRequest(f"rid '{rid}' is already in use by a running request")
         req = ServerReq(rid, ids, params, event)
+        req.logprob_start_len = logprob_start_len
         self.reqs[rid] = req
-        self.client.send(ipc.GenerateRequest(rid=rid, input_ids=ids, sampling=params))
+        self.client.send(
+            ipc.GenerateRequest(
+                rid=rid, input_ids=ids, sampling=params, logprob_start_len=logprob_start_len
+            )
+        )
         return req
 
     def abort(self, rid: str) -> None:
@@ -231,6 +241,9 @@ class TokenizerManager:
                 r.logprobs.extend(d.logprobs)
             if d.top_logprobs:
                 r.top_logprobs.extend(d.top_logprobs)
+            if d.input_logprobs is not None:
+                r.input_logprobs = d.input_logprobs
+                r.input_top_logprobs = d.input_top_logprobs or []
             r.cached_tokens = d.cached_tokens
             if d.finish is not None:
                 self._finish(r, d.finish, d.error_status, now)

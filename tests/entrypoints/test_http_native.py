@@ -301,3 +301,37 @@ def test_concurrent_streams_complete_without_leaks(server: RunningServer) -> Non
         results = list(pool.map(one, range(32)))
     assert results == [(16, "data: [DONE]")] * 32
     wait_idle(server)
+
+
+def test_select_style_scoring_returns_prompt_logprobs(server: RunningServer) -> None:
+    """The frontend's select(): prefill-only batches scored from logprob_start_len."""
+    prefix = "The quick brown fox"
+    first = generate(server, text=prefix, sampling_params={"max_new_tokens": 0})
+    assert first["meta_info"]["finish_reason"]["type"] == "length"
+    n_prefix = first["meta_info"]["prompt_tokens"]
+    start = max(n_prefix - 2, 0)
+    choices = [" jumps", " sleeps over the dog"]
+    outs = generate(
+        server,
+        text=[prefix + c for c in choices],
+        sampling_params={"max_new_tokens": 0, "temperature": 0},
+        return_logprob=True,
+        return_text_in_logprobs=True,
+        logprob_start_len=start,
+    )
+    assert isinstance(outs, list) and len(outs) == 2
+    for out in outs:
+        meta = out["meta_info"]
+        entries = meta["input_token_logprobs"]
+        assert len(entries) == meta["prompt_tokens"] - start
+        assert all(isinstance(lp, float) and lp <= 0 for lp, _, _ in entries)
+        assert all(isinstance(text, str) for _, _, text in entries)
+        assert meta["output_token_logprobs"] == []
+    # unconditional scoring: no start given -> every prompt position, the first one null
+    ids = post(server, "/tokenize", {"text": choices[1]}).json()["tokens"]
+    out = generate(
+        server, input_ids=[ids], sampling_params={"max_new_tokens": 0}, return_logprob=True
+    )[0]
+    entries = out["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in entries] == ids
+    assert entries[0][0] is None and all(e[0] is not None for e in entries[1:])
