@@ -85,5 +85,5 @@ class KVPool:
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer_id][slots] = k
-        self.v[layer_id][slots] = v
+        self.k[layer_id].index_copy_(0, slots, k)
+        self.v[layer_id].index_copy_(0, slots, v)
