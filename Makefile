@@ -30,7 +30,10 @@ test: $(STAMP) lint
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check core plugins entrypoints
-	$(BIN)/mypy core
+	@# mypy names modules after folders; the checkout's own folder name may not be a valid
+	@# package name, so check core/ through a link named like the import package.
+	mkdir -p .mypy_src && ln -sfn "$(CURDIR)" .mypy_src/radixserve
+	$(BIN)/mypy .mypy_src/radixserve/core
 
 bench: $(STAMP)
 	$(BIN)/pip install -q '.[bench]'

@@ -10,8 +10,52 @@ from radixserve.core.request import SamplingParams
 
 if TYPE_CHECKING:
     from radixserve.entrypoints.engine import Engine
+    from radixserve.lang import (
+        EngineBackend,
+        OpenAI,
+        RuntimeEndpoint,
+        assistant,
+        assistant_begin,
+        assistant_end,
+        function,
+        gen,
+        gen_int,
+        gen_string,
+        select,
+        set_default_backend,
+        system,
+        system_begin,
+        system_end,
+        user,
+        user_begin,
+        user_end,
+    )
 
-__all__ = ["Engine", "SamplingParams", "hookimpl"]
+__all__ = [
+    "Engine",
+    "SamplingParams",
+    "hookimpl",
+    # the frontend language (radixserve.lang), imported on first use
+    "function",
+    "gen",
+    "gen_int",
+    "gen_string",
+    "select",
+    "set_default_backend",
+    "system",
+    "user",
+    "assistant",
+    "system_begin",
+    "system_end",
+    "user_begin",
+    "user_end",
+    "assistant_begin",
+    "assistant_end",
+    "RuntimeEndpoint",
+    "OpenAI",
+    "EngineBackend",
+]
+_FRONTEND = frozenset(__all__[3:])
 __version__ = "0.1.0"
 
 
@@ -21,4 +65,8 @@ def __getattr__(name: str) -> Any:
         from radixserve.entrypoints.engine import Engine
 
         return Engine
+    if name in _FRONTEND:
+        import radixserve.lang
+
+        return getattr(radixserve.lang, name)
     raise AttributeError(name)

@@ -94,10 +94,29 @@ class EngineConfig:
     schedule_policy: str = _opt("lpm", "Waiting-queue order: lpm, dfs-weight, fcfs, random")
     disable_radix_cache: bool = _opt(False, "Turn the radix prefix cache off")
     random_seed: int = _opt(0, "Seed of the engine's random generator")
+    cuda_graph_max_bs: int = _opt(
+        256, "Largest decode batch replayed from a CUDA graph (batches are padded up to a size)"
+    )
+    disable_cuda_graph: bool = _opt(False, "Run decode steps eagerly instead of from CUDA graphs")
     debug_leak_check: bool = _opt(False, "Check the KV leak invariant whenever the engine idles")
     log_level: str = _opt("warning", "Log level: debug, info, warning, error")
+    grammar_backend: str | None = _opt(
+        None, "Grammar backend for constrained decoding (alias of --plugin grammar=NAME)"
+    )
+    grammar_compile_timeout: float = _opt(
+        30.0, "Seconds a request may wait for its grammar to compile before it is aborted"
+    )
+    disable_jump_forward: bool = _opt(
+        False, "Sample every token of constrained outputs, even where the grammar forces them"
+    )
 
     def __post_init__(self) -> None:
+        if self.grammar_backend is not None:
+            self._merge_grammar_backend(self.grammar_backend)
+        if not self.grammar_compile_timeout > 0:
+            raise ConfigError(
+                f"grammar_compile_timeout must be > 0 seconds, got {self.grammar_compile_timeout}"
+            )
         if self.max_running_requests < 1:
             raise ConfigError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
@@ -121,6 +140,16 @@ class EngineConfig:
             raise ConfigError(
                 f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}"
             )
+
+    def _merge_grammar_backend(self, name: str) -> None:
+        chosen = [p.partition("=")[2].strip() for p in self.plugins if p.startswith("grammar=")]
+        if any(c != name for c in chosen):
+            raise ConfigError(
+                f"grammar_backend '{name}' conflicts with --plugin grammar={chosen[-1]}; give one"
+            )
+        if not chosen:
+            # NOTE: the config is frozen; resolving the alias into ``plugins`` happens only here.
+            object.__setattr__(self, "plugins", (*self.plugins, f"grammar={name}"))
 
     @classmethod
     def field_help(cls) -> dict[str, str]:

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 from radixserve.core.config import EngineConfig
+from radixserve.core.grammar import GrammarMasker, GrammarStepper
+from radixserve.core.grammar_queue import GrammarQueue
 from radixserve.core.model_runner import ModelRunner
 from radixserve.core.plugins import PluginHost
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
@@ -31,6 +33,11 @@ class EngineCore:
         self.max_context = self.runner.max_context
         cache_cls = NoPrefixCache if config.disable_radix_cache else RadixCache
         self.cache = cache_cls(self.runner.allocator, self.runner.req_to_token)
+        self.grammars = self._grammar_queue(host)
+        self.runner.grammar_masker = GrammarMasker(
+            lambda: self.grammars.backend, config.max_running_requests, mc.vocab_size
+        )
+        self.grammar_stepper = GrammarStepper(self.tokenizer, not config.disable_jump_forward)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_running_requests=config.max_running_requests,
@@ -43,6 +50,7 @@ class EngineCore:
             self.runner.req_to_token,
             self.cache,
             StopChecker(self.tokenizer, self.eos_token_ids, self.max_context),
+            self.grammar_stepper,
         )
         info = {
             "model_path": str(model_dir),
@@ -52,6 +60,14 @@ class EngineCore:
         }
         logger.info("engine ready: %s", info)
         host.hook.engine_started(info=info)
+
+    def _grammar_queue(self, host: PluginHost) -> GrammarQueue:
+        name = self.runner.plugins.names["grammar"]
+        factory = host.registries["grammar"].get(name).factory
+        vocab, stops = self.runner.model_config.vocab_size, list(self.eos_token_ids)
+        return GrammarQueue(
+            name, lambda: factory(self.tokenizer, vocab, stops), self.config.grammar_compile_timeout
+        )
 
     def validate(self, req: Req) -> None:
         """Raise InvalidRequest when ``req`` can never be served."""
@@ -72,23 +88,32 @@ class EngineCore:
         req.sampling.validate(vocab)
 
     def add_request(self, req: Req) -> None:
+        """Queue ``req``; one with a grammar first waits for it to compile (off this thread)."""
         self.validate(req)
-        self.scheduler.add_request(req)
+        if req.sampling.grammar is not None:
+            self.grammars.submit(req)
+        else:
+            self.scheduler.add_request(req)
 
     def abort(self, rid: str) -> Req | None:
-        return self.scheduler.abort(rid)
+        message = "aborted by the client"
+        return self.grammars.abort(rid, message) or self.scheduler.abort(rid, message)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or len(self.grammars) > 0
 
     def step(self) -> list[Req]:
         """Run one step; return the requests with new tokens or a new finish."""
         start = time.perf_counter()
+        changed = self._admit_compiled() if len(self.grammars) else []
         batch = self.scheduler.schedule()
         if batch is None:
-            return self._fail_unschedulable()
+            if len(self.grammars) and not self.scheduler.has_work():
+                self.grammars.wait()  # idle until a grammar compiles: no busy loop
+                return changed
+            return changed + self._fail_unschedulable()
         sampled = self.runner.run(batch, self.scheduler.needs_sampling(batch), self.eos_token_ids)
-        changed = self.scheduler.process_output(batch, sampled)
+        changed += self.scheduler.process_output(batch, sampled)
         self.host.hook.step_finished(
             stats={
                 "num_decode": batch.num_decode,
@@ -101,6 +126,22 @@ class EngineCore:
         if self.config.debug_leak_check and not self.scheduler.has_work():
             self.scheduler.check_no_leak()
         return changed
+
+    def _admit_compiled(self) -> list[Req]:
+        """Move requests whose grammar compiled to the scheduler, after jumping forward over
+        any prefix the grammar forces; return those that finished (failed) instead."""
+        ready, finished = self.grammars.pop_done()
+        for req in ready:
+            for token in self.grammar_stepper.forced_tokens(req):
+                self.scheduler.stop_checker.append(req, token)
+            if req.finished:
+                finished.append(req)
+            else:
+                self.scheduler.add_request(req)
+        return finished
+
+    def shutdown(self) -> None:
+        self.grammars.shutdown()
 
     def _fail_unschedulable(self) -> list[Req]:
         """Nothing could run although requests wait: the head can never fit; end it."""

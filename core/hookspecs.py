@@ -46,7 +46,12 @@ def register_models(register: Any) -> None:
 
 @hookspec
 def register_grammar_backends(register: Any) -> None:
-    """Register grammar backends (``GrammarBackend`` factories): ``factory(tokenizer)``."""
+    """Register grammar backends (``GrammarBackend`` factories).
+
+    ``factory(tokenizer, vocab_size, stop_token_ids)`` builds the backend: the engine's
+    ``Tokenizer``, the model's logits width and its end tokens. Called once per process; the
+    factory itself runs on first use, on the grammar compile thread.
+    """
 
 
 @hookspec

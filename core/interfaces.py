@@ -8,14 +8,18 @@ the plugins.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
     from radixserve.core.batch import ForwardBatch
+    from radixserve.core.config import EngineConfig
     from radixserve.core.memory import KVPool
+
+#: Runs one model step: ForwardBatch -> logits (see ``HardwarePlatform.step_executor``).
+StepExecutor = Callable[["ForwardBatch"], "torch.Tensor"]
 
 PLUGIN_KINDS = ("hardware", "attention", "model", "grammar", "speculative", "kv_transfer")
 
@@ -44,6 +48,27 @@ class HardwarePlatform(ABC):
 
     def seed_everything(self, seed: int) -> None:
         """Seed the device's random generators."""
+
+    def step_executor(
+        self,
+        model: CausalLM,
+        attention: AttentionBackend,
+        kv_pool: KVPool,
+        req_to_token: torch.Tensor,
+        config: EngineConfig,
+    ) -> StepExecutor:
+        """How each step runs the model, built once after the weights are loaded.
+
+        The default prepares attention and calls ``model.forward``. A platform may return a
+        faster executor for some batches (e.g. replay captured CUDA graphs for decode-only
+        batches); it must give the same logits and leave the KV pool as the default would.
+        """
+
+        def run(batch: ForwardBatch) -> torch.Tensor:
+            attention.prepare(batch)
+            return model.forward(batch)
+
+        return run
 
 
 class AttentionBackend(ABC):
@@ -87,10 +112,19 @@ class CausalLM(ABC):
 
 
 class Grammar(ABC):
-    """A compiled grammar's matcher for one request (state lives on the control side).
+    """A matcher over one compiled grammar, for one request (its state lives on the control side).
 
-    Rules: ``rollback(k)`` undoes exactly the last k accepted tokens; ``fill_bitmask`` writes
-    only row ``index`` of the batch bitmask.
+    Rules:
+    - ``accept_token`` advances by exactly one token, or returns False and leaves the state as it
+      was. Accepting a stop token while the output is complete terminates the matcher; that
+      stop token counts as one accepted token.
+    - ``rollback(k)`` undoes exactly the last k accepted tokens (a terminating stop token
+      included), so speculative decoding can reject drafts.
+    - ``fill_bitmask`` writes only row ``index`` of the batch bitmask (format: see
+      ``GrammarBackend``); a stop token is allowed exactly when the output so far is complete.
+    - ``forced_string`` and ``fill_bitmask`` never change the state.
+    - Matchers are used from one thread at a time; ``copy`` may run on another thread than the
+      matcher it copies.
     """
 
     @abstractmethod
@@ -103,24 +137,67 @@ class Grammar(ABC):
 
     @abstractmethod
     def is_terminated(self) -> bool:
-        """True once the grammar accepted a complete output."""
+        """True once a stop token was accepted at a point where the output was complete."""
 
     @abstractmethod
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens."""
 
     @abstractmethod
-    def forced_string(self) -> str | None:
-        """The unique continuation the grammar forces now (jump-forward), if any."""
+    def forced_string(self) -> str:
+        """The text every valid continuation starts with from here ("" if none): jump-forward
+        decoding appends it without sampling. Whole UTF-8 characters only."""
+
+    @abstractmethod
+    def copy(self) -> Grammar:
+        """A new matcher in the initial state over the same compiled grammar (cheap: compiled
+        grammars are cached and each request gets its own copy)."""
+
+
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 class GrammarBackend(ABC):
-    """Compiles grammar specs into matchers for one tokenizer."""
+    """Compiles grammar specs into matchers for one tokenizer; owns the bitmask format.
+
+    Built by the registered ``factory(tokenizer, vocab_size, stop_token_ids)``: ``tokenizer`` is
+    the engine's ``radixserve.core.tokenizer.Tokenizer``, ``vocab_size`` the model's logits
+    width (the mask width) and ``stop_token_ids`` the tokens that end an output.
+
+    Bitmask format: int32 tensor [rows, ceil(vocab_size / 32)]; bit j of word i is 1 when token
+    ``32 * i + j`` is allowed. The engine allocates it once (``allocate_bitmask``), fills the rows
+    of the step's constrained requests (``fill_bitmasks``) and masks their logits in one call
+    (``apply_bitmask``), once per step. ``compile`` runs on a worker thread, possibly on two at
+    once; the other methods run on the engine's thread.
+    """
 
     @abstractmethod
     def compile(self, kind: str, spec: str) -> Grammar:
-        """kind: json_schema | regex | ebnf | choices | structural_tag. Raise ValueError on a bad
-        spec, naming the problem."""
+        """Compile ``spec`` of ``kind`` (one of ``GRAMMAR_KINDS``) into a matcher in its initial
+        state. Raise ValueError naming the problem on a bad or unsupported spec."""
+
+    def allocate_bitmask(self, rows: int, vocab_size: int) -> torch.Tensor:
+        """A host bitmask of ``rows`` rows with every token allowed."""
+        import torch
+
+        return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+    def fill_bitmasks(self, grammars: Sequence[tuple[int, Grammar]], bitmask: torch.Tensor) -> None:
+        """Fill ``bitmask[row]`` for each (row, matcher); backends may do it in parallel."""
+        for row, grammar in grammars:
+            grammar.fill_bitmask(bitmask, row)
+
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Set ``logits[r, t]`` to -inf, in place, for each row r in ``rows`` and each token t
+        whose bit in ``bitmask[r]`` is 0. ``bitmask`` is on the logits' device."""
+        import torch
+
+        vocab = logits.shape[-1]
+        index = torch.tensor(rows, device=logits.device)
+        shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+        bits = (bitmask[index].unsqueeze(-1) >> shifts) & 1
+        banned = bits.view(len(rows), -1)[:, :vocab] == 0
+        logits[index] = logits[index].masked_fill(banned, float("-inf"))
 
 
 class SpeculativeAlgorithm(ABC):

@@ -15,6 +15,7 @@ import torch
 
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.config import ConfigError, EngineConfig, ModelConfig
+from radixserve.core.grammar import GrammarMasker
 from radixserve.core.interfaces import PLUGIN_KINDS, AttentionBackend, CausalLM, HardwarePlatform
 from radixserve.core.logprobs import record_input_logprobs, scored_positions
 from radixserve.core.memory import KVPool, ReqToTokenPool, TokenAllocator
@@ -78,6 +79,11 @@ class ModelRunner:
         self.attention: AttentionBackend = attn_factory(self.kv_pool, mc, self.device)
         self.model: CausalLM = model_reg.factory(mc, self.attention, self.dtype, self.device)
         self.model.load_weights(iter_weights(model_dir, self.dtype))
+        # The platform decides how a step runs (eagerly here; e.g. CUDA graphs for decodes).
+        self.step = self.platform.step_executor(
+            self.model, self.attention, self.kv_pool, self.req_to_token.table, config
+        )
+        self.grammar_masker: GrammarMasker | None = None  # set by EngineCore
 
     def _select_model(self, host: PluginHost, requested: str | None) -> Any:
         arch = self.model_config.architecture
@@ -152,8 +158,7 @@ class ModelRunner:
         """Forward ``batch``; sample the rows in ``sample_rows``.
         Returns {batch index: (token id, its logprob or None, top logprobs or None)}."""
         fb, plans = self.build_batch(batch)
-        self.attention.prepare(fb)
-        logits = self.model.forward(fb)
+        logits = self.step(fb)
         for req, plan in zip(batch.reqs, plans, strict=True):
             if plan.scored:
                 rows = logits[plan.first_row : plan.first_row + len(plan.scored)]
@@ -162,7 +167,13 @@ class ModelRunner:
             return {}
         reqs = [batch.reqs[i] for i in sample_rows]
         last_rows = [plans[i].sample_row for i in sample_rows]
-        result: SampleResult = sample(logits[last_rows], reqs, eos_ids)
+        rows = logits[last_rows]
+        raw = None
+        if self.grammar_masker is not None and any(r.grammar is not None for r in reqs):
+            if any(r.sampling.logprobs for r in reqs):
+                raw = rows.clone()  # logprobs report the model's belief, not the mask
+            self.grammar_masker.apply(rows, reqs)
+        result: SampleResult = sample(rows, reqs, eos_ids, raw)
         out = {}
         for j, i in enumerate(sample_rows):
             lp = result.logprobs[j] if result.logprobs is not None else None

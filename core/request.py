@@ -7,10 +7,13 @@ and RETRACTED back to WAITING under KV pressure (its tokens are recomputed later
 from __future__ import annotations
 
 import enum
+import json
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from radixserve.core.interfaces import GRAMMAR_KINDS as GRAMMAR_FIELDS
 
 
 class InvalidRequest(ValueError):
@@ -67,6 +70,12 @@ class SamplingParams:
     n: int = 1
     logprobs: bool = False
     top_logprobs_num: int = 0
+    # Constrained decoding (at most one): a JSON schema, a regex the whole output must match, an
+    # EBNF grammar (llama.cpp GBNF syntax, root rule ``root``) or an xgrammar structural tag.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> SamplingParams:
@@ -83,6 +92,8 @@ class SamplingParams:
                 raise InvalidRequest(f"unknown sampling parameter '{key}'")
             if value is None:
                 continue
+            if key in GRAMMAR_FIELDS and isinstance(value, dict):
+                value = json.dumps(value)  # a schema given as an object
             setattr(params, key, value)
         if isinstance(params.stop, str):
             params.stop = [params.stop]
@@ -118,11 +129,32 @@ class SamplingParams:
             raise InvalidRequest(f"stop_token_ids must be < vocab size {vocab_size}")
         if self.seed is not None:
             _check_int("seed", self.seed, 0)
+        self._validate_grammar()
         if self.min_new_tokens > self.max_new_tokens:
             raise InvalidRequest(
                 f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens "
                 f"({self.max_new_tokens})"
             )
+
+    def _validate_grammar(self) -> None:
+        given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        for name in given:
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise InvalidRequest(f"{name} must be a non-empty string, got {value!r}")
+        if len(given) > 1:
+            raise InvalidRequest(
+                f"give at most one of {', '.join(GRAMMAR_FIELDS)}; got {', '.join(given)}"
+            )
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, spec) of the request's constraint, or None when unconstrained."""
+        for name in GRAMMAR_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -175,6 +207,8 @@ class Req:
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
         self.detok: Any = None  # IncrementalDetokenizer, created at the first output token
+        self.grammar: Any = None  # the request's Grammar matcher (core.interfaces), once compiled
+        self.refused = False  # ended before running because its input was bad (grammar compile)
         # timing
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None

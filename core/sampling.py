@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from radixserve.core.grammar import mark_dead_rows
 from radixserve.core.request import Req
 
 
@@ -22,16 +23,26 @@ class SampleResult(NamedTuple):
     top_logprobs: list[list[tuple[float, int]]] | None
 
 
-def sample(logits: torch.Tensor, reqs: Sequence[Req], eos_ids: Sequence[int]) -> SampleResult:
-    """Choose the next token of each request; ``logits`` is [len(reqs), vocab] float32."""
-    raw = logits
+def sample(
+    logits: torch.Tensor,
+    reqs: Sequence[Req],
+    eos_ids: Sequence[int],
+    raw: torch.Tensor | None = None,
+) -> SampleResult:
+    """Choose the next token of each request; ``logits`` is [len(reqs), vocab] float32, already
+    grammar-masked where ``raw`` (the unmasked logits, for logprobs) is given. A constrained row
+    with no allowed token gets ``NO_TOKEN``."""
+    raw = logits if raw is None else raw
     logits = _apply_penalties(logits, reqs)
     logits = _mask_until_min_tokens(logits, reqs, eos_ids)
     if all(r.sampling.is_greedy for r in reqs):
         next_ids = logits.argmax(dim=-1)
     else:
         next_ids = _sample_rows(logits, reqs)
-    return _with_logprobs(raw, next_ids, reqs)
+    result = _with_logprobs(raw, next_ids, reqs)
+    if any(r.grammar is not None for r in reqs):
+        mark_dead_rows(logits, result.next_ids, reqs)
+    return result
 
 
 def _apply_penalties(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:

@@ -10,23 +10,22 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from radixserve.core.grammar import GrammarStepper
 from radixserve.core.logprobs import first_scored_position
 from radixserve.core.memory import ReqToTokenPool, TokenAllocator
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
 from radixserve.core.request import FinishReason, Req, ReqState
 from radixserve.core.schedule_policy import order_waiting
-from radixserve.core.stop import StopChecker
+from radixserve.core.stop import StopChecker, TopLogprobs
 
 logger = logging.getLogger(__name__)
 
-SampledToken = tuple[int, float | None, list[tuple[float, int]] | None]
+SampledToken = tuple[int, float | None, TopLogprobs | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,12 +67,14 @@ class Scheduler:
         req_to_token: ReqToTokenPool,
         cache: RadixCache | NoPrefixCache,
         stop_checker: StopChecker,
+        grammar: GrammarStepper | None = None,
     ) -> None:
         self.config = config
         self.allocator = allocator
         self.req_to_token = req_to_token
         self.cache = cache
         self.stop_checker = stop_checker
+        self.grammar = grammar or GrammarStepper(stop_checker.tokenizer, jump_forward=False)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.stats = SchedulerStats()
@@ -142,18 +143,26 @@ class Scheduler:
                 req.finish(FinishReason("length", length=0))
             else:
                 req.state = ReqState.DECODE
-                token, logprob, top = sampled[i]
-                req.output_ids.append(token)
-                if req.sampling.logprobs:
-                    req.output_logprobs.append(logprob if logprob is not None else 0.0)
-                    req.output_top_logprobs.append(top or [])
-                if req.first_token_time is None:
-                    req.first_token_time = time.perf_counter()
-                self.stop_checker.check(req, token)
+                self._append_sampled(req, *sampled[i])
             if req.finished:
                 self._release(req)
             changed.append(req)
         return changed
+
+    def _append_sampled(
+        self, req: Req, token: int, lp: float | None, top: TopLogprobs | None
+    ) -> None:
+        if req.grammar is not None and not self.grammar.accept(req, token):
+            return  # finished with an abort naming the grammar problem
+        self.stop_checker.append(req, token, lp, top)
+        done = req.grammar is None or req.finished
+        forced = [] if done else self.grammar.after_token(req)
+        for t in forced:  # jump-forward: the next step extends over these tokens
+            self.stop_checker.append(req, t)
+            if req.finished:
+                return
+        if forced:
+            req.state = ReqState.PREFILL
 
     def needs_sampling(self, batch: ScheduledBatch) -> list[int]:
         """Batch indices whose forward reaches the end of their tokens and must sample."""
@@ -285,11 +294,6 @@ class Scheduler:
             raise AssertionError(f"KV leak at idle: {acct}")
         if not self.running and acct["locked"] != 0:
             raise AssertionError(f"cache nodes still locked at idle: {acct}")
-
-
-def batch_positions(batch: ScheduledBatch) -> Sequence[tuple[Req, int, int]]:
-    """(req, first new position, number of new tokens) per batch entry."""
-    return [(r, r.kv_len, n) for r, n in zip(batch.reqs, batch.extend_lens, strict=True)]
 
 
 def _match_limit(req: Req) -> int:

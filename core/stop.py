@@ -6,10 +6,13 @@ small decode, never a decode of the whole output.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from radixserve.core.request import FinishReason, Req
 from radixserve.core.tokenizer import IncrementalDetokenizer, Tokenizer
+
+TopLogprobs = list[tuple[float, int]]
 
 
 class StopChecker:
@@ -26,6 +29,19 @@ class StopChecker:
                 self.tokenizer, req.input_ids, req.sampling.skip_special_tokens
             )
         return req.detok
+
+    def append(
+        self, req: Req, token: int, logprob: float | None = None, top: TopLogprobs | None = None
+    ) -> None:
+        """Append one output token (with its logprobs when asked) and check the stop
+        conditions."""
+        req.output_ids.append(token)
+        if req.sampling.logprobs:
+            req.output_logprobs.append(logprob if logprob is not None else 0.0)
+            req.output_top_logprobs.append(top or [])
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        self.check(req, token)
 
     def check(self, req: Req, token: int) -> None:
         """Update ``req``'s text with ``token`` and finish it if a stop condition holds."""

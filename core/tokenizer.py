@@ -34,6 +34,11 @@ class Tokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._compiled_template: Any = None
 
+    @property
+    def backend(self) -> HFTokenizer:
+        """The underlying ``tokenizers.Tokenizer`` (grammar plugins read its vocabulary)."""
+        return self._tok
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 

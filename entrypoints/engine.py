@@ -114,6 +114,7 @@ class Engine:
         if self._thread.is_alive():
             self._inbox.put(_STOP)
             self._thread.join()
+        self.core.shutdown()
 
     def __enter__(self) -> Engine:
         return self

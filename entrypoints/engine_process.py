@@ -164,7 +164,7 @@ class EngineLoop:
             text_delta=text[start:],
             cached_tokens=req.cached_tokens,
             finish=req.finish_reason if req.finished else None,
-            error_status=error_status,
+            error_status=error_status or (400 if req.refused else 0),
         )
         if req.sampling.logprobs:
             delta.logprobs = req.output_logprobs[n_sent:]

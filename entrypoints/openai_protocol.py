@@ -77,6 +77,10 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     no_stop_trim: bool | None = None
     rid: str | None = None
+    # Constrained decoding (SGLang extensions); chat also takes response_format and tools.
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 # -- completions -----------------------------------------------------------------------------
@@ -121,10 +125,31 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
 class ResponseFormat(BaseModel):
-    type: str = "text"
+    type: str = "text"  # text | json_object | json_schema
+    json_schema: dict[str, Any] | None = None  # {"name": ..., "schema": {...}, "strict": ...}
+
+
+class FunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -154,6 +179,7 @@ class ChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -175,6 +201,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

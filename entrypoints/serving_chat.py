@@ -22,20 +22,27 @@ from radixserve.entrypoints.openai_protocol import (
     ChatStreamChoice,
     ChoiceLogprobs,
     DeltaMessage,
+    DeltaToolCall,
     TokenLogprob,
     TopLogprob,
     UsageInfo,
 )
 from radixserve.entrypoints.serving_openai import OpenAIServing
 from radixserve.entrypoints.streaming import Update, finish_reason, json_response, sse
+from radixserve.entrypoints.structured_output import chat_grammar
 from radixserve.entrypoints.tokenizer_manager import ServerReq
+from radixserve.entrypoints.tool_calls import ToolPlan, ToolStream, plan_tools
 
 
 class ChatServing(OpenAIServing):
     async def create(self, body: ChatCompletionRequest, raw: Request) -> Any:
         model = self.check_model(body.model)
-        _check_unsupported(body)
-        ids = self.tm.encode_chat([_message_dict(i, m) for i, m in enumerate(body.messages)])
+        plan = plan_tools(body)
+        grammar = chat_grammar(body, plan)
+        messages = [_message_dict(i, m) for i, m in enumerate(body.messages)]
+        template = self.tm.tokenizer.chat_template or ""
+        extra = {"tools": plan.tools} if plan.active else {}
+        ids = self.tm.encode_chat(plan.prompt_messages(messages, template), **extra)
         if body.max_completion_tokens is not None:
             max_tokens, field = body.max_completion_tokens, "max_completion_tokens"
         else:
@@ -43,29 +50,38 @@ class ChatServing(OpenAIServing):
         top_n = body.top_logprobs or 0
         if top_n and not body.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
-        params, max_field = self.sampling(body, [len(ids)], max_tokens, field, body.logprobs, top_n)
+        params, max_field = self.sampling(
+            body, [len(ids)], max_tokens, field, body.logprobs, top_n, grammar
+        )
         reqs = self.submit_all([ids], params, body.n, max_field)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
-            stream = self._stream(body, reqs, rid, model)
+            stream = self._stream(body, reqs, rid, model, plan)
             return StreamingResponse(stream, media_type="text/event-stream")
         await self.wait(reqs, raw.is_disconnected)
-        choices = [
-            ChatCompletionChoice(
-                index=i,
-                message=AssistantMessage(content=r.text),
-                logprobs=self._logprobs(r, 0, len(r.output_ids)) if body.logprobs else None,
-                finish_reason=finish_reason(r),
+        choices = []
+        for i, r in enumerate(reqs):
+            content, calls = plan.parse(r.text) if plan.active else (r.text, [])
+            choices.append(
+                ChatCompletionChoice(
+                    index=i,
+                    message=AssistantMessage(content=content, tool_calls=calls or None),
+                    logprobs=self._logprobs(r, 0, len(r.output_ids)) if body.logprobs else None,
+                    finish_reason=_finish_reason(r, bool(calls)),
+                )
             )
-            for i, r in enumerate(reqs)
-        ]
         response = ChatCompletionResponse(
             id=rid, model=model, choices=choices, usage=self.usage(reqs, body.n)
         )
         return json_response(response)
 
     async def _stream(
-        self, body: ChatCompletionRequest, reqs: list[ServerReq], rid: str, model: str
+        self,
+        body: ChatCompletionRequest,
+        reqs: list[ServerReq],
+        rid: str,
+        model: str,
+        plan: ToolPlan,
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -79,15 +95,25 @@ class ChatServing(OpenAIServing):
             logprobs = None
             if body.logprobs and u.token_end > u.token_start:
                 logprobs = self._logprobs(u.req, u.token_start, u.token_end)
-            if not (u.text or logprobs is not None or u.finished):
+            text, calls = u.text, []
+            if plan.active:
+                text, calls = tool_streams[u.index].feed(u.text, u.finished)
+            if not (text or calls or logprobs is not None or u.finished):
                 return None
+            deltas = [
+                DeltaToolCall(index=called[u.index] + j, id=c.id, type=c.type, function=c.function)
+                for j, c in enumerate(calls)
+            ]
+            called[u.index] += len(calls)
             return ChatStreamChoice(
                 index=u.index,
-                delta=DeltaMessage(content=u.text or None),
+                delta=DeltaMessage(content=text or None, tool_calls=deltas or None),
                 logprobs=logprobs,
-                finish_reason=finish_reason(u.req) if u.finished else None,
+                finish_reason=_finish_reason(u.req, called[u.index] > 0) if u.finished else None,
             )
 
+        tool_streams = [ToolStream(plan) for _ in reqs]
+        called = [0] * len(reqs)  # tool calls sent per choice
         for i in range(len(reqs)):
             role = DeltaMessage(role="assistant", content="")
             yield sse(chunk([ChatStreamChoice(index=i, delta=role)], None))
@@ -114,16 +140,9 @@ def _top(text: str, logprob: float) -> TopLogprob:
     return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
 
 
-def _check_unsupported(body: ChatCompletionRequest) -> None:
-    if body.tools and body.tool_choice != "none":
-        raise ApiError(400, "tools (function calling) are not supported yet", param="tools")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise ApiError(
-            400,
-            f"response_format type '{body.response_format.type}' is not supported yet; "
-            "only 'text' is",
-            param="response_format",
-        )
+def _finish_reason(req: ServerReq, called: bool) -> str | None:
+    reason = finish_reason(req)
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
@@ -143,4 +162,8 @@ def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": message.role, "content": content or ""}
     if message.name is not None:
         out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = message.tool_calls
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
     return out

@@ -223,11 +223,11 @@ def _sampling(raw: Any, opts: LogprobOptions) -> SamplingParams:
     for key, value in (raw or {}).items():
         if value == [] and key not in _LIST_KEYS:
             value = None  # SGLang clients send [] for unset fields
-        if key in _GRAMMAR_KEYS:
-            if value not in (None, ""):
-                raise InvalidRequest(
-                    f"sampling_params.{key} needs constrained decoding, which is not supported yet"
-                )
+        if key in _GRAMMAR_KEYS and value == "":
+            value = None  # SGLang clients send "" for an unset constraint
+        if key == "stop_regex":
+            if value is not None:
+                raise InvalidRequest("sampling_params.stop_regex is not supported yet")
             continue
         if key not in _IGNORED_KEYS:
             values[key] = value

@@ -46,6 +46,7 @@ class OpenAIServing:
         max_field: str,
         logprobs: bool,
         top_logprobs: int,
+        grammar: dict[str, Any] | None = None,
     ) -> tuple[SamplingParams, str | None]:
         """The request's SamplingParams, and the name of its output budget field when the
         client set it (then prompt + budget must fit the context)."""
@@ -70,6 +71,10 @@ class OpenAIServing:
             "seed": body.seed,
             "logprobs": logprobs,
             "top_logprobs_num": top_logprobs,
+            "json_schema": body.json_schema,
+            "regex": body.regex,
+            "ebnf": body.ebnf,
+            **(grammar or {}),  # response_format / forced tool calls (chat)
         }
         return SamplingParams.from_dict(values), (max_field if explicit else None)
 

@@ -3,17 +3,22 @@ error instead of unconstrained output."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from radixserve.core.hookspecs import hookimpl
 from radixserve.core.interfaces import Grammar, GrammarBackend
 
 
 class NoGrammarBackend(GrammarBackend):
-    def __init__(self, tokenizer: object = None) -> None:
+    def __init__(
+        self, tokenizer: object = None, vocab_size: int = 0, stop_token_ids: Sequence[int] = ()
+    ) -> None:
         self.tokenizer = tokenizer
 
     def compile(self, kind: str, spec: str) -> Grammar:
         raise ValueError(
-            f"constrained decoding ({kind}) needs a grammar backend; the selected one is 'none'"
+            f"constrained decoding ({kind}) needs a grammar backend; the selected one is 'none' "
+            "(choose one with --plugin grammar=NAME; see `radixserve plugins`)"
         )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -20,7 +21,7 @@ class CpuPlatform(HardwarePlatform):
     def default_plugins(self) -> dict[str, str]:
         return {
             "attention": "torch_native",
-            "grammar": "none",
+            "grammar": "xgrammar" if importlib.util.find_spec("xgrammar") else "none",
             "speculative": "none",
             "kv_transfer": "none",
         }

@@ -1,13 +1,18 @@
 """Llama-family model (Llama-2/3, Mistral-style, SmolLM2) for batched, paged inference.
 
 Projections are fused (qkv, gate_up) to cut per-step kernel launches; attention goes through the
-selected attention plugin, which owns the paged KV access.
+selected attention plugin, which owns the paged KV access. The residual stream is carried beside
+each layer's output so the residual add and the next RMSNorm can be one kernel: on CUDA/ROCm
+devices add+RMSNorm, RoPE and SiLU-mul run as single Triton kernels (``fused_ops.py``), elsewhere
+as the eager torch code below (same rounding steps).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Iterable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -26,12 +31,24 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
+        self.fused: ModuleType | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual)."""
+        if self.fused is not None:
+            return self.fused.add_rms_norm(x, residual, self.weight, self.eps)
+        total = x + residual
+        return self(total), total
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -70,9 +87,12 @@ class RotaryEmbedding:
         freqs = torch.outer(t, inv_freq)
         self.cos = freqs.cos().to(device=device, dtype=dtype)
         self.sin = freqs.sin().to(device=device, dtype=dtype)
+        self.fused: ModuleType | None = None
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim]."""
+        if self.fused is not None:
+            return self.fused.rope(x, positions, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         x1, x2 = x.chunk(2, dim=-1)
@@ -98,17 +118,31 @@ class LlamaLayer(nn.Module):
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.fused: ModuleType | None = None
 
-    def forward(self, h: torch.Tensor, rope: RotaryEmbedding, batch: ForwardBatch) -> torch.Tensor:
-        qkv = self.qkv_proj(self.input_layernorm(h))
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, rope: RotaryEmbedding,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """h: the previous layer's output (the embeddings for layer 0), residual: the stream it
+        adds to (None for layer 0). Returns (this layer's MLP output, the stream before it)."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm.add_forward(h, residual)
+        qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = h.shape[0]
         q = rope.apply(q.view(t, self.num_heads, self.head_dim), batch.positions)
         k = rope.apply(k.view(t, self.num_kv_heads, self.head_dim), batch.positions)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        h = h + self.o_proj(self.attention.forward(q, k, v, self.layer_id, batch))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
-        return h + self.down_proj(F.silu(gate) * up)
+        attn = self.o_proj(self.attention.forward(q, k, v, self.layer_id, batch))
+        x, residual = self.post_attention_layernorm.add_forward(attn, residual)
+        gate_up = self.gate_up_proj(x)
+        if self.fused is not None:
+            return self.down_proj(self.fused.silu_mul(gate_up)), residual
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up), residual
 
 
 class LlamaForCausalLM(nn.Module, CausalLM):
@@ -129,13 +163,21 @@ class LlamaForCausalLM(nn.Module, CausalLM):
         self.to_empty(device=device)
         self.to(dtype)
         self.rope = RotaryEmbedding(config, device, dtype)
+        fused = fused_ops_for(device)
+        for part in (self.rope, *self.modules()):
+            if hasattr(part, "fused"):
+                part.fused = fused
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        h = self.embed_tokens(batch.input_ids)
+        h, residual = self.embed_tokens(batch.input_ids), None
         for layer in self.layers:
-            h = layer(h, self.rope, batch)
-        h = self.norm(h[batch.logits_indices])
+            h, residual = layer(h, residual, self.rope, batch)
+        rows = batch.logits_indices
+        if residual is None:  # a model without layers
+            h = self.norm(h[rows])
+        else:
+            h = self.norm.add_forward(h[rows], residual[rows])[0]
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return F.linear(h, weight).float()
 
@@ -166,6 +208,15 @@ class LlamaForCausalLM(nn.Module, CausalLM):
         missing = expected - loaded
         if missing:
             raise ValueError(f"checkpoint lacks weights: {', '.join(sorted(missing)[:5])} ...")
+
+
+def fused_ops_for(device: str) -> ModuleType | None:
+    """The Triton ops module on a CUDA/ROCm device with Triton installed, else None."""
+    if torch.device(device).type != "cuda" or importlib.util.find_spec("triton") is None:
+        return None
+    from radixserve.plugins.models import fused_ops
+
+    return fused_ops
 
 
 def _fused_target(name: str, model: LlamaForCausalLM) -> tuple[str, int | None]:

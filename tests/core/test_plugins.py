@@ -18,7 +18,12 @@ BUILTINS = {
     "hardware": {"cpu": "cpu"},
     "attention": {"torch_native": "torch_native"},
     "model": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama"},
-    "grammar": {"none": "grammar_none"},
+    "grammar": {
+        "none": "grammar_none",
+        "xgrammar": "grammar_xgrammar",
+        "outlines": "grammar_outlines",
+        "llguidance": "grammar_llguidance",
+    },
     "speculative": {"none": "speculative_none"},
     "kv_transfer": {"none": "kv_transfer_none"},
 }

@@ -267,7 +267,7 @@ def test_abort_request_by_rid(server: RunningServer) -> None:
         ({"text": "a", "input_ids": [1], "sampling_params": {}}, "exactly one of"),
         ({"text": "a", "sampling_params": {"bogus": 1}}, "bogus"),
         ({"text": "a", "sampling_params": {"temperature": -2}}, "temperature"),
-        ({"text": "a", "sampling_params": {"regex": "[ab]+"}}, "regex"),
+        ({"text": "a", "sampling_params": {"regex": "(unclosed"}}, "regex"),
         ({"text": "a", "sampling_params": {"max_new_tokens": TINY_CONTEXT}}, "context length"),
         ({"input_ids": [1, 10**7]}, "vocabulary"),
         ({"input_ids": [5] * (TINY_CONTEXT + 1)}, "context length"),

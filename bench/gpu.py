@@ -1,0 +1,313 @@
+#!/usr/bin/env python
+"""GPU benchmark in one run: the device's ceilings, then radixserve and HF transformers on a
+random-weight model of a real shape (default: Llama-3.1-8B architecture, bfloat16).
+
+Measured, in order: device-to-device copy GB/s and bf16 matmul TFLOP/s (the ceilings);
+radixserve batch-1 decode (128 in / 512 out) against the bandwidth roofline (weight bytes /
+copy bandwidth), batched throughput (64 x (1024 in + 256 out)) and a large offline run
+(512 x (1024 in + 1024 out)); HF ``generate()`` (eager) at batch 1 and batch 64 on the same
+weights. Every system is warmed up at the exact shapes first; rates are output tokens over wall
+time, prefill included, EOS ignored.
+
+    python bench/gpu.py --json-out $OUT/gpu.json
+    python bench/gpu.py --shape tiny --hardware cpu --attention torch_native --small  # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import format_table, machine_info, write_json
+from gpu_model import SHAPES, write_random_llama
+
+from radixserve import Engine, hookimpl
+from radixserve.core.plugins import PluginHost
+from radixserve.plugins.attention import torch_native
+from radixserve.plugins.attention import triton as triton_attention
+from radixserve.plugins.grammar import none as grammar_none
+from radixserve.plugins.hardware import cpu, cuda
+from radixserve.plugins.kv_transfer import none as kv_none
+from radixserve.plugins.models import llama
+from radixserve.plugins.speculative import none as spec_none
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="llama3-8b", choices=["llama3-8b", "smollm2", "tiny"])
+    p.add_argument("--hardware", default="cuda")
+    p.add_argument("--attention", default="triton")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--tune-decode", action="store_true", help="sweep decode launch settings first")
+    p.add_argument("--skip-big", action="store_true", help="skip the 512-request offline run")
+    p.add_argument("--small", action="store_true", help="tiny workloads (smoke test)")
+    p.add_argument("--max-running", type=int, default=256)
+    p.add_argument("--chunked-prefill-size", type=int, default=8192)
+    p.add_argument("--workdir", default=None, help="where the model directory is written")
+    p.add_argument("--json-out", default=None)
+    return p.parse_args()
+
+
+def workloads(small: bool) -> dict[str, tuple[int, int, int]]:
+    """name -> (requests, input tokens, output tokens)."""
+    if small:
+        return {"b1": (1, 16, 32), "tput": (8, 64, 16), "big": (16, 64, 32)}
+    return {"b1": (1, 128, 512), "tput": (64, 1024, 256), "big": (512, 1024, 1024)}
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def median_ms(fn: Callable[[], Any], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_ms(numel: int) -> float:
+    a = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    return median_ms(lambda: b.copy_(a), 20)
+
+
+def ceilings() -> dict[str, float]:
+    copy = copy_ms(1 << 30)  # 2 GiB each way
+    n = 8192
+    x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    mm_ms = median_ms(lambda: x @ y, 20)
+    return {
+        "copy_GBps": 2 * (1 << 31) / copy / 1e6,  # bytes read + written
+        "matmul_TFLOPs": 2 * n**3 / mm_ms / 1e9,
+    }
+
+
+def prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(num)]
+
+
+class StepStats:
+    """A plugin that records each step's time (the ``step_finished`` hook)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+
+    @hookimpl
+    def step_finished(self, stats: dict[str, Any]) -> None:
+        self.steps.append(stats)
+
+
+def bench_host(stats: StepStats) -> PluginHost:
+    # Only the plugins this benchmark needs, imported directly: no install, no entry points.
+    mods = [cpu, cuda, torch_native, triton_attention, llama, grammar_none, spec_none, kv_none]
+    plugins = [(m.__name__.rsplit(".", 2)[-2] + "_" + m.__name__.rsplit(".", 1)[-1], m)
+               for m in mods]  # fmt: skip
+    return PluginHost(load_entry_points=False, extra_plugins=[*plugins, ("bench_stats", stats)])
+
+
+def run_generate(engine: Any, batch: list[list[int]], new: int) -> float:
+    params = {"temperature": 0.0, "max_new_tokens": new, "ignore_eos": True}
+    return timed(lambda: engine.generate(input_ids=batch, sampling_params=params))
+
+
+def run_ours(model_dir: Path, args: argparse.Namespace, vocab: int, res: dict[str, Any]) -> None:
+    """Our engine on every workload; each number is recorded (and saved) as soon as it exists."""
+
+    def note(key: str, value: Any) -> None:
+        res[key] = value
+        print(f"  {key} = {value}", flush=True)
+        if args.json_out:
+            write_json(args.json_out, res)
+
+    w = workloads(args.small)
+    runs = [w["b1"], w["tput"]] + ([] if args.skip_big else [w["big"]])
+    running = min(args.max_running, max(r[0] for r in runs))
+    context = max(i + o for _, i, o in runs) + 8
+    stats = StepStats()
+    start = time.perf_counter()
+    engine = Engine(
+        str(model_dir), host=bench_host(stats),
+        plugins=[f"hardware={args.hardware}", f"attention={args.attention}", "grammar=none"],
+        max_running_requests=running, max_total_tokens=running * context + 4096,
+        context_length=context, chunked_prefill_size=args.chunked_prefill_size,
+        cuda_graph_max_bs=running, disable_cuda_graph=args.disable_cuda_graph,
+    )  # fmt: skip
+    runner = engine.core.runner
+    note("ours_start_s", time.perf_counter() - start)
+    note("plugins", dict(runner.plugins.names))
+    note("cuda_graph", hasattr(runner.step, "graphs"))
+    n, i, o = w["b1"]
+    run_generate(engine, prompts(n, i, vocab, 1), o)  # warm-up at the exact shape
+    note("b1_ttft_s", run_generate(engine, prompts(n, i, vocab, 2), 1))
+    stats.steps.clear()
+    note("b1_s", run_generate(engine, prompts(n, i, vocab, 3), o))
+    decode_steps = [s["step_time_s"] for s in stats.steps if s["num_prefill_tokens"] == 0]
+    note("b1_step_ms_median", 1e3 * statistics.median(decode_steps))
+    note("b1_tok_s", n * o / res["b1_s"])
+    note("b1_graph_replay_ms", graph_replay_ms(engine))
+    if res["cuda_graph"]:  # the same engine with its decode steps run eagerly, for comparison
+        graphs, attention, model = runner.step, runner.attention, runner.model
+        runner.step = lambda fb: (attention.prepare(fb), model.forward(fb))[1]
+        note("b1_eager_tok_s", n * o / run_generate(engine, prompts(n, i, vocab, 7), o))
+        runner.step = graphs
+    n, i, o = w["tput"]
+    run_generate(engine, prompts(max(n // 4, 1), i, vocab, 4), max(o // 8, 2))  # warm-up
+    note("tput_s", run_generate(engine, prompts(n, i, vocab, 5), o))
+    note("tput_tok_s", n * o / res["tput_s"])
+    if not args.skip_big:
+        n, i, o = w["big"]
+        note("big_s", run_generate(engine, prompts(n, i, vocab, 6), o))
+        note("big_tok_s", n * o / res["big_s"])
+    engine.shutdown()
+
+
+def graph_replay_ms(engine: Any) -> float | None:
+    """GPU time of one batch-1 decode step alone (the captured graph), if graphs are on."""
+    graphs = getattr(engine.core.runner.step, "graphs", None)
+    if not graphs:
+        return None
+    graph = graphs[1][0]
+    return median_ms(graph.replay, 50)
+
+
+def run_hf(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if args.hardware == "cuda" else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, device_map=device)
+    model.eval()
+    w = workloads(args.small)
+    out: dict[str, Any] = {}
+
+    def generate(batch: list[list[int]], new: int) -> float:
+        ids = torch.tensor(batch, device=device)
+        kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        with torch.inference_mode():
+            return timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), **kw))
+
+    for key, (n, i, o) in (("hf_b1", w["b1"]), ("hf_b64", w["tput"])):
+        generate(prompts(n, i, vocab, 11), o)  # warm-up at the exact shape
+        out[f"{key}_s"] = generate(prompts(n, i, vocab, 12), o)
+        out[f"{key}_tok_s"] = n * o / out[f"{key}_s"]
+    return out
+
+
+def tune_decode_phase() -> dict[str, Any]:
+    from gpu_kernels import tune_decode
+
+    best, rows = tune_decode()  # leaves the best settings in place for our engine
+    print(f"  decode launch settings: {best}", flush=True)
+    return {"decode_config": best, "decode_sweep": rows}
+
+
+def phase(
+    results: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]], json_out: str | None
+) -> None:
+    """Run one phase; a failure is recorded (and printed) and the next phase still runs. The
+    JSON is rewritten after every phase, so a run cut short keeps what it measured."""
+    start = time.perf_counter()
+    try:
+        results.update(fn())
+    except Exception as e:  # noqa: BLE001 - reported in the table and the JSON
+        results[f"{name}_error"] = f"{type(e).__name__}: {e}"
+        print(f"[{name}] FAILED: {results[f'{name}_error']}", file=sys.stderr, flush=True)
+        import traceback
+
+        traceback.print_exc()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    print(f"[{name}] {time.perf_counter() - start:.1f}s", flush=True)
+    if json_out:
+        write_json(json_out, results)
+
+
+def main() -> None:
+    args = parse_args()
+    res: dict[str, Any] = {"args": vars(args), "machine": machine_info()}
+    out = args.json_out
+    if torch.cuda.is_available():
+        res["gpu"] = torch.cuda.get_device_name()
+        phase(res, "ceilings", ceilings, out)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rs-gpu-bench-"))
+    model_dir = workdir / args.shape
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    write = lambda: {"weight_bytes": write_random_llama(model_dir, args.shape, device)}
+    phase(res, "model", write, out)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    if not args.skip_hf:  # first: a run cut short by a time limit loses only our last number
+        phase(res, "hf", lambda: run_hf(model_dir, args, vocab), out)
+    if args.tune_decode:
+        phase(res, "tune", tune_decode_phase, out)
+    phase(res, "ours", lambda: run_ours(model_dir, args, vocab, res) or {}, out)
+    if "ours_error" in res and not args.disable_cuda_graph:
+        args.disable_cuda_graph = True  # still measure the kernels, without graphs
+        phase(res, "ours_eager", lambda: run_ours(model_dir, args, vocab, res) or {}, out)
+    report(res, args)
+    if out:
+        write_json(out, res)
+
+
+def report(r: dict[str, Any], args: argparse.Namespace) -> None:
+    def ratio(a: str, b: str) -> float | None:
+        return r[a] / r[b] if r.get(a) and r.get(b) else None
+
+    if r.get("copy_GBps") and r.get("weight_bytes"):
+        r["roofline_b1_tok_s"] = r["copy_GBps"] * 1e9 / r["weight_bytes"]
+    w = workloads(args.small)
+    rows = [
+        ["ceiling: copy GB/s", r.get("copy_GBps"), None, None],
+        ["ceiling: bf16 matmul TFLOP/s", r.get("matmul_TFLOPs"), None, None],
+        ["roofline b1 tok/s (weights / copy bw)", r.get("roofline_b1_tok_s"), None, None],
+        [f"ours b1 {w['b1'][1]}/{w['b1'][2]} tok/s", r.get("b1_tok_s"),
+         ratio("b1_tok_s", "roofline_b1_tok_s"), ">= 0.75 of roofline"],
+        ["ours b1 median decode step ms", r.get("b1_step_ms_median"), None, None],
+        ["ours b1 graph replay ms (GPU only)", r.get("b1_graph_replay_ms"), None, None],
+        ["ours b1 without CUDA graphs tok/s", r.get("b1_eager_tok_s"),
+         ratio("b1_eager_tok_s", "roofline_b1_tok_s"), None],
+        ["HF generate b1 eager tok/s", r.get("hf_b1_tok_s"), ratio("b1_tok_s", "hf_b1_tok_s"),
+         "ours / HF"],
+        [f"ours {w['tput'][0]}x({w['tput'][1]}+{w['tput'][2]}) tok/s", r.get("tput_tok_s"),
+         ratio("tput_tok_s", "hf_b64_tok_s"), ">= 4x HF b64"],
+        ["HF generate b64 eager tok/s", r.get("hf_b64_tok_s"), None, None],
+        [f"ours {w['big'][0]}x({w['big'][1]}+{w['big'][2]}) tok/s", r.get("big_tok_s"),
+         (r["big_tok_s"] / 8000) if r.get("big_tok_s") else None, "/ 8000 target"],
+    ]  # fmt: skip
+    gb = r.get("weight_bytes", 0) / 1e9
+    print(f"\nshape={args.shape} gpu={r.get('gpu')} weights={gb:.2f} GB")
+    print(format_table(["measure", "value", "ratio", "target"], rows))
+    for key in [k for k in r if k.endswith("_error")]:
+        print(f"{key}: {r[key]}")
+
+
+if __name__ == "__main__":
+    main()

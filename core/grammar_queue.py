@@ -1,0 +1,165 @@
+"""Grammar compilation off the scheduler's critical path.
+
+A request with a constraint waits here, not in the scheduler, while a worker thread compiles its
+grammar. Compiled grammars are kept in an LRU cache keyed by (backend, kind, spec); requests with
+the same spec share one compilation, even while it is in flight. Each request gets its own
+matcher (``Grammar.copy``). A compile error or a timeout ends only that request, with an abort
+that names the problem.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+from radixserve.core.interfaces import Grammar, GrammarBackend
+from radixserve.core.request import FinishReason, Req
+
+CACHE_SIZE = 256
+WORKERS = 2  # one slow grammar does not hold up every other request's compilation
+# Longest the engine sleeps waiting for a compilation when it has nothing else to run; new
+# requests wait at most this long to be seen.
+IDLE_WAIT_S = 0.02
+
+GrammarKey = tuple[str, str, str]
+
+
+@dataclass(slots=True)
+class _Pending:
+    req: Req
+    future: Future[Grammar]
+    deadline: float
+
+
+class GrammarQueue:
+    """Requests whose grammar is compiling; ``pop_done`` hands them back ready or failed."""
+
+    def __init__(
+        self, backend_name: str, make_backend: Callable[[], GrammarBackend], timeout_s: float
+    ) -> None:
+        self.backend_name = backend_name
+        self.timeout_s = timeout_s
+        self._make_backend = make_backend
+        self._backend: GrammarBackend | None = None
+        self._backend_lock = threading.Lock()
+        # Building the backend (once) does not count against a request's timeout.
+        self._backend_ready = math.inf
+        self._cache: OrderedDict[GrammarKey, Future[Grammar]] = OrderedDict()
+        self._cache_lock = threading.Lock()  # done-callbacks run on the worker threads
+        self._pending: list[_Pending] = []
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    @property
+    def backend(self) -> GrammarBackend:
+        """The backend, built on first use (building one can take a second)."""
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = self._make_backend()
+                self._backend_ready = time.monotonic()
+            return self._backend
+
+    def submit(self, req: Req) -> None:
+        """Start (or join) the compilation of ``req``'s grammar; the request waits here."""
+        spec = req.sampling.grammar
+        assert spec is not None
+        key = (self.backend_name, *spec)
+        with self._cache_lock:
+            future = self._cache.get(key)
+            if future is None:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(WORKERS, "radixserve-grammar")
+                future = self._pool.submit(self._compile, *spec)
+                self._cache[key] = future
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
+        future.add_done_callback(lambda f: self._forget_failure(key, f))
+        self._pending.append(_Pending(req, future, time.monotonic() + self.timeout_s))
+
+    def _compile(self, kind: str, spec: str) -> Grammar:
+        return self.backend.compile(kind, spec)
+
+    def _forget_failure(self, key: GrammarKey, future: Future[Grammar]) -> None:
+        # Errors are not cached: the next request with this spec compiles it again.
+        if future.exception() is not None:
+            with self._cache_lock:
+                if self._cache.get(key) is future:
+                    del self._cache[key]
+
+    def pop_done(self) -> tuple[list[Req], list[Req]]:
+        """(requests now holding their own matcher, requests finished with an abort)."""
+        ready: list[Req] = []
+        failed: list[Req] = []
+        now = time.monotonic()
+        still: list[_Pending] = []
+        for p in self._pending:
+            if p.future.done():
+                error = p.future.exception()
+                if error is None:
+                    p.req.grammar = p.future.result().copy()
+                    ready.append(p.req)
+                else:
+                    message = compile_error_message(p.req, self.backend_name, error)
+                    self._refuse(p.req, message)
+                    failed.append(p.req)
+            elif now >= max(p.deadline, self._backend_ready + self.timeout_s):
+                message = (
+                    f"{_field(p.req)} did not compile within grammar_compile_timeout="
+                    f"{self.timeout_s:g}s (grammar backend {self.backend_name}); simplify it "
+                    "or raise the timeout"
+                )
+                self._refuse(p.req, message)
+                failed.append(p.req)
+            else:
+                still.append(p)
+        self._pending = still
+        return ready, failed
+
+    @staticmethod
+    def _refuse(req: Req, message: str) -> None:
+        req.refused = True  # the server answers 400: the request never ran
+        req.finish(FinishReason("abort", message=message))
+
+    def wait(self, timeout_s: float = IDLE_WAIT_S) -> None:
+        """Sleep until a pending compilation finishes, a deadline passes or ``timeout_s``
+        elapses. Only called when the engine has nothing else to run."""
+        if not self._pending:
+            return
+        first = min(max(p.deadline, self._backend_ready + self.timeout_s) for p in self._pending)
+        next_deadline = first - time.monotonic()
+        timeout = max(0.0, min(timeout_s, next_deadline))
+        wait([p.future for p in self._pending], timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def abort(self, rid: str, message: str) -> Req | None:
+        for p in self._pending:
+            if p.req.rid == rid:
+                self._pending.remove(p)
+                p.req.finish(FinishReason("abort", message=message))
+                return p.req
+        return None
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _field(req: Req) -> str:
+    spec = req.sampling.grammar
+    return "grammar" if spec is None else spec[0]
+
+
+def compile_error_message(req: Req, backend: str, error: BaseException) -> str:
+    """One line naming the constraint field, the backend and its complaint."""
+    detail = " ".join(str(error).split()) or type(error).__name__
+    if not isinstance(error, ValueError):  # not a bad spec: a backend failure
+        detail = f"{type(error).__name__}: {detail}"
+    return f"{_field(req)} rejected by grammar backend '{backend}': {detail}"

@@ -1,0 +1,143 @@
+"""The ``triton`` attention backend: paged KV (page size 1) with GQA on the GPU.
+
+Per step, ``prepare`` builds the metadata every layer reuses with one host->device copy (request
+rows, sequence lengths, new-token counts and offsets) and brings the device copy of the
+req->token table up to date; ``forward`` stores the new K/V with one launch, then runs the decode
+kernel on the decode rows and the extend kernel on the prefill chunks.
+
+NOTE: the device table mirrors the host ``req_to_token`` table for every position a kernel reads:
+a prefill chunk copies its request's row ``[0, seq_len)`` (cached prefix included), a decode
+writes its one new slot. A request therefore reaches decode only after an extend of its own row,
+which the scheduler guarantees (every admitted request starts with a prefill chunk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.core.batch import ForwardBatch
+from radixserve.core.config import ModelConfig
+from radixserve.core.interfaces import AttentionBackend
+from radixserve.core.memory import KVPool
+from radixserve.plugins.attention.triton.decode_kernel import decode_attention, num_decode_splits
+from radixserve.plugins.attention.triton.extend_kernel import extend_attention
+from radixserve.plugins.attention.triton.store_kernel import store_kv
+
+
+@dataclass(slots=True)
+class StepMeta:
+    num_decode: int
+    req_rows: torch.Tensor  # [B] int32, device
+    seq_lens: torch.Tensor  # [B] int32
+    ext_lens: torch.Tensor  # [B] int32
+    q_starts: torch.Tensor  # [B] int32, first flattened row of each request's new tokens
+    max_ext_len: int  # longest prefill chunk (0 without one)
+    part_out: torch.Tensor  # [num_decode, H, splits, D] float32 decode scratch
+    part_lse: torch.Tensor  # [num_decode, H, splits] float32
+
+
+class TritonAttention(AttentionBackend):
+    def __init__(self, kv_pool: KVPool, model_config: ModelConfig, device: str) -> None:
+        self.kv_pool = kv_pool
+        self.device = torch.device(device)
+        self.num_heads = model_config.num_heads
+        self.num_kv_heads = model_config.num_kv_heads
+        self.head_dim = model_config.head_dim
+        self.scale = model_config.head_dim**-0.5
+        if self.device.type == "cuda":
+            self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        else:
+            self.num_sms = 4
+        self.table: torch.Tensor | None = None  # device req->token table, + 1 padding row
+        self.pad_row = 0
+        self._meta: StepMeta | None = None
+
+    def ensure_table(self, host_table: torch.Tensor) -> int:
+        """Allocate the device table (once); return its padding row (all slot 0)."""
+        if self.table is None:
+            rows, cols = host_table.shape
+            self.table = torch.zeros((rows + 1, cols), dtype=torch.int32, device=self.device)
+            self.pad_row = rows
+        return self.pad_row
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        self.ensure_table(batch.req_to_token)
+        assert self.table is not None
+        nd, bs = batch.num_decode, batch.batch_size
+        rows = batch.req_pool_indices.tolist()
+        starts, total = [], 0
+        for n in batch.extend_lens:
+            starts.append(total)
+            total += n
+        packed = torch.tensor(rows + batch.seq_lens + batch.extend_lens + starts, dtype=torch.int32)
+        dev = packed.to(self.device, non_blocking=True).view(4, bs)
+        req_rows, seq_lens = dev[0], dev[1]
+        if nd:
+            self._write_decode_slots(req_rows[:nd], seq_lens[:nd], batch.out_cache_loc[:nd])
+        if bs > nd:
+            width = max(batch.seq_lens[nd:])
+            host_rows = batch.req_to_token[batch.req_pool_indices[nd:], :width]
+            self.table[req_rows[nd:].long(), :width] = host_rows.to(torch.int32).to(
+                self.device, non_blocking=True
+            )
+        self._meta = self._step_meta(nd, dev, max(batch.extend_lens[nd:], default=0))
+
+    def prepare_decode_graph(
+        self, req_rows: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor
+    ) -> None:
+        """Decode-only ``prepare`` from device tensors alone, so it can be captured in a CUDA
+        graph together with the model: every buffer it uses is fixed by the batch size."""
+        bs = req_rows.shape[0]
+        self._write_decode_slots(req_rows, seq_lens, out_cache_loc)
+        ones = torch.ones_like(seq_lens)
+        dev = torch.stack([req_rows, seq_lens, ones, torch.cumsum(ones, 0) - 1])
+        self._meta = self._step_meta(bs, dev, 0)
+
+    def _write_decode_slots(
+        self, req_rows: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        assert self.table is not None
+        flat = req_rows.long() * self.table.stride(0) + (seq_lens.long() - 1)
+        self.table.view(-1).scatter_(0, flat, slots.to(torch.int32))
+
+    def _step_meta(self, nd: int, dev: torch.Tensor, max_ext_len: int) -> StepMeta:
+        splits = num_decode_splits(nd, self.num_kv_heads, self.num_sms)
+        shape = (nd, self.num_heads, splits)
+        return StepMeta(
+            num_decode=nd,
+            req_rows=dev[0],
+            seq_lens=dev[1],
+            ext_lens=dev[2],
+            q_starts=dev[3],
+            max_ext_len=max_ext_len,
+            part_out=torch.empty((*shape, self.head_dim), dtype=torch.float32, device=self.device),
+            part_lse=torch.empty(shape, dtype=torch.float32, device=self.device),
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        meta, table = self._meta, self.table
+        assert meta is not None and table is not None, "prepare() must run before forward()"
+        k_buf, v_buf = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
+        store_kv(k, v, k_buf, v_buf, batch.out_cache_loc)
+        out = torch.empty_like(q)
+        nd = meta.num_decode
+        if nd:
+            decode_attention(
+                q[:nd], k_buf, v_buf, table, meta.req_rows[:nd], meta.seq_lens[:nd],
+                out[:nd], meta.part_out, meta.part_lse, self.scale,
+            )  # fmt: skip
+        if meta.max_ext_len:
+            extend_attention(
+                q, k_buf, v_buf, out, table, meta.req_rows[nd:], meta.seq_lens[nd:],
+                meta.ext_lens[nd:], meta.q_starts[nd:], meta.max_ext_len, self.scale,
+            )  # fmt: skip
+        return out.flatten(1)

@@ -1,0 +1,181 @@
+"""Paged decode attention (one new token per request) with split-K and GQA, in Triton.
+
+Stage 1 splits each request's context into ``num_splits`` ranges; one program per
+(request, KV head, split) attends all query heads of that KV head's group to its range (K/V rows
+are read once per group) and writes a partial output and its log-sum-exp. Stage 2 merges the
+splits. KV rows are found through the device copy of the req->token table, so the grid and every
+buffer depend only on the batch size: the step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 16
+#: Launch settings on a GPU, chosen with bench/gpu_kernels.py on an H200 (KV-bandwidth sweep).
+GPU_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs_per_sm": 8}
+
+
+@triton.jit
+def _decode_partial_kernel(
+    Q, K, V, Table, ReqRows, SeqLens, PartOut, PartLse,
+    sm_scale_log2,
+    stride_qt, stride_qh,
+    stride_kt, stride_kh,
+    stride_vt, stride_vh,
+    stride_table,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b)
+    row = tl.load(ReqRows + b).to(tl.int64)
+    # NOTE: splits are whole BLOCK_N blocks, so trailing splits of short sequences are empty.
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kvh * GROUP + offs_g
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(
+        Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_g[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        mask_n = pos < end
+        slots = tl.load(Table + row * stride_table + pos, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(
+            K + slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    has = l_i > 0
+    out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    tl.store(
+        PartOut + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :],
+        out,
+        mask=mask_g[:, None] & mask_d[None, :],
+    )
+    tl.store(PartLse + b * stride_lb + heads * stride_lh + split, lse, mask=mask_g)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    PartOut, PartLse, Out,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    mask_d = offs_d < HEAD_DIM
+    lse = tl.load(
+        PartLse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf")
+    )
+    w = tl.exp2(lse - tl.max(lse, 0))  # empty splits have lse = -inf: weight 0
+    part = tl.load(
+        PartOut + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+        mask=mask_s[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
+    out_ptr = Out + b * stride_ot + h * stride_oh + offs_d
+    tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=mask_d)
+
+
+def num_decode_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
+    """Enough splits for ``programs_per_sm`` programs per multiprocessor, at most MAX_SPLITS."""
+    want = triton.cdiv(GPU_CONFIG["programs_per_sm"] * num_sms, max(batch_size * num_kv_heads, 1))
+    return max(1, min(MAX_SPLITS, triton.next_power_of_2(want)))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    table: torch.Tensor,
+    req_rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    scale: float,
+    block_n: int | None = None,
+) -> None:
+    """q, out: [B, H, D]; k_buf, v_buf: [slots, KVH, D]; table: [rows, max_context] int32 KV slots;
+    req_rows, seq_lens: [B] int32 on the device; part_out: [B, H, S, D] and part_lse: [B, H, S]
+    float32 scratch, S = the number of splits."""
+    bs, num_heads, head_dim = q.shape
+    num_kv_heads = k_buf.shape[1]
+    group = num_heads // num_kv_heads
+    num_splits = part_out.shape[2]
+    on_cpu = q.device.type == "cpu"  # the Triton interpreter (CI)
+    block_n = block_n or (16 if on_cpu else GPU_CONFIG["block_n"])
+    precise = on_cpu or q.dtype == torch.float32
+    _decode_partial_kernel[(bs, num_kv_heads, num_splits)](
+        q, k_buf, v_buf, table, req_rows, seq_lens, part_out, part_lse,
+        scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_buf.stride(0), k_buf.stride(1),
+        v_buf.stride(0), v_buf.stride(1),
+        table.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        UPCAST=on_cpu, PRECISION="ieee" if precise else "tf32",
+        num_warps=GPU_CONFIG["num_warps"], num_stages=GPU_CONFIG["num_stages"],
+    )  # fmt: skip
+    _decode_reduce_kernel[(bs, num_heads)](
+        part_out, part_lse, out,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+        num_warps=4,
+    )  # fmt: skip

@@ -1,0 +1,43 @@
+"""What outlines-core can enforce of a JSON schema: numeric bounds are ignored by its converter,
+so a small bounded integer range becomes an enum and any other bound is refused."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from radixserve.plugins.grammar.schema_walk import map_schema
+
+MAX_ENUM_RANGE = 1000
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_UNENFORCED = ("multipleOf", "uniqueItems", "patternProperties", "not", "if", "contains")
+
+
+def enforceable_schema(spec: str) -> Any:
+    """``spec`` parsed, bounded integers rewritten; ValueError naming what cannot be enforced."""
+    try:
+        schema = json.loads(spec)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"json_schema is not valid JSON: {e}") from e
+    return map_schema(schema, _enforceable)
+
+
+def _enforceable(node: dict[str, Any], path: str) -> dict[str, Any]:
+    for key in _UNENFORCED:
+        if key in node:
+            raise ValueError(f"'{key}' at {path} is not supported by the outlines backend")
+    if not any(k in node for k in _BOUNDS):
+        return node
+    lo, hi = node.get("minimum"), node.get("maximum")
+    if "exclusiveMinimum" in node:
+        lo = node["exclusiveMinimum"] + 1
+    if "exclusiveMaximum" in node:
+        hi = node["exclusiveMaximum"] - 1
+    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi))
+    if node.get("type") != "integer" or not ints or hi - lo >= MAX_ENUM_RANGE:
+        raise ValueError(
+            f"the outlines backend cannot enforce numeric bounds at {path} (only integer "
+            f"ranges under {MAX_ENUM_RANGE} values); use --plugin grammar=xgrammar or llguidance"
+        )
+    rest = {k: v for k, v in node.items() if k not in (*_BOUNDS, "type")}
+    return {**rest, "enum": list(range(lo, hi + 1))}

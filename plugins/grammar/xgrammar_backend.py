@@ -1,0 +1,124 @@
+"""Grammar backend ``xgrammar`` (the default): JSON schema, regex, EBNF (GBNF) and structural
+tags through the xgrammar library, with its C++ mask kernels."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from radixserve.core.hookspecs import hookimpl
+from radixserve.core.interfaces import Grammar, GrammarBackend
+from radixserve.core.tokenizer import Tokenizer
+from radixserve.plugins.grammar.vocab import encoded_vocab, special_token_ids, vocab_type
+
+# xgrammar prefixes its errors with "[hh:mm:ss] /path/file.cc:123: " and check boilerplate.
+_NOISE = re.compile(r"\[[\d:]+\] \S+:\d+: |Check failed: \(.*?\) is false: ")
+
+
+class XGrammarMatcher(Grammar):
+    def __init__(self, compiled: Any) -> None:
+        import xgrammar as xgr
+
+        self.compiled = compiled
+        self.matcher = xgr.GrammarMatcher(compiled)
+
+    def accept_token(self, token_id: int) -> bool:
+        return bool(self.matcher.accept_token(token_id))
+
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        if self.matcher.is_terminated():  # xgrammar refuses to fill then; nothing is allowed
+            bitmask[index].zero_()
+        else:
+            self.matcher.fill_next_token_bitmask(bitmask, index)
+
+    def is_terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
+    def forced_string(self) -> str:
+        if self.matcher.is_terminated():
+            return ""
+        return str(self.matcher.find_jump_forward_string())
+
+    def copy(self) -> Grammar:
+        return XGrammarMatcher(self.compiled)
+
+
+class XGrammarBackend(GrammarBackend):
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]
+    ) -> None:
+        import xgrammar as xgr
+
+        vocab = encoded_vocab(tokenizer, vocab_size)
+        # xgrammar treats "" as a special token: never allowed in text, only stop ids end it.
+        for token_id in special_token_ids(tokenizer) - set(stop_token_ids):
+            if token_id < vocab_size:
+                vocab[token_id] = ""
+        kind = vocab_type(tokenizer)
+        info = xgr.TokenizerInfo(
+            vocab,
+            getattr(xgr.VocabType, kind.upper()),
+            vocab_size=vocab_size,
+            stop_token_ids=list(stop_token_ids) or None,
+            # SentencePiece-style tokenizers prepend "▁" to the first word.
+            add_prefix_space=kind == "byte_fallback",
+        )
+        # The engine caches compiled grammars itself (core/grammar_queue.py).
+        self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        self.batch = xgr.BatchGrammarMatcher(max_threads=2)
+
+    def compile(self, kind: str, spec: str) -> Grammar:
+        c = self.compiler
+        try:
+            if kind == "json_schema":
+                # Compact JSON with fixed separators: no runaway whitespace, and keys and
+                # punctuation become forced strings that jump-forward skips.
+                compiled = c.compile_json_schema(spec, any_whitespace=False)
+            elif kind == "regex":
+                compiled = c.compile_regex(spec)
+            elif kind == "ebnf":
+                compiled = c.compile_grammar(spec)
+            elif kind == "structural_tag":
+                compiled = c.compile_structural_tag(spec)
+            else:
+                raise ValueError(f"unknown grammar kind '{kind}'")
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(_NOISE.sub("", str(e)).strip()) from e
+        return XGrammarMatcher(compiled)
+
+    def fill_bitmasks(self, grammars: Sequence[tuple[int, Grammar]], bitmask: torch.Tensor) -> None:
+        live = [(r, g) for r, g in grammars if not g.is_terminated()]
+        if len(live) < 2 or len(live) < len(grammars):
+            super().fill_bitmasks(grammars, bitmask)
+            return
+        matchers = [g.matcher for _, g in live]  # type: ignore[attr-defined]
+        self.batch.batch_fill_next_token_bitmask(matchers, bitmask, [r for r, _ in live])
+
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
+
+
+def _available() -> str | None:
+    if importlib.util.find_spec("xgrammar") is None:
+        return "the 'xgrammar' package is not installed (pip install xgrammar)"
+    return None
+
+
+@hookimpl
+def register_grammar_backends(register) -> None:  # type: ignore[no-untyped-def]
+    register(
+        "xgrammar",
+        XGrammarBackend,
+        available=_available,
+        description="xgrammar: JSON schema, regex, EBNF, structural tags",
+    )

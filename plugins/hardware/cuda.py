@@ -1,0 +1,83 @@
+"""The ``cuda`` hardware platform (NVIDIA GPUs): bfloat16, Triton attention, CUDA graphs.
+
+ROCm builds of torch expose the same ``torch.cuda`` API; ``rocm.py`` reuses this class.
+
+Device memory (``mem_fraction_static`` of the card): weights first, then the KV pool takes the
+rest of that fraction; the remaining ``1 - mem_fraction_static`` is left for activations and
+CUDA graphs. The pool never takes memory that is not free now (other processes count).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from radixserve.core.hookspecs import hookimpl
+from radixserve.core.interfaces import HardwarePlatform, StepExecutor
+from radixserve.plugins.hardware.cpu import CpuPlatform
+
+logger = logging.getLogger(__name__)
+
+
+class CudaPlatform(HardwarePlatform):
+    name = "cuda"
+
+    def __init__(self, index: int = 0) -> None:
+        self.device = f"cuda:{index}"
+        torch.cuda.set_device(index)
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    def default_plugins(self) -> dict[str, str]:
+        return {**CpuPlatform().default_plugins(), "attention": "triton"}
+
+    def kv_cache_bytes(self, weight_bytes: int, mem_fraction: float) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = int(total * mem_fraction) - weight_bytes
+        headroom = free - weight_bytes - int(total * (1 - mem_fraction))
+        return max(min(budget, headroom), 0)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def seed_everything(self, seed: int) -> None:
+        torch.manual_seed(seed)  # seeds every CUDA device too
+
+    def step_executor(self, model: Any, attention: Any, kv_pool: Any, req_to_token: torch.Tensor,
+                      config: Any) -> StepExecutor:  # fmt: skip
+        """CUDA graphs for decode-only batches up to ``cuda_graph_max_bs``, unless disabled or
+        the attention backend cannot prepare a decode step from device tensors alone."""
+        eager = super().step_executor(model, attention, kv_pool, req_to_token, config)
+        if config.disable_cuda_graph or config.cuda_graph_max_bs < 1:
+            return eager
+        if not hasattr(attention, "prepare_decode_graph"):
+            logger.info("CUDA graphs off: attention %s cannot be captured", type(attention))
+            return eager
+        from radixserve.plugins.hardware.cuda_graph import CudaGraphRunner
+
+        max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
+        return CudaGraphRunner(model, attention, kv_pool, req_to_token, max_bs, self.device)
+
+
+def cuda_unavailable_reason() -> str | None:
+    if torch.version.hip:
+        return "this torch is a ROCm build; use the 'rocm' platform"
+    if torch.version.cuda is None:
+        return "this torch has no CUDA support (a CPU build)"
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    return None
+
+
+@hookimpl
+def register_hardware_platforms(register) -> None:  # type: ignore[no-untyped-def]
+    register(
+        "cuda",
+        CudaPlatform,
+        available=cuda_unavailable_reason,
+        description="NVIDIA GPU (bfloat16, Triton attention, CUDA graphs)",
+        priority=100,
+    )

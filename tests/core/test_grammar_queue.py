@@ -1,0 +1,156 @@
+"""GrammarQueue: compilation on worker threads, the shared LRU cache, errors and timeouts, with a
+fake backend whose compile can be held."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from radixserve.core import grammar_queue
+from radixserve.core.grammar_queue import GrammarQueue
+from radixserve.core.interfaces import Grammar, GrammarBackend
+from radixserve.core.request import Req, SamplingParams
+
+
+class FakeGrammar(Grammar):
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+
+    def accept_token(self, token_id: int) -> bool:
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        bitmask[index].fill_(-1)
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
+    def forced_string(self) -> str:
+        return ""
+
+    def copy(self) -> Grammar:
+        return FakeGrammar(self.spec)
+
+
+class FakeBackend(GrammarBackend):
+    def __init__(self) -> None:
+        self.compiled: list[str] = []
+        self.release = threading.Event()
+        self.release.set()
+
+    def compile(self, kind: str, spec: str) -> Grammar:
+        self.compiled.append(spec)
+        if spec.startswith("slow"):
+            self.release.wait(10)
+        if spec.startswith("bad"):
+            raise ValueError(f"no such thing as {spec!r}")
+        return FakeGrammar(spec)
+
+
+def req(rid: str, regex: str) -> Req:
+    return Req(rid, [1, 2, 3], SamplingParams(regex=regex))
+
+
+def drain(queue: GrammarQueue, n: int) -> tuple[list[Req], list[Req]]:
+    ready: list[Req] = []
+    failed: list[Req] = []
+    deadline = time.monotonic() + 10
+    while len(ready) + len(failed) < n and time.monotonic() < deadline:
+        queue.wait()
+        r, f = queue.pop_done()
+        ready += r
+        failed += f
+    return ready, failed
+
+
+@pytest.fixture
+def backend() -> FakeBackend:
+    return FakeBackend()
+
+
+def make_queue(backend: FakeBackend, timeout_s: float = 5.0) -> GrammarQueue:
+    return GrammarQueue("fake", lambda: backend, timeout_s)
+
+
+def test_same_spec_compiles_once_and_each_request_gets_its_own_matcher(
+    backend: FakeBackend,
+) -> None:
+    queue = make_queue(backend)
+    reqs = [req("a", "x+"), req("b", "x+"), req("c", "y+")]
+    for r in reqs:
+        queue.submit(r)
+    ready, failed = drain(queue, 3)
+    assert not failed and {r.rid for r in ready} == {"a", "b", "c"}
+    assert sorted(backend.compiled) == ["x+", "y+"]
+    assert reqs[0].grammar is not reqs[1].grammar and reqs[0].grammar.spec == "x+"
+    queue.submit(req("d", "x+"))  # cached: no new compilation
+    assert drain(queue, 1)[0][0].rid == "d" and sorted(backend.compiled) == ["x+", "y+"]
+    assert len(queue) == 0
+
+
+def test_compile_error_ends_only_that_request_and_is_not_cached(backend: FakeBackend) -> None:
+    queue = make_queue(backend)
+    queue.submit(req("bad", "bad["))
+    queue.submit(req("good", "z"))
+    ready, failed = drain(queue, 2)
+    assert [r.rid for r in ready] == ["good"] and [r.rid for r in failed] == ["bad"]
+    reason = failed[0].finish_reason
+    assert reason is not None and reason.type == "abort"
+    assert reason.message == "regex rejected by grammar backend 'fake': no such thing as 'bad['"
+    queue.submit(req("bad2", "bad["))
+    assert drain(queue, 1)[1][0].rid == "bad2"
+    assert backend.compiled.count("bad[") == 2
+
+
+def test_timeout_ends_the_request_and_others_go_on(backend: FakeBackend) -> None:
+    backend.release.clear()
+    queue = make_queue(backend, timeout_s=0.2)
+    queue.submit(req("slow", "slow+"))
+    queue.submit(req("fast", "f"))
+    start = time.monotonic()
+    ready, failed = drain(queue, 2)
+    assert [r.rid for r in ready] == ["fast"] and [r.rid for r in failed] == ["slow"]
+    assert time.monotonic() - start < 5
+    message = failed[0].finish_reason.message  # type: ignore[union-attr]
+    assert "regex did not compile within grammar_compile_timeout=0.2s" in message
+    backend.release.set()
+    queue.shutdown()
+
+
+def test_wait_returns_when_a_compile_finishes(backend: FakeBackend) -> None:
+    backend.release.clear()
+    queue = make_queue(backend)
+    queue.submit(req("slow", "slow1"))
+    threading.Timer(0.05, backend.release.set).start()
+    start = time.monotonic()
+    while not queue.pop_done()[0]:
+        queue.wait(timeout_s=5.0)
+    assert time.monotonic() - start < 2.0
+
+
+def test_abort_while_compiling(backend: FakeBackend) -> None:
+    backend.release.clear()
+    queue = make_queue(backend)
+    queue.submit(req("slow", "slow2"))
+    aborted = queue.abort("slow", "aborted by the client")
+    assert aborted is not None and aborted.finished and len(queue) == 0
+    assert queue.abort("slow", "again") is None
+    backend.release.set()
+
+
+def test_lru_evicts_the_least_recently_used(
+    backend: FakeBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(grammar_queue, "CACHE_SIZE", 2)
+    queue = make_queue(backend)
+    for i, spec in enumerate(["a", "b", "a", "c", "a", "b"]):
+        queue.submit(req(str(i), spec))
+        drain(queue, 1)
+    # "b" was least recently used when "c" came in, so it compiles twice; "a" stays cached.
+    assert backend.compiled == ["a", "b", "c", "b"]

@@ -1,0 +1,91 @@
+"""The Hermes tool-call parser, whole and streamed, and the tool prompt (no server)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from radixserve.entrypoints.openai_protocol import ChatCompletionRequest
+from radixserve.entrypoints.tool_calls import HermesParser, ToolPlan, ToolStream, plan_tools
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+TEXT = (
+    "Let me check.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Lima"}}</tool_call>'
+)
+
+
+def request(**kw: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **kw)
+
+
+def test_hermes_parses_every_block_and_keeps_the_rest() -> None:
+    content, calls = HermesParser().parse(TEXT)
+    assert content == "Let me check."
+    assert calls == [
+        {"name": "get_weather", "arguments": {"city": "Paris"}},
+        {"name": "get_weather", "arguments": {"city": "Lima"}},
+    ]
+
+
+def test_a_broken_block_stays_in_the_content() -> None:
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
+    assert HermesParser().parse(text) == (text, [])
+
+
+def test_stream_holds_back_a_partial_tag_and_sends_calls_as_they_close() -> None:
+    stream = ToolStream(plan_tools(request(tools=[WEATHER])))
+    pieces = [TEXT[i : i + 7] for i in range(0, len(TEXT), 7)]
+    content, calls = "", []
+    for i, piece in enumerate(pieces):
+        text, new = stream.feed(piece, i == len(pieces) - 1)
+        assert "<" not in text  # nothing of a tag leaks into the content
+        content += text
+        calls += new
+        if i < len(pieces) - 1 and new:
+            assert TEXT[: 7 * (i + 1)].count("</tool_call>") == len(calls)
+    assert content.strip() == "Let me check."
+    assert [json.loads(c.function.arguments)["city"] for c in calls] == ["Paris", "Lima"]
+    assert len({c.id for c in calls}) == 2
+
+
+def test_forced_call_is_the_whole_output() -> None:
+    plan = plan_tools(request(tools=[WEATHER], tool_choice="required"))
+    assert plan.forced_schema is not None
+    schema = json.loads(plan.forced_schema)
+    assert schema["properties"]["name"] == {"const": "get_weather"}
+    stream = ToolStream(plan)
+    assert stream.feed('{"name": "get_weather", ', False) == ("", [])
+    content, calls = stream.feed('"arguments": {"city": "Oslo"}}', True)
+    assert content == "" and calls[0].function.name == "get_weather"
+
+
+def test_tools_prompt_for_a_template_without_tools() -> None:
+    plan = plan_tools(request(tools=[WEATHER]))
+    messages = plan.prompt_messages([{"role": "user", "content": "hi"}], "{{ messages }}")
+    assert messages[0]["role"] == "system" and "<tools>" in messages[0]["content"]
+    assert '"get_weather"' in messages[0]["content"]
+    assert plan.prompt_messages([{"role": "user", "content": "hi"}], "{{ tools }}")[0]["role"] == (
+        "user"
+    )
+    earlier = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"function": {"name": "f", "arguments": '{"x": 1}'}}],
+    }
+    (rendered,) = ToolPlan([]).prompt_messages([earlier], "")
+    assert rendered["content"] == '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("choice", [None, "none"])
+def test_no_tools_or_none_turns_tools_off(choice: str | None) -> None:
+    tools = [WEATHER] if choice else None
+    assert not plan_tools(request(tools=tools, tool_choice=choice)).active

@@ -1,0 +1,137 @@
+"""The ``triton`` attention backend against ``torch_native``: one layer over mixed decode +
+prefill steps (its per-step metadata and device table), and whole engines (greedy tokens).
+
+On a CPU machine the kernels run under TRITON_INTERPRET=1; the real-GPU tests are marked ``gpu``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+pytest.importorskip("triton", reason="the 'triton' package is not installed")
+
+from radixserve import Engine  # noqa: E402
+from radixserve.core.batch import ForwardBatch  # noqa: E402
+from radixserve.core.config import ModelConfig  # noqa: E402
+from radixserve.core.memory import KVPool  # noqa: E402
+from radixserve.plugins.attention.torch_native import TorchNativeAttention  # noqa: E402
+from radixserve.plugins.attention.triton.backend import TritonAttention  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CONFIG = ModelConfig.from_dict(
+    {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 6 * 32,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 1,
+        "vocab_size": 10,
+    }
+)
+
+
+def _step(table: torch.Tensor, rows: list[int], kv_lens: list[int], new: list[int], nd: int,
+          slots: list[int]) -> ForwardBatch:  # fmt: skip
+    """Give each request ``new`` slots after its ``kv_lens`` cached ones; build the batch."""
+    out_loc, it = [], iter(slots)
+    for row, start, n in zip(rows, kv_lens, new, strict=True):
+        for pos in range(start, start + n):
+            table[row, pos] = next(it)
+            out_loc.append(int(table[row, pos]))
+    t = len(out_loc)
+    return ForwardBatch(
+        input_ids=torch.zeros(t, dtype=torch.int64, device=DEVICE),
+        positions=torch.zeros(t, dtype=torch.int64, device=DEVICE),
+        out_cache_loc=torch.tensor(out_loc, device=DEVICE),
+        req_pool_indices=torch.tensor(rows),
+        req_to_token=table,
+        seq_lens=[s + n for s, n in zip(kv_lens, new, strict=True)],
+        extend_lens=list(new),
+        num_decode=nd,
+        logits_indices=torch.zeros(0, dtype=torch.int64, device=DEVICE),
+        kv_pool=None,
+    )
+
+
+def test_backend_matches_torch_native_over_steps() -> None:
+    torch.manual_seed(0)
+    heads, kvh, dim = CONFIG.num_heads, CONFIG.num_kv_heads, CONFIG.head_dim
+    pools = [KVPool(200, 1, kvh, dim, torch.float32, DEVICE) for _ in range(2)]
+    backends = [TritonAttention(pools[0], CONFIG, DEVICE), TorchNativeAttention(pools[1], CONFIG,
+                                                                               DEVICE)]  # fmt: skip
+    table = torch.zeros(6, 64, dtype=torch.int64)
+    free = (torch.randperm(200) + 1).tolist()
+    # Request 4's first 21 positions are a "cached prefix" written before it was scheduled.
+    table[4, :21] = torch.tensor(free[:21])
+    cached = table[4, :21].to(DEVICE)
+    pools[0].k[0][cached] = pools[1].k[0][cached] = torch.randn(21, kvh, dim, device=DEVICE)
+    pools[0].v[0][cached] = pools[1].v[0][cached] = torch.randn(21, kvh, dim, device=DEVICE)
+    free = free[21:]
+    steps = [  # (rows, cached, new, num_decode): prefill, then decodes mixed with prefill
+        ([1, 3], [0, 0], [18, 5], 0),
+        ([1, 3, 4, 0], [18, 5, 21, 0], [1, 1, 12, 33], 2),
+        ([1, 3, 4, 0], [19, 6, 33, 33], [1, 1, 1, 1], 4),
+    ]
+    for rows, cached, new, nd in steps:
+        batch = _step(table, rows, cached, new, nd, free[: sum(new)])
+        free = free[sum(new) :]
+        t = batch.num_tokens
+        q = torch.randn(t, heads, dim, device=DEVICE)
+        k = torch.randn(t, kvh, dim, device=DEVICE)
+        v = torch.randn(t, kvh, dim, device=DEVICE)
+        outs = []
+        for backend in backends:
+            backend.prepare(batch)
+            outs.append(backend.forward(q, k, v, 0, batch))
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+        assert torch.equal(pools[0].k[0], pools[1].k[0])
+        assert torch.equal(pools[0].v[0], pools[1].v[0])
+
+
+def _greedy(model_dir: Path, plugins: list[str], prompts: list[list[int]], new: int,
+            **settings: object) -> list[list[int]]:  # fmt: skip
+    params = {"temperature": 0.0, "max_new_tokens": new, "ignore_eos": True}
+    with Engine(str(model_dir), plugins=plugins, **settings) as engine:
+        results = engine.generate(input_ids=prompts, sampling_params=params)
+    return [r["output_ids"] for r in results]
+
+
+def test_engine_greedy_tokens_equal_torch_native(tiny_llama_dir: Path) -> None:
+    shared = list(range(5, 30))  # a shared prefix: the second round hits the radix cache
+    prompts = [shared + [40, 41], shared + [50], [7, 8, 9]]
+    settings = dict(max_total_tokens=2048, dtype="float32")
+    hardware = "hardware=cuda" if DEVICE == "cuda" else "hardware=cpu"  # cpu: the interpreter
+    ours = _greedy(tiny_llama_dir, ["attention=triton", hardware], prompts, 6, **settings)
+    ref = _greedy(tiny_llama_dir, ["attention=torch_native", "hardware=cpu"], prompts, 6,
+                  **settings)  # fmt: skip
+    assert ours == ref
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("disable_cuda_graph", [False, True])
+def test_gpu_greedy_equals_cpu_float32_smollm2_shape(
+    tmp_path: Path, disable_cuda_graph: bool
+) -> None:
+    """SmolLM2-shaped random weights, float32: the GPU (triton, graphs) gives the CPU's tokens."""
+    from tiny_models import make_tiny_llama_dir
+
+    model_dir = make_tiny_llama_dir(
+        tmp_path / "smollm2-shape", hidden_size=576, intermediate_size=1536,
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        max_position_embeddings=2048, tie_word_embeddings=True,
+    )  # fmt: skip
+    prompts = [list(range(3, 40)), list(range(100, 111)), [5] * 70]
+    settings = dict(max_total_tokens=4096, dtype="float32")
+    gpu = _greedy(model_dir, ["hardware=cuda"], prompts, 32,
+                  disable_cuda_graph=disable_cuda_graph, **settings)  # fmt: skip
+    cpu = _greedy(model_dir, ["hardware=cpu"], prompts, 32, **settings)
+    assert gpu == cpu
+

@@ -1,0 +1,67 @@
+"""Schema rewrites the grammar plugins apply: closed objects (llguidance, like xgrammar's strict
+mode) and outlines' bounded-integer enums, refusing the bounds it cannot enforce."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from radixserve.plugins.grammar.outlines_schema import enforceable_schema
+from radixserve.plugins.grammar.schema_walk import closed_objects
+
+
+def test_closed_objects_reaches_nested_subschemas_only() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "properties": {"type": "object", "properties": {"x": {"type": "string"}}},
+            "list": {"type": "array", "items": {"properties": {"y": {}}}},
+            "open": {"properties": {"z": {}}, "additionalProperties": True},
+        },
+    }
+    out = closed_objects(schema)
+    assert out["additionalProperties"] is False
+    props = out["properties"]
+    assert props["properties"]["additionalProperties"] is False  # a property named "properties"
+    assert props["list"]["items"]["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] is True
+    assert "additionalProperties" not in props["properties"]["properties"]["x"]
+
+
+def test_outlines_bounded_integers_become_enums() -> None:
+    spec = {
+        "type": "object",
+        "properties": {
+            "age": {"type": "integer", "minimum": 0, "maximum": 3, "description": "years"},
+            "n": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 3},
+        },
+    }
+    props = enforceable_schema(json.dumps(spec))["properties"]
+    assert props["age"] == {"description": "years", "enum": [0, 1, 2, 3]}
+    assert props["n"] == {"enum": [1, 2]}
+
+
+@pytest.mark.parametrize(
+    ("node", "problem"),
+    [
+        (
+            {"type": "number", "minimum": 0, "maximum": 1},
+            "cannot enforce numeric bounds at #/properties/prop",
+        ),
+        ({"type": "integer", "minimum": 0}, "cannot enforce numeric bounds"),
+        ({"type": "integer", "minimum": 0, "maximum": 10**6}, "under 1000 values"),
+        (
+            {"type": "array", "uniqueItems": True},
+            "'uniqueItems' at #/properties/prop is not supported",
+        ),
+    ],
+)
+def test_outlines_refuses_what_it_cannot_enforce(node: dict, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        enforceable_schema(json.dumps({"properties": {"prop": node}}))
+
+
+def test_outlines_bad_json() -> None:
+    with pytest.raises(ValueError, match="json_schema is not valid JSON"):
+        enforceable_schema("{nope")
