@@ -131,11 +131,12 @@ class LlamaLayer(nn.Module):
         else:
             x, residual = self.input_layernorm.add_forward(h, residual)
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        t = h.shape[0]
-        q = rope.apply(q.view(t, self.num_heads, self.head_dim), batch.positions)
-        k = rope.apply(k.view(t, self.num_kv_heads, self.head_dim), batch.positions)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        t, qk_size = h.shape[0], self.q_size + self.kv_size
+        # q and k heads rotate alike: one RoPE over both (one kernel launch on a GPU)
+        qk = qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = rope.apply(qk, batch.positions)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
         attn = self.o_proj(self.attention.forward(q, k, v, self.layer_id, batch))
         x, residual = self.post_attention_layernorm.add_forward(attn, residual)
         gate_up = self.gate_up_proj(x)

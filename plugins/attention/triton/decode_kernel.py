@@ -16,7 +16,7 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
 #: Launch settings on a GPU, chosen with bench/gpu_kernels.py on an H200 (KV-bandwidth sweep).
-GPU_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs_per_sm": 8}
+GPU_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 8}
 
 
 @triton.jit

@@ -134,4 +134,3 @@ def test_gpu_greedy_equals_cpu_float32_smollm2_shape(
                   disable_cuda_graph=disable_cuda_graph, **settings)  # fmt: skip
     cpu = _greedy(model_dir, ["hardware=cpu"], prompts, 32, **settings)
     assert gpu == cpu
-
