@@ -81,6 +81,12 @@ class EngineConfig:
     )
     served_model_name: str | None = _opt(None, "Model name reported by the API")
     plugins: tuple[str, ...] = _opt((), "Plugin selection KIND=NAME (repeatable)")
+    plugin_allow: tuple[str, ...] = _opt(
+        (),
+        "Load only these third-party entry-point plugins (repeatable; built-ins always load; "
+        "default: every installed one)",
+        metavar="NAME",
+    )
     dtype: str = _opt("auto", "Weight and KV dtype: auto, float32, bfloat16, float16")
     context_length: int | None = _opt(None, "Maximum tokens per request (prompt + output)")
     max_running_requests: int = _opt(64, "Most requests decoding at once")
@@ -98,6 +104,9 @@ class EngineConfig:
         256, "Largest decode batch replayed from a CUDA graph (batches are padded up to a size)"
     )
     disable_cuda_graph: bool = _opt(False, "Run decode steps eagerly instead of from CUDA graphs")
+    watchdog_timeout: float = _opt(
+        300.0, "Seconds one model step may take; a longer stall kills the engine (503 + exit 1)"
+    )
     debug_leak_check: bool = _opt(False, "Check the KV leak invariant whenever the engine idles")
     log_level: str = _opt("warning", "Log level: debug, info, warning, error")
     grammar_backend: str | None = _opt(
@@ -117,6 +126,8 @@ class EngineConfig:
             raise ConfigError(
                 f"grammar_compile_timeout must be > 0 seconds, got {self.grammar_compile_timeout}"
             )
+        if not self.watchdog_timeout > 0:
+            raise ConfigError(f"watchdog_timeout must be > 0 seconds, got {self.watchdog_timeout}")
         if self.max_running_requests < 1:
             raise ConfigError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:

@@ -107,6 +107,7 @@ class EngineCore:
         start = time.perf_counter()
         changed = self._admit_compiled() if len(self.grammars) else []
         batch = self.scheduler.schedule()
+        changed += self.scheduler.pop_ended()
         if batch is None:
             if len(self.grammars) and not self.scheduler.has_work():
                 self.grammars.wait()  # idle until a grammar compiles: no busy loop

@@ -228,6 +228,23 @@ def _load_entry_point_modules(allowed: set[str] | None) -> list[tuple[str, objec
 
 
 @cache
-def default_host() -> PluginHost:
-    """The process-wide host: entry points are loaded once per process."""
-    return PluginHost()
+def default_host(allow: tuple[str, ...] = ()) -> PluginHost:
+    """The process-wide host: entry points are loaded once per process. A non-empty ``allow``
+    (``--plugin-allow``) names the third-party plugins that may load; radixserve's own always do.
+    """
+    if not allow:
+        return PluginHost()
+    known = {ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    unknown = sorted(set(allow) - known)
+    if unknown:
+        raise PluginError(
+            f"--plugin-allow names {', '.join(unknown)}, which no installed plugin is; "
+            f"installed: {', '.join(sorted(known))}"
+        )
+    return PluginHost(allow={*allow, *builtin_plugin_names()})
+
+
+def builtin_plugin_names() -> set[str]:
+    """Entry-point plugins that ship inside radixserve itself."""
+    eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    return {ep.name for ep in eps if ep.value.startswith("radixserve.")}

@@ -76,6 +76,8 @@ class Scheduler:
         self.stop_checker = stop_checker
         self.grammar = grammar or GrammarStepper(stop_checker.tokenizer, jump_forward=False)
         self.waiting: deque[Req] = deque()
+        # Requests ended outside any batch (the KV pool cannot hold them); see pop_ended().
+        self.ended: list[Req] = []
         self.running: list[Req] = []
         self.stats = SchedulerStats()
         self._rng = random.Random(config.random_seed)
@@ -99,6 +101,12 @@ class Scheduler:
                 req.finish(FinishReason("abort", message=message))
                 return req
         return None
+
+    def pop_ended(self) -> list[Req]:
+        """Requests the scheduler finished on its own since the last call (they are in no
+        batch, so the engine must report them separately, or their clients would wait)."""
+        ended, self.ended = self.ended, []
+        return ended
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -190,6 +198,7 @@ class Scheduler:
             else:
                 self._release(victim)
                 victim.finish(FinishReason("abort", message="KV pool too small for this request"))
+                self.ended.append(victim)
         return decodes
 
     def _retract(self, req: Req) -> None:

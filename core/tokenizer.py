@@ -40,7 +40,15 @@ class Tokenizer:
         return self._tok
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            if isinstance(text, str) and not _is_valid_unicode(text):
+                # JSON may escape a lone surrogate ("\ud800"); such text has no UTF-8 form.
+                raise InvalidRequest(
+                    "the text contains a lone surrogate (invalid Unicode); send valid UTF-8"
+                ) from None
+            raise
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -86,6 +94,14 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value
+
+
+def _is_valid_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _raise_template_error(message: str) -> None:

@@ -248,8 +248,14 @@ def add_engine_config_args(parser: Any, skip: Sequence[str] = ()) -> None:
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
-        kind = _scalar_type(f.name, hints[f.name])
         help_text = f.metadata.get("help", "")
+        if typing.get_origin(hints[f.name]) is tuple:  # a repeatable flag (--plugin-allow)
+            metavar = f.metadata.get("metavar", "VALUE")
+            parser.add_argument(
+                flag, action="append", default=argparse.SUPPRESS, metavar=metavar, help=help_text
+            )
+            continue
+        kind = _scalar_type(f.name, hints[f.name])
         if f.default is not MISSING and f.default is not None and kind is not bool:
             help_text += f" (default: {f.default})"
         if kind is bool:

@@ -42,13 +42,16 @@ class Engine:
         host: PluginHost | None = None,
         **settings: Any,
     ) -> None:
-        self.host = host or default_host()
+        allow = tuple(settings.pop("plugin_allow", ()) or ())
+        self.host = host or default_host(allow)
         resolved = self.host.hook.resolve_model_dir(model_path=model_path) or model_path
         if resolved is None or not Path(resolved).is_dir():
             raise ConfigError(f"model path '{model_path}' is not a model directory or a .gguf file")
         if isinstance(plugins, dict):
             plugins = [f"{k}={v}" for k, v in plugins.items()]
-        self.config = EngineConfig(model_path=str(resolved), plugins=tuple(plugins), **settings)
+        self.config = EngineConfig(
+            model_path=str(resolved), plugins=tuple(plugins), plugin_allow=allow, **settings
+        )
         self.model_dir = Path(resolved)
         self.core = EngineCore(self.model_dir, self.config, self.host)
         self.tokenizer = self.core.tokenizer

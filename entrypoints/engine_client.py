@@ -113,6 +113,13 @@ class EngineClient:
             elif isinstance(msg, ipc.EngineFailed):
                 self._die(msg.message)
 
+    def check_alive(self) -> str | None:
+        """Notice a vanished engine now (health probes must not wait for the receive loop's
+        poll timeout); return why it is dead, or None."""
+        if self.dead is None and self.process is not None and not self._alive():
+            self._die(f"the engine process exited with code {self._exitcode()}")
+        return self.dead
+
     def _die(self, reason: str) -> None:
         logger.error("engine died: %s", reason)
         self.dead = reason

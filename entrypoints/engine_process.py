@@ -10,7 +10,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing
+import os
 import signal
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,8 @@ from radixserve.core.plugins import PluginError, default_host
 from radixserve.core.request import FinishReason, InvalidRequest, Req
 
 logger = logging.getLogger(__name__)
+
+WATCHDOG_EXIT_CODE = 70  # EX_SOFTWARE
 
 
 def run_engine(settings: dict[str, Any], inbound_addr: str, outbound_addr: str) -> None:
@@ -60,7 +65,7 @@ def run_engine(settings: dict[str, Any], inbound_addr: str, outbound_addr: str) 
 
 
 def _build_core(settings: dict[str, Any]) -> EngineCore:
-    host = default_host()
+    host = default_host(tuple(settings.get("plugin_allow") or ()))
     model_path = settings.get("model_path")
     resolved = host.hook.resolve_model_dir(model_path=model_path) or model_path
     if resolved is None or not Path(resolved).is_dir():
@@ -69,6 +74,7 @@ def _build_core(settings: dict[str, Any]) -> EngineCore:
     values = {k: v for k, v in settings.items() if k in names}
     values["model_path"] = str(resolved)
     values["plugins"] = tuple(values.get("plugins") or ())
+    values["plugin_allow"] = tuple(values.get("plugin_allow") or ())
     config = EngineConfig(**values)
     return EngineCore(Path(resolved), config, host)
 
@@ -100,6 +106,21 @@ class EngineLoop:
         self.parent_sentinel = parent.sentinel if parent is not None else None
         if self.parent_sentinel is not None:
             self.poller.register(self.parent_sentinel, zmq.POLLIN)
+        self.step_started: float | None = None  # read by the watchdog thread
+        watchdog = threading.Thread(target=self._watchdog, name="engine-watchdog", daemon=True)
+        watchdog.start()
+
+    def _watchdog(self) -> None:
+        """Kill the engine when one step stalls past --watchdog-timeout: the server notices the
+        exit, answers 503 on /health, fails in-flight requests and exits non-zero. A stuck step
+        cannot be interrupted from Python, so ending the process is the only way out."""
+        limit = self.core.config.watchdog_timeout
+        while True:
+            time.sleep(min(0.5, limit / 4))
+            started = self.step_started
+            if started is not None and time.monotonic() - started > limit:
+                logger.error("a model step stalled for more than %.1f s; engine exiting", limit)
+                os._exit(WATCHDOG_EXIT_CODE)
 
     def run(self) -> None:
         try:
@@ -112,8 +133,10 @@ class EngineLoop:
                 if not self._drain():
                     return
                 if self.core.has_work():
+                    self.step_started = time.monotonic()
                     for req in self.core.step():
                         self.outbox.append(self._delta(req))
+                    self.step_started = None
                 self._flush()
         except Exception as e:  # noqa: BLE001 - reported to the server, which fails its requests
             logger.exception("engine loop failed")

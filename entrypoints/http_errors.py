@@ -17,10 +17,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixserve.core.request import InvalidRequest
+from radixserve.entrypoints.admission import Overloaded
 from radixserve.entrypoints.engine_client import EngineDied
 from radixserve.entrypoints.tokenizer_manager import ClientGone
 
-_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}
+_TYPES = {401: "authentication_error", 404: "not_found_error"}
 # No key needed to ask whether the server is up, or for Prometheus scrapes.
 PUBLIC_PATHS = frozenset({"/health", "/metrics"})
 
@@ -39,6 +40,8 @@ def error_body(
     status: int, message: str, param: str | None = None, code: str | int | None = None
 ) -> dict[str, Any]:
     kind = _TYPES.get(status) or ("invalid_request_error" if status < 500 else "server_error")
+    # A message may quote the client's text, lone surrogates included; keep it encodable.
+    message = message.encode("utf-8", "backslashreplace").decode()
     return {"error": {"message": message, "type": kind, "param": param, "code": code or status}}
 
 
@@ -91,6 +94,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _dead(_: Request, exc: EngineDied) -> JSONResponse:
         return error_response(503, f"the engine is not running: {exc}")
 
+    @app.exception_handler(Overloaded)
+    async def _overloaded(_: Request, exc: Overloaded) -> JSONResponse:
+        response = error_response(503, str(exc), code="overloaded")
+        response.headers["Retry-After"] = str(exc.retry_after)
+        return response
+
     @app.exception_handler(ClientGone)
     async def _gone(_: Request, exc: ClientGone) -> JSONResponse:
         return error_response(499, "the client disconnected; the request was aborted")
@@ -98,18 +107,32 @@ def install_error_handlers(app: FastAPI) -> None:
 
 class GuardMiddleware:
     """Pure ASGI (streaming and disconnect detection stay intact): checks the API key with a
-    constant-time compare and caps the request body size."""
+    constant-time compare and caps the header and body sizes. (uvicorn's h11 limit only bounds
+    a head still arriving; one read in a single chunk is checked here.)"""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        max_body_bytes: int,
+        max_header_bytes: int = 64 << 10,
+    ) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.max_body = max_body_bytes
+        self.max_header = max_header_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers") or [])
+        raw_headers = scope.get("headers") or []
+        size = sum(len(k) + len(v) + 4 for k, v in raw_headers)
+        if size > self.max_header:
+            msg = f"the request headers ({size} bytes) exceed the limit of {self.max_header} bytes"
+            await _send(send, 431, error_body(431, msg))
+            return
+        headers = dict(raw_headers)
         if self.expected is not None and scope["path"] not in PUBLIC_PATHS:
             got = headers.get(b"authorization", b"")
             if not hmac.compare_digest(got, self.expected):

@@ -54,7 +54,12 @@ def create_app(
     tm: TokenizerManager, args: ServerArgs, metrics: ServerMetrics | None = None
 ) -> FastAPI:
     app = FastAPI(title="radixserve", version=radixserve.__version__, docs_url=None, redoc_url=None)
-    app.add_middleware(GuardMiddleware, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    app.add_middleware(
+        GuardMiddleware,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        max_header_bytes=args.max_header_bytes,
+    )
     install_error_handlers(app)
     name = args.model_name
     aliases = [a for a in (args.engine.model_path, tm.info.model_dir) if a]
@@ -115,16 +120,19 @@ def create_app(
             "num_retractions": state.retractions,
             "num_steps": state.steps,
             "num_live_requests": len(tm.reqs),
+            "draining": tm.draining,
         }
 
     @app.get("/health")
     async def health() -> Any:
-        if tm.dead is not None:
+        if tm.client.check_alive() is not None:
             return error_response(503, f"the engine is not running: {tm.dead}")
         return {"status": "ok"}
 
     @app.api_route("/health_generate", methods=GET_POST)
     async def health_generate() -> Any:
+        if tm.client.check_alive() is not None:
+            return error_response(503, f"the engine is not running: {tm.dead}")
         ids = tm.encode("hi")[:4] or [0]
         req = tm.submit(ids, SamplingParams(max_new_tokens=1, temperature=0.0), asyncio.Event())
         try:

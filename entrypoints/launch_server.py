@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +26,9 @@ from radixserve.entrypoints.http_server import create_app
 from radixserve.entrypoints.metrics import ServerMetrics
 from radixserve.entrypoints.server_args import ServerArgs, parse_server_args
 from radixserve.entrypoints.tokenizer_manager import TokenizerManager
+
+ABORT_GRACE_S = 3.0  # after --shutdown-timeout, for aborted responses to end
+DEATH_GRACE_S = 2.0  # after the engine died, /health answers 503 this long before the exit
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -71,7 +75,7 @@ async def serve(args: ServerArgs, chat_template: str | None = None) -> int:
             return 1
         tokenizer = Tokenizer(info.model_dir, chat_template=chat_template)
         metrics = ServerMetrics(args.model_name) if args.enable_metrics else None
-        tm = TokenizerManager(client, info, tokenizer, metrics)
+        tm = TokenizerManager(client, info, tokenizer, metrics, args.limits())
         app = create_app(tm, args, metrics)
         config = uvicorn.Config(
             app,
@@ -79,14 +83,19 @@ async def serve(args: ServerArgs, chat_template: str | None = None) -> int:
             port=args.port,
             log_level=args.engine.log_level,
             access_log=args.engine.log_level in ("debug", "info"),
-            timeout_graceful_shutdown=5,
+            # Past --shutdown-timeout in-flight requests are aborted; this grace lets their
+            # responses end with finish_reason abort before uvicorn cancels what is left.
+            timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S,
             timeout_keep_alive=30,
+            h11_max_incomplete_event_size=args.max_header_bytes,
         )
-        server = uvicorn.Server(config)
+        server = DrainingServer(config, tm, args.shutdown_timeout)
+        loop = asyncio.get_running_loop()
 
         def on_engine_death(reason: str) -> None:
+            # Keep answering 503 on /health for a moment, so probes see why, then exit non-zero.
             print(f"radixserve: the engine died ({reason}); shutting down", file=sys.stderr)
-            server.should_exit = True
+            loop.call_later(DEATH_GRACE_S, setattr, server, "should_exit", True)
 
         tm.on_engine_death = on_engine_death
         client.start_receiving()
@@ -96,6 +105,25 @@ async def serve(args: ServerArgs, chat_template: str | None = None) -> int:
         return 1 if client.dead is not None or not server.started else 0
     finally:
         client.shutdown()
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a graceful shutdown in two stages: on SIGTERM it stops listening
+    and refuses new requests (503), lets in-flight ones run for ``drain_s``, then aborts the
+    rest."""
+
+    def __init__(self, config: uvicorn.Config, tm: TokenizerManager, drain_s: float) -> None:
+        super().__init__(config)
+        self.tm = tm
+        self.drain_s = drain_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.tm.draining = True
+        abort = asyncio.get_running_loop().call_later(self.drain_s, self.tm.abort_all)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            abort.cancel()
 
 
 async def _announce(server: uvicorn.Server, args: ServerArgs, info: EngineReady) -> None:

@@ -67,6 +67,8 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Accepted only to refuse it with a clear 400: the sampler has no per-token bias.
+    logit_bias: dict[str, float] | None = None
     # SGLang / vLLM extensions
     top_k: int | None = None
     min_p: float | None = None

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from radixserve.core.config import DTYPES, SCHEDULE_POLICIES, ConfigError, EngineConfig
+from radixserve.entrypoints.admission import Limits
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -30,6 +31,13 @@ class ServerArgs:
     chat_template: str | None = None
     enable_metrics: bool = False
     max_body_bytes: int = 32 << 20
+    max_header_bytes: int = 64 << 10
+    max_queued_requests: int = 1024
+    request_timeout: float | None = None
+    max_n: int = 16
+    max_stop_strings: int = 16
+    max_stop_length: int = 256
+    shutdown_timeout: float = 30.0
 
     @property
     def model_name(self) -> str:
@@ -39,6 +47,17 @@ class ServerArgs:
             return self.engine.served_model_name
         return self.engine.model_path or DEFAULT_MODEL_NAME
 
+    def limits(self) -> Limits:
+        """The admission limits the TokenizerManager enforces."""
+        return Limits(
+            max_queued_requests=self.max_queued_requests,
+            max_running_requests=self.engine.max_running_requests,
+            request_timeout=self.request_timeout,
+            max_n=self.max_n,
+            max_stop_strings=self.max_stop_strings,
+            max_stop_length=self.max_stop_length,
+        )
+
     def to_json(self) -> dict[str, Any]:
         """Every setting, for /get_server_info (the API key is never shown)."""
         out = {
@@ -47,6 +66,7 @@ class ServerArgs:
         out["api_key"] = "***" if self.api_key else None
         out.update(dataclasses.asdict(self.engine))
         out["plugins"] = list(self.engine.plugins)
+        out["plugin_allow"] = list(self.engine.plugin_allow)
         return out
 
 
@@ -62,10 +82,49 @@ def build_parser(prog: str = "radixserve serve") -> argparse.ArgumentParser:
     p.add_argument(
         "--max-body-bytes", type=int, default=32 << 20, help="Largest request body accepted"
     )
+    _add_limit_flags(p)
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
         _add_engine_flag(p, f, hints[f.name])
     return p
+
+
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=64 << 10,
+        help="Largest request head (request line + headers) accepted; larger ones are refused",
+    )
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="Requests that may wait beyond --max-running-requests; more get 503 with Retry-After",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="Seconds a request may run before it is aborted (finish_reason abort); "
+        "default: no limit",
+    )
+    p.add_argument("--max-n", type=int, default=16, help="Largest n (choices per prompt)")
+    p.add_argument(
+        "--max-stop-strings",
+        type=int,
+        default=16,
+        help="Most stop strings (and most stop_token_ids) per request",
+    )
+    p.add_argument(
+        "--max-stop-length", type=int, default=256, help="Longest stop string, in characters"
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="On SIGTERM: seconds in-flight requests get to finish before they are aborted",
+    )
 
 
 def _add_engine_flag(p: argparse.ArgumentParser, f: dataclasses.Field[Any], hint: Any) -> None:
@@ -78,7 +137,7 @@ def _add_engine_flag(p: argparse.ArgumentParser, f: dataclasses.Field[Any], hint
     if base is bool:
         kw["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
     elif base is tuple:
-        kw.update(action="append", default=None, metavar="KIND=NAME")
+        kw.update(action="append", default=None, metavar=f.metadata.get("metavar", "KIND=NAME"))
     else:
         kw["type"] = base
         if f.name in _CHOICES:
@@ -101,10 +160,17 @@ def parse_server_args(argv: Sequence[str] | None = None) -> ServerArgs:
     values = vars(ns)
     engine_values = {f.name: values.pop(f.name) for f in dataclasses.fields(EngineConfig)}
     engine_values["plugins"] = tuple(engine_values["plugins"] or ())
+    engine_values["plugin_allow"] = tuple(engine_values["plugin_allow"] or ())
     if engine_values["model_path"] == DEFAULT_MODEL_NAME:
         engine_values["model_path"] = None  # the hub id of the default model: use the bundled copy
     try:
         engine = EngineConfig(**engine_values)
     except ConfigError as e:
         parser.error(str(e))
+    for name in ("max_header_bytes", "max_queued_requests", "max_n", "max_stop_strings"):
+        if values[name] < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {values[name]}")
+    for name in ("request_timeout", "shutdown_timeout", "max_stop_length"):
+        if values[name] is not None and not values[name] > 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0, got {values[name]}")
     return ServerArgs(engine=engine, **values)

@@ -98,6 +98,7 @@ class NativeServing:
         options: list[LogprobOptions],
         rids: list[str | None],
     ) -> tuple[list[ServerReq], list[LogprobOptions]]:
+        self.tm.admit(sum(p.n for p in params))
         event = asyncio.Event()
         reqs: list[ServerReq] = []
         req_options: list[LogprobOptions] = []

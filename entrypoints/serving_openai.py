@@ -50,6 +50,10 @@ class OpenAIServing:
     ) -> tuple[SamplingParams, str | None]:
         """The request's SamplingParams, and the name of its output budget field when the
         client set it (then prompt + budget must fit the context)."""
+        if body.logit_bias:
+            raise ApiError(
+                400, "logit_bias is not supported by this server; omit it", param="logit_bias"
+            )
         explicit = max_tokens is not None
         if max_tokens is None:
             max_tokens = min(self.tm.default_max_tokens(n) for n in prompt_lens)
@@ -82,8 +86,10 @@ class OpenAIServing:
         self, prompts: Sequence[list[int]], params: SamplingParams, n: int, max_field: str | None
     ) -> list[ServerReq]:
         """Check every prompt, then queue n choices of each (prompt-major order)."""
+        self.tm.limits.check_n(n)
         for ids in prompts:
             self.tm.check(ids, params, max_field)
+        self.tm.admit(len(prompts) * n)
         event = asyncio.Event()
         reqs: list[ServerReq] = []
         try:

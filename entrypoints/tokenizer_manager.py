@@ -18,6 +18,7 @@ from typing import Any
 from radixserve.core import ipc
 from radixserve.core.request import FinishReason, InvalidRequest, SamplingParams
 from radixserve.core.tokenizer import Tokenizer
+from radixserve.entrypoints.admission import Limits
 from radixserve.entrypoints.engine_client import EngineClient, EngineDied
 from radixserve.entrypoints.metrics import ServerMetrics
 
@@ -38,7 +39,7 @@ class ServerReq:
         "rid", "prompt_ids", "sampling", "event", "output_ids", "text", "logprobs",
         "top_logprobs", "cached_tokens", "finish", "error_status", "created",
         "logprob_start_len", "input_logprobs", "input_top_logprobs",
-        "first_token_time", "last_token_time", "finish_time",
+        "first_token_time", "last_token_time", "finish_time", "timer",
     )  # fmt: skip
 
     def __init__(
@@ -62,6 +63,7 @@ class ServerReq:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finish_time: float | None = None
+        self.timer: asyncio.TimerHandle | None = None  # --request-timeout
 
     @property
     def finished(self) -> bool:
@@ -97,8 +99,11 @@ class TokenizerManager:
         info: ipc.EngineReady,
         tokenizer: Tokenizer,
         metrics: ServerMetrics | None = None,
+        limits: Limits | None = None,
     ) -> None:
         self.client = client
+        self.limits = limits or Limits()
+        self.draining = False  # set on SIGTERM: new requests get 503
         self.info = info
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -152,6 +157,11 @@ class TokenizerManager:
                 f"this model's context length of {info.max_context} tokens"
             )
         params.validate(info.vocab_size)
+        self.limits.check_params(params)
+
+    def admit(self, count: int) -> None:
+        """Raise Overloaded unless ``count`` more requests may be queued now."""
+        self.limits.admit(len(self.reqs), count, self.draining)
 
     def default_max_tokens(self, prompt_len: int) -> int:
         return max(self.info.max_context - prompt_len, 0)
@@ -174,6 +184,9 @@ class TokenizerManager:
         req = ServerReq(rid, ids, params, event)
         req.logprob_start_len = logprob_start_len
         self.reqs[rid] = req
+        timeout = self.limits.request_timeout
+        if timeout is not None:
+            req.timer = asyncio.get_running_loop().call_later(timeout, self._time_out, rid)
         self.client.send(
             ipc.GenerateRequest(
                 rid=rid, input_ids=ids, sampling=params, logprob_start_len=logprob_start_len
@@ -184,6 +197,10 @@ class TokenizerManager:
     def abort(self, rid: str) -> None:
         if rid in self.reqs and self.dead is None:
             self.client.send(ipc.AbortRequest(rid))
+
+    def _time_out(self, rid: str) -> None:
+        logger.warning("request %s ran past --request-timeout; aborting it", rid)
+        self.abort(rid)
 
     def abort_all(self) -> None:
         for rid in list(self.reqs):
@@ -251,6 +268,8 @@ class TokenizerManager:
 
     def _finish(self, r: ServerReq, reason: FinishReason, status: int, now: float) -> None:
         r.finish, r.error_status, r.finish_time = reason, status, now
+        if r.timer is not None:
+            r.timer.cancel()
         self.reqs.pop(r.rid, None)
         logger.info(
             "request %s: %s, prompt %d (cached %d), output %d tokens, %.3f s",

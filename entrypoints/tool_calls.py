@@ -157,8 +157,15 @@ def _with_call_text(message: dict[str, Any]) -> dict[str, Any]:
     if not calls:
         return message
     blocks = []
-    for call in calls:
-        fn = call.get("function") or {}
+    for i, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict):
+            raise ApiError(
+                400,
+                f"tool_calls[{i}] must be an object with a 'function' object, got "
+                f"{json.dumps(call, default=str)[:100]}",
+                param="messages",
+            )
         args = fn.get("arguments") or "{}"
         try:
             args = json.loads(args) if isinstance(args, str) else args

@@ -53,7 +53,6 @@ def test_tip_suggestions_branch_in_parallel_on_a_cached_prefix(
     assert all(m["cached_tokens"] >= shared["meta_info"]["prompt_tokens"] - 1 for m in branch_meta)
 
 
-
 def test_json_extraction_is_valid_json_matching_the_regex(
     backend: RuntimeEndpoint, load_example: Load
 ) -> None:

@@ -1,0 +1,73 @@
+"""Admission control: the per-server request limits and the refusal a full queue gives.
+
+Every limit is a server flag (see ``--help``); a request beyond a size limit is a 400 naming
+the field, and one that arrives while the queue is full or the server is draining is a 503 with
+``Retry-After``, so no client can make the server hold unbounded work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixserve.core.request import InvalidRequest, SamplingParams
+
+RETRY_AFTER_S = 1
+
+
+class Overloaded(Exception):
+    """The server refuses new work for now (queue full, or shutting down): a 503."""
+
+    def __init__(self, message: str, retry_after: int = RETRY_AFTER_S) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one server admits. ``max_live`` counts running plus queued requests."""
+
+    max_queued_requests: int = 1024
+    max_running_requests: int = 64
+    request_timeout: float | None = None
+    max_n: int = 16
+    max_stop_strings: int = 16
+    max_stop_length: int = 256
+
+    @property
+    def max_live(self) -> int:
+        return self.max_running_requests + self.max_queued_requests
+
+    def check_n(self, n: object) -> None:
+        if isinstance(n, int) and not isinstance(n, bool) and n > self.max_n:
+            raise InvalidRequest(f"n={n} exceeds this server's limit of {self.max_n} (--max-n)")
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise InvalidRequest when ``params`` exceed a size limit."""
+        self.check_n(params.n)
+        stop = params.stop if isinstance(params.stop, list) else [params.stop]
+        if len(stop) > self.max_stop_strings:
+            raise InvalidRequest(
+                f"stop has {len(stop)} strings; the limit is {self.max_stop_strings} "
+                "(--max-stop-strings)"
+            )
+        long = next((s for s in stop if isinstance(s, str) and len(s) > self.max_stop_length), "")
+        if long:
+            raise InvalidRequest(
+                f"a stop string has {len(long)} characters ({long[:20]!r}...); the limit is "
+                f"{self.max_stop_length} (--max-stop-length)"
+            )
+        if len(params.stop_token_ids) > self.max_stop_strings:
+            raise InvalidRequest(
+                f"stop_token_ids has {len(params.stop_token_ids)} ids; the limit is "
+                f"{self.max_stop_strings} (--max-stop-strings)"
+            )
+
+    def admit(self, live: int, count: int, draining: bool) -> None:
+        """Raise Overloaded unless ``count`` more requests fit next to ``live`` ones."""
+        if draining:
+            raise Overloaded("the server is shutting down; retry on another replica")
+        if live + count > self.max_live:
+            raise Overloaded(
+                f"the server is at capacity ({live} requests running or queued, limit "
+                f"{self.max_live} = --max-running-requests + --max-queued-requests); retry later"
+            )

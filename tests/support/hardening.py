@@ -1,0 +1,105 @@
+"""Helpers of the hardening tests: OpenAI error checks, idle polling and a background stream of
+valid requests that must stay untouched while the server is being abused."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+from server_process import (
+    TINY_API_KEY,
+    TINY_MODEL_NAME,
+    RunningServer,
+    start_server,
+    stop_server,
+    tiny_server_args,
+)
+
+VALID_CHAT = {
+    "model": TINY_MODEL_NAME,
+    "messages": [{"role": "user", "content": "Hello there"}],
+    "max_tokens": 8,
+    "temperature": 0.0,
+    "ignore_eos": True,
+}
+
+
+def assert_openai_error(response: httpx.Response, statuses: range = range(400, 500)) -> None:
+    """The response is an error with a status in ``statuses`` and an OpenAI error object."""
+    assert response.status_code in statuses, (response.status_code, response.text[:500])
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert isinstance(error["message"], str) and error["message"], body
+    assert isinstance(error["type"], str) and error["type"], body
+    assert "param" in error and "code" in error, body
+
+
+def server_state(server: RunningServer, client: httpx.Client | None = None) -> dict[str, Any]:
+    get = (client or httpx).get  # type: ignore[attr-defined]
+    response = get(server.url + "/get_server_info", headers=server.headers, timeout=10)
+    response.raise_for_status()
+    return response.json()  # type: ignore[no-any-return]
+
+
+def wait_idle(server: RunningServer, timeout: float) -> dict[str, Any]:
+    """Poll /get_server_info until nothing runs or waits and no KV is in use; return the state
+    (the caller asserts on it, so a timeout shows the last state seen)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = server_state(server)
+        idle = state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 0
+        if idle and state["kv"]["in_use"] == 0 or time.monotonic() > deadline:
+            return state
+        time.sleep(0.05)
+
+
+class ValidTraffic:
+    """A thread that sends valid chat requests until stopped and records every outcome."""
+
+    def __init__(self, server: RunningServer) -> None:
+        self.server = server
+        self.results: list[tuple[int, str | None]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> ValidTraffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(120)
+        assert not self._thread.is_alive(), "the valid-traffic thread hung"
+
+    def _run(self) -> None:
+        with httpx.Client(headers=self.server.headers, timeout=60) as client:
+            while not self._stop.is_set():
+                r = client.post(self.server.url + "/v1/chat/completions", json=VALID_CHAT)
+                reason = r.json()["choices"][0]["finish_reason"] if r.status_code == 200 else None
+                self.results.append((r.status_code, reason))
+
+    def assert_untouched(self, at_least: int = 1) -> None:
+        assert len(self.results) >= at_least, self.results
+        assert all(s == 200 and f == "length" for s, f in self.results), self.results
+
+
+@contextlib.contextmanager
+def own_server(model_dir: Path, log: Path, *extra: str) -> Iterator[RunningServer]:
+    """A private tiny-model server with extra flags; stopped (SIGTERM, then SIGKILL) after."""
+    running = start_server([*tiny_server_args(model_dir), *extra], log, TINY_API_KEY)
+    try:
+        yield running
+    finally:
+        stop_server(running)
+
+
+def generate(server: RunningServer, tokens: int, timeout: float = 60, **kw: Any) -> httpx.Response:
+    sampling = {"max_new_tokens": tokens, "ignore_eos": True, **kw}
+    body = {"text": "hello", "sampling_params": sampling}
+    return httpx.post(server.url + "/generate", json=body, headers=server.headers, timeout=timeout)
