@@ -9,28 +9,15 @@ serving-sized batches; each setting is checked against the first one before it i
 from __future__ import annotations
 
 import itertools
-import statistics
 from typing import Any
 
 import torch
+from gpu import median_ms  # bench/ is the script's own folder, first on sys.path
 
 from radixserve.plugins.attention.triton import decode_kernel as dk
 
 SHAPES = [(256, 1536), (64, 1152), (1, 640)]  # (batch, context): big runs, 64-batch, batch 1
 HEADS, KV_HEADS, DIM = 32, 8, 128
-
-
-def _median_ms(fn: Any, reps: int = 20) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def _case(bs: int, ctx: int) -> dict[str, Any]:
@@ -77,7 +64,7 @@ def tune_decode() -> tuple[dict[str, Any], list[list[Any]]]:
         total = 0.0
         for c, ref in zip(cases, refs, strict=True):
             out, fn = _run(c, sms)
-            ms = _median_ms(fn)
+            ms = median_ms(fn, 20)
             err = float((out.float() - ref).norm() / ref.norm())
             if err > 1e-2:
                 ms = float("inf")  # a wrong result never wins
