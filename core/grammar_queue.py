@@ -5,6 +5,10 @@ grammar. Compiled grammars are kept in an LRU cache keyed by (backend, kind, spe
 the same spec share one compilation, even while it is in flight. Each request gets its own
 matcher (``Grammar.copy``). A compile error or a timeout ends only that request, with an abort
 that names the problem.
+
+The timeout is judged by when a compilation finished, not by when the engine next polls: a
+compile that ends after the request's deadline is refused even if its result is already there,
+so a request's outcome does not depend on poll timing.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from radixserve.core.interfaces import Grammar, GrammarBackend
 from radixserve.core.request import FinishReason, Req
@@ -30,9 +34,18 @@ GrammarKey = tuple[str, str, str]
 
 
 @dataclass(slots=True)
+class _Compile:
+    """One compilation, shared by every request with its spec."""
+
+    future: Future[Grammar] = field(init=False)
+    # NOTE: the worker stamps this before its future completes, so a done future always has it.
+    finished_at: float = math.inf
+
+
+@dataclass(slots=True)
 class _Pending:
     req: Req
-    future: Future[Grammar]
+    job: _Compile
     deadline: float
 
 
@@ -49,7 +62,7 @@ class GrammarQueue:
         self._backend_lock = threading.Lock()
         # Building the backend (once) does not count against a request's timeout.
         self._backend_ready = math.inf
-        self._cache: OrderedDict[GrammarKey, Future[Grammar]] = OrderedDict()
+        self._cache: OrderedDict[GrammarKey, _Compile] = OrderedDict()
         self._cache_lock = threading.Lock()  # done-callbacks run on the worker threads
         self._pending: list[_Pending] = []
         self._pool: ThreadPoolExecutor | None = None
@@ -72,27 +85,31 @@ class GrammarQueue:
         assert spec is not None
         key = (self.backend_name, *spec)
         with self._cache_lock:
-            future = self._cache.get(key)
-            if future is None:
+            job = self._cache.get(key)
+            if job is None:
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(WORKERS, "radixserve-grammar")
-                future = self._pool.submit(self._compile, *spec)
-                self._cache[key] = future
+                job = _Compile()
+                job.future = self._pool.submit(self._compile, job, *spec)
+                self._cache[key] = job
                 while len(self._cache) > CACHE_SIZE:
                     self._cache.popitem(last=False)
             else:
                 self._cache.move_to_end(key)
-        future.add_done_callback(lambda f: self._forget_failure(key, f))
-        self._pending.append(_Pending(req, future, time.monotonic() + self.timeout_s))
+        job.future.add_done_callback(lambda f: self._forget_failure(key, job))
+        self._pending.append(_Pending(req, job, time.monotonic() + self.timeout_s))
 
-    def _compile(self, kind: str, spec: str) -> Grammar:
-        return self.backend.compile(kind, spec)
+    def _compile(self, job: _Compile, kind: str, spec: str) -> Grammar:
+        try:
+            return self.backend.compile(kind, spec)
+        finally:
+            job.finished_at = time.monotonic()
 
-    def _forget_failure(self, key: GrammarKey, future: Future[Grammar]) -> None:
+    def _forget_failure(self, key: GrammarKey, job: _Compile) -> None:
         # Errors are not cached: the next request with this spec compiles it again.
-        if future.exception() is not None:
+        if job.future.exception() is not None:
             with self._cache_lock:
-                if self._cache.get(key) is future:
+                if self._cache.get(key) is job:
                     del self._cache[key]
 
     def pop_done(self) -> tuple[list[Req], list[Req]]:
@@ -102,16 +119,13 @@ class GrammarQueue:
         now = time.monotonic()
         still: list[_Pending] = []
         for p in self._pending:
-            if p.future.done():
-                error = p.future.exception()
-                if error is None:
-                    p.req.grammar = p.future.result().copy()
-                    ready.append(p.req)
-                else:
-                    message = compile_error_message(p.req, self.backend_name, error)
-                    self._refuse(p.req, message)
-                    failed.append(p.req)
-            elif now >= max(p.deadline, self._backend_ready + self.timeout_s):
+            # Judge by when the compile finished, not by when we poll. NOTE: read ``finished``
+            # after ``now`` (an unfinished compile ends after ``now``) and before the deadline
+            # (a stamped compile has built the backend, so ``_backend_ready`` is set).
+            finished = p.job.finished_at
+            deadline = self._deadline(p)
+            late = finished > deadline if finished < math.inf else now >= deadline
+            if late:
                 message = (
                     f"{_field(p.req)} did not compile within grammar_compile_timeout="
                     f"{self.timeout_s:g}s (grammar backend {self.backend_name}); simplify it "
@@ -119,10 +133,23 @@ class GrammarQueue:
                 )
                 self._refuse(p.req, message)
                 failed.append(p.req)
+            elif finished < math.inf and p.job.future.done():
+                error = p.job.future.exception()
+                if error is None:
+                    p.req.grammar = p.job.future.result().copy()
+                    ready.append(p.req)
+                else:
+                    message = compile_error_message(p.req, self.backend_name, error)
+                    self._refuse(p.req, message)
+                    failed.append(p.req)
             else:
                 still.append(p)
         self._pending = still
         return ready, failed
+
+    def _deadline(self, p: _Pending) -> float:
+        # Building the backend (once) does not count against a request's timeout.
+        return max(p.deadline, self._backend_ready + self.timeout_s)
 
     @staticmethod
     def _refuse(req: Req, message: str) -> None:
@@ -134,10 +161,9 @@ class GrammarQueue:
         elapses. Only called when the engine has nothing else to run."""
         if not self._pending:
             return
-        first = min(max(p.deadline, self._backend_ready + self.timeout_s) for p in self._pending)
-        next_deadline = first - time.monotonic()
+        next_deadline = min(self._deadline(p) for p in self._pending) - time.monotonic()
         timeout = max(0.0, min(timeout_s, next_deadline))
-        wait([p.future for p in self._pending], timeout=timeout, return_when=FIRST_COMPLETED)
+        wait([p.job.future for p in self._pending], timeout=timeout, return_when=FIRST_COMPLETED)
 
     def abort(self, rid: str, message: str) -> Req | None:
         for p in self._pending:

@@ -154,3 +154,49 @@ def test_lru_evicts_the_least_recently_used(
         drain(queue, 1)
     # "b" was least recently used when "c" came in, so it compiles twice; "a" stays cached.
     assert backend.compiled == ["a", "b", "c", "b"]
+
+
+class SplitClock:
+    """``time`` for grammar_queue: the engine (main) thread and the compile workers each read
+    their own clock, so a test sets how long a compile took and when the engine polls."""
+
+    def __init__(self) -> None:
+        self.engine = 0.0
+        self.worker = 0.0
+
+    def monotonic(self) -> float:
+        main = threading.current_thread() is threading.main_thread()
+        return self.engine if main else self.worker
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> SplitClock:
+    split = SplitClock()
+    monkeypatch.setattr(grammar_queue, "time", split)
+    return split
+
+
+def test_a_compile_that_ends_after_the_deadline_is_refused_however_early_the_poll(
+    backend: FakeBackend, clock: SplitClock
+) -> None:
+    queue = make_queue(backend, timeout_s=1.0)
+    assert queue.backend is backend  # built at t=0, so the deadline is t=1
+    clock.worker = 2.0  # the compile finishes at t=2
+    queue.submit(req("late", "x+"))
+    ready, failed = drain(queue, 1)  # every poll at t=0: the result is there before the deadline
+    assert not ready and [r.rid for r in failed] == ["late"]
+    message = failed[0].finish_reason.message  # type: ignore[union-attr]
+    assert "regex did not compile within grammar_compile_timeout=1s" in message
+
+
+def test_a_compile_that_ends_in_time_is_accepted_however_late_the_poll(
+    backend: FakeBackend, clock: SplitClock
+) -> None:
+    queue = make_queue(backend, timeout_s=10.0)
+    assert queue.backend is backend  # built at t=0
+    clock.worker = 5.0  # finishes at t=5, within the deadline t=10
+    queue.submit(req("on-time", "x+"))
+    queue.wait(timeout_s=5.0)  # returns once the compile is done (the engine clock stays at 0)
+    clock.engine = 50.0  # the engine polls long after the deadline
+    ready, failed = queue.pop_done()
+    assert [r.rid for r in ready] == ["on-time"] and not failed
