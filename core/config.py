@@ -94,6 +94,10 @@ class EngineConfig:
         None, "KV pool size in tokens (default: from --mem-fraction-static)"
     )
     mem_fraction_static: float = _opt(0.2, "Fraction of device memory for weights + KV pool")
+    page_size: int = _opt(
+        1,
+        "Tokens per KV page (a power of two, 1 to 256); prefix-cache matches are whole pages",
+    )
     chunked_prefill_size: int = _opt(
         1024, "Most tokens computed per step (prefill chunks + decodes); -1 disables chunking"
     )
@@ -132,6 +136,15 @@ class EngineConfig:
             raise ConfigError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ConfigError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
+        if self.page_size not in PAGE_SIZES:
+            raise ConfigError(
+                f"page_size must be a power of two from 1 to {PAGE_SIZES[-1]}, got {self.page_size}"
+            )
+        if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
+            raise ConfigError(
+                f"max_total_tokens={self.max_total_tokens} holds no page of page_size="
+                f"{self.page_size} besides the reserved one; give at least {2 * self.page_size}"
+            )
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ConfigError(
                 f"chunked_prefill_size must be positive or -1, got {self.chunked_prefill_size}"
@@ -167,6 +180,7 @@ class EngineConfig:
         return {f.name: f.metadata.get("help", "") for f in fields(cls)}
 
 
+PAGE_SIZES = tuple(1 << i for i in range(9))  # 1 .. 256
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -1,8 +1,13 @@
-"""KV memory: the req->token table, the token->KV-slot allocator and the per-layer KV pool.
+"""KV memory: the req->token table, the paged token->KV-slot allocator and the per-layer KV pool.
 
-One pool is shared by running requests and the radix cache. Slot 0 is reserved as a padding
-slot (never handed out) so batched gathers can point padding at a valid row. Allocation
-failure returns None: the scheduler handles it (evict, then retract), it is never a crash.
+One pool is shared by running requests and the radix cache. It is cut into pages of
+``page_size`` tokens: page ``p`` holds slots ``p * page_size + (0 .. page_size - 1)``, and the
+positions ``[k * P, (k + 1) * P)`` of one request always live in one page, in order. Slot 0 is
+reserved as a padding slot (never handed out) so batched gathers can point padding at a valid
+row; with pages, page 0 is reserved with it. The req->token table stays token-level (a slot per
+position), so attention backends that ignore pages read it as with page size 1.
+Allocation failure returns None and changes nothing: the scheduler handles it (evict, then
+retract), it is never a crash.
 """
 
 from __future__ import annotations
@@ -11,33 +16,97 @@ import torch
 
 
 class TokenAllocator:
-    """Hands out KV slot indices 1..size from a free list (page size 1)."""
+    """Hands out KV slots in whole pages from a free list of pages 1..num_pages.
 
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._free = torch.arange(1, size + 1, dtype=torch.int64)
+    Sizes and ``available()`` are in tokens (free pages * page_size). ``free`` gives back the
+    pages holding the slots passed, whole: pass a request's slots in position order from a page
+    boundary (its partial last page goes back with them).
+    """
+
+    def __init__(self, size: int, page_size: int = 1) -> None:
+        # The KV pool has rows 0..size; only pages that fit entirely are used.
+        num_pages = (size + 1) // page_size - 1
+        if num_pages < 1:
+            raise ValueError(f"a KV pool of {size} tokens holds no page of {page_size} tokens")
+        self.page_size = page_size
+        self.size = num_pages * page_size
+        self._free = torch.arange(1, num_pages + 1, dtype=torch.int64)
         self._released: list[torch.Tensor] = []
+        self._offsets = torch.arange(page_size, dtype=torch.int64)
 
     def available(self) -> int:
-        return len(self._free) + sum(len(t) for t in self._released)
+        return (len(self._free) + sum(len(t) for t in self._released)) * self.page_size
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
-        """``num_tokens`` free slots, or None (and no change) when too few are free."""
-        if num_tokens > len(self._free) and self._released:
-            self._merge_released()
-        if num_tokens > len(self._free):
+        """Slots for positions 0..num_tokens-1 of a new sequence (fresh pages), or None."""
+        if self.page_size == 1:
+            return self._take_pages(num_tokens)
+        pages = self._take_pages(-(-num_tokens // self.page_size))
+        return None if pages is None else self._page_slots(pages)[:num_tokens]
+
+    def alloc_extend(self, row: torch.Tensor, kv_len: int, num_tokens: int) -> torch.Tensor | None:
+        """Slots for positions kv_len..kv_len+num_tokens-1 of the table ``row`` (whose first
+        kv_len positions are filled): the rest of its partial last page, then fresh pages."""
+        p = self.page_size
+        if p == 1:
+            return self._take_pages(num_tokens)
+        pages = self._take_pages(self.tokens_needed(kv_len, num_tokens) // p)
+        if pages is None:
             return None
-        out, self._free = self._free[:num_tokens], self._free[num_tokens:]
-        return out
+        fill = min(num_tokens, -kv_len % p)  # the free rest of the last page
+        fresh = self._page_slots(pages)[: num_tokens - fill]
+        if not fill:
+            return fresh
+        last = int(row[kv_len - 1])
+        return torch.cat([torch.arange(last + 1, last + 1 + fill, dtype=torch.int64), fresh])
+
+    def alloc_decode(
+        self, table: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor
+    ) -> torch.Tensor | None:
+        """One slot each for position kv_lens[i] of table row rows[i] (kv_lens >= 1): the next
+        slot of the row's last page, or the first slot of a fresh page at a page boundary."""
+        p = self.page_size
+        if p == 1:
+            return self._take_pages(len(rows))
+        new_page = kv_lens % p == 0
+        pages = self._take_pages(int(new_page.sum()))
+        if pages is None:
+            return None
+        slots = table[rows, kv_lens - 1] + 1
+        if len(pages):
+            slots.masked_scatter_(new_page, pages * p)
+        return slots
+
+    def tokens_needed(self, kv_len: int, num_tokens: int) -> int:
+        """Tokens of fresh pages that extending a request from kv_len by num_tokens takes."""
+        p = self.page_size
+        return -(-(num_tokens - min(num_tokens, -kv_len % p)) // p) * p
+
+    def tokens_needed_decode(self, kv_lens: torch.Tensor) -> int:
+        """Tokens of fresh pages that one decode step of requests at ``kv_lens`` takes."""
+        p = self.page_size
+        return len(kv_lens) if p == 1 else p * int((kv_lens % p == 0).sum())
 
     def free(self, slots: torch.Tensor) -> None:
-        # NOTE: freed slots are merged lazily so frequent small frees stay cheap.
-        if slots.numel():
-            self._released.append(slots.to(torch.int64))
+        # NOTE: freed pages are merged lazily so frequent small frees stay cheap.
+        if not slots.numel():
+            return
+        pages = slots.to(torch.int64)
+        if self.page_size > 1:
+            pages = torch.unique_consecutive(pages // self.page_size)
+        self._released.append(pages)
 
-    def _merge_released(self) -> None:
-        self._free = torch.cat([self._free, *self._released])
-        self._released.clear()
+    def _take_pages(self, num_pages: int) -> torch.Tensor | None:
+        if num_pages > len(self._free) and self._released:
+            self._free = torch.cat([self._free, *self._released])
+            self._released.clear()
+        if num_pages > len(self._free):
+            return None
+        out, self._free = self._free[:num_pages], self._free[num_pages:]
+        return out
+
+    def _page_slots(self, pages: torch.Tensor) -> torch.Tensor:
+        return (pages[:, None] * self.page_size + self._offsets).flatten()
 
 
 class ReqToTokenPool:
@@ -72,8 +141,10 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: str,
+        page_size: int = 1,
     ) -> None:
         self.size = size
+        self.page_size = page_size  # read by paged attention kernels
         shape = (size + 1, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

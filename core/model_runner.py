@@ -70,7 +70,7 @@ class ModelRunner:
         mc = self.model_config
         self.max_context = min(config.context_length or mc.max_context, mc.max_context)
         self.kv_size = self._kv_pool_size(model_dir, config)
-        self.allocator = TokenAllocator(self.kv_size)
+        self.allocator = TokenAllocator(self.kv_size, config.page_size)
         self.req_to_token = ReqToTokenPool(config.max_running_requests + 1, self.max_context + 1)
         self.kv_pool = KVPool(
             self.kv_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device

@@ -1,7 +1,11 @@
 """RadixCache: a radix tree over token ids whose nodes own KV slots of the shared pool.
 
-Matches are exact (page size 1). Nodes in use by running requests are locked (reference
-counted, up to the root); ``evict`` frees least-recently-used unlocked leaves first.
+Matches are exact and page-aligned: with page size P every node holds a multiple of P tokens,
+``match_prefix`` returns the longest cached prefix rounded down to whole pages, and only whole
+pages are inserted (a request's partial last page stays its own and is freed when it ends).
+Children are keyed by their first token (P = 1) or their first page of tokens (P > 1). Nodes in
+use by running requests are locked (reference counted, up to the root); ``evict`` frees
+least-recently-used unlocked leaves first.
 Invariant at idle: ``allocator.available() + evictable_size + locked_size == pool size``.
 """
 
@@ -17,13 +21,14 @@ from radixserve.core.memory import ReqToTokenPool, TokenAllocator
 from radixserve.core.request import Req
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+ChildKey = int | tuple[int, ...]  # a child's first token (page size 1) or first page
 
 
 class TreeNode:
     __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access")
 
     def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None) -> None:
-        self.children: dict[int, TreeNode] = {}
+        self.children: dict[ChildKey, TreeNode] = {}
         self.parent = parent
         self.key = key
         self.value = value
@@ -53,6 +58,7 @@ class RadixCache:
     def __init__(self, allocator: TokenAllocator, req_to_token: ReqToTokenPool) -> None:
         self.allocator = allocator
         self.req_to_token = req_to_token
+        self.page_size = allocator.page_size
         self._clock = itertools.count(1)
         self.reset()
 
@@ -71,17 +77,27 @@ class RadixCache:
 
     # -- tree operations --------------------------------------------------------------------
 
+    def _child_key(self, key: list[int]) -> ChildKey:
+        return key[0] if self.page_size == 1 else tuple(key[: self.page_size])
+
+    def _aligned(self, n: int) -> int:
+        return n - n % self.page_size
+
     def match_prefix(self, key: list[int], extra_key: str | None = None) -> MatchResult:
-        """Longest cached prefix of ``key``: its KV slots and the deepest node matched."""
+        """Longest cached prefix of ``key`` in whole pages: its KV slots and the deepest node
+        matched."""
         node = self._root(extra_key)
         values: list[torch.Tensor] = []
         now = next(self._clock)
         node.last_access = now
+        if self.page_size > 1:
+            key = key[: self._aligned(len(key))]
         while key:
-            child = node.children.get(key[0])
+            child = node.children.get(self._child_key(key))
             if child is None:
                 break
-            n = _common_prefix_len(child.key, key)
+            # NOTE: the child key is the first page, so at least one whole page matches.
+            n = self._aligned(_common_prefix_len(child.key, key))
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
@@ -91,20 +107,24 @@ class RadixCache:
         return MatchResult(kv, node)
 
     def insert(self, key: list[int], value: torch.Tensor, extra_key: str | None = None) -> int:
-        """Insert ``key`` with its KV slots; return how many leading tokens were already cached
-        (the caller owns, and must free, its slots for those)."""
+        """Insert the whole pages of ``key`` with their KV slots; return how many leading tokens
+        were already cached (a multiple of the page size; the caller owns, and must free, its
+        slots for those and for the partial last page that is not inserted)."""
         node = self._root(extra_key)
         now = next(self._clock)
         matched = 0
+        if self.page_size > 1:
+            n = self._aligned(len(key))
+            key, value = key[:n], value[:n]
         while key:
-            child = node.children.get(key[0])
+            child = node.children.get(self._child_key(key))
             if child is None:
                 leaf = TreeNode(list(key), value.clone(), node)
                 leaf.last_access = now
-                node.children[key[0]] = leaf
+                node.children[self._child_key(key)] = leaf
                 self.evictable_size += len(key)
                 break
-            n = _common_prefix_len(child.key, key)
+            n = self._aligned(_common_prefix_len(child.key, key))
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
@@ -118,8 +138,8 @@ class RadixCache:
         upper = TreeNode(child.key[:n], child.value[:n], child.parent)
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
-        upper.children = {child.key[n]: child}
-        child.parent.children[child.key[0]] = upper
+        upper.children = {self._child_key(child.key[n:]): child}
+        child.parent.children[self._child_key(child.key)] = upper
         child.parent = upper
         child.key = child.key[n:]
         child.value = child.value[n:]
@@ -155,7 +175,7 @@ class RadixCache:
             self.allocator.free(leaf.value)
             freed += len(leaf.key)
             self.evictable_size -= len(leaf.key)
-            del parent.children[leaf.key[0]]
+            del parent.children[self._child_key(leaf.key)]
             if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, parent)
         return freed
@@ -175,11 +195,13 @@ class RadixCache:
     # -- request integration ----------------------------------------------------------------
 
     def cache_unfinished_req(self, req: Req) -> None:
-        """After a prefill chunk: put the computed prefix in the tree and lock it for ``req``."""
+        """After a prefill chunk: put the computed whole pages in the tree and lock them for
+        ``req`` (a partial last page stays the request's own)."""
         assert req.req_pool_idx is not None
         row = self.req_to_token.table[req.req_pool_idx]
-        token_ids = req.fill_ids()[: req.kv_len]
-        kv = row[: req.kv_len].clone()
+        aligned = self._aligned(req.kv_len)
+        token_ids = req.fill_ids()[:aligned]
+        kv = row[:aligned].clone()
         already = self.insert(token_ids, kv, req.extra_key)
         self.allocator.free(kv[req.prefix_len : already])
         new_kv, new_node = self.match_prefix(token_ids, req.extra_key)
@@ -190,12 +212,14 @@ class RadixCache:
         req.cache_node, req.prefix_len = new_node, len(new_kv)
 
     def cache_finished_req(self, req: Req) -> None:
-        """Release ``req``'s KV: computed tokens go into the tree, its lock is dropped."""
+        """Release ``req``'s KV: computed whole pages go into the tree, its partial last page
+        is freed, its lock is dropped."""
         assert req.req_pool_idx is not None
         kv = self.req_to_token.table[req.req_pool_idx, : req.kv_len].clone()
-        token_ids = req.fill_ids()[: req.kv_len]
-        already = self.insert(token_ids, kv, req.extra_key)
+        aligned = self._aligned(req.kv_len)
+        already = self.insert(req.fill_ids()[:aligned], kv[:aligned], req.extra_key)
         self.allocator.free(kv[req.prefix_len : already])
+        self.allocator.free(kv[aligned:])
         if req.cache_node is not None:
             self.dec_lock_ref(req.cache_node)
         req.cache_node, req.prefix_len = None, 0

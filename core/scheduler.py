@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -185,11 +186,7 @@ class Scheduler:
     def _schedule_decodes(self) -> list[Req]:
         decodes = [r for r in self.running if r.state == ReqState.DECODE]
         while decodes:
-            slots = self._alloc_kv(len(decodes))
-            if slots is not None:
-                for req, slot in zip(decodes, slots.tolist(), strict=True):
-                    assert req.req_pool_idx is not None
-                    self.req_to_token.table[req.req_pool_idx, req.kv_len] = slot
+            if self._alloc_decode_slots(decodes):
                 return decodes
             victim = max(decodes, key=lambda r: r.arrival_time)
             decodes.remove(victim)
@@ -209,12 +206,42 @@ class Scheduler:
         self.stats.retractions += 1
         self.waiting.appendleft(req)
 
-    def _alloc_kv(self, num_tokens: int) -> torch.Tensor | None:
-        slots = self.allocator.alloc(num_tokens)
+    def _alloc_kv(
+        self, alloc: Callable[[], torch.Tensor | None], tokens_needed: Callable[[], int]
+    ) -> torch.Tensor | None:
+        """``alloc()``; when it fails, evict cache for the missing part of ``tokens_needed()``
+        (fresh pages, in tokens) and try once more."""
+        slots = alloc()
         if slots is None:
-            self.cache.evict(num_tokens - self.allocator.available())
-            slots = self.allocator.alloc(num_tokens)
+            self.cache.evict(tokens_needed() - self.allocator.available())
+            slots = alloc()
         return slots
+
+    def _alloc_decode_slots(self, decodes: list[Req]) -> bool:
+        """A slot each for the next position of ``decodes``, written into the table at once."""
+        table = self.req_to_token.table
+        rows = torch.tensor([r.req_pool_idx for r in decodes], dtype=torch.int64)
+        lens = torch.tensor([r.kv_len for r in decodes], dtype=torch.int64)
+        slots = self._alloc_kv(
+            lambda: self.allocator.alloc_decode(table, rows, lens),
+            lambda: self.allocator.tokens_needed_decode(lens),
+        )
+        if slots is None:
+            return False
+        table[rows, lens] = slots  # one advanced-index write for the whole batch (hot path)
+        return True
+
+    def _alloc_extend(self, row: int, kv_len: int, num_tokens: int) -> bool:
+        """Slots for positions kv_len.. of table row ``row``, written into the row."""
+        table_row = self.req_to_token.table[row]
+        slots = self._alloc_kv(
+            lambda: self.allocator.alloc_extend(table_row, kv_len, num_tokens),
+            lambda: self.allocator.tokens_needed(kv_len, num_tokens),
+        )
+        if slots is None:
+            return False
+        table_row[kv_len : kv_len + num_tokens] = slots
+        return True
 
     def _release(self, req: Req) -> None:
         """Give back ``req``'s KV (computed tokens go to the cache) and its table row."""
@@ -232,12 +259,8 @@ class Scheduler:
         chunk = min(req.seq_len - req.kv_len, budget)
         if chunk <= 0:
             return 0
-        slots = self._alloc_kv(chunk)
-        if slots is None:
-            return 0
         assert req.req_pool_idx is not None
-        self.req_to_token.table[req.req_pool_idx, req.kv_len : req.kv_len + chunk] = slots
-        return chunk
+        return chunk if self._alloc_extend(req.req_pool_idx, req.kv_len, chunk) else 0
 
     def _admit(self, budget: int) -> list[tuple[Req, int]]:
         def match(r: Req) -> tuple[int, object]:
@@ -265,14 +288,11 @@ class Scheduler:
         if row is None:
             return 0
         self.cache.inc_lock_ref(node)  # protect the matched prefix from our own eviction
-        slots = self._alloc_kv(chunk)
-        if slots is None:
+        self.req_to_token.table[row, : len(prefix)] = prefix
+        if not self._alloc_extend(row, len(prefix), chunk):
             self.cache.dec_lock_ref(node)
             self.req_to_token.free(row)
             return 0
-        table = self.req_to_token.table[row]
-        table[: len(prefix)] = prefix
-        table[len(prefix) : len(prefix) + chunk] = slots
         req.req_pool_idx, req.cache_node = row, node
         req.prefix_len = req.kv_len = len(prefix)
         if req.num_retractions == 0:

@@ -1,5 +1,6 @@
-"""RadixCache: match/insert/split/lock/evict, namespaces, request integration, and a
-property-based model check against a naive reference (a dict of cached prefixes)."""
+"""RadixCache: match/insert/split/lock/evict, namespaces, request integration, page-aligned
+matching with pages of 16 tokens, and a property-based model check against a naive reference
+(a dict of cached prefixes) for page sizes 1 and 16."""
 
 from __future__ import annotations
 
@@ -14,38 +15,46 @@ from radixserve.core.request import Req, SamplingParams
 
 
 class TrackingAllocator(TokenAllocator):
-    """A TokenAllocator that keeps the free set in Python and fails loudly on a double free, a
-    free of a slot never handed out, or the reserved slot 0."""
+    """A TokenAllocator that keeps the free set (of slots of free pages) in Python and fails
+    loudly on a double free, a free of a page never handed out or not from a page boundary, or
+    the reserved page 0."""
 
-    def __init__(self, size: int) -> None:
-        super().__init__(size)
-        self.free_set = set(range(1, size + 1))
+    def __init__(self, size: int, page_size: int = 1) -> None:
+        super().__init__(size, page_size)
+        self.free_set = set(range(page_size, self.size + page_size))
         self.freed_log: list[int] = []
+
+    def _page_slots_of(self, slots: list[int]) -> set[int]:
+        p = self.page_size
+        return {page * p + i for page in {s // p for s in slots} for i in range(p)}
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         out = super().alloc(num_tokens)
         if out is not None:
             slots = out.tolist()
             assert len(set(slots)) == len(slots), f"duplicate slots handed out: {slots}"
-            assert 0 not in slots, "the reserved padding slot 0 was handed out"
-            assert set(slots) <= self.free_set, f"handed out slots that are in use: {slots}"
-            self.free_set -= set(slots)
+            assert min(slots, default=1) >= self.page_size, "the reserved page 0 was handed out"
+            taken = self._page_slots_of(slots)
+            assert taken <= self.free_set, f"handed out slots that are in use: {slots}"
+            self.free_set -= taken
         return out
 
     def free(self, slots: torch.Tensor) -> None:
         values = slots.tolist()
         assert len(set(values)) == len(values), f"freeing the same slot twice at once: {values}"
-        for s in values:
-            assert 1 <= s <= self.size, f"freeing slot {s}, never handed out"
+        assert not values or values[0] % self.page_size == 0, f"free mid-page: {values}"
+        pages = self._page_slots_of(values)
+        for s in pages:
+            assert self.page_size <= s < self.size + self.page_size, f"freeing {s}, never used"
             assert s not in self.free_set, f"double free of slot {s}"
-        self.free_set |= set(values)
+        self.free_set |= pages
         self.freed_log += values
         super().free(slots)
 
 
-def make_cache(size: int = 64) -> tuple[RadixCache, TrackingAllocator]:
-    alloc = TrackingAllocator(size)
-    return RadixCache(alloc, ReqToTokenPool(4, 64)), alloc
+def make_cache(size: int = 64, page_size: int = 1) -> tuple[RadixCache, TrackingAllocator]:
+    alloc = TrackingAllocator(size, page_size)
+    return RadixCache(alloc, ReqToTokenPool(4, 256)), alloc
 
 
 def insert_fresh(cache: RadixCache, key: list[int], extra_key: str | None = None) -> torch.Tensor:
@@ -277,34 +286,118 @@ def test_cache_unfinished_then_finished_req_shares_and_releases() -> None:
     assert_accounted(cache, alloc)
 
 
+# -- page size 16 ---------------------------------------------------------------------------
+
+P = 16
+
+
+def test_paged_match_and_insert_are_whole_pages() -> None:
+    cache, alloc = make_cache(20 * P - 1, P)
+    key = list(range(100, 140))  # 2 pages and 8 tokens
+    slots = alloc.alloc(len(key))
+    assert slots is not None
+    assert cache.insert(key, slots) == 0
+    alloc.free(slots[2 * P :])  # the partial last page is not cached: the caller frees it
+    assert cache.total_size() == cache.evictable_size == 2 * P
+    assert cache.match_prefix(key).kv_indices.tolist() == slots[: 2 * P].tolist()
+    assert cache.match_prefix(key[: 2 * P - 1]).kv_indices.tolist() == slots[:P].tolist()
+    assert cache.match_prefix(key[: P - 1]).kv_indices.numel() == 0
+    assert_accounted(cache, alloc)
+
+
+def test_paged_divergence_inside_a_page_splits_at_the_page_before() -> None:
+    cache, alloc = make_cache(20 * P - 1, P)
+    a = insert_fresh(cache, [1] * (3 * P))
+    b_key = [1] * (P + 4) + [2] * (2 * P - 4)  # differs from a at position 20
+    mine = alloc.alloc(len(b_key))
+    assert mine is not None
+    assert cache.insert(b_key, mine) == P
+    alloc.free(mine[:P])
+    kv, node = cache.match_prefix(b_key)
+    assert kv.tolist() == a[:P].tolist() + mine[P:].tolist()
+    assert all(len(n.key) % P == 0 for n in cache._all_nodes())
+    upper = node.parent
+    assert upper is not None and upper.key == [1] * P and len(upper.children) == 2
+    assert cache.match_prefix([1] * (3 * P)).kv_indices.tolist() == a.tolist()
+    assert cache.total_size() == 5 * P
+    assert_accounted(cache, alloc)
+
+
+def test_paged_siblings_sharing_a_first_token_are_distinct_children() -> None:
+    cache, alloc = make_cache(20 * P - 1, P)
+    insert_fresh(cache, [7] + [1] * (P - 1))
+    insert_fresh(cache, [7] + [2] * (P - 1))
+    root = cache._root(None)
+    assert len(root.children) == 2
+    assert cache.match_prefix([7] + [2] * (P - 1)).kv_indices.numel() == P
+    assert cache.evict(1) == P and cache.total_size() == P
+    assert_accounted(cache, alloc)
+
+
+def test_paged_requests_keep_their_partial_page_and_free_it_at_the_end() -> None:
+    cache, alloc = make_cache(20 * P - 1, P)
+    pool = cache.req_to_token
+    ids = list(range(3, 3 + 2 * P + 5))
+    req = _running_req(pool, alloc, ids)
+    cache.cache_unfinished_req(req)
+    assert req.prefix_len == 2 * P and cache.locked_size == 2 * P
+    # Held by the request: its partial third page.
+    assert_accounted(cache, alloc, held=P)
+    cache.cache_finished_req(req)
+    assert cache.evictable_size == 2 * P and cache.locked_size == 0
+    assert_accounted(cache, alloc)
+    assert cache.evict(100) == 2 * P and alloc.available() == alloc.size
+
+
 # -- property-based: RadixCache against a naive reference -----------------------------------
 
-POOL = 20
+POOL_PAGES = 20
 NAMESPACES = (None, "ns")
-keys = st.lists(st.integers(1, 3), min_size=1, max_size=7)
+# A key is a list of page "shapes" and a tail length; see RadixCacheMachine.expand.
+keys = st.tuples(st.lists(st.integers(1, 5), min_size=1, max_size=7), st.integers(0, 15))
 
 
 class RadixCacheMachine(RuleBasedStateMachine):
-    """The reference is, per namespace, a dict {cached prefix (tuple): slot of its last token};
-    it is prefix-closed. Eviction is checked through the slots the allocator sees freed."""
+    """The reference is, per namespace, a dict {cached prefix (tuple, whole pages): slots of
+    its last page}; it is prefix-closed. Eviction is checked through the slots the allocator
+    sees freed."""
+
+    page_size = 1
 
     def __init__(self) -> None:
         super().__init__()
-        self.alloc = TrackingAllocator(POOL)
+        p = self.page_size
+        self.alloc = TrackingAllocator((POOL_PAGES + 1) * p - 1, p)
         self.cache = RadixCache(self.alloc, ReqToTokenPool(2, 8))
-        self.ref: dict[str | None, dict[tuple[int, ...], int]] = {ns: {} for ns in NAMESPACES}
+        self.ref: dict[str | None, dict[tuple[int, ...], tuple[int, ...]]] = {
+            ns: {} for ns in NAMESPACES
+        }
         self.locks: list[tuple[str | None, tuple[int, ...], TreeNode, list[int]]] = []
         self.pending: list[tuple[str | None, list[int], torch.Tensor]] = []  # held by the test
+
+    def expand(self, raw: tuple[list[int], int]) -> list[int]:
+        """Page shapes 1-3 are uniform pages; 4 and 5 share their first token (4: all but the
+        last) with shape 1, so keys diverge inside pages. Page size 1: tokens 1, 2, 3."""
+        shapes, tail = raw
+        p = self.page_size
+        if p == 1:
+            return [(s - 1) % 3 + 1 for s in shapes]
+        pages = {1: [1] * p, 2: [2] * p, 3: [3] * p, 4: [1] * (p - 1) + [2], 5: [1] + [3] * (p - 1)}
+        return [t for s in shapes for t in pages[s]] + [1] * (tail % p)
+
+    def pages(self, n: int) -> int:
+        return -(-n // self.page_size)
 
     # -- reference helpers --
 
     def ref_match(self, ns: str | None, key: list[int]) -> list[int]:
-        out = []
-        for i in range(1, len(key) + 1):
-            slot = self.ref[ns].get(tuple(key[:i]))
-            if slot is None:
+        out: list[int] = []
+        p = self.page_size
+        for i in range(1, len(key) // p + 1):
+            slots = self.ref[ns].get(tuple(key[: i * p]))
+            if slots is None:
                 break
-            out.append(slot)
+            out += slots
         return out
 
     def evict(self, n: int) -> None:
@@ -313,44 +406,51 @@ class RadixCacheMachine(RuleBasedStateMachine):
         freed = self.cache.evict(n)
         slots = set(self.alloc.freed_log[log_start:])
         assert freed == len(slots) == len(self.alloc.freed_log) - log_start
+        assert freed % self.page_size == 0
         assert freed >= min(n, evictable_before), "evict stopped while it could free more"
         for ns in NAMESPACES:
-            gone = [p for p, s in self.ref[ns].items() if s in slots]
+            gone = [p for p, s in self.ref[ns].items() if s[0] in slots]
             for p in gone:
                 del self.ref[ns][p]
             for p in self.ref[ns]:  # still prefix-closed: only whole suffixes were evicted
-                assert len(p) == 1 or p[:-1] in self.ref[ns]
+                assert len(p) == self.page_size or p[: -self.page_size] in self.ref[ns]
         for ns, prefix, _, _ in self.locks:
             assert prefix in self.ref[ns] or not prefix, "evicted a locked prefix"
 
     # -- rules --
 
-    @rule(ns=st.sampled_from(NAMESPACES), key=keys)
-    def compute(self, ns: str | None, key: list[int]) -> None:
-        """A request computes KV for ``key`` into fresh slots (evicting if needed)."""
+    def _compute(self, ns: str | None, key: list[int]) -> bool:
+        """A request computes KV for ``key`` into fresh pages (evicting if needed)."""
         slots = self.alloc.alloc(len(key))
         if slots is None:
-            self.evict(len(key) - self.alloc.available())
+            self.evict(self.pages(len(key)) * self.page_size - self.alloc.available())
             slots = self.alloc.alloc(len(key))
         if slots is not None:
             self.pending.append((ns, key, slots))
+        return slots is not None
 
-    @rule(ns=st.sampled_from(NAMESPACES), key=keys)
-    def compute_and_insert(self, ns: str | None, key: list[int]) -> None:
-        self.compute(ns, key)
-        if self.pending and self.pending[-1][1] is key:
+    @rule(ns=st.sampled_from(NAMESPACES), raw=keys)
+    def compute(self, ns: str | None, raw: tuple[list[int], int]) -> None:
+        self._compute(ns, self.expand(raw))
+
+    @rule(ns=st.sampled_from(NAMESPACES), raw=keys)
+    def compute_and_insert(self, ns: str | None, raw: tuple[list[int], int]) -> None:
+        if self._compute(ns, self.expand(raw)):
             self.insert(len(self.pending) - 1)
 
     @precondition(lambda self: self.pending)
     @rule(i=st.integers(0, 100))
     def insert(self, i: int) -> None:
         ns, key, slots = self.pending.pop(i % len(self.pending))
+        p = self.page_size
+        aligned = len(key) - len(key) % p
         expected_already = len(self.ref_match(ns, key))
         already = self.cache.insert(key, slots, ns)
         assert already == expected_already
         self.alloc.free(slots[:already])
-        for j in range(already, len(key)):
-            self.ref[ns][tuple(key[: j + 1])] = int(slots[j])
+        self.alloc.free(slots[aligned:])  # the partial last page is never cached
+        for j in range(already // p, aligned // p):
+            self.ref[ns][tuple(key[: (j + 1) * p])] = tuple(slots[j * p : (j + 1) * p].tolist())
 
     @precondition(lambda self: self.pending)
     @rule(i=st.integers(0, 100))
@@ -359,8 +459,9 @@ class RadixCacheMachine(RuleBasedStateMachine):
         _, _, slots = self.pending.pop(i % len(self.pending))
         self.alloc.free(slots)
 
-    @rule(ns=st.sampled_from(NAMESPACES), key=keys)
-    def match(self, ns: str | None, key: list[int]) -> None:
+    @rule(ns=st.sampled_from(NAMESPACES), raw=keys)
+    def match(self, ns: str | None, raw: tuple[list[int], int]) -> None:
+        key = self.expand(raw)
         kv, node = self.cache.match_prefix(key, ns)
         assert kv.tolist() == self.ref_match(ns, key)
         depth = 0
@@ -370,8 +471,9 @@ class RadixCacheMachine(RuleBasedStateMachine):
         assert depth == kv.numel()
         assert self.cache._root(ns) is node
 
-    @rule(ns=st.sampled_from(NAMESPACES), key=keys)
-    def lock(self, ns: str | None, key: list[int]) -> None:
+    @rule(ns=st.sampled_from(NAMESPACES), raw=keys)
+    def lock(self, ns: str | None, raw: tuple[list[int], int]) -> None:
+        key = self.expand(raw)
         kv, node = self.cache.match_prefix(key, ns)
         self.cache.inc_lock_ref(node)
         self.locks.append((ns, tuple(key[: kv.numel()]), node, kv.tolist()))
@@ -382,7 +484,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         _, _, node, _ = self.locks.pop(i % len(self.locks))
         self.cache.dec_lock_ref(node)
 
-    @rule(n=st.integers(1, POOL))
+    @rule(n=st.integers(1, POOL_PAGES * 16))
     def evict_some(self, n: int) -> None:
         self.evict(n)
 
@@ -390,12 +492,12 @@ class RadixCacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def tree_matches_reference(self) -> None:
-        ref_slots = [s for r in self.ref.values() for s in r.values()]
+        ref_slots = [s for r in self.ref.values() for page in r.values() for s in page]
         in_tree = tree_slots(self.cache)
         assert sorted(in_tree) == sorted(ref_slots)
         assert len(set(in_tree)) == len(in_tree), "a slot is held twice by the tree"
         assert not set(in_tree) & self.alloc.free_set, "a slot is both free and in the tree"
-        held = sum(len(s) for _, _, s in self.pending)
+        held = sum(self.pages(len(s)) * self.page_size for _, _, s in self.pending)
         assert not {s for _, _, t in self.pending for s in t.tolist()} & self.alloc.free_set
         assert_accounted(self.cache, self.alloc, held)
         assert self.alloc.available() == len(self.alloc.free_set)
@@ -403,11 +505,12 @@ class RadixCacheMachine(RuleBasedStateMachine):
     @invariant()
     def locked_prefixes_still_match_fully(self) -> None:
         locked: set[tuple[str | None, tuple[int, ...]]] = set()
+        p = self.page_size
         for ns, prefix, _, kv in self.locks:
             assert self.ref_match(ns, list(prefix)) == kv
             assert self.cache.match_prefix(list(prefix), ns).kv_indices.tolist() == kv
-            locked |= {(ns, prefix[:i]) for i in range(1, len(prefix) + 1)}
-        assert self.cache.locked_size == len(locked)
+            locked |= {(ns, prefix[: i * p]) for i in range(1, len(prefix) // p + 1)}
+        assert self.cache.locked_size == len(locked) * p
 
     @invariant()
     def lock_refs_count_the_locks_below(self) -> None:
@@ -418,7 +521,9 @@ class RadixCacheMachine(RuleBasedStateMachine):
         for node in self.cache._all_nodes():
             below = sum(c.lock_ref for c in node.children.values())
             assert node.lock_ref == direct.get(id(node), 0) + below
-            assert all(c.parent is node and c.key[0] == t for t, c in node.children.items())
+            assert len(node.key) % self.page_size == 0 and len(node.key) == len(node.value)
+            for t, c in node.children.items():
+                assert c.parent is node and self.cache._child_key(c.key) == t
             if node.lock_ref:
                 locked += len(node.key)
             else:
@@ -426,10 +531,17 @@ class RadixCacheMachine(RuleBasedStateMachine):
         assert (self.cache.locked_size, self.cache.evictable_size) == (locked, evictable)
 
 
-TestRadixCacheMachine = RadixCacheMachine.TestCase
-TestRadixCacheMachine.settings = settings(
+class PagedRadixCacheMachine(RadixCacheMachine):
+    page_size = 16
+
+
+MACHINE_SETTINGS = settings(
     max_examples=150,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+TestRadixCacheMachine = RadixCacheMachine.TestCase
+TestRadixCacheMachine.settings = MACHINE_SETTINGS
+TestPagedRadixCacheMachine = PagedRadixCacheMachine.TestCase
+TestPagedRadixCacheMachine.settings = MACHINE_SETTINGS

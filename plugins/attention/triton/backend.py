@@ -1,4 +1,4 @@
-"""The ``triton`` attention backend: paged KV (page size 1) with GQA on the GPU.
+"""The ``triton`` attention backend: paged KV (any power-of-two page size) with GQA on the GPU.
 
 Per step, ``prepare`` builds the metadata every layer reuses with one host->device copy (request
 rows, sequence lengths, new-token counts and offsets) and brings the device copy of the
@@ -9,6 +9,10 @@ NOTE: the device table mirrors the host ``req_to_token`` table for every positio
 a prefill chunk copies its request's row ``[0, seq_len)`` (cached prefix included), a decode
 writes its one new slot. A request therefore reaches decode only after an extend of its own row,
 which the scheduler guarantees (every admitted request starts with a prefill chunk).
+
+The page size comes from the ``page_size`` argument or else the KV pool's ``page_size``
+attribute (1 when it has none). With P > 1 the kernels read one table entry per page: a
+request's positions [k * P, (k + 1) * P) sit in consecutive slots (see core/memory.py).
 """
 
 from __future__ import annotations
@@ -39,8 +43,11 @@ class StepMeta:
 
 
 class TritonAttention(AttentionBackend):
-    def __init__(self, kv_pool: KVPool, model_config: ModelConfig, device: str) -> None:
+    def __init__(
+        self, kv_pool: KVPool, model_config: ModelConfig, device: str, page_size: int | None = None
+    ) -> None:
         self.kv_pool = kv_pool
+        self.page_size = page_size or getattr(kv_pool, "page_size", 1)
         self.device = torch.device(device)
         self.num_heads = model_config.num_heads
         self.num_kv_heads = model_config.num_kv_heads
@@ -133,11 +140,12 @@ class TritonAttention(AttentionBackend):
         if nd:
             decode_attention(
                 q[:nd], k_buf, v_buf, table, meta.req_rows[:nd], meta.seq_lens[:nd],
-                out[:nd], meta.part_out, meta.part_lse, self.scale,
+                out[:nd], meta.part_out, meta.part_lse, self.scale, page_size=self.page_size,
             )  # fmt: skip
         if meta.max_ext_len:
             extend_attention(
                 q, k_buf, v_buf, out, table, meta.req_rows[nd:], meta.seq_lens[nd:],
                 meta.ext_lens[nd:], meta.q_starts[nd:], meta.max_ext_len, self.scale,
+                page_size=self.page_size,
             )  # fmt: skip
         return out.flatten(1)

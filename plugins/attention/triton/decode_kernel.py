@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+from radixserve.plugins.attention.triton.attend import LOG2E, attend_blocks
+
 MAX_SPLITS = 16
 #: Launch settings on a GPU, chosen with bench/gpu_kernels.py on an H200 (KV-bandwidth sweep).
 GPU_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 8}
@@ -30,7 +31,7 @@ def _decode_partial_kernel(
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
@@ -45,7 +46,6 @@ def _decode_partial_kernel(
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     heads = kvh * GROUP + offs_g
     mask_g = offs_g < GROUP
     mask_d = offs_d < HEAD_DIM
@@ -56,36 +56,12 @@ def _decode_partial_kernel(
     )
     if UPCAST:
         q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        mask_n = pos < end
-        slots = tl.load(Table + row * stride_table + pos, mask=mask_n, other=0).to(tl.int64)
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(
-            K + slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = attend_blocks(
+        q, offs_g, K, V, Table + row * stride_table, start, end, kvh,
+        sm_scale_log2,
+        stride_kt, stride_kh, stride_vt, stride_vh,
+        BLOCK_G, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, UPCAST, PRECISION,
+    )  # fmt: skip
     has = l_i > 0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -144,10 +120,12 @@ def decode_attention(
     part_lse: torch.Tensor,
     scale: float,
     block_n: int | None = None,
+    page_size: int = 1,
 ) -> None:
     """q, out: [B, H, D]; k_buf, v_buf: [slots, KVH, D]; table: [rows, max_context] int32 KV slots;
     req_rows, seq_lens: [B] int32 on the device; part_out: [B, H, S, D] and part_lse: [B, H, S]
-    float32 scratch, S = the number of splits."""
+    float32 scratch, S = the number of splits. With ``page_size`` P > 1 the table's positions
+    [k * P, (k + 1) * P) must map to consecutive slots (one page)."""
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     group = num_heads // num_kv_heads
@@ -166,7 +144,7 @@ def decode_attention(
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, PAGE_SIZE=page_size,
         UPCAST=on_cpu, PRECISION="ieee" if precise else "tf32",
         num_warps=GPU_CONFIG["num_warps"], num_stages=GPU_CONFIG["num_stages"],
     )  # fmt: skip

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.plugins.attention.triton.decode_kernel import LOG2E
+from radixserve.plugins.attention.triton.attend import LOG2E, attend_blocks
 
 
 @triton.jit
@@ -25,7 +25,7 @@ def _extend_kernel(
     stride_ot, stride_oh,
     stride_table,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
@@ -40,7 +40,6 @@ def _extend_kernel(
 
     offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     mask_m = offs_m < ext_len
     mask_d = offs_d < HEAD_DIM
     q_pos = prefix + offs_m
@@ -53,39 +52,12 @@ def _extend_kernel(
         q = q.to(tl.float32)
     # Blocks past this request's new tokens (the grid fits the longest one) do no work.
     hi = tl.where(mblk * BLOCK_M < ext_len, tl.minimum(seq_len, prefix + (mblk + 1) * BLOCK_M), 0)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for n0 in range(0, hi, BLOCK_N):
-        pos = n0 + offs_n
-        mask_n = pos < hi
-        slots = tl.load(Table + row * stride_table + pos, mask=mask_n, other=0).to(tl.int64)
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(
-            K + slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
-        keep = mask_n[None, :] & (pos[None, :] <= q_pos[:, None])
-        qk = tl.where(keep, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        # NOTE: a row can be fully masked in a block only before its first key (never: key 0
-        # is visible to every query), so m_new is finite after the first block.
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = attend_blocks(
+        q, q_pos, K, V, Table + row * stride_table, 0, hi, kvh,
+        sm_scale_log2,
+        stride_kt, stride_kh, stride_vt, stride_vh,
+        BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, UPCAST, PRECISION,
+    )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -107,10 +79,12 @@ def extend_attention(
     max_ext_len: int,
     scale: float,
     block: int | None = None,
+    page_size: int = 1,
 ) -> None:
     """q, out: [T, H, D] (all new tokens of the step); request r's new tokens are rows
     ``q_starts[r] : q_starts[r] + ext_lens[r]``; req_rows, seq_lens, ext_lens, q_starts: [R]
-    int32 on the device; ``max_ext_len`` (a host int) sizes the grid."""
+    int32 on the device; ``max_ext_len`` (a host int) sizes the grid. With ``page_size`` P > 1
+    the table's positions [k * P, (k + 1) * P) must map to consecutive slots (one page)."""
     num_reqs = req_rows.shape[0]
     _, num_heads, head_dim = q.shape
     group = num_heads // k_buf.shape[1]
@@ -127,7 +101,7 @@ def extend_attention(
         out.stride(0), out.stride(1),
         table.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=block, BLOCK_N=block,
+        BLOCK_M=block, BLOCK_N=block, PAGE_SIZE=page_size,
         UPCAST=on_cpu, PRECISION="ieee" if precise else "tf32",
         num_warps=4, num_stages=2,
     )  # fmt: skip

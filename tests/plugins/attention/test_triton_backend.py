@@ -19,7 +19,7 @@ pytest.importorskip("triton", reason="the 'triton' package is not installed")
 from radixserve import Engine  # noqa: E402
 from radixserve.core.batch import ForwardBatch  # noqa: E402
 from radixserve.core.config import ModelConfig  # noqa: E402
-from radixserve.core.memory import KVPool  # noqa: E402
+from radixserve.core.memory import KVPool, TokenAllocator  # noqa: E402
 from radixserve.plugins.attention.torch_native import TorchNativeAttention  # noqa: E402
 from radixserve.plugins.attention.triton.backend import TritonAttention  # noqa: E402
 
@@ -38,13 +38,14 @@ CONFIG = ModelConfig.from_dict(
 
 
 def _step(table: torch.Tensor, rows: list[int], kv_lens: list[int], new: list[int], nd: int,
-          slots: list[int]) -> ForwardBatch:  # fmt: skip
+          alloc: TokenAllocator) -> ForwardBatch:  # fmt: skip
     """Give each request ``new`` slots after its ``kv_lens`` cached ones; build the batch."""
-    out_loc, it = [], iter(slots)
+    out_loc = []
     for row, start, n in zip(rows, kv_lens, new, strict=True):
-        for pos in range(start, start + n):
-            table[row, pos] = next(it)
-            out_loc.append(int(table[row, pos]))
+        slots = alloc.alloc_extend(table[row], start, n)
+        assert slots is not None
+        table[row, start : start + n] = slots
+        out_loc += slots.tolist()
     t = len(out_loc)
     return ForwardBatch(
         input_ids=torch.zeros(t, dtype=torch.int64, device=DEVICE),
@@ -60,28 +61,41 @@ def _step(table: torch.Tensor, rows: list[int], kv_lens: list[int], new: list[in
     )
 
 
-def test_backend_matches_torch_native_over_steps() -> None:
+def _shuffled_allocator(size: int, page_size: int) -> TokenAllocator:
+    """An allocator that hands out its pages in a random order."""
+    alloc = TokenAllocator(size, page_size)
+    everything = alloc.alloc(alloc.size)
+    assert everything is not None
+    for page in torch.randperm(alloc.size // page_size).tolist():
+        alloc.free(everything[page * page_size : (page + 1) * page_size])
+    return alloc
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_backend_matches_torch_native_over_steps(page_size: int) -> None:
     torch.manual_seed(0)
     heads, kvh, dim = CONFIG.num_heads, CONFIG.num_kv_heads, CONFIG.head_dim
-    pools = [KVPool(200, 1, kvh, dim, torch.float32, DEVICE) for _ in range(2)]
+    size = 20 * page_size - 1 if page_size > 1 else 200
+    pools = [KVPool(size, 1, kvh, dim, torch.float32, DEVICE, page_size) for _ in range(2)]
     backends = [TritonAttention(pools[0], CONFIG, DEVICE), TorchNativeAttention(pools[1], CONFIG,
                                                                                DEVICE)]  # fmt: skip
+    assert backends[0].page_size == page_size  # read from the KV pool
+    alloc = _shuffled_allocator(size, page_size)
     table = torch.zeros(6, 64, dtype=torch.int64)
-    free = (torch.randperm(200) + 1).tolist()
     # Request 4's first 21 positions are a "cached prefix" written before it was scheduled.
-    table[4, :21] = torch.tensor(free[:21])
+    prefix = alloc.alloc(21)
+    assert prefix is not None
+    table[4, :21] = prefix
     cached = table[4, :21].to(DEVICE)
     pools[0].k[0][cached] = pools[1].k[0][cached] = torch.randn(21, kvh, dim, device=DEVICE)
     pools[0].v[0][cached] = pools[1].v[0][cached] = torch.randn(21, kvh, dim, device=DEVICE)
-    free = free[21:]
     steps = [  # (rows, cached, new, num_decode): prefill, then decodes mixed with prefill
         ([1, 3], [0, 0], [18, 5], 0),
         ([1, 3, 4, 0], [18, 5, 21, 0], [1, 1, 12, 33], 2),
         ([1, 3, 4, 0], [19, 6, 33, 33], [1, 1, 1, 1], 4),
     ]
     for rows, cached, new, nd in steps:
-        batch = _step(table, rows, cached, new, nd, free[: sum(new)])
-        free = free[sum(new) :]
+        batch = _step(table, rows, cached, new, nd, alloc)
         t = batch.num_tokens
         q = torch.randn(t, heads, dim, device=DEVICE)
         k = torch.randn(t, kvh, dim, device=DEVICE)

@@ -1,7 +1,9 @@
 """The Triton kernels (extend, split-K decode, KV store) against a plain torch reference.
 
 On a CPU machine (CI) they run under TRITON_INTERPRET=1 at small sizes; on a CUDA machine the
-same tests run compiled, at real sizes (Llama-3.1-8B heads, contexts up to 4k tokens).
+same tests run compiled, at real sizes (Llama-3.1-8B heads, contexts up to 4k tokens). Each
+runs with page size 1 (every position anywhere in the pool) and 16 (whole pages scattered over
+the pool), so lengths and cached prefixes cross page boundaries at odd places.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ EXTEND_CASES = (  # (cached prefix, new tokens)
     else [(0, 1), (0, 17), (5, 1), (15, 16), (16, 33), (31, 3)]
 )
 DTYPES = [torch.bfloat16] if GPU else [torch.float32, torch.bfloat16]
+PAGE_SIZES = [1, 16]
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -47,21 +50,26 @@ def _tolerance(dtype: torch.dtype) -> float:
     return 1e-2 if dtype == torch.bfloat16 else 1e-5
 
 
-def _paged_setup(lens: list[int], num_kv_heads: int, dtype: torch.dtype, seed: int):  # noqa: ANN202
-    """A pool with random K/V and a table that scatters each sequence over random slots."""
+def _paged_setup(lens: list[int], num_kv_heads: int, dtype: torch.dtype, seed: int,
+                 page_size: int = 1):  # fmt: skip  # noqa: ANN202
+    """A pool with random K/V and a table that scatters each sequence's pages over random pages
+    of the pool (page 0 is padding); within a page, positions map to consecutive slots."""
     gen = torch.Generator().manual_seed(seed)
-    total = sum(lens)
-    size = total + 37  # spare slots so the mapping is not a permutation of the whole pool
-    k_buf = torch.randn(size + 1, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
-    v_buf = torch.randn(size + 1, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
-    perm = torch.randperm(size, generator=gen)[:total] + 1  # slot 0 is padding
+    pages_per_seq = [-(-n // page_size) for n in lens]
+    num_pages = sum(pages_per_seq) + 7  # spare pages: the mapping is not a permutation
+    size = (num_pages + 1) * page_size
+    k_buf = torch.randn(size, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
+    v_buf = torch.randn(size, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
+    perm = torch.randperm(num_pages, generator=gen) + 1
     rows = len(lens) + 3
     table = torch.zeros(rows, max(lens) + 5, dtype=torch.int32)
     req_rows = torch.randperm(rows, generator=gen)[: len(lens)].to(torch.int32)
     offset = 0
-    for row, n in zip(req_rows.tolist(), lens, strict=True):
-        table[row, :n] = perm[offset : offset + n].to(torch.int32)
-        offset += n
+    for row, n, k in zip(req_rows.tolist(), lens, pages_per_seq, strict=True):
+        pages = perm[offset : offset + k]
+        slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten()[:n]
+        table[row, :n] = slots.to(torch.int32)
+        offset += k
     return k_buf, v_buf, table, req_rows
 
 
@@ -85,11 +93,12 @@ def _dev(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.to(DEVICE) for t in tensors]
 
 
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
-def test_decode_matches_reference(group: int, dtype: torch.dtype) -> None:
+def test_decode_matches_reference(group: int, dtype: torch.dtype, page_size: int) -> None:
     lens = DECODE_LENS
-    k_buf, v_buf, table, req_rows = _paged_setup(lens, KV_HEADS, dtype, seed=group)
+    k_buf, v_buf, table, req_rows = _paged_setup(lens, KV_HEADS, dtype, group, page_size)
     bs, heads = len(lens), KV_HEADS * group
     q = torch.randn(bs, heads, HEAD_DIM, generator=torch.Generator().manual_seed(7)).to(dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
@@ -104,7 +113,8 @@ def test_decode_matches_reference(group: int, dtype: torch.dtype) -> None:
         dq, dk, dv, dt, drows, dlens, dout, dpo, dpl = _dev(
             q, k_buf, v_buf, table, req_rows, seq_lens, out, part_out, part_lse
         )
-        decode_attention(dq, dk, dv, dt, drows, dlens, dout, dpo, dpl, HEAD_DIM**-0.5)
+        decode_attention(dq, dk, dv, dt, drows, dlens, dout, dpo, dpl, HEAD_DIM**-0.5,
+                         page_size=page_size)  # fmt: skip
         out = dout.cpu()
         assert not out.isnan().any()
         for b, n in enumerate(lens):
@@ -112,12 +122,13 @@ def test_decode_matches_reference(group: int, dtype: torch.dtype) -> None:
             assert err < _tolerance(dtype), f"splits={splits} len={n}: rel err {err:.2e}"
 
 
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
-def test_extend_matches_reference(group: int, dtype: torch.dtype) -> None:
+def test_extend_matches_reference(group: int, dtype: torch.dtype, page_size: int) -> None:
     cases = EXTEND_CASES
     seq = [p + n for p, n in cases]
-    k_buf, v_buf, table, req_rows = _paged_setup(seq, KV_HEADS, dtype, seed=10 + group)
+    k_buf, v_buf, table, req_rows = _paged_setup(seq, KV_HEADS, dtype, 10 + group, page_size)
     heads = KV_HEADS * group
     ext = [n for _, n in cases]
     starts = [sum(ext[:i]) for i in range(len(ext))]
@@ -128,7 +139,8 @@ def test_extend_matches_reference(group: int, dtype: torch.dtype) -> None:
     dq, dk, dv, dout, dt, drows, dseq, dext, dstarts = _dev(
         q, k_buf, v_buf, out, table, req_rows, *meta
     )
-    extend_attention(dq, dk, dv, dout, dt, drows, dseq, dext, dstarts, max(ext), HEAD_DIM**-0.5)
+    extend_attention(dq, dk, dv, dout, dt, drows, dseq, dext, dstarts, max(ext), HEAD_DIM**-0.5,
+                     page_size=page_size)  # fmt: skip
     out = dout.cpu()
     assert not out.isnan().any()
     for r, (prefix, n) in enumerate(cases):
@@ -153,3 +165,63 @@ def test_store_kv_writes_exactly_the_slots(dtype: torch.dtype) -> None:
     dk, dv, dkb, dvb, ds = _dev(k, v, k_buf, v_buf, slots)
     store_kv(dk, dv, dkb, dvb, ds)
     assert torch.equal(dkb.cpu(), want_k) and torch.equal(dvb.cpu(), want_v)
+
+
+def _decode_err(lens: list[int], group: int, setup_page: int, kernel_page: int) -> float:
+    """Largest relative error of the decode kernel run with ``kernel_page`` over a table laid
+    out with ``setup_page`` (float32)."""
+    k_buf, v_buf, table, req_rows = _paged_setup(lens, KV_HEADS, torch.float32, 5, setup_page)
+    bs, heads = len(lens), KV_HEADS * group
+    q = torch.randn(bs, heads, HEAD_DIM, generator=torch.Generator().manual_seed(9))
+    splits = 2
+    out = torch.full_like(q, float("nan"))
+    dq, dk, dv, dt, drows, dlens, dout, dpo, dpl = _dev(
+        q, k_buf, v_buf, table, req_rows, torch.tensor(lens, dtype=torch.int32), out,
+        torch.empty(bs, heads, splits, HEAD_DIM), torch.empty(bs, heads, splits),
+    )  # fmt: skip
+    decode_attention(dq, dk, dv, dt, drows, dlens, dout, dpo, dpl, HEAD_DIM**-0.5,
+                     page_size=kernel_page)  # fmt: skip
+    out = dout.cpu()
+    return max(
+        _rel_err(out[b : b + 1], _reference(q[b : b + 1], k_buf, v_buf, table,
+                                            int(req_rows[b]), n, torch.tensor([n - 1])))
+        for b, n in enumerate(lens)
+    )  # fmt: skip
+
+
+# Pages smaller than the kernels' key block (one table load per page) and larger than it (one
+# load per block, starting inside a page): the CPU block is 16, the GPU's 64 and 128.
+OTHER_PAGE_SIZES = [256] if GPU else [4, 32]
+
+
+@pytest.mark.parametrize("page_size", OTHER_PAGE_SIZES)
+def test_kernels_with_pages_smaller_or_larger_than_a_block(page_size: int) -> None:
+    lens = [1, 3, page_size - 1, page_size + 1, 2 * page_size + 5, 70]
+    assert _decode_err(lens, 4, page_size, page_size) < _tolerance(torch.float32)
+    cases = [(0, 1), (3, page_size), (page_size + 1, 2 * page_size + 3), (2 * page_size, 7)]
+    seq = [p + n for p, n in cases]
+    k_buf, v_buf, table, req_rows = _paged_setup(seq, KV_HEADS, torch.float32, 21, page_size)
+    ext = [n for _, n in cases]
+    starts = [sum(ext[:i]) for i in range(len(ext))]
+    q = torch.randn(sum(ext), KV_HEADS * 3, HEAD_DIM, generator=torch.Generator().manual_seed(4))
+    meta = [torch.tensor(x, dtype=torch.int32) for x in (seq, ext, starts)]
+    dq, dk, dv, dout, dt, drows, dseq, dext, dstarts = _dev(
+        q, k_buf, v_buf, torch.full_like(q, float("nan")), table, req_rows, *meta
+    )
+    extend_attention(dq, dk, dv, dout, dt, drows, dseq, dext, dstarts, max(ext), HEAD_DIM**-0.5,
+                     page_size=page_size)  # fmt: skip
+    out = dout.cpu()
+    for r, (prefix, n) in enumerate(cases):
+        rows = slice(starts[r], starts[r] + n)
+        ref = _reference(q[rows], k_buf, v_buf, table, int(req_rows[r]), prefix + n,
+                         torch.arange(prefix, prefix + n))  # fmt: skip
+        assert _rel_err(out[rows], ref) < _tolerance(torch.float32), (prefix, n)
+
+
+def test_paged_kernel_reads_one_table_entry_per_page() -> None:
+    """Over a table whose pages are not contiguous (page size 1 layout), the page-16 kernel
+    must go wrong: it takes each page's slots from the page's first entry."""
+    lens = [40, 33, 17]
+    assert _decode_err(lens, 2, 16, 16) < _tolerance(torch.float32)
+    assert _decode_err(lens, 2, 1, 1) < _tolerance(torch.float32)
+    assert _decode_err(lens, 2, 1, 16) > 0.1

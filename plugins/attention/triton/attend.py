@@ -1,0 +1,86 @@
+"""The pieces the decode and extend kernels share: paged KV-slot lookup and the online-softmax
+loop over blocks of BLOCK_N keys.
+
+Paging: with page size P the positions ``[k * P, (k + 1) * P)`` of a request live in one page,
+in consecutive slots, so a block needs one table entry per page (or a single one when the block
+lies inside one page) instead of one per position.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def kv_slots(TableRow, n0, hi, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """KV slots of positions ``n0 + arange(BLOCK_N)`` of one req->token table row; positions
+    at or past ``hi`` get a valid padding row. ``n0`` is a multiple of min(BLOCK_N, PAGE_SIZE)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    if PAGE_SIZE == 1:
+        slots = tl.load(TableRow + n0 + offs_n, mask=n0 + offs_n < hi, other=0)
+    elif PAGE_SIZE >= BLOCK_N:
+        # The block lies inside one page: one scalar load.
+        first = tl.load(TableRow + n0 - n0 % PAGE_SIZE)
+        slots = first + (n0 % PAGE_SIZE + offs_n)
+    else:
+        pages = n0 + tl.arange(0, BLOCK_N // PAGE_SIZE) * PAGE_SIZE
+        first = tl.load(TableRow + pages, mask=pages < hi, other=0)
+        slots = tl.reshape(first[:, None] + tl.arange(0, PAGE_SIZE)[None, :], [BLOCK_N])
+    return slots.to(tl.int64)
+
+
+@triton.jit
+def attend_blocks(
+    q, q_pos, K, V, TableRow, lo, hi, kvh,
+    sm_scale_log2,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Attend the BLOCK_Q query rows ``q`` (scaled by ``sm_scale_log2`` in base 2) to keys
+    ``[lo, hi)`` of KV head ``kvh``; with CAUSAL, row i sees keys at positions <= q_pos[i].
+    Returns the running max, the softmax denominator and the unnormalised output (float32)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        pos = n0 + offs_n
+        mask_n = pos < hi
+        slots = kv_slots(TableRow, n0, hi, PAGE_SIZE, BLOCK_N)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(
+            K + slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
+        if CAUSAL:
+            # NOTE: a row is fully masked in a block only before its first key (never: key 0
+            # is visible to every query), so m_new is finite after the first block.
+            keep = mask_n[None, :] & (pos[None, :] <= q_pos[:, None])
+        else:
+            keep = mask_n[None, :]
+        qk = tl.where(keep, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc

@@ -1,0 +1,180 @@
+"""The paged TokenAllocator: pages fill in order, a failed allocation changes nothing, frees
+give back whole pages, page 0 (slot 0) is never handed out; and a property-based run of many
+requests extending, decoding and finishing against the layout invariant."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixserve.core.memory import TokenAllocator
+
+P = 16
+
+
+def assert_paged(row: torch.Tensor, n: int, page_size: int) -> None:
+    """Positions [k * P, (k + 1) * P) of the row sit in one page, in order."""
+    slots = row[:n]
+    pos = torch.arange(n)
+    first = slots[pos - pos % page_size]
+    assert torch.equal(slots, first + pos % page_size), slots.tolist()
+    assert bool((first % page_size == 0).all()), slots.tolist()
+
+
+def test_size_counts_whole_pages_past_the_reserved_one() -> None:
+    alloc = TokenAllocator(10 * P + 3, P)  # KV rows 0..163: pages 0..9 fit, page 0 is reserved
+    assert alloc.size == alloc.available() == 9 * P
+    assert TokenAllocator(100).size == 100  # page size 1: slots 1..100
+    with pytest.raises(ValueError, match="holds no page"):
+        TokenAllocator(P, P)
+
+
+def test_page_zero_is_never_handed_out() -> None:
+    alloc = TokenAllocator(8 * P - 1, P)
+    slots = alloc.alloc(alloc.size)
+    assert slots is not None and len(slots) == 7 * P
+    assert int(slots.min()) == P and int(slots.max()) == 8 * P - 1
+    assert sorted(slots.tolist()) == list(range(P, 8 * P))
+    assert alloc.alloc(1) is None
+
+
+def test_extend_fills_the_partial_last_page_before_taking_new_pages() -> None:
+    alloc = TokenAllocator(8 * P - 1, P)
+    row = torch.zeros(64, dtype=torch.int64)
+    first = alloc.alloc_extend(row, 0, 5)
+    assert first is not None and len(first) == 5
+    row[:5] = first
+    assert alloc.available() == 6 * P  # one page taken for five tokens
+    more = alloc.alloc_extend(row, 5, 20)  # 11 fill the first page, 9 start a second
+    assert more is not None
+    row[5:25] = more
+    assert more[:11].tolist() == list(range(int(first[0]) + 5, int(first[0]) + P))
+    assert alloc.available() == 5 * P
+    assert_paged(row, 25, P)
+    exact = alloc.alloc_extend(row, 25, 7)  # exactly fills the second page: no new page
+    assert exact is not None and alloc.available() == 5 * P
+    row[25:32] = exact
+    assert_paged(row, 32, P)
+    assert alloc.tokens_needed(32, 1) == P and alloc.tokens_needed(25, 7) == 0
+    assert alloc.tokens_needed(5, 20) == P and alloc.tokens_needed(0, 33) == 3 * P
+
+
+def test_decode_takes_a_new_page_only_at_a_page_boundary() -> None:
+    alloc = TokenAllocator(16 * P - 1, P)
+    table = torch.zeros(4, 64, dtype=torch.int64)
+    lens = [P, P + 1, 2 * P - 1, 2 * P]
+    for r, n in enumerate(lens):
+        slots = alloc.alloc_extend(table[r], 0, n)
+        assert slots is not None
+        table[r, :n] = slots
+    before = alloc.available()
+    rows, kv_lens = torch.arange(4), torch.tensor(lens)
+    assert alloc.tokens_needed_decode(kv_lens) == 2 * P
+    slots = alloc.alloc_decode(table, rows, kv_lens)
+    assert slots is not None
+    assert alloc.available() == before - 2 * P  # rows 0 and 3 started pages
+    assert slots[1] == table[1, P] + 1 and slots[2] == table[2, 2 * P - 2] + 1
+    assert slots[0] % P == 0 and slots[3] % P == 0 and slots[0] != slots[3]
+    table[rows, kv_lens] = slots
+    for r, n in enumerate(lens):
+        assert_paged(table[r], n + 1, P)
+
+
+@pytest.mark.parametrize("page_size", [1, P])
+def test_failed_allocation_changes_nothing(page_size: int) -> None:
+    p = page_size
+    alloc = TokenAllocator(4 * p - 1 if p > 1 else 3, p)  # three pages
+    table = torch.zeros(2, 64, dtype=torch.int64)
+    for r, n in enumerate([2 * p, p]):
+        slots = alloc.alloc_extend(table[r], 0, n)
+        assert slots is not None
+        table[r, :n] = slots
+    assert alloc.available() == 0
+    assert alloc.alloc_extend(table[0], 2 * p, 1) is None
+    assert alloc.alloc(1) is None
+    assert alloc.alloc_decode(table, torch.tensor([0, 1]), torch.tensor([2 * p, p])) is None
+    assert alloc.available() == 0
+    alloc.free(table[1, :p].clone())
+    assert alloc.available() == p
+    # The failures took nothing: the one free page is the one just given back.
+    again = alloc.alloc(p)
+    assert again is not None and again.tolist() == table[1, :p].tolist()
+
+
+def test_free_gives_back_whole_pages_including_a_partial_last_one() -> None:
+    alloc = TokenAllocator(8 * P - 1, P)
+    row = torch.zeros(64, dtype=torch.int64)
+    slots = alloc.alloc_extend(row, 0, 2 * P + 3)
+    assert slots is not None and alloc.available() == 4 * P
+    alloc.free(slots[2 * P :])  # the partial third page
+    assert alloc.available() == 5 * P
+    alloc.free(slots[: 2 * P])
+    assert alloc.available() == 7 * P
+    again = alloc.alloc(alloc.size)
+    assert again is not None and sorted(again.tolist()) == list(range(P, 8 * P))
+
+
+def test_page_size_1_decode_and_free_are_plain_slots() -> None:
+    alloc = TokenAllocator(10)
+    table = torch.zeros(3, 8, dtype=torch.int64)
+    slots = alloc.alloc_decode(table, torch.arange(3), torch.tensor([1, 2, 3]))
+    assert slots is not None and sorted(slots.tolist()) == [1, 2, 3]
+    assert alloc.available() == 7
+    alloc.free(slots[1:])
+    assert alloc.available() == 9
+
+
+# -- property-based: many requests against the layout invariant ------------------------------
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["extend", "decode", "finish"]), st.integers(0, 3), st.integers(1, 40)
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(page_size=st.sampled_from([1, 4, P]), ops=ops)
+def test_requests_keep_the_page_layout_and_never_share_a_slot(
+    page_size: int, ops: list[tuple[str, int, int]]
+) -> None:
+    alloc = TokenAllocator(12 * page_size - 1 if page_size > 1 else 40, page_size)
+    table = torch.zeros(4, 512, dtype=torch.int64)
+    lens = [0, 0, 0, 0]
+    for op, r, n in ops:
+        before = alloc.available()
+        if op == "extend":
+            slots = alloc.alloc_extend(table[r], lens[r], n)
+            if slots is None:
+                assert alloc.available() == before
+                assert alloc.tokens_needed(lens[r], n) > before
+                continue
+            table[r, lens[r] : lens[r] + n] = slots
+            lens[r] += n
+        elif op == "decode":
+            active = [i for i in range(4) if lens[i]]
+            if not active:
+                continue
+            rows = torch.tensor(active)
+            kv = torch.tensor([lens[i] for i in active])
+            slots = alloc.alloc_decode(table, rows, kv)
+            if slots is None:
+                assert alloc.available() == before
+                assert alloc.tokens_needed_decode(kv) > before
+                continue
+            table[rows, kv] = slots
+            for i in active:
+                lens[i] += 1
+        else:
+            alloc.free(table[r, : lens[r]].clone())
+            lens[r] = 0
+        used = [s for i in range(4) for s in table[i, : lens[i]].tolist()]
+        assert len(set(used)) == len(used), "two positions share a slot"
+        assert min(used, default=page_size) >= page_size, "page 0 was handed out"
+        pages = sum(-(-n // page_size) for n in lens)
+        assert alloc.available() == alloc.size - pages * page_size
+        for i in range(4):
+            assert_paged(table[i], lens[i], page_size)
