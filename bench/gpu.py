@@ -47,6 +47,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hardware", default="cuda")
     p.add_argument("--attention", default="triton")
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--disable-overlap-schedule", action="store_true")
+    p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--tune-decode", action="store_true", help="sweep decode launch settings first")
     p.add_argument("--skip-big", action="store_true", help="skip the 512-request offline run")
@@ -109,6 +111,30 @@ def ceilings() -> dict[str, float]:
     }
 
 
+def workload_bound_tok_s(
+    shape: str, workload: tuple[int, int, int], running: int, copy_gbps: float, tflops: float
+) -> float:
+    """Output tok/s if prefill ran at the matmul ceiling and every decode step read the weights
+    and the running requests' KV at the copy ceiling (no overheads, no overlap of the two)."""
+    c = SHAPES[shape]
+    n, prompt, out = workload
+    h, layers = c["hidden_size"], c["num_hidden_layers"]
+    head_dim = h // c["num_attention_heads"]
+    kv_dim = c["num_key_value_heads"] * head_dim
+    layer_params = 2 * h * h + 2 * h * kv_dim + 3 * h * c["intermediate_size"]
+    matmul_params = layers * layer_params + h * c["vocab_size"]  # + the LM head
+    weight_bytes = 2 * (matmul_params + (0 if c["tie_word_embeddings"] else h * c["vocab_size"]))
+    kv_bytes_per_token = 2 * 2 * layers * kv_dim
+    prefill_flops = n * prompt * 2 * matmul_params + n * 2 * layers * h * prompt**2
+    prefill_s = prefill_flops / (tflops * 1e12)
+    decode_s = 0.0
+    for start in range(0, n, running):
+        b = min(running, n - start)
+        kv_token_reads = b * (out * prompt + out * (out - 1) / 2)
+        decode_s += (out * weight_bytes + kv_token_reads * kv_bytes_per_token) / (copy_gbps * 1e9)
+    return n * out / (prefill_s + decode_s)
+
+
 def prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(num)]
@@ -159,10 +185,12 @@ def run_ours(model_dir: Path, args: argparse.Namespace, vocab: int, res: dict[st
         max_running_requests=running, max_total_tokens=running * context + 4096,
         context_length=context, chunked_prefill_size=args.chunked_prefill_size,
         cuda_graph_max_bs=running, disable_cuda_graph=args.disable_cuda_graph,
+        disable_overlap_schedule=args.disable_overlap_schedule, page_size=args.page_size,
     )  # fmt: skip
     runner = engine.core.runner
     note("ours_start_s", time.perf_counter() - start)
     note("plugins", dict(runner.plugins.names))
+    note("overlap_schedule", engine.core.overlap)
     note("cuda_graph", hasattr(runner.step, "graphs"))
     n, i, o = w["b1"]
     run_generate(engine, prompts(n, i, vocab, 1), o)  # warm-up at the exact shape
@@ -182,6 +210,12 @@ def run_ours(model_dir: Path, args: argparse.Namespace, vocab: int, res: dict[st
     run_generate(engine, prompts(max(n // 4, 1), i, vocab, 4), max(o // 8, 2))  # warm-up
     note("tput_s", run_generate(engine, prompts(n, i, vocab, 5), o))
     note("tput_tok_s", n * o / res["tput_s"])
+    if engine.core.overlap:  # the same engine, each step finished before the next is scheduled
+        engine.core.overlap = False
+        n1, i1, o1 = w["b1"]
+        note("b1_no_overlap_tok_s", n1 * o1 / run_generate(engine, prompts(n1, i1, vocab, 8), o1))
+        note("tput_no_overlap_tok_s", n * o / run_generate(engine, prompts(n, i, vocab, 9), o))
+        engine.core.overlap = True
     if not args.skip_big:
         n, i, o = w["big"]
         note("big_s", run_generate(engine, prompts(n, i, vocab, 6), o))
@@ -281,9 +315,14 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
     def ratio(a: str, b: str) -> float | None:
         return r[a] / r[b] if r.get(a) and r.get(b) else None
 
+    w = workloads(args.small)
     if r.get("copy_GBps") and r.get("weight_bytes"):
         r["roofline_b1_tok_s"] = r["copy_GBps"] * 1e9 / r["weight_bytes"]
-    w = workloads(args.small)
+        for key in ("tput", "big"):
+            running = min(args.max_running, w[key][0])
+            r[f"bound_{key}_tok_s"] = workload_bound_tok_s(
+                args.shape, w[key], running, r["copy_GBps"], r["matmul_TFLOPs"]
+            )
     rows = [
         ["ceiling: copy GB/s", r.get("copy_GBps"), None, None],
         ["ceiling: bf16 matmul TFLOP/s", r.get("matmul_TFLOPs"), None, None],
@@ -298,9 +337,18 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
          "ours / HF"],
         [f"ours {w['tput'][0]}x({w['tput'][1]}+{w['tput'][2]}) tok/s", r.get("tput_tok_s"),
          ratio("tput_tok_s", "hf_b64_tok_s"), ">= 4x HF b64"],
+        ["bound of that workload tok/s (ceilings)", r.get("bound_tput_tok_s"),
+         ratio("bound_tput_tok_s", "hf_b64_tok_s"), "bound / HF b64"],
+        ["ours / bound", ratio("tput_tok_s", "bound_tput_tok_s"), None, None],
         ["HF generate b64 eager tok/s", r.get("hf_b64_tok_s"), None, None],
+        ["ours b1 without overlap tok/s", r.get("b1_no_overlap_tok_s"),
+         ratio("b1_tok_s", "b1_no_overlap_tok_s"), "overlap speed-up"],
+        ["ours tput without overlap tok/s", r.get("tput_no_overlap_tok_s"),
+         ratio("tput_tok_s", "tput_no_overlap_tok_s"), "overlap speed-up"],
         [f"ours {w['big'][0]}x({w['big'][1]}+{w['big'][2]}) tok/s", r.get("big_tok_s"),
          (r["big_tok_s"] / 8000) if r.get("big_tok_s") else None, "/ 8000 target"],
+        ["bound of that workload tok/s (ceilings)", r.get("bound_big_tok_s"),
+         ratio("big_tok_s", "bound_big_tok_s"), "ours / bound"],
     ]  # fmt: skip
     gb = r.get("weight_bytes", 0) / 1e9
     print(f"\nshape={args.shape} gpu={r.get('gpu')} weights={gb:.2f} GB")

@@ -108,6 +108,14 @@ class EngineConfig:
         256, "Largest decode batch replayed from a CUDA graph (batches are padded up to a size)"
     )
     disable_cuda_graph: bool = _opt(False, "Run decode steps eagerly instead of from CUDA graphs")
+    disable_overlap_schedule: bool = _opt(
+        False,
+        "Finish each step before scheduling the next (by default, where the device runs "
+        "asynchronously, the next step is scheduled while the device computes this one)",
+    )
+    enable_overlap_schedule: bool = _opt(
+        False, "Overlap scheduling on synchronous devices too (CPU; for testing)"
+    )
     watchdog_timeout: float = _opt(
         300.0, "Seconds one model step may take; a longer stall kills the engine (503 + exit 1)"
     )

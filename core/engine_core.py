@@ -7,19 +7,25 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from radixserve.core.config import EngineConfig
 from radixserve.core.grammar import GrammarMasker, GrammarStepper
 from radixserve.core.grammar_queue import GrammarQueue
-from radixserve.core.model_runner import ModelRunner
+from radixserve.core.model_runner import LaunchedStep, ModelRunner
 from radixserve.core.plugins import PluginHost
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
 from radixserve.core.request import InvalidRequest, Req
-from radixserve.core.scheduler import Scheduler, SchedulerConfig
+from radixserve.core.scheduler import RetractionNeeded, ScheduledBatch, Scheduler, SchedulerConfig
 from radixserve.core.stop import StopChecker
 from radixserve.core.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+class InFlightStep(NamedTuple):
+    batch: ScheduledBatch
+    launched: LaunchedStep
 
 
 class EngineCore:
@@ -38,6 +44,13 @@ class EngineCore:
             lambda: self.grammars.backend, config.max_running_requests, mc.vocab_size
         )
         self.grammar_stepper = GrammarStepper(self.tokenizer, not config.disable_jump_forward)
+        # Overlap scheduling: where the device runs asynchronously, step N+1 is scheduled and
+        # queued while the device computes step N (see step()).
+        self.overlap = not config.disable_overlap_schedule and (
+            self.runner.platform.asynchronous or config.enable_overlap_schedule
+        )
+        self._in_flight: InFlightStep | None = None
+        self._changed_outside_step: list[Req] = []
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_running_requests=config.max_running_requests,
@@ -81,10 +94,9 @@ class EngineCore:
             raise InvalidRequest(
                 f"the prompt has {n} tokens; this model's context length is {self.max_context}"
             )
-        if n >= self.runner.kv_size:
-            raise InvalidRequest(
-                f"the prompt has {n} tokens; the KV pool holds {self.runner.kv_size}"
-            )
+        usable = self.runner.allocator.size  # whole pages only
+        if n >= usable:
+            raise InvalidRequest(f"the prompt has {n} tokens; the KV pool holds {usable}")
         req.sampling.validate(vocab)
 
     def add_request(self, req: Req) -> None:
@@ -97,24 +109,50 @@ class EngineCore:
 
     def abort(self, rid: str) -> Req | None:
         message = "aborted by the client"
+        self._sync()
         return self.grammars.abort(rid, message) or self.scheduler.abort(rid, message)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or len(self.grammars) > 0
+        return (
+            self.scheduler.has_work()
+            or len(self.grammars) > 0
+            or self._in_flight is not None
+            or bool(self._changed_outside_step)
+        )
 
     def step(self) -> list[Req]:
-        """Run one step; return the requests with new tokens or a new finish."""
+        """Run one step; return the requests with new tokens or a new finish.
+
+        With overlap scheduling the step is queued on the device and the previous step's
+        tokens are committed while it runs, so what a step returns is one step old."""
         start = time.perf_counter()
-        changed = self._admit_compiled() if len(self.grammars) else []
-        batch = self.scheduler.schedule()
+        changed, self._changed_outside_step = self._changed_outside_step, []
+        if len(self.grammars):
+            changed += self._admit_compiled()
+        if self._in_flight is not None and not self._in_flight.launched.overlappable:
+            changed += self._commit_in_flight()
+        try:
+            batch = self.scheduler.schedule(allow_retract=self._in_flight is None)
+        except RetractionNeeded:
+            changed += self._commit_in_flight()
+            batch = self.scheduler.schedule()
         changed += self.scheduler.pop_ended()
         if batch is None:
+            if self._in_flight is not None:
+                return changed + self._commit_in_flight()
             if len(self.grammars) and not self.scheduler.has_work():
                 self.grammars.wait()  # idle until a grammar compiles: no busy loop
                 return changed
             return changed + self._fail_unschedulable()
-        sampled = self.runner.run(batch, self.scheduler.needs_sampling(batch), self.eos_token_ids)
-        changed += self.scheduler.process_output(batch, sampled)
+        prev_ids = self._in_flight.launched.next_ids if self._in_flight is not None else None
+        sample_rows = self.scheduler.needs_sampling(batch)
+        launched = self.runner.launch(batch, sample_rows, self.eos_token_ids, prev_ids)
+        self.scheduler.advance(batch)
+        if self._in_flight is not None:
+            changed += self._commit_in_flight()  # the device computes `batch` meanwhile
+        self._in_flight = InFlightStep(batch, launched)
+        if not self.overlap:
+            changed += self._commit_in_flight()
         self.host.hook.step_finished(
             stats={
                 "num_decode": batch.num_decode,
@@ -124,9 +162,21 @@ class EngineCore:
                 "step_time_s": time.perf_counter() - start,
             }
         )
-        if self.config.debug_leak_check and not self.scheduler.has_work():
+        if self.config.debug_leak_check and not self.has_work():
             self.scheduler.check_no_leak()
         return changed
+
+    def _commit_in_flight(self) -> list[Req]:
+        """Wait for the step on the device and append its tokens."""
+        assert self._in_flight is not None
+        step, self._in_flight = self._in_flight, None
+        return self.scheduler.commit(step.batch, step.launched.result())
+
+    def _sync(self) -> None:
+        """Commit any step in flight (its requests are reported by the next ``step``), so the
+        scheduler's state is whole before it is changed from outside a step."""
+        if self._in_flight is not None:
+            self._changed_outside_step += self._commit_in_flight()
 
     def _admit_compiled(self) -> list[Req]:
         """Move requests whose grammar compiled to the scheduler, after jumping forward over
@@ -154,6 +204,7 @@ class EngineCore:
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix; only allowed while no request runs."""
+        self._sync()
         if self.scheduler.has_work():
             return False
         self.cache.evict(1 << 62)

@@ -43,8 +43,17 @@ class HardwarePlatform(ABC):
     def kv_cache_bytes(self, weight_bytes: int, mem_fraction: float) -> int:
         """Bytes to give the KV pool after ``weight_bytes`` of weights are loaded."""
 
+    #: True where device work runs asynchronously to the host (CUDA): then the engine overlaps
+    #: scheduling the next step with the device computing this one.
+    asynchronous: bool = False
+
     def synchronize(self) -> None:
         """Wait for queued device work (no-op on synchronous devices)."""
+
+    def copy_to_host_async(self, tensor: torch.Tensor) -> Callable[[], list[int]]:
+        """Start copying a small integer tensor (the sampled ids) to the host; the returned
+        function waits for it and returns its values. Synchronous devices copy on the call."""
+        return tensor.tolist
 
     def seed_everything(self, seed: int) -> None:
         """Seed the device's random generators."""

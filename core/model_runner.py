@@ -7,20 +7,21 @@ Per step it does one ForwardBatch build, one model call and one host sync (the s
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-from radixserve.core.batch import ForwardBatch
+from radixserve.core.batch import ForwardBatch, to_device
 from radixserve.core.config import ConfigError, EngineConfig, ModelConfig
 from radixserve.core.grammar import GrammarMasker
 from radixserve.core.interfaces import PLUGIN_KINDS, AttentionBackend, CausalLM, HardwarePlatform
 from radixserve.core.logprobs import record_input_logprobs, scored_positions
 from radixserve.core.memory import KVPool, ReqToTokenPool, TokenAllocator
 from radixserve.core.plugins import PluginError, PluginHost, parse_plugin_selections
-from radixserve.core.sampling import SampleResult, sample
+from radixserve.core.sampling import SampleResult, mask_until_min_tokens, sample, sample_ids
 from radixserve.core.scheduler import SampledToken, ScheduledBatch
 from radixserve.core.weights import count_parameters, iter_weights
 
@@ -30,6 +31,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # Without --max-total-tokens the pool is capped here: large enough for every test and benchmark
 # on a CPU host, small enough not to reserve most of its memory.
 DEFAULT_MAX_KV_TOKENS = 1 << 18
+
+
+_NOTHING_SCORED = range(0)
 
 
 class LogitsPlan(NamedTuple):
@@ -73,8 +77,9 @@ class ModelRunner:
         self.allocator = TokenAllocator(self.kv_size, config.page_size)
         self.req_to_token = ReqToTokenPool(config.max_running_requests + 1, self.max_context + 1)
         self.kv_pool = KVPool(
-            self.kv_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
-        )
+            self.kv_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device,
+            page_size=config.page_size,
+        )  # fmt: skip
         attn_factory = host.registries["attention"].get(chosen["attention"]).factory
         self.attention: AttentionBackend = attn_factory(self.kv_pool, mc, self.device)
         self.model: CausalLM = model_reg.factory(mc, self.attention, self.dtype, self.device)
@@ -112,8 +117,13 @@ class ModelRunner:
             )
         return int(size)
 
-    def build_batch(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[LogitsPlan]]:
-        """The step's ForwardBatch and, per entry, which logits rows belong to it."""
+    def build_batch(
+        self, batch: ScheduledBatch, prev_ids: torch.Tensor | None = None
+    ) -> tuple[ForwardBatch, list[LogitsPlan]]:
+        """The step's ForwardBatch and, per entry, which logits rows belong to it. A request
+        whose last token is still pending reads it from ``prev_ids`` (on the device)."""
+        future_dst: list[int] = []
+        future_src: list[int] = []
         rows: list[int] = []
         logits_rows: list[int] = []
         plans: list[LogitsPlan] = []
@@ -124,6 +134,26 @@ class ModelRunner:
         for req, n in zip(batch.reqs, batch.extend_lens, strict=True):
             assert req.req_pool_idx is not None
             start = req.kv_len
+            if n == 1 and req.logprob_start_len < 0:  # a plain decode: the hot path
+                prompt_len = len(req.input_ids)
+                if req.num_pending:
+                    future_dst.append(len(positions))
+                    future_src.append(req.pending_row)
+                    input_ids.append(0)
+                elif start >= prompt_len:
+                    input_ids.append(req.output_ids[start - prompt_len])
+                else:
+                    input_ids.append(req.input_ids[start])
+                positions.append(start)
+                rows.append(req.req_pool_idx)
+                pool_rows.append(req.req_pool_idx)
+                seq_lens.append(start + 1)
+                logits_rows.append(len(positions) - 1)
+                plans.append(
+                    LogitsPlan(_NOTHING_SCORED, len(logits_rows) - 1, len(logits_rows) - 1)
+                )
+                continue
+            assert not req.num_pending, "only plain decodes have pending tokens"
             input_ids += _token_slice(req.input_ids, req.output_ids, start, n)
             positions += range(start, start + n)
             rows += [req.req_pool_idx] * n
@@ -135,39 +165,87 @@ class ModelRunner:
             logits_rows += [offset + p for p in scored]
             logits_rows.append(offset + start + n - 1)
             plans.append(LogitsPlan(scored, first, len(logits_rows) - 1))
-        dev = self.device
+        t, n_logits = len(positions), len(logits_rows)
         positions_t = torch.tensor(positions, dtype=torch.int64)
         out_cache_loc = self.req_to_token.table[torch.tensor(rows), positions_t]
+        # One host->device copy for every per-token index of the step.
+        packed = torch.cat(
+            [
+                torch.tensor(input_ids, dtype=torch.int64),
+                positions_t,
+                out_cache_loc,
+                torch.tensor(logits_rows + future_dst + future_src, dtype=torch.int64),
+            ]
+        )
+        dev = to_device(packed, self.device)
+        input_ids_t = dev[:t]
+        if future_dst:
+            assert prev_ids is not None, "a pending token needs the previous step's ids"
+            dst, src = dev[3 * t + n_logits :].view(2, -1)
+            input_ids_t[dst] = prev_ids[src]
         fb = ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=positions_t.to(dev),
-            out_cache_loc=out_cache_loc.to(dev),
+            input_ids=input_ids_t,
+            positions=dev[t : 2 * t],
+            out_cache_loc=dev[2 * t : 3 * t],
             req_pool_indices=torch.tensor(pool_rows, dtype=torch.int64),
             req_to_token=self.req_to_token.table,
             seq_lens=seq_lens,
             extend_lens=list(batch.extend_lens),
             num_decode=batch.num_decode,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            logits_indices=dev[3 * t : 3 * t + n_logits],
             kv_pool=self.kv_pool,
         )
         return fb, plans
 
-    def run(
-        self, batch: ScheduledBatch, sample_rows: list[int], eos_ids: tuple[int, ...]
-    ) -> dict[int, SampledToken]:
-        """Forward ``batch``; sample the rows in ``sample_rows``.
-        Returns {batch index: (token id, its logprob or None, top logprobs or None)}."""
-        fb, plans = self.build_batch(batch)
+    def launch(
+        self,
+        batch: ScheduledBatch,
+        sample_rows: list[int],
+        eos_ids: tuple[int, ...],
+        prev_ids: torch.Tensor | None = None,
+    ) -> LaunchedStep:
+        """Queue ``batch``'s forward and the sampling of ``sample_rows`` on the device.
+
+        ``prev_ids`` are the previous step's sampled ids on the device: requests with a pending
+        token take their input from there. When every sampled request is ``overlappable`` no
+        host sync happens here; ``result()`` waits for the ids."""
+        fb, plans = self.build_batch(batch, prev_ids)
         logits = self.step(fb)
         for req, plan in zip(batch.reqs, plans, strict=True):
             if plan.scored:
                 rows = logits[plan.first_row : plan.first_row + len(plan.scored)]
                 record_input_logprobs(req, plan.scored, rows)
         if not sample_rows:
-            return {}
+            return LaunchedStep(None, True, dict)
         reqs = [batch.reqs[i] for i in sample_rows]
         last_rows = [plans[i].sample_row for i in sample_rows]
-        rows = logits[last_rows]
+        if all(r.overlappable for r in reqs):
+            # The model returns only the rows asked for; when all are sampled, read them as is.
+            rows = logits if len(last_rows) == logits.shape[0] else logits[last_rows]
+            ids = sample_ids(mask_until_min_tokens(rows, reqs, eos_ids), reqs)
+            fetch = self.platform.copy_to_host_async(ids)
+
+            def wait() -> dict[int, SampledToken]:
+                return {i: (t, None, None) for i, t in zip(sample_rows, fetch(), strict=True)}
+
+            return LaunchedStep(ids, True, wait)
+        sampled = self._sample_now(logits[last_rows], reqs, sample_rows, eos_ids)
+        return LaunchedStep(None, False, lambda: sampled)
+
+    def run(
+        self, batch: ScheduledBatch, sample_rows: list[int], eos_ids: tuple[int, ...]
+    ) -> dict[int, SampledToken]:
+        """Forward ``batch``; sample the rows in ``sample_rows``.
+        Returns {batch index: (token id, its logprob or None, top logprobs or None)}."""
+        return self.launch(batch, sample_rows, eos_ids).result()
+
+    def _sample_now(
+        self,
+        rows: torch.Tensor,
+        reqs: list[Any],
+        sample_rows: list[int],
+        eos_ids: tuple[int, ...],
+    ) -> dict[int, SampledToken]:
         raw = None
         if self.grammar_masker is not None and any(r.grammar is not None for r in reqs):
             if any(r.sampling.logprobs for r in reqs):
@@ -180,6 +258,16 @@ class ModelRunner:
             top = result.top_logprobs[j] if result.top_logprobs is not None else None
             out[i] = (result.next_ids[j], lp, top)
         return out
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step queued on the device. ``result()`` waits for its sampled tokens:
+    {batch index: (token id, logprob or None, top logprobs or None)}."""
+
+    next_ids: torch.Tensor | None  # sampled ids on the device, in sample-row order
+    overlappable: bool  # the next step may be scheduled before result()
+    result: Callable[[], dict[int, SampledToken]]
 
 
 def _token_slice(prompt: list[int], output: list[int], start: int, n: int) -> list[int]:

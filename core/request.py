@@ -199,6 +199,10 @@ class Req:
         self.prefix_len = 0  # tokens of the current admission matched in the cache
         self.cache_node: Any = None  # locked radix node covering the shared prefix
         self.num_retractions = 0
+        # Overlap scheduling: tokens sampled on the device but not yet appended to output_ids,
+        # and the row of the newest one in its step's sampled ids (the next step's input).
+        self.num_pending = 0
+        self.pending_row = -1
         # outputs
         self.logprob_start_len = -1  # >= 0: also score prompt tokens from this position
         self.input_token_logprobs: list[float] = []  # for prompt positions max(start, 1)..
@@ -220,7 +224,26 @@ class Req:
 
     @property
     def seq_len(self) -> int:
-        return len(self.input_ids) + len(self.output_ids)
+        """Tokens in the sequence, sampled ones not yet appended (``num_pending``) included."""
+        return len(self.input_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids) + self.num_pending
+
+    @property
+    def overlappable(self) -> bool:
+        """Whether the next step may be scheduled before this request's sampled token reaches
+        the host: nothing about its next step depends on that token's value on the host."""
+        s = self.sampling
+        return (
+            self.grammar is None
+            and not s.logprobs
+            and self.logprob_start_len < 0
+            and not s.frequency_penalty
+            and not s.presence_penalty
+            and s.repetition_penalty == 1.0
+        )
 
     @property
     def finished(self) -> bool:

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from radixserve.core.batch import to_device
 from radixserve.core.grammar import mark_dead_rows
 from radixserve.core.request import Req
 
@@ -34,15 +35,20 @@ def sample(
     with no allowed token gets ``NO_TOKEN``."""
     raw = logits if raw is None else raw
     logits = _apply_penalties(logits, reqs)
-    logits = _mask_until_min_tokens(logits, reqs, eos_ids)
-    if all(r.sampling.is_greedy for r in reqs):
-        next_ids = logits.argmax(dim=-1)
-    else:
-        next_ids = _sample_rows(logits, reqs)
+    logits = mask_until_min_tokens(logits, reqs, eos_ids)
+    next_ids = sample_ids(logits, reqs)
     result = _with_logprobs(raw, next_ids, reqs)
     if any(r.grammar is not None for r in reqs):
         mark_dead_rows(logits, result.next_ids, reqs)
     return result
+
+
+def sample_ids(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
+    """The chosen token of each row, on the device, with no host sync: the whole of sampling
+    for requests without penalties, grammars or logprobs (after min-tokens masking)."""
+    if all(r.sampling.is_greedy for r in reqs):
+        return logits.argmax(dim=-1)
+    return _sample_rows(logits, reqs)
 
 
 def _apply_penalties(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
@@ -74,10 +80,10 @@ def _apply_penalties(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
     return logits
 
 
-def _mask_until_min_tokens(
+def mask_until_min_tokens(
     logits: torch.Tensor, reqs: Sequence[Req], eos_ids: Sequence[int]
 ) -> torch.Tensor:
-    rows = [i for i, r in enumerate(reqs) if len(r.output_ids) < r.sampling.min_new_tokens]
+    rows = [i for i, r in enumerate(reqs) if r.num_output_tokens < r.sampling.min_new_tokens]
     if not rows:
         return logits
     logits = logits.clone()
@@ -89,8 +95,8 @@ def _mask_until_min_tokens(
 
 
 def _sample_rows(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
-    temps = torch.tensor(
-        [max(r.sampling.temperature, 1e-6) for r in reqs], device=logits.device
+    temps = to_device(
+        torch.tensor([max(r.sampling.temperature, 1e-6) for r in reqs]), logits.device
     ).unsqueeze(1)
     probs = torch.softmax(logits / temps, dim=-1)
     if any(r.sampling.top_k > 0 or r.sampling.top_p < 1.0 or r.sampling.min_p > 0 for r in reqs):
@@ -99,10 +105,10 @@ def _sample_rows(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
     for i, r in enumerate(reqs):
         if r.sampling.seed is not None:
             gen = torch.Generator(device=probs.device)
-            gen.manual_seed(r.sampling.seed * 1_000_003 + len(r.output_ids))
+            gen.manual_seed(r.sampling.seed * 1_000_003 + r.num_output_tokens)
             noise[i].exponential_(generator=gen)
     sampled = (probs / noise).argmax(dim=-1)
-    greedy = torch.tensor([r.sampling.is_greedy for r in reqs], device=logits.device)
+    greedy = to_device(torch.tensor([r.sampling.is_greedy for r in reqs]), logits.device)
     return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
 
@@ -110,11 +116,11 @@ def _filter_probs(probs: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
     """Zero the tokens outside each row's top-k, top-p nucleus and min-p floor."""
     device = probs.device
     vocab = probs.shape[-1]
-    top_k = torch.tensor(
-        [r.sampling.top_k if r.sampling.top_k > 0 else vocab for r in reqs], device=device
+    top_k = to_device(
+        torch.tensor([r.sampling.top_k if r.sampling.top_k > 0 else vocab for r in reqs]), device
     )
-    top_p = torch.tensor([r.sampling.top_p for r in reqs], device=device)
-    min_p = torch.tensor([r.sampling.min_p for r in reqs], device=device)
+    top_p = to_device(torch.tensor([r.sampling.top_p for r in reqs]), device)
+    min_p = to_device(torch.tensor([r.sampling.min_p for r in reqs]), device)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=device)[None, :]
     drop = rank >= top_k[:, None]

@@ -29,6 +29,11 @@ logger = logging.getLogger(__name__)
 SampledToken = tuple[int, float | None, TopLogprobs | None]
 
 
+class RetractionNeeded(Exception):
+    """The KV pool is too full for the running decodes; retracting needs every pending token
+    committed first."""
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_running_requests: int
@@ -114,8 +119,10 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------
 
-    def schedule(self) -> ScheduledBatch | None:
-        decodes = self._schedule_decodes()
+    def schedule(self, allow_retract: bool = True) -> ScheduledBatch | None:
+        """The next step's batch, or None when nothing can run. With ``allow_retract=False``
+        (tokens are pending) it raises RetractionNeeded where it would have to retract."""
+        decodes = self._schedule_decodes(allow_retract)
         budget = self.config.chunked_prefill_size
         budget = (budget if budget > 0 else 1 << 62) - len(decodes)
         prefills: list[tuple[Req, int]] = []
@@ -139,20 +146,46 @@ class Scheduler:
         """Advance requests after a forward; ``sampled`` maps batch index -> (token id,
         logprob, top logprobs).
         Returns the requests that produced a token or finished this step."""
+        self.advance(batch)
+        return self.commit(batch, sampled)
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """The bookkeeping of a launched step that needs no sampled token: KV lengths, prompt
+        sharing, states. Each request that samples gets one pending token until ``commit``,
+        so the next step can be scheduled while the device still computes this one."""
         self.stats.steps += 1
-        changed: list[Req] = []
-        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens, strict=True)):
+        sample_row = 0  # rows of the step's sampled ids, in batch order
+        for req, n in zip(batch.reqs, batch.extend_lens, strict=True):
             req.kv_len += n
             if req.kv_len < req.seq_len:
                 self.cache.cache_unfinished_req(req)  # chunked prefill continues next step
                 continue
             if req.state == ReqState.PREFILL:
                 self.cache.cache_unfinished_req(req)  # share the prompt while it decodes
-            if req.sampling.max_new_tokens == 0:
+            if req.sampling.max_new_tokens > 0:
+                req.state = ReqState.DECODE
+                req.num_pending += 1
+                req.pending_row = sample_row
+                sample_row += 1
+
+    def commit(self, batch: ScheduledBatch, sampled: dict[int, SampledToken]) -> list[Req]:
+        """Append ``batch``'s sampled tokens (after ``advance``) and finish what must finish.
+        Requests that ended since the step was launched (a stop found one step late) are
+        skipped: their token for this step is discarded.
+        Returns the requests that produced a token or finished."""
+        changed: list[Req] = []
+        for i, req in enumerate(batch.reqs):
+            if req.finished:
+                continue
+            token = sampled.get(i)
+            if token is not None:
+                req.num_pending -= 1
+                self._append_sampled(req, *token)
+            elif req.sampling.max_new_tokens == 0 and req.kv_len >= req.seq_len:
                 req.finish(FinishReason("length", length=0))
             else:
-                req.state = ReqState.DECODE
-                self._append_sampled(req, *sampled[i])
+                assert req.kv_len < req.seq_len, f"{req} reached its end but sampled nothing"
+                continue  # a prefill chunk; the prompt continues next step
             if req.finished:
                 self._release(req)
             changed.append(req)
@@ -183,11 +216,21 @@ class Scheduler:
 
     # -- decodes and KV pressure -----------------------------------------------------------
 
-    def _schedule_decodes(self) -> list[Req]:
-        decodes = [r for r in self.running if r.state == ReqState.DECODE]
+    def _schedule_decodes(self, allow_retract: bool) -> list[Req]:
+        # A request whose pending token ends it (length) gets no step: it finishes at commit.
+        max_context = self.config.max_context
+        decodes = [
+            r
+            for r in self.running
+            if r.state == ReqState.DECODE
+            and r.num_output_tokens < r.sampling.max_new_tokens
+            and r.seq_len < max_context
+        ]
         while decodes:
             if self._alloc_decode_slots(decodes):
                 return decodes
+            if not allow_retract:
+                raise RetractionNeeded
             victim = max(decodes, key=lambda r: r.arrival_time)
             decodes.remove(victim)
             if decodes or self.running != [victim]:
@@ -250,6 +293,7 @@ class Scheduler:
             self.req_to_token.free(req.req_pool_idx)
             req.req_pool_idx = None
         req.kv_len = 0
+        req.num_pending = 0
         if req in self.running:
             self.running.remove(req)
 

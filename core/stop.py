@@ -60,7 +60,8 @@ class StopChecker:
         if delta and params.stop and len(req.output_ids) >= params.min_new_tokens:
             if self._match_stop_string(req, detok, len(delta)):
                 return
-        if len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.max_context:
+        n_out = len(req.output_ids)
+        if n_out >= params.max_new_tokens or len(req.input_ids) + n_out >= self.max_context:
             detok.flush()
             req.finish(FinishReason("length", length=len(req.output_ids)))
 

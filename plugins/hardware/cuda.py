@@ -10,6 +10,7 @@ CUDA graphs. The pool never takes memory that is not free now (other processes c
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,8 +41,22 @@ class CudaPlatform(HardwarePlatform):
         headroom = free - weight_bytes - int(total * (1 - mem_fraction))
         return max(min(budget, headroom), 0)
 
+    asynchronous = True
+
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def copy_to_host_async(self, tensor: torch.Tensor) -> Callable[[], list[int]]:
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+
+        def wait() -> list[int]:
+            copied.synchronize()
+            return host.tolist()
+
+        return wait
 
     def seed_everything(self, seed: int) -> None:
         torch.manual_seed(seed)  # seeds every CUDA device too

@@ -111,7 +111,7 @@ class CudaGraphRunner:
         fill = self.max_bs - bs
         rows = batch.req_pool_indices.tolist() + [self.pad_row] * fill
         host = torch.tensor([rows, batch.seq_lens + [1] * fill], dtype=torch.int32)
-        self.meta.copy_(host, non_blocking=True)
+        self.meta.copy_(host.pin_memory(), non_blocking=True)  # pinned: no wait on the GPU
         for static, src in (
             (self.input_ids, batch.input_ids),
             (self.positions, batch.positions),

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.core.batch import ForwardBatch
+from radixserve.core.batch import ForwardBatch, to_device
 from radixserve.core.config import ModelConfig
 from radixserve.core.interfaces import AttentionBackend
 from radixserve.core.memory import KVPool
@@ -79,15 +79,15 @@ class TritonAttention(AttentionBackend):
             starts.append(total)
             total += n
         packed = torch.tensor(rows + batch.seq_lens + batch.extend_lens + starts, dtype=torch.int32)
-        dev = packed.to(self.device, non_blocking=True).view(4, bs)
+        dev = to_device(packed, self.device).view(4, bs)
         req_rows, seq_lens = dev[0], dev[1]
         if nd:
             self._write_decode_slots(req_rows[:nd], seq_lens[:nd], batch.out_cache_loc[:nd])
         if bs > nd:
             width = max(batch.seq_lens[nd:])
             host_rows = batch.req_to_token[batch.req_pool_indices[nd:], :width]
-            self.table[req_rows[nd:].long(), :width] = host_rows.to(torch.int32).to(
-                self.device, non_blocking=True
+            self.table[req_rows[nd:].long(), :width] = to_device(
+                host_rows.to(torch.int32), self.device
             )
         self._meta = self._step_meta(nd, dev, max(batch.extend_lens[nd:], default=0))
 

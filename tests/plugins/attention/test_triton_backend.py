@@ -130,11 +130,16 @@ def test_engine_greedy_tokens_equal_torch_native(tiny_llama_dir: Path) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("disable_cuda_graph", [False, True])
+@pytest.mark.parametrize(
+    ("disable_cuda_graph", "disable_overlap_schedule", "page_size"),
+    [(False, False, 1), (True, False, 1), (False, True, 1), (False, False, 16)],
+    ids=["graphs-overlap", "eager-overlap", "graphs-no-overlap", "graphs-overlap-page16"],
+)
 def test_gpu_greedy_equals_cpu_float32_smollm2_shape(
-    tmp_path: Path, disable_cuda_graph: bool
+    tmp_path: Path, disable_cuda_graph: bool, disable_overlap_schedule: bool, page_size: int
 ) -> None:
-    """SmolLM2-shaped random weights, float32: the GPU (triton, graphs) gives the CPU's tokens."""
+    """SmolLM2-shaped random weights, float32: the GPU (triton, graphs, overlap scheduling,
+    paged KV) gives the CPU's tokens."""
     from tiny_models import make_tiny_llama_dir
 
     model_dir = make_tiny_llama_dir(
@@ -145,6 +150,8 @@ def test_gpu_greedy_equals_cpu_float32_smollm2_shape(
     prompts = [list(range(3, 40)), list(range(100, 111)), [5] * 70]
     settings = dict(max_total_tokens=4096, dtype="float32")
     gpu = _greedy(model_dir, ["hardware=cuda"], prompts, 32,
-                  disable_cuda_graph=disable_cuda_graph, **settings)  # fmt: skip
+                  disable_cuda_graph=disable_cuda_graph,
+                  disable_overlap_schedule=disable_overlap_schedule, page_size=page_size,
+                  **settings)  # fmt: skip
     cpu = _greedy(model_dir, ["hardware=cpu"], prompts, 32, **settings)
     assert gpu == cpu

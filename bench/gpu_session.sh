@@ -1,0 +1,25 @@
+#!/bin/sh
+# One call on the lent GPU machine (see docs/BENCHMARKS.md): make this checkout importable as
+# `radixserve`, install the wheels carried in .whl/ (the device image lacks `gguf`), run the GPU
+# tests at real sizes, then the benchmarks given as arguments, e.g.
+#   sh bench/gpu_session.sh tests "llama3-8b" "smollm2 --skip-big"
+# Results go to $OUT (gpu-<shape>.json, tests.log).
+set -e
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/pkg
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+ln -sfn "$PWD" /tmp/pkg/radixserve
+export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+for job in "$@"; do
+    if [ "$job" = tests ]; then
+        python3 -m pytest -q -p no:cacheprovider tests/plugins/attention tests/plugins/hardware \
+            2>&1 | tee "$OUT/tests.log" | tail -25
+        continue
+    fi
+    set -- $job
+    shape=$1; shift
+    python3 bench/gpu.py --shape "$shape" --json-out "$OUT/gpu-$shape.json" "$@" \
+        --workdir /tmp/models 2>&1 | grep -v "it/s\]" | tail -60
+done
