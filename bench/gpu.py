@@ -49,6 +49,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--disable-overlap-schedule", action="store_true")
     p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--repeat-tput", type=int, default=0,
+                   help="rerun the batch-64 workload N more times, overlap on and off")  # fmt: skip
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--tune-decode", action="store_true", help="sweep decode launch settings first")
     p.add_argument("--skip-big", action="store_true", help="skip the 512-request offline run")
@@ -201,26 +203,53 @@ def run_ours(model_dir: Path, args: argparse.Namespace, vocab: int, res: dict[st
     note("b1_step_ms_median", 1e3 * statistics.median(decode_steps))
     note("b1_tok_s", n * o / res["b1_s"])
     note("b1_graph_replay_ms", graph_replay_ms(engine))
+    note("b64_empty_graph_replay_ms", graph_replay_ms_at(engine, 64))  # contexts of 1 token
     if res["cuda_graph"]:  # the same engine with its decode steps run eagerly, for comparison
         graphs, attention, model = runner.step, runner.attention, runner.model
         runner.step = lambda fb: (attention.prepare(fb), model.forward(fb))[1]
         note("b1_eager_tok_s", n * o / run_generate(engine, prompts(n, i, vocab, 7), o))
         runner.step = graphs
     n, i, o = w["tput"]
-    run_generate(engine, prompts(max(n // 4, 1), i, vocab, 4), max(o // 8, 2))  # warm-up
+    # warm-up: every prefill shape of the run (its outputs cut short); fresh prompts each time,
+    # so no run is served from the prefix cache of another
+    run_generate(engine, prompts(n, i, vocab, 4), max(o // 8, 2))
     note("tput_s", run_generate(engine, prompts(n, i, vocab, 5), o))
     note("tput_tok_s", n * o / res["tput_s"])
     if engine.core.overlap:  # the same engine, each step finished before the next is scheduled
         engine.core.overlap = False
         n1, i1, o1 = w["b1"]
         note("b1_no_overlap_tok_s", n1 * o1 / run_generate(engine, prompts(n1, i1, vocab, 8), o1))
+        stats.steps.clear()
         note("tput_no_overlap_tok_s", n * o / run_generate(engine, prompts(n, i, vocab, 9), o))
+        note("tput_step_breakdown", step_breakdown(stats.steps))
+        for rep in range(args.repeat_tput):  # alternate the two modes: machine drift cancels
+            for overlap in (True, False):
+                engine.core.overlap = overlap
+                key = "tput_repeat_overlap_tok_s" if overlap else "tput_repeat_no_overlap_tok_s"
+                seed = 20 + 2 * rep + overlap
+                rate = n * o / run_generate(engine, prompts(n, i, vocab, seed), o)
+                note(key, res.get(key, []) + [rate])
         engine.core.overlap = True
     if not args.skip_big:
         n, i, o = w["big"]
         note("big_s", run_generate(engine, prompts(n, i, vocab, 6), o))
         note("big_tok_s", n * o / res["big_s"])
     engine.shutdown()
+
+
+def step_breakdown(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Host-timed steps (overlap off, so each includes its GPU time) split into decode-only
+    steps and steps with prefill tokens."""
+    decode = [s["step_time_s"] for s in steps if s["num_prefill_tokens"] == 0]
+    prefill = [s["step_time_s"] for s in steps if s["num_prefill_tokens"] > 0]
+    return {
+        "decode_steps": len(decode),
+        "decode_total_s": sum(decode),
+        "decode_median_ms": 1e3 * statistics.median(decode) if decode else None,
+        "prefill_steps": len(prefill),
+        "prefill_total_s": sum(prefill),
+        "prefill_tokens": sum(s["num_prefill_tokens"] for s in steps),
+    }
 
 
 def graph_replay_ms(engine: Any) -> float | None:
@@ -230,6 +259,11 @@ def graph_replay_ms(engine: Any) -> float | None:
         return None
     graph = graphs[1][0]
     return median_ms(graph.replay, 50)
+
+
+def graph_replay_ms_at(engine: Any, bs: int) -> float | None:
+    graphs = getattr(engine.core.runner.step, "graphs", None)
+    return median_ms(graphs[bs][0].replay, 20) if graphs and bs in graphs else None
 
 
 def run_hf(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
