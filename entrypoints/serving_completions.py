@@ -39,7 +39,10 @@ class CompletionServing(OpenAIServing):
             body.logprobs is not None,
             top_n,
         )
-        reqs = self.submit_all(prompts, params, body.n, max_field)
+        # echo + logprobs (how scoring clients such as lm-eval read a text's likelihood): the
+        # echoed prompt tokens carry their logprobs too, so score the prompt from position 0.
+        score_prompt = body.echo and body.logprobs is not None
+        reqs = self.submit_all(prompts, params, body.n, max_field, 0 if score_prompt else -1)
         echoes = [self._echo(body, r) for r in reqs]
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
@@ -50,7 +53,7 @@ class CompletionServing(OpenAIServing):
             CompletionChoice(
                 index=i,
                 text=echoes[i] + r.text,
-                logprobs=self._logprobs(r, 0, len(r.output_ids), len(echoes[i]), top_n)
+                logprobs=self._choice_logprobs(r, echoes[i], top_n, score_prompt)
                 if body.logprobs is not None
                 else None,
                 finish_reason=finish_reason(r),
@@ -112,6 +115,39 @@ class CompletionServing(OpenAIServing):
         async for event in self.stream_chunks(reqs, body.n, include_usage, choice, chunk):
             yield event
 
+    def _choice_logprobs(
+        self, req: ServerReq, echo: str, top_n: int, with_prompt: bool
+    ) -> CompletionLogprobs:
+        outputs = self._logprobs(req, 0, len(req.output_ids), len(echo), top_n)
+        if not with_prompt:
+            return outputs
+        prompt = self._prompt_logprobs(req, top_n)
+        return CompletionLogprobs(
+            tokens=prompt.tokens + outputs.tokens,
+            token_logprobs=prompt.token_logprobs + outputs.token_logprobs,
+            top_logprobs=prompt.top_logprobs + outputs.top_logprobs,
+            text_offset=prompt.text_offset + outputs.text_offset,
+        )
+
+    def _prompt_logprobs(self, req: ServerReq, top_n: int) -> CompletionLogprobs:
+        """The echoed prompt's tokens; the first has no logprob (nothing predicts it)."""
+        out = CompletionLogprobs()
+        offset = 0
+        scored: list[float | None] = [None, *req.input_logprobs]
+        tops: list[list[tuple[float, int]] | None] = [None, *req.input_top_logprobs]
+        for pos, token_id in enumerate(req.prompt_ids):
+            text = self.token_text(token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(scored[pos] if pos < len(scored) else None)
+            out.text_offset.append(offset)
+            offset += len(text)
+            top = tops[pos] if pos < len(tops) else None
+            if top_n and top is not None:
+                out.top_logprobs.append({self.token_text(tid): lp for lp, tid in top})
+            else:
+                out.top_logprobs.append(None)
+        return out
+
     def _logprobs(
         self, req: ServerReq, start: int, end: int, offset: int, top_n: int
     ) -> CompletionLogprobs:
@@ -135,9 +171,9 @@ def _check_unsupported(body: CompletionRequest) -> None:
         raise ApiError(400, "suffix is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise ApiError(400, "best_of must equal n (or be omitted)", param="best_of")
-    if body.echo and body.logprobs is not None:
+    if body.echo and body.logprobs is not None and body.stream:
         raise ApiError(
             400,
-            "echo with logprobs needs prompt logprobs, which are not supported yet",
+            "echo with logprobs is only supported without streaming; send stream=false",
             param="echo",
         )

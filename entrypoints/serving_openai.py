@@ -83,7 +83,12 @@ class OpenAIServing:
         return SamplingParams.from_dict(values), (max_field if explicit else None)
 
     def submit_all(
-        self, prompts: Sequence[list[int]], params: SamplingParams, n: int, max_field: str | None
+        self,
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        n: int,
+        max_field: str | None,
+        logprob_start_len: int = -1,
     ) -> list[ServerReq]:
         """Check every prompt, then queue n choices of each (prompt-major order)."""
         self.tm.limits.check_n(n)
@@ -95,7 +100,8 @@ class OpenAIServing:
         try:
             for ids in prompts:
                 for i in range(n):
-                    reqs.append(self.tm.submit(ids, choice_params(params, i), event))
+                    params_i = choice_params(params, i)
+                    reqs.append(self.tm.submit(ids, params_i, event, None, logprob_start_len))
         except Exception:
             for r in reqs:
                 self.tm.abort(r.rid)

@@ -127,6 +127,46 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
+def test_completion_echo_with_logprobs_scores_the_prompt(
+    client: openai.OpenAI, server: RunningServer
+) -> None:
+    """How scoring clients (lm-eval's loglikelihood) read a text's likelihood: echo=True,
+    logprobs, max_tokens=0. Every prompt token comes back with its logprob (the first has
+    none), equal to the native API's prompt logprobs."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ids = requests.post(
+        server.url + "/tokenize", json={"text": prompt}, headers=server.headers, timeout=60
+    ).json()
+    native = requests.post(
+        server.url + "/generate",
+        json={"input_ids": ids["tokens"], "sampling_params": {"max_new_tokens": 0},
+              "return_logprob": True, "logprob_start_len": 0},
+        headers=server.headers, timeout=60,
+    ).json()  # fmt: skip
+    want = [e[0] for e in native["meta_info"]["input_token_logprobs"]]
+    r = complete(client, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    choice = r.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids["tokens"]) == len(lp.token_logprobs) == len(lp.text_offset)
+    assert "".join(lp.tokens) == prompt
+    assert lp.token_logprobs[0] is None and want[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(want[1:], abs=1e-5)
+    assert all(p <= 0 for p in lp.token_logprobs[1:])
+    assert lp.top_logprobs[0] is None and all(len(t) == 1 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    # With generated tokens: the prompt's entries, then the output's, as without echo.
+    plain = complete(client, prompt=prompt, max_tokens=4, logprobs=1).choices[0]
+    both = complete(client, prompt=prompt, max_tokens=4, echo=True, logprobs=1).choices[0]
+    assert both.text == prompt + plain.text
+    n = len(ids["tokens"])
+    assert both.logprobs.tokens[n:] == plain.logprobs.tokens
+    assert both.logprobs.token_logprobs[n:] == pytest.approx(plain.logprobs.token_logprobs)
+    assert both.logprobs.text_offset[n] == len(prompt)
+    with pytest.raises(openai.BadRequestError, match="stream=false"):
+        complete(client, prompt=prompt, echo=True, logprobs=1, stream=True)
+
+
 def test_repeated_prompt_reports_cached_tokens(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "def add(a, b): return a + b. " * 6}]
     first = chat(client, messages=messages, max_tokens=2)

@@ -206,19 +206,14 @@ def test_openai_chat_backend_maps_roles_to_messages(
     assert chat_capital.run(backend=backend)["answer"].strip() == state["answer"].strip()
 
 
-def test_openai_completion_select_uses_prompt_logprobs_or_fails_clearly(
+def test_openai_completion_select_uses_echoed_prompt_logprobs(
     smollm2_server: RunningServer,
 ) -> None:
     completion = OpenAI(
         MODEL, base_url=smollm2_server.url + "/v1", api_key="none", is_chat_model=False
     )
-    try:
-        state = capital.run("token_length_normalized", backend=completion)
-    except BackendError as e:  # this server does not echo prompt logprobs (yet)
-        assert "select() needs prompt logprobs (echo=True with logprobs)" in str(e)
-        assert "400" in str(e)
-    else:
-        assert state["city"] == " Paris"
+    state = capital.run("token_length_normalized", backend=completion)
+    assert state["city"] == " Paris"
     with pytest.raises(BackendError, match="needs token ids"):
         capital.run("unconditional_likelihood_normalized", backend=completion)
 
