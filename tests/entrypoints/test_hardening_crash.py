@@ -124,3 +124,66 @@ def test_watchdog_ends_a_stalled_engine() -> None:
     assert proc.returncode == WATCHDOG_EXIT_CODE, proc.stderr[-2000:]
     assert "stalled" in proc.stderr
     assert time.monotonic() - start < 15
+
+
+STALL_TOKEN = 357  # a prompt holding this token id makes the stalling model's forward hang
+
+STALLING_PLUGIN = textwrap.dedent(
+    f"""
+    import time
+
+    import radixserve
+    from radixserve.plugins.models.llama import LlamaForCausalLM
+
+
+    class StallingLlama(LlamaForCausalLM):
+        def forward(self, batch):
+            if bool((batch.input_ids == {STALL_TOKEN}).any()):
+                time.sleep(3600)  # a model step that never returns (a hung kernel, a deadlock)
+            return super().forward(batch)
+
+
+    @radixserve.hookimpl
+    def register_models(register):
+        register("StallingLlama", StallingLlama, description="test: hangs on token {STALL_TOKEN}")
+    """
+)
+
+
+def _install_stalling_plugin(site: Path) -> None:
+    """A third-party model plugin, found through its entry point like any installed one."""
+    site.mkdir()
+    (site / "stalling_plugin.py").write_text(STALLING_PLUGIN)
+    info = site / "stalling_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: stalling-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[radixserve]\nstalling = stalling_plugin\n")
+
+
+def test_watchdog_ends_a_real_stalled_model_step(
+    tiny_long_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model step that hangs inside the model's forward, on a real server: the watchdog ends
+    the engine, /health turns 503, the stalled request gets an error, the server exits 1."""
+    from radixserve.entrypoints.engine_process import WATCHDOG_EXIT_CODE
+
+    site = tmp_path / "site"
+    _install_stalling_plugin(site)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    args = ("--plugin", "model=StallingLlama", "--watchdog-timeout", "2")
+    with own_server(tiny_long_llama_dir, tmp_path / "server.log", *args) as server:
+        assert generate(server, 4).status_code == 200  # the plugin serves normal prompts
+        engine_pid = _engine_pid(server)
+        body = {"input_ids": [5, STALL_TOKEN, 7], "sampling_params": {"max_new_tokens": 4}}
+        stalled = httpx.post(
+            server.url + "/generate", json=body, headers=server.headers, timeout=60
+        )
+        assert stalled.status_code >= 500, stalled.text
+        assert not psutil.pid_exists(engine_pid) or psutil.Process(engine_pid).status() in (
+            psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD,
+        )  # fmt: skip
+        health = httpx.get(server.url + "/health", timeout=5)
+        assert health.status_code == 503, health.text
+        assert server.proc.wait(20) == 1, server.log()[-2000:]
+        log = server.log()
+        assert "stalled" in log and str(WATCHDOG_EXIT_CODE) in log, log[-3000:]
