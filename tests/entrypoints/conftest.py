@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import requests
 from server_process import (
     TINY_API_KEY,
     TINY_CONTEXT,
@@ -34,3 +35,25 @@ def server(
     code = stop_server(running)
     # --debug-leak-check makes the engine fail (and the server exit non-zero) on a KV leak.
     assert code == 0, f"server exited with {code}:\n{running.log()[-4000:]}"
+
+
+@pytest.fixture(scope="session")
+def overlap_server(
+    tiny_long_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    """The shared server's settings with overlap scheduling forced on (the CPU default is off),
+    so load and disconnect tests also cover steps committed one step late."""
+    log = tmp_path_factory.mktemp("overlap-server-log") / "server.log"
+    args = [*tiny_server_args(tiny_long_llama_dir), "--enable-overlap-schedule"]
+    running = start_server(args, log, TINY_API_KEY, timeout=300)
+    info = requests.get(running.url + "/get_server_info", headers=running.headers, timeout=30)
+    assert info.json()["enable_overlap_schedule"] is True, info.text
+    yield running
+    code = stop_server(running)
+    assert code == 0, f"server exited with {code}:\n{running.log()[-4000:]}"
+
+
+@pytest.fixture(params=["sync", "overlap"])
+def any_server(request: pytest.FixtureRequest) -> RunningServer:
+    """The shared server, then the same with overlap scheduling."""
+    return request.getfixturevalue("server" if request.param == "sync" else "overlap_server")

@@ -119,7 +119,8 @@ def _server_info(server: RunningServer) -> dict[str, Any]:
     return r.json()
 
 
-def test_32_streaming_clients_for_30s(server: RunningServer) -> None:
+def test_32_streaming_clients_for_30s(any_server: RunningServer) -> None:
+    server = any_server
     logs = [ClientLog() for _ in range(CLIENTS)]
     deadline = time.monotonic() + SOAK_S
     threads = [
