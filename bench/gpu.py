@@ -203,7 +203,7 @@ def run_ours(model_dir: Path, args: argparse.Namespace, vocab: int, res: dict[st
     note("b1_step_ms_median", 1e3 * statistics.median(decode_steps))
     note("b1_tok_s", n * o / res["b1_s"])
     note("b1_graph_replay_ms", graph_replay_ms(engine))
-    note("b64_empty_graph_replay_ms", graph_replay_ms_at(engine, 64))  # contexts of 1 token
+    note("b64_empty_graph_replay_ms", graph_replay_ms(engine, 64, 20))  # contexts of 1 token
     if res["cuda_graph"]:  # the same engine with its decode steps run eagerly, for comparison
         graphs, attention, model = runner.step, runner.attention, runner.model
         runner.step = lambda fb: (attention.prepare(fb), model.forward(fb))[1]
@@ -252,18 +252,10 @@ def step_breakdown(steps: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def graph_replay_ms(engine: Any) -> float | None:
-    """GPU time of one batch-1 decode step alone (the captured graph), if graphs are on."""
+def graph_replay_ms(engine: Any, bs: int = 1, reps: int = 50) -> float | None:
+    """GPU time of one decode step of ``bs`` alone (its captured graph), if graphs are on."""
     graphs = getattr(engine.core.runner.step, "graphs", None)
-    if not graphs:
-        return None
-    graph = graphs[1][0]
-    return median_ms(graph.replay, 50)
-
-
-def graph_replay_ms_at(engine: Any, bs: int) -> float | None:
-    graphs = getattr(engine.core.runner.step, "graphs", None)
-    return median_ms(graphs[bs][0].replay, 20) if graphs and bs in graphs else None
+    return median_ms(graphs[bs][0].replay, reps) if graphs and bs in graphs else None
 
 
 def run_hf(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
