@@ -107,8 +107,7 @@ class EngineCore:
         else:
             self.scheduler.add_request(req)
 
-    def abort(self, rid: str) -> Req | None:
-        message = "aborted by the client"
+    def abort(self, rid: str, message: str = "aborted by the client") -> Req | None:
         self._sync()
         return self.grammars.abort(rid, message) or self.scheduler.abort(rid, message)
 

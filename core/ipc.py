@@ -30,9 +30,11 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):
-    """Abort ``rid`` in any state; unknown or finished rids are ignored."""
+    """Abort ``rid`` in any state; unknown or finished rids are ignored. ``message`` becomes the
+    abort's finish reason message (why it was aborted)."""
 
     rid: str
+    message: str = "aborted by the client"
 
 
 class FlushCacheRequest(msgspec.Struct, tag="flush_cache"):

@@ -163,7 +163,7 @@ class EngineLoop:
                 req.finish(FinishReason("abort", message=str(e)))
                 self.outbox.append(self._delta(req, error_status=400))
         elif isinstance(msg, ipc.AbortRequest):
-            aborted = core.abort(msg.rid)
+            aborted = core.abort(msg.rid, msg.message)
             if aborted is not None:
                 self.outbox.append(self._delta(aborted))
         elif isinstance(msg, ipc.StateRequest):

@@ -119,11 +119,16 @@ class DrainingServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.tm.draining = True
-        abort = asyncio.get_running_loop().call_later(self.drain_s, self.tm.abort_all)
+        abort = asyncio.get_running_loop().call_later(self.drain_s, self._abort_in_flight)
         try:
             await super().shutdown(sockets)
         finally:
             abort.cancel()
+
+    def _abort_in_flight(self) -> None:
+        message = f"the server shut down: --shutdown-timeout={self.drain_s:g}s passed"
+        self.tm.abort_all(message)
+        print(f"radixserve: {message}; aborted {len(self.tm.reqs)} in-flight requests", flush=True)
 
 
 async def _announce(server: uvicorn.Server, args: ServerArgs, info: EngineReady) -> None:

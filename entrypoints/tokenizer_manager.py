@@ -194,17 +194,17 @@ class TokenizerManager:
         )
         return req
 
-    def abort(self, rid: str) -> None:
+    def abort(self, rid: str, message: str = "aborted by the client") -> None:
         if rid in self.reqs and self.dead is None:
-            self.client.send(ipc.AbortRequest(rid))
+            self.client.send(ipc.AbortRequest(rid, message))
 
     def _time_out(self, rid: str) -> None:
-        logger.warning("request %s ran past --request-timeout; aborting it", rid)
-        self.abort(rid)
+        self.abort(rid, f"the request ran past --request-timeout={self.limits.request_timeout:g}s")
+        logger.warning("request %s ran past --request-timeout; aborted it", rid)
 
-    def abort_all(self) -> None:
+    def abort_all(self, message: str = "aborted by the client") -> None:
         for rid in list(self.reqs):
-            self.abort(rid)
+            self.abort(rid, message)
 
     async def wait_finished(
         self,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ from radixserve.core import grammar_queue
 from radixserve.core.grammar_queue import GrammarQueue
 from radixserve.core.interfaces import Grammar, GrammarBackend
 from radixserve.core.request import Req, SamplingParams
+
+HANG_GUARD_S = 120  # only stops a hung test; no outcome depends on it
 
 
 class FakeGrammar(Grammar):
@@ -47,7 +50,7 @@ class FakeBackend(GrammarBackend):
     def compile(self, kind: str, spec: str) -> Grammar:
         self.compiled.append(spec)
         if spec.startswith("slow"):
-            self.release.wait(10)
+            self.release.wait(HANG_GUARD_S)
         if spec.startswith("bad"):
             raise ValueError(f"no such thing as {spec!r}")
         return FakeGrammar(spec)
@@ -60,7 +63,7 @@ def req(rid: str, regex: str) -> Req:
 def drain(queue: GrammarQueue, n: int) -> tuple[list[Req], list[Req]]:
     ready: list[Req] = []
     failed: list[Req] = []
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + HANG_GUARD_S
     while len(ready) + len(failed) < n and time.monotonic() < deadline:
         queue.wait()
         r, f = queue.pop_done()
@@ -108,30 +111,48 @@ def test_compile_error_ends_only_that_request_and_is_not_cached(backend: FakeBac
     assert backend.compiled.count("bad[") == 2
 
 
-def test_timeout_ends_the_request_and_others_go_on(backend: FakeBackend) -> None:
+def test_timeout_ends_the_request_and_others_go_on(backend: FakeBackend, clock: SplitClock) -> None:
+    """A compile still running at its deadline ends its request; another one compiles on. The
+    split clock sets the times, so no outcome depends on how fast the threads run."""
     backend.release.clear()
-    queue = make_queue(backend, timeout_s=0.2)
+    queue = make_queue(backend, timeout_s=1.0)
+    assert queue.backend is backend  # built at t=0, so the deadline is t=1
     queue.submit(req("slow", "slow+"))
     queue.submit(req("fast", "f"))
-    start = time.monotonic()
-    ready, failed = drain(queue, 2)
-    assert [r.rid for r in ready] == ["fast"] and [r.rid for r in failed] == ["slow"]
-    assert time.monotonic() - start < 5
+    ready, failed = drain(queue, 1)  # at t=0: "fast" is ready, "slow" still compiling
+    assert [r.rid for r in ready] == ["fast"] and not failed
+    clock.engine = 1.0  # the deadline, with "slow" still held
+    ready, failed = queue.pop_done()
+    assert not ready and [r.rid for r in failed] == ["slow"]
     message = failed[0].finish_reason.message  # type: ignore[union-attr]
-    assert "regex did not compile within grammar_compile_timeout=0.2s" in message
+    assert "regex did not compile within grammar_compile_timeout=1s" in message
     backend.release.set()
     queue.shutdown()
 
 
-def test_wait_returns_when_a_compile_finishes(backend: FakeBackend) -> None:
+def test_wait_returns_when_a_compile_finishes(
+    backend: FakeBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """wait() returns when the compile ends, long before its own timeout or the deadline (an
+    hour each here): the waiting thread finishes although wait() could sleep an hour."""
+    waiting = threading.Event()
+    real_wait = grammar_queue.wait
+
+    def traced_wait(*args: Any, **kwargs: Any) -> Any:
+        waiting.set()
+        return real_wait(*args, **kwargs)
+
+    monkeypatch.setattr(grammar_queue, "wait", traced_wait)
     backend.release.clear()
-    queue = make_queue(backend)
+    queue = make_queue(backend, timeout_s=3600.0)
     queue.submit(req("slow", "slow1"))
-    threading.Timer(0.05, backend.release.set).start()
-    start = time.monotonic()
-    while not queue.pop_done()[0]:
-        queue.wait(timeout_s=5.0)
-    assert time.monotonic() - start < 2.0
+    waiter = threading.Thread(target=queue.wait, kwargs={"timeout_s": 3600.0}, daemon=True)
+    waiter.start()
+    assert waiting.wait(HANG_GUARD_S)
+    backend.release.set()  # the compile ends while wait() sleeps
+    waiter.join(HANG_GUARD_S)
+    assert not waiter.is_alive(), "wait() did not return when the compile finished"
+    assert [r.rid for r in queue.pop_done()[0]] == ["slow"]
 
 
 def test_abort_while_compiling(backend: FakeBackend) -> None:

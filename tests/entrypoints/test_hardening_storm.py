@@ -1,21 +1,22 @@
-"""A disconnect storm: 128 streaming clients that hang up at random points. Within 2 s of the
-last disconnect every request is gone from the engine and its KV freed, and the leak invariant
-holds (the shared server runs with --debug-leak-check, which would kill it on a leak)."""
+"""A disconnect storm: 128 streaming clients that hang up at random points. Afterwards every
+request is gone from the engine and its KV freed, and the leak invariant holds (the shared
+server runs with --debug-leak-check, which would kill it on a leak). How fast the server gets
+there depends on the machine, so no wall time is asserted (bench/ measures speed)."""
 
 from __future__ import annotations
 
 import random
 import threading
-import time
 
 import httpx
-from hardening import server_state, wait_idle
+from hardening import metric, server_state, wait_idle
 from server_process import RunningServer
 
 CLIENTS = 128
+HANG_GUARD_S = 120  # only stops a hung test; no outcome depends on it
 
 
-def _client(server: RunningServer, seed: int, closed_at: list[float], errors: list[str]) -> None:
+def _client(server: RunningServer, seed: int, closed: list[int], errors: list[str]) -> None:
     rng = random.Random(seed)
     events_before_hangup = rng.choice([0, 0, 1, 2, 5, 10, 20, 40])
     body = {
@@ -38,31 +39,32 @@ def _client(server: RunningServer, seed: int, closed_at: list[float], errors: li
     except httpx.HTTPError as e:
         errors.append(f"client {seed}: {type(e).__name__}: {e}")
     finally:
-        closed_at.append(time.monotonic())
+        closed.append(seed)
 
 
 def test_disconnect_storm_frees_all_kv(any_server: RunningServer) -> None:
     server = any_server
-    closed_at: list[float] = []
+    aborted_before = metric(server, "radixserve_requests_total", finish_reason="abort")
+    closed: list[int] = []
     errors: list[str] = []
     threads = [
-        threading.Thread(target=_client, args=(server, i, closed_at, errors), daemon=True)
+        threading.Thread(target=_client, args=(server, i, closed, errors), daemon=True)
         for i in range(CLIENTS)
     ]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(120)
+        t.join(HANG_GUARD_S)
     assert not any(t.is_alive() for t in threads), "a storm client hung"
     assert not errors, errors[:5]
-    assert len(closed_at) == CLIENTS
-    last = max(closed_at)
-    state = wait_idle(server, timeout=2.0)
-    waited = time.monotonic() - last
-    assert state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 0, (waited, state)
-    assert state["kv"]["in_use"] == 0, (waited, state)
+    assert len(closed) == CLIENTS
+    state = wait_idle(server, timeout=HANG_GUARD_S)
+    assert state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 0, state
+    assert state["kv"]["in_use"] == 0, state
     assert state["num_live_requests"] == 0, state
-    assert waited < 2.5, waited  # wait_idle gave up at 2 s: the storm's KV was not all freed
+    # Hang-ups abort their requests: had the server let every one run to its max_new_tokens
+    # (up to 1,500 tokens after the first event), none would have ended with an abort.
+    assert metric(server, "radixserve_requests_total", finish_reason="abort") > aborted_before
     # The engine idled with --debug-leak-check: a leak would have killed it.
     assert server.proc.poll() is None, server.log()[-3000:]
     ok = server_state(server)

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import requests
+from hardening import metric
 from server_process import TINY_CONTEXT, TINY_MODEL_NAME, RunningServer
 
 TIMEOUT = 60
@@ -44,14 +45,6 @@ def wait_idle(server: RunningServer, timeout: float = 30.0) -> dict[str, Any]:
             return info
         assert time.monotonic() < deadline, f"server not idle after {timeout} s: {info}"
         time.sleep(0.1)
-
-
-def metric(server: RunningServer, name: str, **labels: str) -> float:
-    text = requests.get(server.url + "/metrics", timeout=TIMEOUT).text
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def test_generate_single(server: RunningServer) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from lang_fake_backend import FakeBackend
@@ -165,7 +166,10 @@ def test_fork_caches_the_prefix_then_runs_branches_in_parallel() -> None:
         forks.join()
         s += "Summary:" + gen("summary")
 
-    backend = FakeBackend(delay=0.3, reply=lambda v, o: f"[{v.text.splitlines()[-1]}]")
+    def reply(view: Any, options: Any) -> str:
+        return f"[{view.text.splitlines()[-1]}]"
+
+    backend = FakeBackend(rendezvous=4, reply=reply)  # each branch waits for all four
     state = tips.run("sleep", backend=backend)
     assert backend.prefixes == ["Tips about sleep:\n"]
     assert backend.calls[0][0] == "cache_prefix"  # before any branch generates

@@ -47,6 +47,15 @@ def server_state(server: RunningServer, client: httpx.Client | None = None) -> d
     return response.json()  # type: ignore[no-any-return]
 
 
+def metric(server: RunningServer, name: str, **labels: str) -> float:
+    """One sample of /metrics (0.0 when the labelled series does not exist yet)."""
+    text = httpx.get(server.url + "/metrics", timeout=60).text
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def wait_idle(server: RunningServer, timeout: float) -> dict[str, Any]:
     """Poll /get_server_info until nothing runs or waits and no KV is in use; return the state
     (the caller asserts on it, so a timeout shows the last state seen)."""
@@ -90,9 +99,12 @@ class ValidTraffic:
 
 
 @contextlib.contextmanager
-def own_server(model_dir: Path, log: Path, *extra: str) -> Iterator[RunningServer]:
-    """A private tiny-model server with extra flags; stopped (SIGTERM, then SIGKILL) after."""
-    running = start_server([*tiny_server_args(model_dir), *extra], log, TINY_API_KEY)
+def own_server(
+    model_dir: Path, log: Path, *extra: str, env: dict[str, str] | None = None
+) -> Iterator[RunningServer]:
+    """A private tiny-model server with extra flags (and environment); stopped (SIGTERM, then
+    SIGKILL) after."""
+    running = start_server([*tiny_server_args(model_dir), *extra], log, TINY_API_KEY, env=env)
     try:
         yield running
     finally:

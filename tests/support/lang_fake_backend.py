@@ -13,12 +13,15 @@ from radixserve.lang.choices import ChoicesDecision, ChoicesMethod
 from radixserve.lang.sampling import SamplingOptions
 
 Reply = Callable[[ProgramView, SamplingOptions], str]
+HANG_GUARD_S = 120  # only stops a hung test
 
 
 class FakeBackend(Backend):
     """``reply`` decides each generation (default: ``"out<k>"``, k counting calls);
-    ``delay`` makes each call take that long, so concurrency can be observed; select picks
-    the choice ``prefer`` returns (default: the longest)."""
+    ``delay`` makes each call take that long; with ``rendezvous=k`` each of the first k calls
+    waits until all k are in progress at once, which shows overlap without timing (a call that
+    would wait forever fails after ``HANG_GUARD_S``); select picks the choice ``prefer``
+    returns (default: the longest)."""
 
     def __init__(
         self,
@@ -27,12 +30,16 @@ class FakeBackend(Backend):
         delay: float = 0.0,
         prefer: Callable[[list[str]], str] | None = None,
         fail_on: str | None = None,
+        rendezvous: int = 0,
     ) -> None:
         self.chat_template = get_chat_template(template)
         self.reply = reply
         self.delay = delay
         self.prefer = prefer or (lambda choices: max(choices, key=len))
         self.fail_on = fail_on
+        self._rendezvous = (
+            threading.Barrier(rendezvous, timeout=HANG_GUARD_S) if rendezvous else None
+        )
         self.calls: list[tuple[str, ProgramView, Any]] = []
         self.prefixes: list[str] = []
         self.active = 0
@@ -73,6 +80,8 @@ class FakeBackend(Backend):
             self.active += 1
             self.max_active = max(self.max_active, self.active)
         try:
+            if self._rendezvous is not None and count <= self._rendezvous.parties:
+                self._rendezvous.wait()
             if self.delay:
                 time.sleep(self.delay)
         finally:

@@ -53,9 +53,14 @@ def free_port() -> int:
 
 
 def start_server(
-    args: list[str], log_path: Path, api_key: str | None = None, timeout: float = 300.0
+    args: list[str],
+    log_path: Path,
+    api_key: str | None = None,
+    timeout: float = 300.0,
+    env: dict[str, str] | None = None,
 ) -> RunningServer:
-    """Start a server on a free loopback port and wait (up to ``timeout`` s) for its ready line."""
+    """Start a server on a free loopback port and wait (up to ``timeout`` s) for its ready line.
+    ``env`` adds to (or overrides) the inherited environment."""
     port = free_port()
     cmd = [sys.executable, "-m", "radixserve.launch_server", "--host", "127.0.0.1"]
     cmd += ["--port", str(port), *args]
@@ -63,9 +68,9 @@ def start_server(
         cmd += ["--api-key", api_key]
     # One intra-op thread: the test machine's 2 cores are shared, and OpenMP spinning under
     # oversubscription makes every step many times slower.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
     server = RunningServer(f"http://127.0.0.1:{port}", api_key, proc, log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -1,0 +1,63 @@
+"""Test side of ``radixserve_test_models``: install the plugin for a server subprocess, and the
+gate that holds a request inside its model step until the test lets it go."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+from radixserve_test_models import GATE_DIR_ENV, GATE_TOKEN, STALL_TOKEN
+
+__all__ = ["GATE_TOKEN", "STALL_TOKEN", "Gate", "gated_prompt", "install_test_models"]
+
+
+def install_test_models(site: Path) -> dict[str, str]:
+    """Install the test model plugin into ``site`` as a package with an entry point in the
+    ``radixserve`` group; return the environment a server needs to find it."""
+    site.mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(__file__).with_name("radixserve_test_models.py"), site)
+    info = site / "radixserve_test_models-0.1.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: radixserve-test-models\nVersion: 0.1\n"
+    )
+    (info / "entry_points.txt").write_text("[radixserve]\ntest_models = radixserve_test_models\n")
+    return {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+
+
+def gated_prompt(*ids: int) -> list[int]:
+    """A prompt that GatedLlama holds while the gate is closed (the gate token comes last, so a
+    prompt served from the prefix cache still prefills it)."""
+    return [*(ids or (5, 6)), GATE_TOKEN]
+
+
+class Gate:
+    """While closed, every prefill of a ``gated_prompt`` waits inside the model's forward."""
+
+    def __init__(self, path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        self.path = path
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {GATE_DIR_ENV: str(self.path)}
+
+    def close(self) -> None:
+        (self.path / "closed").touch()
+
+    def open(self) -> None:
+        (self.path / "closed").unlink(missing_ok=True)
+
+    def entered(self) -> int:
+        """How many model steps have waited at the gate so far."""
+        entered = self.path / "entered"
+        return len(entered.read_text().splitlines()) if entered.exists() else 0
+
+    def wait_entered(self, count: int = 1, hang_guard_s: float = 120.0) -> None:
+        """Wait until ``count`` steps have reached the gate (the bound only stops a hung test)."""
+        deadline = time.monotonic() + hang_guard_s
+        while self.entered() < count:
+            assert time.monotonic() < deadline, f"no model step reached the gate at {self.path}"
+            time.sleep(0.02)
