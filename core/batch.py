@@ -2,14 +2,20 @@
 
 Layout: the new tokens of all requests are flattened into one sequence, decodes first (one
 token each), then prefill chunks. ``seq_lens`` counts each request's tokens after this step
-(cached prefix + new); attention reads KV slots from ``req_to_token[req_pool_indices]``.
+(cached prefix + new); attention reads KV slots from ``req_to_token[req_pool_indices]`` on the
+host, or from ``req_to_token_pool.device_table(device)`` on a device (kept in sync by the pool;
+never keep a private copy of the table across steps).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from radixserve.core.memory import ReqToTokenPool
 
 
 @dataclass(slots=True)
@@ -18,12 +24,13 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] position of each new token in its sequence
     out_cache_loc: torch.Tensor  # [T] KV slot each new token writes
     req_pool_indices: torch.Tensor  # [B] row of each request in the req->token table
-    req_to_token: torch.Tensor  # [max_requests, max_context] the table itself
+    req_to_token: torch.Tensor  # [max_requests, max_context] the host table itself
     seq_lens: list[int]  # [B] tokens in the sequence after this step
     extend_lens: list[int]  # [B] new tokens this step
     num_decode: int  # the first num_decode requests have extend_len == 1
     logits_indices: torch.Tensor  # rows of the flattened sequence whose logits are needed
     kv_pool: object  # radixserve.core.memory.KVPool
+    req_to_token_pool: ReqToTokenPool  # owns the table and its device mirror
 
     @property
     def batch_size(self) -> int:

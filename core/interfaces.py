@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     from radixserve.core.batch import ForwardBatch
     from radixserve.core.config import EngineConfig
-    from radixserve.core.memory import KVPool
+    from radixserve.core.memory import KVPool, ReqToTokenPool
 
 #: Runs one model step: ForwardBatch -> logits (see ``HardwarePlatform.step_executor``).
 StepExecutor = Callable[["ForwardBatch"], "torch.Tensor"]
@@ -63,10 +63,13 @@ class HardwarePlatform(ABC):
         model: CausalLM,
         attention: AttentionBackend,
         kv_pool: KVPool,
-        req_to_token: torch.Tensor,
+        req_to_token: ReqToTokenPool,
         config: EngineConfig,
     ) -> StepExecutor:
         """How each step runs the model, built once after the weights are loaded.
+
+        ``req_to_token`` owns the slot table; device code reads it through
+        ``req_to_token.device_table(device)``, which is current whenever a step starts.
 
         The default prepares attention and calls ``model.forward``. A platform may return a
         faster executor for some batches (e.g. replay captured CUDA graphs for decode-only
@@ -87,6 +90,11 @@ class AttentionBackend(ABC):
     layers reuse; ``forward`` first writes the new tokens' K/V into the pool at
     ``batch.out_cache_loc`` and then attends, causally, each new token to its request's cached
     prefix and to the new tokens before it (and itself).
+
+    The slot table: read a request's KV slots from ``batch.req_to_token`` (host) or
+    ``batch.req_to_token_pool.device_table(device)`` (a device mirror the pool keeps current).
+    Never keep a private copy of rows across steps: the scheduler rewrites rows when prefixes
+    are shared, requests are retracted or slots are reused, and a copy would go stale.
     """
 
     @abstractmethod

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from radixserve.core.batch import to_device
+
 
 class TokenAllocator:
     """Hands out KV slots in whole pages from a free list of pages 1..num_pages.
@@ -110,12 +112,27 @@ class TokenAllocator:
 
 
 class ReqToTokenPool:
-    """A row per running request: the KV slot of each of its token positions."""
+    """A row per running request: the KV slot of each of its token positions.
+
+    The host ``table`` is the scheduler's source of truth. Kernels on a device read a mirror
+    (``device_table``) that this pool keeps up to date: every write goes through ``write`` or
+    ``write_points``, which log the positions they change, and ``sync`` copies those positions
+    to the mirror in one host->device copy and one scatter. The model runner syncs before every
+    step, and ``device_table`` syncs before it returns, so no kernel can read a stale row. Write
+    the host table only through these methods (a direct write would never reach the mirror).
+
+    The mirror is int32 with one extra all-zero row at ``pad_row`` (slot 0 is the KV pool's
+    padding slot) for padded batch entries, e.g. in CUDA graphs.
+    """
 
     def __init__(self, max_requests: int, max_context: int) -> None:
         self.table = torch.zeros((max_requests, max_context), dtype=torch.int64)
         self._free_rows = list(range(max_requests - 1, -1, -1))
         self.max_context = max_context
+        self.pad_row = max_requests
+        self._mirror: torch.Tensor | None = None
+        self._dirty: list[torch.Tensor] = []  # flat table positions written since the last sync
+        self._flat = self.table.view(-1)
 
     def available(self) -> int:
         return len(self._free_rows)
@@ -125,6 +142,53 @@ class ReqToTokenPool:
 
     def free(self, row: int) -> None:
         self._free_rows.append(row)
+
+    # -- writes (host table + mirror log) ---------------------------------------------------
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Positions ``start .. start + len(slots) - 1`` of ``row`` get ``slots``."""
+        n = len(slots)
+        if not n:
+            return
+        self.table[row, start : start + n] = slots
+        if self._mirror is not None:
+            first = row * self.max_context + start
+            self._dirty.append(torch.arange(first, first + n, dtype=torch.int64))
+
+    def write_points(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
+        """``table[rows[i], cols[i]] = slots[i]`` for every i, in one indexed write."""
+        self.table[rows, cols] = slots
+        if self._mirror is not None:
+            self._dirty.append(rows * self.max_context + cols)
+
+    # -- the device mirror ------------------------------------------------------------------
+
+    def device_table(self, device: str | torch.device) -> torch.Tensor:
+        """The mirror on ``device`` (created on first use), with every write so far applied.
+        The tensor is allocated once, so a captured CUDA graph may keep reading it."""
+        if self._mirror is None:
+            rows, cols = self.table.shape
+            self._mirror = torch.zeros((rows + 1, cols), dtype=torch.int32, device=device)
+            self._mirror[:rows] = to_device(self.table.to(torch.int32), device)
+            self._dirty.clear()
+        elif self._mirror.device != torch.device(device):
+            raise ValueError(
+                f"the req->token mirror lives on {self._mirror.device}, not on {device}"
+            )
+        self.sync()
+        return self._mirror
+
+    def sync(self) -> None:
+        """Apply the logged writes to the mirror (no-op without one or without writes). Values
+        come from the host table now, so a position written twice gets its last value."""
+        if not self._dirty:
+            return
+        assert self._mirror is not None
+        where = self._dirty[0] if len(self._dirty) == 1 else torch.cat(self._dirty)
+        self._dirty.clear()
+        packed = torch.stack([where, self._flat[where]])
+        dev = to_device(packed, self._mirror.device)
+        self._mirror.view(-1).scatter_(0, dev[0], dev[1].to(torch.int32))
 
 
 class KVPool:

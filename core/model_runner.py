@@ -86,7 +86,7 @@ class ModelRunner:
         self.model.load_weights(iter_weights(model_dir, self.dtype))
         # The platform decides how a step runs (eagerly here; e.g. CUDA graphs for decodes).
         self.step = self.platform.step_executor(
-            self.model, self.attention, self.kv_pool, self.req_to_token.table, config
+            self.model, self.attention, self.kv_pool, self.req_to_token, config
         )
         self.grammar_masker: GrammarMasker | None = None  # set by EngineCore
 
@@ -194,6 +194,7 @@ class ModelRunner:
             num_decode=batch.num_decode,
             logits_indices=dev[3 * t : 3 * t + n_logits],
             kv_pool=self.kv_pool,
+            req_to_token_pool=self.req_to_token,
         )
         return fb, plans
 
@@ -210,6 +211,7 @@ class ModelRunner:
         token take their input from there. When every sampled request is ``overlappable`` no
         host sync happens here; ``result()`` waits for the ids."""
         fb, plans = self.build_batch(batch, prev_ids)
+        self.req_to_token.sync()  # the device mirror of the slot table, before any kernel
         logits = self.step(fb)
         for req, plan in zip(batch.reqs, plans, strict=True):
             if plan.scored:

@@ -205,7 +205,9 @@ class RadixCache:
         already = self.insert(token_ids, kv, req.extra_key)
         self.allocator.free(kv[req.prefix_len : already])
         new_kv, new_node = self.match_prefix(token_ids, req.extra_key)
-        row[: len(new_kv)] = new_kv
+        # Positions below prefix_len already hold the tree's slots; from there on, a duplicate
+        # of a cached range now points at the tree's copy (ours was freed above).
+        self.req_to_token.write(req.req_pool_idx, req.prefix_len, new_kv[req.prefix_len :])
         self.inc_lock_ref(new_node)
         if req.cache_node is not None:
             self.dec_lock_ref(req.cache_node)

@@ -271,7 +271,7 @@ class Scheduler:
         )
         if slots is None:
             return False
-        table[rows, lens] = slots  # one advanced-index write for the whole batch (hot path)
+        self.req_to_token.write_points(rows, lens, slots)  # one indexed write (hot path)
         return True
 
     def _alloc_extend(self, row: int, kv_len: int, num_tokens: int) -> bool:
@@ -283,7 +283,7 @@ class Scheduler:
         )
         if slots is None:
             return False
-        table_row[kv_len : kv_len + num_tokens] = slots
+        self.req_to_token.write(row, kv_len, slots)
         return True
 
     def _release(self, req: Req) -> None:
@@ -332,7 +332,7 @@ class Scheduler:
         if row is None:
             return 0
         self.cache.inc_lock_ref(node)  # protect the matched prefix from our own eviction
-        self.req_to_token.table[row, : len(prefix)] = prefix
+        self.req_to_token.write(row, 0, prefix)
         if not self._alloc_extend(row, len(prefix), chunk):
             self.cache.dec_lock_ref(node)
             self.req_to_token.free(row)

@@ -61,7 +61,7 @@ class CudaPlatform(HardwarePlatform):
     def seed_everything(self, seed: int) -> None:
         torch.manual_seed(seed)  # seeds every CUDA device too
 
-    def step_executor(self, model: Any, attention: Any, kv_pool: Any, req_to_token: torch.Tensor,
+    def step_executor(self, model: Any, attention: Any, kv_pool: Any, req_to_token: Any,
                       config: Any) -> StepExecutor:  # fmt: skip
         """CUDA graphs for decode-only batches up to ``cuda_graph_max_bs``, unless disabled or
         the attention backend cannot prepare a decode step from device tensors alone."""

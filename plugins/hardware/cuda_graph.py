@@ -2,9 +2,11 @@
 
 A captured step covers the attention backend's device-only decode preparation
 (``prepare_decode_graph``) and the whole model forward, so a decode step costs one graph launch
-plus a few small copies into the static inputs. A batch of ``bs`` decodes replays the graph of
-the smallest captured size >= bs; padding rows read the attention table's padding row (all slot
-0, the KV pool's padding slot) and write their K/V to slot 0, which no request owns.
+plus a few small copies into the static inputs. The graphs read the req->token pool's device
+mirror, a tensor allocated once; the pool brings it up to date before each replay. A batch of
+``bs`` decodes replays the graph of the smallest captured size >= bs; padding rows read the
+mirror's padding row (all slot 0, the KV pool's padding slot) and write their K/V to slot 0,
+which no request owns.
 Other batches (prefill chunks, larger batches, input logprobs) run eagerly.
 """
 
@@ -17,18 +19,17 @@ from typing import Any, Protocol
 import torch
 
 from radixserve.core.batch import ForwardBatch
+from radixserve.core.memory import ReqToTokenPool
 
 logger = logging.getLogger(__name__)
 
 
 class GraphableAttention(Protocol):
-    def ensure_table(self, host_table: torch.Tensor) -> int: ...
+    def bind_table(self, pool: ReqToTokenPool) -> int: ...
 
     def prepare(self, batch: ForwardBatch) -> None: ...
 
-    def prepare_decode_graph(
-        self, req_rows: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor
-    ) -> None: ...
+    def prepare_decode_graph(self, req_rows: torch.Tensor, seq_lens: torch.Tensor) -> None: ...
 
 
 def capture_sizes(max_bs: int) -> list[int]:
@@ -44,14 +45,14 @@ class CudaGraphRunner:
         model: Any,
         attention: GraphableAttention,
         kv_pool: Any,
-        req_to_token: torch.Tensor,
+        req_to_token: ReqToTokenPool,
         max_bs: int,
         device: str,
     ) -> None:
         self.model, self.attention = model, attention
         self.max_bs = max_bs
         self.sizes = capture_sizes(max_bs)
-        self.pad_row = attention.ensure_table(req_to_token)
+        self.pad_row = attention.bind_table(req_to_token)
         long = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(max_bs, **long)  # type: ignore[arg-type]
         self.positions = torch.zeros(max_bs, **long)  # type: ignore[arg-type]
@@ -75,17 +76,18 @@ class CudaGraphRunner:
             positions=self.positions[:bs],
             out_cache_loc=self.out_cache_loc[:bs],
             req_pool_indices=torch.full((bs,), self.pad_row, dtype=torch.int64),
-            req_to_token=self._req_to_token,
+            req_to_token=self._req_to_token.table,
             seq_lens=[1] * bs,
             extend_lens=[1] * bs,
             num_decode=bs,
             logits_indices=self.logits_indices[:bs],
             kv_pool=self._kv_pool,
+            req_to_token_pool=self._req_to_token,
         )
 
     def _run_static(self, bs: int, batch: ForwardBatch) -> torch.Tensor:
         meta = self.meta[:, :bs]
-        self.attention.prepare_decode_graph(meta[0], meta[1], batch.out_cache_loc)
+        self.attention.prepare_decode_graph(meta[0], meta[1])
         return self.model.forward(batch)
 
     def _capture(self, bs: int, pool: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -121,5 +123,6 @@ class CudaGraphRunner:
             if pad:
                 static[bs:padded].zero_()
         graph, logits = self.graphs[padded]
+        self._req_to_token.sync()  # the graphs read the mirror as it is at replay
         graph.replay()
         return logits[:bs]

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.core.memory import TokenAllocator
+from radixserve.core.memory import ReqToTokenPool, TokenAllocator
 
 P = 16
 
@@ -178,3 +178,23 @@ def test_requests_keep_the_page_layout_and_never_share_a_slot(
         assert alloc.available() == alloc.size - pages * page_size
         for i in range(4):
             assert_paged(table[i], lens[i], page_size)
+
+
+def test_req_to_token_mirror_follows_every_write() -> None:
+    """The device mirror (on the CPU here) equals the host table after each sync, whatever the
+    order of writes; a position written twice before a sync keeps its last value."""
+    pool = ReqToTokenPool(3, 8)
+    pool.write(0, 0, torch.tensor([5, 6, 7]))  # before the mirror exists: copied whole
+    mirror = pool.device_table("cpu")
+    assert mirror.shape == (4, 8) and mirror.dtype == torch.int32
+    assert pool.pad_row == 3 and not mirror[3].any()
+    assert torch.equal(mirror[:3].long(), pool.table)
+    pool.write(1, 2, torch.tensor([9, 10]))
+    pool.write_points(torch.tensor([0, 1]), torch.tensor([3, 4]), torch.tensor([11, 12]))
+    pool.write(0, 1, torch.tensor([20, 21]))  # rewrites positions 1 and 2 of row 0
+    pool.write(0, 2, torch.tensor([22]))  # and position 2 once more
+    assert mirror[0, 2] == 7, "writes reach the mirror only at a sync"
+    pool.sync()
+    assert torch.equal(mirror[:3].long(), pool.table)
+    assert mirror[0, :4].tolist() == [5, 20, 22, 11]
+    assert pool.device_table("cpu") is mirror, "one tensor for the pool's life (CUDA graphs)"

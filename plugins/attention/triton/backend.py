@@ -1,14 +1,10 @@
 """The ``triton`` attention backend: paged KV (any power-of-two page size) with GQA on the GPU.
 
 Per step, ``prepare`` builds the metadata every layer reuses with one host->device copy (request
-rows, sequence lengths, new-token counts and offsets) and brings the device copy of the
-req->token table up to date; ``forward`` stores the new K/V with one launch, then runs the decode
-kernel on the decode rows and the extend kernel on the prefill chunks.
-
-NOTE: the device table mirrors the host ``req_to_token`` table for every position a kernel reads:
-a prefill chunk copies its request's row ``[0, seq_len)`` (cached prefix included), a decode
-writes its one new slot. A request therefore reaches decode only after an extend of its own row,
-which the scheduler guarantees (every admitted request starts with a prefill chunk).
+rows, sequence lengths, new-token counts and offsets); ``forward`` stores the new K/V with one
+launch, then runs the decode kernel on the decode rows and the extend kernel on the prefill
+chunks. Kernels read KV slots from the req->token pool's device mirror, which the pool keeps
+current (core/memory.py); this backend keeps no copy of its own.
 
 The page size comes from the ``page_size`` argument or else the KV pool's ``page_size``
 attribute (1 when it has none). With P > 1 the kernels read one table entry per page: a
@@ -24,7 +20,7 @@ import torch
 from radixserve.core.batch import ForwardBatch, to_device
 from radixserve.core.config import ModelConfig
 from radixserve.core.interfaces import AttentionBackend
-from radixserve.core.memory import KVPool
+from radixserve.core.memory import KVPool, ReqToTokenPool
 from radixserve.plugins.attention.triton.decode_kernel import decode_attention, num_decode_splits
 from radixserve.plugins.attention.triton.extend_kernel import extend_attention
 from radixserve.plugins.attention.triton.store_kernel import store_kv
@@ -57,21 +53,16 @@ class TritonAttention(AttentionBackend):
             self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         else:
             self.num_sms = 4
-        self.table: torch.Tensor | None = None  # device req->token table, + 1 padding row
-        self.pad_row = 0
+        self.table: torch.Tensor | None = None  # the pool's device mirror (+ 1 padding row)
         self._meta: StepMeta | None = None
 
-    def ensure_table(self, host_table: torch.Tensor) -> int:
-        """Allocate the device table (once); return its padding row (all slot 0)."""
-        if self.table is None:
-            rows, cols = host_table.shape
-            self.table = torch.zeros((rows + 1, cols), dtype=torch.int32, device=self.device)
-            self.pad_row = rows
-        return self.pad_row
+    def bind_table(self, pool: ReqToTokenPool) -> int:
+        """Take the pool's device mirror (current as of now); return its padding row."""
+        self.table = pool.device_table(self.device)
+        return pool.pad_row
 
     def prepare(self, batch: ForwardBatch) -> None:
-        self.ensure_table(batch.req_to_token)
-        assert self.table is not None
+        self.bind_table(batch.req_to_token_pool)
         nd, bs = batch.num_decode, batch.batch_size
         rows = batch.req_pool_indices.tolist()
         starts, total = [], 0
@@ -80,34 +71,15 @@ class TritonAttention(AttentionBackend):
             total += n
         packed = torch.tensor(rows + batch.seq_lens + batch.extend_lens + starts, dtype=torch.int32)
         dev = to_device(packed, self.device).view(4, bs)
-        req_rows, seq_lens = dev[0], dev[1]
-        if nd:
-            self._write_decode_slots(req_rows[:nd], seq_lens[:nd], batch.out_cache_loc[:nd])
-        if bs > nd:
-            width = max(batch.seq_lens[nd:])
-            host_rows = batch.req_to_token[batch.req_pool_indices[nd:], :width]
-            self.table[req_rows[nd:].long(), :width] = to_device(
-                host_rows.to(torch.int32), self.device
-            )
         self._meta = self._step_meta(nd, dev, max(batch.extend_lens[nd:], default=0))
 
-    def prepare_decode_graph(
-        self, req_rows: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor
-    ) -> None:
+    def prepare_decode_graph(self, req_rows: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """Decode-only ``prepare`` from device tensors alone, so it can be captured in a CUDA
         graph together with the model: every buffer it uses is fixed by the batch size."""
         bs = req_rows.shape[0]
-        self._write_decode_slots(req_rows, seq_lens, out_cache_loc)
         ones = torch.ones_like(seq_lens)
         dev = torch.stack([req_rows, seq_lens, ones, torch.cumsum(ones, 0) - 1])
         self._meta = self._step_meta(bs, dev, 0)
-
-    def _write_decode_slots(
-        self, req_rows: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor
-    ) -> None:
-        assert self.table is not None
-        flat = req_rows.long() * self.table.stride(0) + (seq_lens.long() - 1)
-        self.table.view(-1).scatter_(0, flat, slots.to(torch.int32))
 
     def _step_meta(self, nd: int, dev: torch.Tensor, max_ext_len: int) -> StepMeta:
         splits = num_decode_splits(nd, self.num_kv_heads, self.num_sms)

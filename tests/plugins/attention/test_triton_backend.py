@@ -19,7 +19,7 @@ pytest.importorskip("triton", reason="the 'triton' package is not installed")
 from radixserve import Engine  # noqa: E402
 from radixserve.core.batch import ForwardBatch  # noqa: E402
 from radixserve.core.config import ModelConfig  # noqa: E402
-from radixserve.core.memory import KVPool, TokenAllocator  # noqa: E402
+from radixserve.core.memory import KVPool, ReqToTokenPool, TokenAllocator  # noqa: E402
 from radixserve.plugins.attention.torch_native import TorchNativeAttention  # noqa: E402
 from radixserve.plugins.attention.triton.backend import TritonAttention  # noqa: E402
 
@@ -37,14 +37,14 @@ CONFIG = ModelConfig.from_dict(
 )
 
 
-def _step(table: torch.Tensor, rows: list[int], kv_lens: list[int], new: list[int], nd: int,
+def _step(pool: ReqToTokenPool, rows: list[int], kv_lens: list[int], new: list[int], nd: int,
           alloc: TokenAllocator) -> ForwardBatch:  # fmt: skip
     """Give each request ``new`` slots after its ``kv_lens`` cached ones; build the batch."""
     out_loc = []
     for row, start, n in zip(rows, kv_lens, new, strict=True):
-        slots = alloc.alloc_extend(table[row], start, n)
+        slots = alloc.alloc_extend(pool.table[row], start, n)
         assert slots is not None
-        table[row, start : start + n] = slots
+        pool.write(row, start, slots)
         out_loc += slots.tolist()
     t = len(out_loc)
     return ForwardBatch(
@@ -52,12 +52,13 @@ def _step(table: torch.Tensor, rows: list[int], kv_lens: list[int], new: list[in
         positions=torch.zeros(t, dtype=torch.int64, device=DEVICE),
         out_cache_loc=torch.tensor(out_loc, device=DEVICE),
         req_pool_indices=torch.tensor(rows),
-        req_to_token=table,
+        req_to_token=pool.table,
         seq_lens=[s + n for s, n in zip(kv_lens, new, strict=True)],
         extend_lens=list(new),
         num_decode=nd,
         logits_indices=torch.zeros(0, dtype=torch.int64, device=DEVICE),
         kv_pool=None,
+        req_to_token_pool=pool,
     )
 
 
@@ -81,12 +82,12 @@ def test_backend_matches_torch_native_over_steps(page_size: int) -> None:
                                                                                DEVICE)]  # fmt: skip
     assert backends[0].page_size == page_size  # read from the KV pool
     alloc = _shuffled_allocator(size, page_size)
-    table = torch.zeros(6, 64, dtype=torch.int64)
+    pool = ReqToTokenPool(6, 64)
     # Request 4's first 21 positions are a "cached prefix" written before it was scheduled.
     prefix = alloc.alloc(21)
     assert prefix is not None
-    table[4, :21] = prefix
-    cached = table[4, :21].to(DEVICE)
+    pool.write(4, 0, prefix)
+    cached = pool.table[4, :21].to(DEVICE)
     pools[0].k[0][cached] = pools[1].k[0][cached] = torch.randn(21, kvh, dim, device=DEVICE)
     pools[0].v[0][cached] = pools[1].v[0][cached] = torch.randn(21, kvh, dim, device=DEVICE)
     steps = [  # (rows, cached, new, num_decode): prefill, then decodes mixed with prefill
@@ -95,7 +96,7 @@ def test_backend_matches_torch_native_over_steps(page_size: int) -> None:
         ([1, 3, 4, 0], [19, 6, 33, 33], [1, 1, 1, 1], 4),
     ]
     for rows, cached, new, nd in steps:
-        batch = _step(table, rows, cached, new, nd, alloc)
+        batch = _step(pool, rows, cached, new, nd, alloc)
         t = batch.num_tokens
         q = torch.randn(t, heads, dim, device=DEVICE)
         k = torch.randn(t, kvh, dim, device=DEVICE)

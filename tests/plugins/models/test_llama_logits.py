@@ -44,7 +44,7 @@ def _forward(runner: ModelRunner, reqs: list[Req], lens: list[int], all_logits: 
     for req, n in zip(reqs, lens, strict=True):
         slots = runner.allocator.alloc(n)
         assert slots is not None
-        runner.req_to_token.table[req.req_pool_idx, req.kv_len : req.kv_len + n] = slots
+        runner.req_to_token.write(req.req_pool_idx, req.kv_len, slots)
     num_decode = sum(1 for n in lens if n == 1)
     fb, _ = runner.build_batch(ScheduledBatch(reqs, lens, num_decode))
     if all_logits:
