@@ -4,6 +4,7 @@ it from a thread, the server's engine process from its socket loop."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from pathlib import Path
@@ -191,7 +192,20 @@ class EngineCore:
         return finished
 
     def shutdown(self) -> None:
+        """Stop the grammar workers and let go of everything on the device (model, KV pool,
+        step executor, cached prefixes), then have the platform give cached memory back, so
+        another engine can start in this process at once. The core cannot step afterwards."""
         self.grammars.shutdown()
+        if not hasattr(self, "runner"):
+            return  # already shut down
+        platform = self.runner.platform
+        self._in_flight = None
+        self._changed_outside_step = []
+        # NOTE: these three hold every device tensor. Some sit in reference cycles (closures
+        # over this core), so collect before the platform empties its cache.
+        del self.runner, self.scheduler, self.cache
+        gc.collect()
+        platform.empty_cache()
 
     def _fail_unschedulable(self) -> list[Req]:
         """Nothing could run although requests wait: the head can never fit; end it."""

@@ -58,6 +58,10 @@ class HardwarePlatform(ABC):
     def seed_everything(self, seed: int) -> None:
         """Seed the device's random generators."""
 
+    def empty_cache(self) -> None:
+        """Give cached, unused device memory back to the device, so that ``kv_cache_bytes``
+        sees what a shut-down engine let go of. A no-op where nothing is cached (CPU)."""
+
     def step_executor(
         self,
         model: CausalLM,

@@ -15,6 +15,20 @@ from radixserve.core.tokenizer import IncrementalDetokenizer, Tokenizer
 TopLogprobs = list[tuple[float, int]]
 
 
+def streamable_text(text: str, stop: Sequence[str]) -> str:
+    """The part of a running request's ``text`` that is safe to stream: a tail that could still
+    grow into one of the ``stop`` strings is held back, because a matched stop string is cut
+    from the output and streamed text is never taken back. A finished request's text is final.
+    """
+    hold = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return text[: len(text) - hold] if hold else text
+
+
 class StopChecker:
     def __init__(
         self, tokenizer: Tokenizer, eos_token_ids: Sequence[int], max_context: int

@@ -1,8 +1,11 @@
 """The offline Engine: an in-process API over EngineCore, driven by a background thread.
 
-``generate`` accepts one prompt or a list (text, or token ids), returns SGLang-shaped dicts
-(``text``, ``output_ids``, ``meta_info``) and, with ``stream=True``, yields cumulative updates.
-Requests submitted from several threads share the running batch (continuous batching).
+``generate`` accepts one prompt or a list (text, or token ids) with one sampling-params dict
+for all or a list of one per prompt, returns SGLang-shaped dicts (``text``, ``output_ids``,
+``meta_info``) and, with ``stream=True``, yields cumulative updates. Requests submitted from
+several threads share the running batch (continuous batching). How a call fans out into
+requests (per-prompt params, per-choice seeds) and what text may be streamed are the server's
+own rules, from the same code.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from radixserve.core.engine_core import EngineCore
 from radixserve.core.output import input_logprob_entries, logprob_triples, top_logprob_triples
 from radixserve.core.plugins import PluginHost, default_host
 from radixserve.core.request import FinishReason, InvalidRequest, Req, SamplingParams
+from radixserve.core.stop import streamable_text
+from radixserve.entrypoints.fanout import choice_params, per_item
 
 logger = logging.getLogger(__name__)
 _STOP = object()
@@ -67,7 +72,7 @@ class Engine:
     def generate(
         self,
         prompt: str | list[str] | None = None,
-        sampling_params: dict[str, Any] | SamplingParams | None = None,
+        sampling_params: dict[str, Any] | SamplingParams | list[Any] | None = None,
         *,
         input_ids: list[int] | list[list[int]] | None = None,
         return_logprob: bool = False,
@@ -76,19 +81,26 @@ class Engine:
         return_text_in_logprobs: bool = False,
         stream: bool = False,
     ) -> Any:
-        """One prompt -> one dict (a list when n > 1); a list of prompts -> a list in order."""
+        """One prompt -> one dict (a list when n > 1); a list of prompts -> a list in order
+        (prompt-major, then choice). ``sampling_params`` is one dict for every prompt or a list
+        of one per prompt."""
+        self._check_running()
         batch = self._prompts(prompt, input_ids)
         single = not isinstance(prompt, list) and not (input_ids and isinstance(input_ids[0], list))
-        params = _params(sampling_params, return_logprob, top_logprobs_num)
-        reqs = [self._make_req(ids, params) for ids in batch for _ in range(params.n)]
-        if return_logprob:
-            # SGLang: without a start, a prefill-only request scores its whole prompt.
-            start = logprob_start_len
-            if start is None:
-                start = 0 if params.max_new_tokens == 0 else -1
-            for req in reqs:
-                req.logprob_start_len = start
-                req.return_text_in_logprobs = return_text_in_logprobs
+        per_prompt = per_item(sampling_params, len(batch), "sampling_params")
+        reqs: list[Req] = []
+        for ids, raw in zip(batch, per_prompt, strict=True):
+            params = _params(raw, return_logprob, top_logprobs_num)
+            for i in range(params.n):
+                req = self._make_req(ids, choice_params(params, i))
+                if return_logprob:
+                    # SGLang: without a start, a prefill-only request scores its whole prompt.
+                    start = logprob_start_len
+                    if start is None:
+                        start = 0 if params.max_new_tokens == 0 else -1
+                    req.logprob_start_len = start
+                    req.return_text_in_logprobs = return_text_in_logprobs
+                reqs.append(req)
         for req in reqs:
             self.core.validate(req)
         if stream:
@@ -114,6 +126,8 @@ class Engine:
         return done.get()
 
     def shutdown(self) -> None:
+        """Stop the engine and free its device memory, so another Engine can start in this
+        process. Calling it again does nothing."""
         if self._thread.is_alive():
             self._inbox.put(_STOP)
             self._thread.join()
@@ -147,11 +161,16 @@ class Engine:
 
     def _make_req(self, ids: list[int], params: SamplingParams) -> Req:
         rid = f"{uuid.uuid4().hex[:12]}-{next(self._ids)}"
-        return Req(rid, list(ids), _copy_params(params))
+        return Req(rid, list(ids), params)
 
-    def _submit(self, req: Req) -> queue.Queue[Any]:
+    def _check_running(self) -> None:
         if self._error is not None:
             raise EngineDeadError(f"the engine loop failed: {self._error}")
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine is shut down; start a new Engine")
+
+    def _submit(self, req: Req) -> queue.Queue[Any]:
+        self._check_running()
         box: queue.Queue[Any] = queue.Queue()
         self._outboxes[req.rid] = box
         self._inbox.put(("add", req))
@@ -171,19 +190,23 @@ class Engine:
                 if event is _FINISHED:
                     yield self._result(req)
                     return
-                if len(req.output_ids) > sent:
-                    sent = len(req.output_ids)
-                    yield self._result(req, upto=sent)
+                tokens, text = event
+                if tokens > sent:
+                    sent = tokens
+                    yield self._result(req, upto=tokens, text=text)
         finally:
             if not req.finished:
                 self.abort(req.rid)
 
-    def _result(self, req: Req, upto: int | None = None) -> dict[str, Any]:
+    def _result(self, req: Req, upto: int | None = None, text: str | None = None) -> dict[str, Any]:
+        """The SGLang-shaped result: the final one, or (``upto`` tokens, ``text``) a progress
+        snapshot the engine thread took."""
         if req.state.value == "aborted" and req.finish_reason and self._error is not None:
             raise EngineDeadError(f"the engine loop failed: {self._error}")
         finished = req.finished and upto is None
         ids = req.output_ids if upto is None else req.output_ids[:upto]
-        text = req.detok.text if req.detok is not None else ""
+        if text is None:
+            text = req.detok.text if req.detok is not None else ""
         meta: dict[str, Any] = {
             "id": req.rid,
             "finish_reason": req.finish_reason.to_json()
@@ -269,7 +292,11 @@ class Engine:
             self._outboxes.pop(req.rid, None)
             box.put(_FINISHED)
         else:
-            box.put(None)
+            # A snapshot taken here, between steps: the caller's thread never reads text that
+            # the next step is changing (a stop string appended, then cut). A tail that could
+            # still become a stop string is held back, as the server holds it back.
+            text = req.detok.text if req.detok is not None else ""
+            box.put((len(req.output_ids), streamable_text(text, req.sampling.stop)))
 
     def _fail_all(self, live: dict[str, Req], message: str) -> None:
         for req in list(live.values()):

@@ -16,7 +16,9 @@ from fastapi.responses import StreamingResponse
 
 from radixserve.core.output import input_logprob_entries, logprob_triples, top_logprob_triples
 from radixserve.core.request import InvalidRequest, SamplingParams
-from radixserve.entrypoints.serving_openai import choice_params, error_event, raise_if_failed
+from radixserve.entrypoints.fanout import choice_params
+from radixserve.entrypoints.fanout import per_item as _per_item
+from radixserve.entrypoints.serving_openai import error_event, raise_if_failed
 from radixserve.entrypoints.streaming import SSE_DONE, follow, json_response, sse
 from radixserve.entrypoints.tokenizer_manager import ServerReq, TokenizerManager
 
@@ -189,23 +191,6 @@ def _resolved_start(opts: LogprobOptions, params: SamplingParams) -> int:
     if opts.start_len is None:
         return 0 if params.max_new_tokens == 0 else -1
     return opts.start_len
-
-
-def _nullish(value: Any) -> Any:
-    # Some SGLang client versions send [null] for the logprob fields: that means null.
-    return None if value == [None] else value
-
-
-def _per_item(value: Any, count: int, name: str) -> list[Any]:
-    """One value per input: a list must match the batch; anything else applies to all."""
-    value = _nullish(value)
-    if isinstance(value, list):
-        if len(value) == count:
-            return [_nullish(v) for v in value]
-        if len(value) == 1:
-            return [_nullish(value[0])] * count
-        raise InvalidRequest(f"{name} has {len(value)} entries for a batch of {count} inputs")
-    return [value] * count
 
 
 def _rids(value: Any, count: int) -> list[str | None]:

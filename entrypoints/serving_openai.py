@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 from pydantic import BaseModel
 
 from radixserve.core.request import SamplingParams
+from radixserve.entrypoints.fanout import choice_params
 from radixserve.entrypoints.http_errors import ApiError, error_body
 from radixserve.entrypoints.openai_protocol import (
     PromptTokensDetails,
@@ -148,14 +148,6 @@ class OpenAIServing:
 
     def token_text(self, token_id: int) -> str:
         return self.tm.token_text(token_id)
-
-
-def choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The params of choice ``index``: seeded choices get distinct seeds, or all n would be
-    identical."""
-    seed = params.seed + index if params.seed is not None else None
-    stop, stop_ids = list(params.stop), list(params.stop_token_ids)
-    return replace(params, stop=stop, stop_token_ids=stop_ids, seed=seed, n=1)
 
 
 def raise_if_failed(reqs: Sequence[ServerReq]) -> None:

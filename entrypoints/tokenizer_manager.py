@@ -17,6 +17,7 @@ from typing import Any
 
 from radixserve.core import ipc
 from radixserve.core.request import FinishReason, InvalidRequest, SamplingParams
+from radixserve.core.stop import streamable_text
 from radixserve.core.tokenizer import Tokenizer
 from radixserve.entrypoints.admission import Limits
 from radixserve.entrypoints.engine_client import EngineClient, EngineDied
@@ -75,17 +76,8 @@ class ServerReq:
         return self.error_status != 0
 
     def visible_text(self) -> str:
-        """The text safe to stream: while running, a tail that could still grow into a stop
-        string is held back, because a matched stop string is cut from the output."""
-        if self.finished or not self.sampling.stop:
-            return self.text
-        hold = 0
-        for stop in self.sampling.stop:
-            for k in range(min(len(stop) - 1, len(self.text)), hold, -1):
-                if self.text.endswith(stop[:k]):
-                    hold = k
-                    break
-        return self.text[: len(self.text) - hold] if hold else self.text
+        """The text safe to stream (see ``streamable_text``)."""
+        return self.text if self.finished else streamable_text(self.text, self.sampling.stop)
 
     @property
     def e2e_latency(self) -> float | None:

@@ -47,6 +47,9 @@ class AscendPlatform(HardwarePlatform):
         torch.manual_seed(seed)
         _npu().manual_seed_all(seed)
 
+    def empty_cache(self) -> None:
+        _npu().empty_cache()
+
 
 def ascend_unavailable_reason() -> str | None:
     if importlib.util.find_spec("torch_npu") is None:

@@ -61,6 +61,14 @@ class CudaPlatform(HardwarePlatform):
     def seed_everything(self, seed: int) -> None:
         torch.manual_seed(seed)  # seeds every CUDA device too
 
+    def empty_cache(self) -> None:
+        # torch keeps a cuBLAS workspace per stream it ran a matmul on, and each engine's CUDA
+        # graph capture adds streams: ~32 MiB each on H200 that nothing else frees.
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            clear_workspaces()
+        torch.cuda.empty_cache()  # freed blocks stay reserved (not free) until this
+
     def step_executor(self, model: Any, attention: Any, kv_pool: Any, req_to_token: Any,
                       config: Any) -> StepExecutor:  # fmt: skip
         """CUDA graphs for decode-only batches up to ``cuda_graph_max_bs``, unless disabled or
