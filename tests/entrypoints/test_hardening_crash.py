@@ -95,6 +95,17 @@ def _refuses_new_requests(server: RunningServer) -> bool:
     return r.status_code == 503
 
 
+def _open_and_exit_zero(server: RunningServer, gate: Gate, results: list[Any]) -> Any:
+    """Let the held step end: the draining server exits 0 and the in-flight call is answered
+    200; return its outputs."""
+    gate.open()
+    assert server.proc.wait(HANG_GUARD_S) == 0, server.log()[-3000:]
+    assert _wait_for(lambda: len(results) == 1), results
+    r = results[0]
+    assert not isinstance(r, str) and r.status_code == 200, r
+    return r.json()
+
+
 def test_kill_engine_under_load(tiny_long_llama_dir: Path, tmp_path: Path) -> None:
     with _gated_server(tiny_long_llama_dir, tmp_path) as (server, gate):
         results: list[httpx.Response | str] = []
@@ -130,12 +141,7 @@ def test_sigterm_drains_and_exits_zero(tiny_long_llama_dir: Path, tmp_path: Path
         with pytest.raises(httpx.TransportError):  # refused: nothing new reaches the engine
             generate(server, 4, timeout=10)
         assert not results  # still held at the gate
-        gate.open()
-        assert server.proc.wait(HANG_GUARD_S) == 0, server.log()[-3000:]
-        assert _wait_for(lambda: len(results) == 1), results
-        r = results[0]
-        assert not isinstance(r, str) and r.status_code == 200, r
-        for out in r.json():
+        for out in _open_and_exit_zero(server, gate, results):
             assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 16}, out
         with pytest.raises(httpx.ConnectError):
             httpx.get(server.url + "/health", timeout=2)
@@ -153,12 +159,7 @@ def test_sigterm_aborts_what_runs_past_the_shutdown_timeout(
         server.proc.send_signal(signal.SIGTERM)
         passed = "--shutdown-timeout=1s passed; aborted 2 in-flight requests"
         assert _wait_for(lambda: passed in server.log()), server.log()[-3000:]
-        gate.open()
-        assert server.proc.wait(HANG_GUARD_S) == 0, server.log()[-3000:]
-        assert _wait_for(lambda: len(results) == 1), results
-        r = results[0]
-        assert not isinstance(r, str) and r.status_code == 200, r
-        for out in r.json():
+        for out in _open_and_exit_zero(server, gate, results):
             reason = out["meta_info"]["finish_reason"]
             assert reason["type"] == "abort" and "--shutdown-timeout=1s" in reason["message"], out
             assert out["meta_info"]["completion_tokens"] < 2000

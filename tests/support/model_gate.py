@@ -10,21 +10,28 @@ from pathlib import Path
 
 from radixserve_test_models import GATE_DIR_ENV, GATE_TOKEN, STALL_TOKEN
 
-__all__ = ["GATE_TOKEN", "STALL_TOKEN", "Gate", "gated_prompt", "install_test_models"]
+__all__ = [
+    "GATE_TOKEN", "STALL_TOKEN", "Gate", "gated_prompt", "install_plugin", "install_test_models",
+]  # fmt: skip
+
+
+def install_plugin(site: Path, module: str) -> dict[str, str]:
+    """Install ``tests/support/<module>.py`` into ``site`` as a package whose entry point in the
+    ``radixserve`` group names it, the way a third-party plugin is installed; return the
+    environment a server subprocess needs to find it."""
+    site.mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(__file__).with_name(f"{module}.py"), site)
+    info = site / f"{module}-0.1.dist-info"
+    info.mkdir(exist_ok=True)
+    dist = module.replace("_", "-")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[radixserve]\n{module} = {module}\n")
+    return {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
 
 
 def install_test_models(site: Path) -> dict[str, str]:
-    """Install the test model plugin into ``site`` as a package with an entry point in the
-    ``radixserve`` group; return the environment a server needs to find it."""
-    site.mkdir(parents=True, exist_ok=True)
-    shutil.copy(Path(__file__).with_name("radixserve_test_models.py"), site)
-    info = site / "radixserve_test_models-0.1.dist-info"
-    info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: radixserve-test-models\nVersion: 0.1\n"
-    )
-    (info / "entry_points.txt").write_text("[radixserve]\ntest_models = radixserve_test_models\n")
-    return {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    """Install ``radixserve_test_models`` (StallingLlama, GatedLlama) for a server."""
+    return install_plugin(site, "radixserve_test_models")
 
 
 def gated_prompt(*ids: int) -> list[int]:
