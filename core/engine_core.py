@@ -146,7 +146,10 @@ class EngineCore:
             return changed + self._fail_unschedulable()
         prev_ids = self._in_flight.launched.next_ids if self._in_flight is not None else None
         sample_rows = self.scheduler.needs_sampling(batch)
-        launched = self.runner.launch(batch, sample_rows, self.eos_token_ids, prev_ids)
+        try:
+            launched = self.runner.launch(batch, sample_rows, self.eos_token_ids, prev_ids)
+        except Exception as e:  # noqa: BLE001 - a failing request must not end the engine
+            return changed + self._fail_batch(batch, e)
         self.scheduler.advance(batch)
         if self._in_flight is not None:
             changed += self._commit_in_flight()  # the device computes `batch` meanwhile
@@ -171,6 +174,21 @@ class EngineCore:
         assert self._in_flight is not None
         step, self._in_flight = self._in_flight, None
         return self.scheduler.commit(step.batch, step.launched.result())
+
+    def _fail_batch(self, batch: ScheduledBatch, error: Exception) -> list[Req]:
+        """Launching ``batch`` raised: end its requests with an abort naming the error (the
+        server answers 500) and go on with the rest. The step's slots are accounted as if it
+        ran, then every unlocked prefix leaves the cache: what the step wrote is not trusted."""
+        logger.error("a step of %d requests failed: %r; aborting them", len(batch.reqs), error)
+        self.scheduler.advance(batch)
+        changed = self._commit_in_flight() if self._in_flight is not None else []
+        message = f"the engine failed on this request's step ({type(error).__name__}: {error})"
+        for req in batch.reqs:
+            if self.scheduler.abort(req.rid, message) is not None:
+                req.failed = True
+                changed.append(req)
+        self.cache.evict(1 << 62)
+        return changed
 
     def _sync(self) -> None:
         """Commit any step in flight (its requests are reported by the next ``step``), so the

@@ -124,8 +124,16 @@ _inbound = msgspec.msgpack.Decoder(EngineInbound)
 _outbound = msgspec.msgpack.Decoder(EngineOutbound)
 
 
+class EncodeError(ValueError):
+    """A message that cannot be encoded: an integer outside [-2**63, 2**64), text with lone
+    surrogates, a value of a type msgpack cannot hold."""
+
+
 def encode(message: msgspec.Struct) -> bytes:
-    return _encoder.encode(message)
+    try:
+        return _encoder.encode(message)
+    except (OverflowError, ValueError, TypeError) as e:  # UnicodeEncodeError is a ValueError
+        raise EncodeError(f"cannot encode a {type(message).__name__} message: {e}") from None
 
 
 def decode_inbound(data: bytes) -> EngineInbound:

@@ -15,6 +15,11 @@ from typing import Any
 
 from radixserve.core.interfaces import GRAMMAR_KINDS as GRAMMAR_FIELDS
 
+INT64_MAX = 2**63 - 1
+#: Seeds are any unsigned 64-bit integer; the sampler folds them to 63 bits.
+SEED_MAX = 2**64 - 1
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "no_stop_trim", "logprobs")
+
 
 class InvalidRequest(ValueError):
     """A request the engine refuses; the message names the field and the bad value."""
@@ -101,34 +106,58 @@ class SamplingParams:
         return params
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise InvalidRequest naming the first bad field."""
+        """Raise InvalidRequest naming the first bad field. Every field is checked for type
+        (booleans strictly bool, integers strictly int), range and, where ``vocab_size`` is
+        given, against the vocabulary, so nothing that passes can fail in the engine; numeric
+        fields are normalized to float."""
         _check_int("max_new_tokens", self.max_new_tokens, 0)
         _check_int("min_new_tokens", self.min_new_tokens, 0)
         _check_int("n", self.n, 1)
         _check_int("top_logprobs_num", self.top_logprobs_num, 0)
+        if vocab_size is not None and self.top_logprobs_num > vocab_size:
+            raise InvalidRequest(
+                f"top_logprobs_num must be <= the vocabulary size {vocab_size}, "
+                f"got {self.top_logprobs_num}"
+            )
+        # top_k past the vocabulary keeps every token (as -1 does); the sampler clamps it.
         _check_int("top_k", self.top_k, -1)
         if self.top_k == 0:
             raise InvalidRequest("top_k must be -1 (disabled) or >= 1, got 0")
-        _check_float("temperature", self.temperature, 0.0, math.inf)
-        _check_float("min_p", self.min_p, 0.0, 1.0)
-        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _check_float("repetition_penalty", self.repetition_penalty, 0.0, math.inf)
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise InvalidRequest(f"{name} must be true or false, got {value!r}")
+        # Numbers become floats here, so the sampler never sees an integer past the float range.
+        self.temperature = _check_float("temperature", self.temperature, 0.0, math.inf)
+        self.min_p = _check_float("min_p", self.min_p, 0.0, 1.0)
+        self.frequency_penalty = _check_float(
+            "frequency_penalty", self.frequency_penalty, -2.0, 2.0
+        )
+        self.presence_penalty = _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.repetition_penalty = _check_float(
+            "repetition_penalty", self.repetition_penalty, 0.0, math.inf
+        )
         if self.repetition_penalty == 0.0:
             raise InvalidRequest("repetition_penalty must be > 0, got 0")
-        _check_float("top_p", self.top_p, 0.0, 1.0)
+        self.top_p = _check_float("top_p", self.top_p, 0.0, 1.0)
         if self.top_p == 0.0:
             raise InvalidRequest("top_p must be in (0, 1], got 0")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequest("stop must be a non-empty string or a list of non-empty strings")
+        for stop in self.stop:
+            _check_text("stop", stop)
         if not isinstance(self.stop_token_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64_MAX
+            for t in self.stop_token_ids
         ):
             raise InvalidRequest("stop_token_ids must be a list of non-negative token ids")
         if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be < vocab size {vocab_size}")
         if self.seed is not None:
-            _check_int("seed", self.seed, 0)
+            if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+                raise InvalidRequest(f"seed must be an integer, got {self.seed!r:.200}")
+            if not 0 <= self.seed <= SEED_MAX:
+                raise InvalidRequest(f"seed must be an integer in [0, 2**64), got {self.seed}")
         self._validate_grammar()
         if self.min_new_tokens > self.max_new_tokens:
             raise InvalidRequest(
@@ -141,7 +170,8 @@ class SamplingParams:
         for name in given:
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
-                raise InvalidRequest(f"{name} must be a non-empty string, got {value!r}")
+                raise InvalidRequest(f"{name} must be a non-empty string, got {value!r:.200}")
+            _check_text(name, value)
         if len(given) > 1:
             raise InvalidRequest(
                 f"give at most one of {', '.join(GRAMMAR_FIELDS)}; got {', '.join(given)}"
@@ -161,18 +191,38 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
+def _check_int(name: str, value: Any, minimum: int, maximum: int = INT64_MAX) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidRequest(f"{name} must be an integer, got {value!r}")
+        raise InvalidRequest(f"{name} must be an integer, got {value!r:.200}")
     if value < minimum:
         raise InvalidRequest(f"{name} must be >= {minimum}, got {value}")
+    if value > maximum:
+        raise InvalidRequest(f"{name} must be <= {maximum}, got {value}")
 
 
-def _check_float(name: str, value: Any, lo: float, hi: float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
-        raise InvalidRequest(f"{name} must be a number, got {value!r}")
-    if not lo <= value <= hi:
-        raise InvalidRequest(f"{name} must be in [{lo}, {hi}], got {value}")
+def _check_float(name: str, value: Any, lo: float, hi: float) -> float:
+    """``value`` as a float, once it is a finite number in [lo, hi]."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise InvalidRequest(f"{name} must be a number, got {value!r:.200}")
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past the float range
+        number = math.inf
+    if not math.isfinite(number):
+        raise InvalidRequest(f"{name} must be a finite number, got {value!r:.200}")
+    if not lo <= number <= hi:
+        raise InvalidRequest(f"{name} must be in [{lo}, {hi}], got {value!r:.200}")
+    return number
+
+
+def _check_text(name: str, value: str) -> None:
+    """Text the engine receives must be valid UTF-8: no lone surrogates."""
+    try:
+        value.encode()
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(
+            f"{name} contains a lone surrogate at character {e.start}; send valid Unicode text"
+        ) from None
 
 
 class Req:
@@ -213,6 +263,7 @@ class Req:
         self.detok: Any = None  # IncrementalDetokenizer, created at the first output token
         self.grammar: Any = None  # the request's Grammar matcher (core.interfaces), once compiled
         self.refused = False  # ended before running because its input was bad (grammar compile)
+        self.failed = False  # ended by a failure inside the engine (the server answers 500)
         # timing
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None

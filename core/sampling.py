@@ -2,8 +2,9 @@
 and logprobs, for all requests of a step at once.
 
 Seeded rows draw their noise from a generator keyed by (seed, output position), so a seeded
-request gives the same output whatever else shares its batch. Sampling uses the exponential
-race (argmax of p / Exp(1)), which equals drawing from p.
+request gives the same output whatever else shares its batch. A seed is any unsigned 64-bit
+integer; the key is folded to 63 bits (torch seeds are signed 64-bit). Sampling uses the
+exponential race (argmax of p / Exp(1)), which equals drawing from p.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch
 from radixserve.core.batch import to_device
 from radixserve.core.grammar import mark_dead_rows
 from radixserve.core.request import Req
+
+_SEED_MASK = (1 << 63) - 1
 
 
 class SampleResult(NamedTuple):
@@ -105,11 +108,16 @@ def _sample_rows(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
     for i, r in enumerate(reqs):
         if r.sampling.seed is not None:
             gen = torch.Generator(device=probs.device)
-            gen.manual_seed(r.sampling.seed * 1_000_003 + r.num_output_tokens)
+            gen.manual_seed(row_seed(r.sampling.seed, r.num_output_tokens))
             noise[i].exponential_(generator=gen)
     sampled = (probs / noise).argmax(dim=-1)
     greedy = to_device(torch.tensor([r.sampling.is_greedy for r in reqs]), logits.device)
     return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def row_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded row at output ``position``, in [0, 2**63)."""
+    return (seed * 1_000_003 + position) & _SEED_MASK
 
 
 def _filter_probs(probs: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
@@ -117,7 +125,10 @@ def _filter_probs(probs: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
     device = probs.device
     vocab = probs.shape[-1]
     top_k = to_device(
-        torch.tensor([r.sampling.top_k if r.sampling.top_k > 0 else vocab for r in reqs]), device
+        torch.tensor(
+            [min(r.sampling.top_k, vocab) if r.sampling.top_k > 0 else vocab for r in reqs]
+        ),
+        device,
     )
     top_p = to_device(torch.tensor([r.sampling.top_p for r in reqs]), device)
     min_p = to_device(torch.tensor([r.sampling.min_p for r in reqs]), device)
@@ -138,7 +149,7 @@ def _with_logprobs(raw: torch.Tensor, next_ids: torch.Tensor, reqs: Sequence[Req
     idx = torch.tensor(rows, device=raw.device)
     logprobs = torch.log_softmax(raw[idx], dim=-1)
     chosen = logprobs.gather(1, next_ids[idx].unsqueeze(1)).squeeze(1).tolist()
-    k = max(reqs[i].sampling.top_logprobs_num for i in rows)
+    k = min(max(reqs[i].sampling.top_logprobs_num for i in rows), logprobs.shape[-1])
     top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
     top_vals_l, top_ids_l = top_vals.tolist(), top_ids.long().tolist()
     out_lp = [0.0] * len(reqs)

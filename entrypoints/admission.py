@@ -2,7 +2,9 @@
 
 Every limit is a server flag (see ``--help``); a request beyond a size limit is a 400 naming
 the field, and one that arrives while the queue is full or the server is draining is a 503 with
-``Retry-After``, so no client can make the server hold unbounded work.
+``Retry-After``, so no client can make the server hold unbounded work. A call that could never
+fit (more generations at once than the server ever holds) is a 400, not a 503: retrying it
+cannot succeed.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Limits:
     max_n: int = 16
     max_stop_strings: int = 16
     max_stop_length: int = 256
+    max_top_logprobs: int = 100
 
     @property
     def max_live(self) -> int:
@@ -56,14 +59,31 @@ class Limits:
                 f"a stop string has {len(long)} characters ({long[:20]!r}...); the limit is "
                 f"{self.max_stop_length} (--max-stop-length)"
             )
+        if params.top_logprobs_num > self.max_top_logprobs:
+            raise InvalidRequest(
+                f"top_logprobs_num={params.top_logprobs_num} exceeds this server's limit of "
+                f"{self.max_top_logprobs} (--max-top-logprobs)"
+            )
         if len(params.stop_token_ids) > self.max_stop_strings:
             raise InvalidRequest(
                 f"stop_token_ids has {len(params.stop_token_ids)} ids; the limit is "
                 f"{self.max_stop_strings} (--max-stop-strings)"
             )
 
+    def check_batch(self, count: int) -> None:
+        """Raise InvalidRequest when one call asks for more generations than the server ever
+        holds at once (it could never be admitted)."""
+        if count > self.max_live:
+            raise InvalidRequest(
+                f"this call asks for {count} generations (prompts x n); the server holds at "
+                f"most {self.max_live} at once (--max-running-requests + --max-queued-requests); "
+                "send them in smaller calls"
+            )
+
     def admit(self, live: int, count: int, draining: bool) -> None:
-        """Raise Overloaded unless ``count`` more requests fit next to ``live`` ones."""
+        """Raise Overloaded unless ``count`` more requests fit next to ``live`` ones (and
+        InvalidRequest when they never could)."""
+        self.check_batch(count)
         if draining:
             raise Overloaded("the server is shutting down; retry on another replica")
         if live + count > self.max_live:

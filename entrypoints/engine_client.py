@@ -80,10 +80,14 @@ class EngineClient:
         self._task = asyncio.get_running_loop().create_task(self._receive_loop())
 
     def send(self, message: Any) -> None:
+        self.send_encoded(ipc.encode(message))
+
+    def send_encoded(self, data: bytes) -> None:
+        """Send a message already encoded with ``ipc.encode``."""
         if self.dead is not None:
             raise EngineDied(self.dead)
         # A PUSH socket with a live peer never blocks here; NOBLOCK keeps the loop safe anyway.
-        self.push.send(ipc.encode(message), zmq.NOBLOCK)
+        self.push.send(data, zmq.NOBLOCK)
 
     async def call(self, make: Callable[[int], Any], timeout: float = 30.0) -> Any:
         """Send a request built from a fresh call id and await the engine's reply to it."""

@@ -17,17 +17,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import zmq
 
 from radixserve.core import ipc
 from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.core.engine_core import EngineCore
 from radixserve.core.plugins import PluginError, default_host
-from radixserve.core.request import FinishReason, InvalidRequest, Req
+from radixserve.core.request import FinishReason, InvalidRequest, Req, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 WATCHDOG_EXIT_CODE = 70  # EX_SOFTWARE
+# Steps in a row that may fail with no request to end before the engine gives up.
+MAX_FAILED_STEPS = 3
 
 
 def run_engine(settings: dict[str, Any], inbound_addr: str, outbound_addr: str) -> None:
@@ -107,6 +110,7 @@ class EngineLoop:
         if self.parent_sentinel is not None:
             self.poller.register(self.parent_sentinel, zmq.POLLIN)
         self.step_started: float | None = None  # read by the watchdog thread
+        self.failed_steps = 0  # in a row
         watchdog = threading.Thread(target=self._watchdog, name="engine-watchdog", daemon=True)
         watchdog.start()
 
@@ -133,14 +137,46 @@ class EngineLoop:
                 if not self._drain():
                     return
                 if self.core.has_work():
-                    self.step_started = time.monotonic()
-                    for req in self.core.step():
-                        self.outbox.append(self._delta(req))
-                    self.step_started = None
+                    self._step()
                 self._flush()
         except Exception as e:  # noqa: BLE001 - reported to the server, which fails its requests
             logger.exception("engine loop failed")
             self.push.send(ipc.encode(ipc.EngineFailed(f"engine loop failed: {e}")))
+
+    def _step(self) -> None:
+        """One engine step. A step that raises ends the requests that were running, each with
+        an abort naming the error (500), and the engine goes on with the rest; only a failure
+        it cannot recover from (KV still held afterwards, or steps failing with nothing to
+        end) ends it."""
+        self.step_started = time.monotonic()
+        try:
+            changed = self.core.step()
+            self.failed_steps = 0
+        except AssertionError:
+            raise  # a broken invariant (--debug-leak-check among them): the engine must stop
+        except Exception as e:  # noqa: BLE001 - isolated below, or re-raised
+            changed = self._recover(e)
+        finally:
+            self.step_started = None
+        for req in changed:
+            self.outbox.append(self._delta(req))
+
+    def _recover(self, error: Exception) -> list[Req]:
+        logger.exception("an engine step failed; aborting the running requests")
+        message = f"the engine failed while running this request ({type(error).__name__}: {error})"
+        ended = []
+        for req in list(self.core.scheduler.running):
+            if self.core.abort(req.rid, message) is not None:
+                req.failed = True
+                ended.append(req)
+        kv = self.core.scheduler.kv_accounting()
+        if kv["in_use"] or kv["locked"]:
+            raise RuntimeError(f"cannot recover from a failed step ({error!r}): KV held {kv}")
+        if not ended:  # nothing to blame: a step that fails again and again is a broken engine
+            self.failed_steps += 1
+            if self.failed_steps > MAX_FAILED_STEPS:
+                raise error
+        return ended
 
     def _drain(self) -> bool:
         """Handle every queued message; False on shutdown."""
@@ -149,8 +185,28 @@ class EngineLoop:
                 data = self.pull.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return True
-            if not self._handle(ipc.decode_inbound(data)):
+            try:
+                msg = ipc.decode_inbound(data)
+            except msgspec.DecodeError as e:
+                self._refuse_undecodable(data, e)
+                continue
+            if not self._handle(msg):
                 return False
+
+    def _refuse_undecodable(self, data: bytes, error: msgspec.DecodeError) -> None:
+        """A message the engine cannot decode (the server validates, so this is a bug there):
+        refuse its request, if it names one, rather than stop the engine."""
+        logger.error("undecodable message from the server: %s", error)
+        try:
+            rid = msgspec.msgpack.decode(data).get("rid")
+        except (msgspec.DecodeError, AttributeError):
+            return
+        if isinstance(rid, str):
+            req = Req(rid, [], SamplingParams())
+            req.finish(
+                FinishReason("abort", message=f"the engine cannot read the request: {error}")
+            )
+            self.outbox.append(self._delta(req, error_status=400))
 
     def _handle(self, msg: ipc.EngineInbound) -> bool:
         core = self.core
@@ -162,6 +218,11 @@ class EngineLoop:
             except InvalidRequest as e:
                 req.finish(FinishReason("abort", message=str(e)))
                 self.outbox.append(self._delta(req, error_status=400))
+            except Exception as e:  # noqa: BLE001 - this request fails, the engine goes on
+                logger.exception("request %s could not be queued", msg.rid)
+                message = f"the engine failed to queue the request ({type(e).__name__}: {e})"
+                req.finish(FinishReason("abort", message=message))
+                self.outbox.append(self._delta(req, error_status=500))
         elif isinstance(msg, ipc.AbortRequest):
             aborted = core.abort(msg.rid, msg.message)
             if aborted is not None:
@@ -187,7 +248,7 @@ class EngineLoop:
             text_delta=text[start:],
             cached_tokens=req.cached_tokens,
             finish=req.finish_reason if req.finished else None,
-            error_status=error_status or (400 if req.refused else 0),
+            error_status=error_status or (400 if req.refused else 500 if req.failed else 0),
         )
         if req.sampling.logprobs:
             delta.logprobs = req.output_logprobs[n_sent:]

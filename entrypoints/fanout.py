@@ -30,7 +30,7 @@ def per_item(value: Any, count: int, name: str) -> list[Any]:
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     """The params of choice ``index`` (its own copy, n=1): seeded choices get distinct seeds
-    (seed + index), or all n would be identical."""
-    seed = params.seed + index if params.seed is not None else None
+    (seed + index, wrapping within 64 bits), or all n would be identical."""
+    seed = (params.seed + index) % 2**64 if params.seed is not None else None
     stop, stop_ids = list(params.stop), list(params.stop_token_ids)
     return replace(params, stop=stop, stop_token_ids=stop_ids, seed=seed, n=1)

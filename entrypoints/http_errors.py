@@ -1,25 +1,31 @@
 """Errors as OpenAI error objects, and the ASGI guard (API key, body size) in front of the app.
 
 Every error leaves the server as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx
-or 5xx status; pydantic validation failures become a readable 400, not a 422 dump.
+or 5xx status; pydantic validation failures become a readable 400, not a 422 dump. An exception
+no handler knows is a JSON 500 too (GuardMiddleware), and the connection stays usable for the
+client's next request.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixserve.core.request import InvalidRequest
 from radixserve.entrypoints.admission import Overloaded
 from radixserve.entrypoints.engine_client import EngineDied
 from radixserve.entrypoints.tokenizer_manager import ClientGone
+
+logger = logging.getLogger(__name__)
 
 _TYPES = {401: "authentication_error", 404: "not_found_error"}
 # No key needed to ask whether the server is up, or for Prometheus scrapes.
@@ -108,7 +114,9 @@ def install_error_handlers(app: FastAPI) -> None:
 class GuardMiddleware:
     """Pure ASGI (streaming and disconnect detection stay intact): checks the API key with a
     constant-time compare and caps the header and body sizes. (uvicorn's h11 limit only bounds
-    a head still arriving; one read in a single chunk is checked here.)"""
+    a head still arriving; one read in a single chunk is checked here.) It also answers any
+    exception no handler took with a JSON 500, instead of Starlette's text/plain one that
+    re-raises and makes uvicorn drop the connection."""
 
     def __init__(
         self,
@@ -155,7 +163,23 @@ class GuardMiddleware:
                     raise StarletteHTTPException(413, self._too_large()["error"]["message"])
             return message
 
-        await self.app(scope, counting_receive, send)
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except ClientDisconnect:
+            return  # nobody to answer
+        except Exception as e:
+            if started:
+                raise  # a response half sent: only closing the connection can end it
+            logger.exception("unhandled error on %s %s", scope.get("method"), scope["path"])
+            msg = f"internal server error ({type(e).__name__}); the request was not completed"
+            await _send(send, 500, error_body(500, msg))
 
     def _too_large(self) -> dict[str, Any]:
         return error_body(413, f"the request body exceeds the limit of {self.max_body} bytes")

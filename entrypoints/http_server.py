@@ -50,6 +50,15 @@ async def read_json(request: Request) -> Any:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
 
 
+async def read_object(request: Request) -> dict[str, Any]:
+    """The body as a JSON object; any other JSON value is a 400."""
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        kind = "null" if body is None else type(body).__name__
+        raise ApiError(400, f"the request body must be a JSON object, got {kind}")
+    return body
+
+
 def create_app(
     tm: TokenizerManager, args: ServerArgs, metrics: ServerMetrics | None = None
 ) -> FastAPI:
@@ -152,8 +161,11 @@ def create_app(
 
     @app.post("/abort_request")
     async def abort_request(raw: Request) -> Any:
-        body = await read_json(raw)
-        if body.get("abort_all"):
+        body = await read_object(raw)
+        abort_all = body.get("abort_all")
+        if abort_all is not None and not isinstance(abort_all, bool):
+            raise InvalidRequest(f"abort_all must be true or false, got {abort_all!r:.200}")
+        if abort_all:
             tm.abort_all()
         elif isinstance(body.get("rid"), str):
             tm.abort(body["rid"])
@@ -163,7 +175,7 @@ def create_app(
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> Any:
-        body = await read_json(raw)
+        body = await read_object(raw)
         prompt = body.get("prompt", body.get("text"))
         special = body.get("add_special_tokens", True) is not False
         if isinstance(prompt, str):
@@ -178,7 +190,7 @@ def create_app(
 
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> Any:
-        body = await read_json(raw)
+        body = await read_object(raw)
         tokens = body.get("tokens")
         vocab = tm.info.vocab_size
         if not isinstance(tokens, list) or not all(

@@ -22,6 +22,7 @@ from radixserve.core.config import ConfigError
 from radixserve.core.ipc import EngineReady
 from radixserve.core.tokenizer import Tokenizer
 from radixserve.entrypoints.engine_client import EngineClient, EngineDied
+from radixserve.entrypoints.http_protocol import guarded_h11
 from radixserve.entrypoints.http_server import create_app
 from radixserve.entrypoints.metrics import ServerMetrics
 from radixserve.entrypoints.server_args import ServerArgs, parse_server_args
@@ -87,6 +88,7 @@ async def serve(args: ServerArgs, chat_template: str | None = None) -> int:
             # responses end with finish_reason abort before uvicorn cancels what is left.
             timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S,
             timeout_keep_alive=30,
+            http=guarded_h11(args.request_read_timeout),  # the slowloris guard
             h11_max_incomplete_event_size=args.max_header_bytes,
         )
         server = DrainingServer(config, tm, args.shutdown_timeout)

@@ -2,6 +2,8 @@
 
 Unknown request fields are ignored, as most OpenAI-compatible servers do. Besides OpenAI's own
 sampling fields, requests accept SGLang/vLLM extensions (top_k, min_p, ignore_eos, ...).
+Request models validate strictly: a boolean must be true or false and an integer an integer
+(no "yes", no 1.0, no true for 1), so a wrong type is a 400 here, never a surprise later.
 """
 
 from __future__ import annotations
@@ -9,7 +11,10 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
+
+STRICT = ConfigDict(strict=True)
+SEED_MAX = 2**64 - 1
 
 
 class ErrorDetail(BaseModel):
@@ -38,6 +43,8 @@ class ModelList(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
@@ -55,13 +62,15 @@ class UsageInfo(BaseModel):
 class SamplingRequest(BaseModel):
     """Fields shared by chat and completion requests."""
 
+    model_config = STRICT
+
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=0)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=128)
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0)
+    seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     stream: bool = False
@@ -124,6 +133,8 @@ class CompletionResponse(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    model_config = STRICT
+
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -132,6 +143,8 @@ class ChatMessage(BaseModel):
 
 
 class ResponseFormat(BaseModel):
+    model_config = STRICT
+
     type: str = "text"  # text | json_object | json_schema
     json_schema: dict[str, Any] | None = None  # {"name": ..., "schema": {...}, "strict": ...}
 

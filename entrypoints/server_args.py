@@ -37,6 +37,8 @@ class ServerArgs:
     max_n: int = 16
     max_stop_strings: int = 16
     max_stop_length: int = 256
+    max_top_logprobs: int = 100
+    request_read_timeout: float = 30.0
     shutdown_timeout: float = 30.0
 
     @property
@@ -56,6 +58,7 @@ class ServerArgs:
             max_n=self.max_n,
             max_stop_strings=self.max_stop_strings,
             max_stop_length=self.max_stop_length,
+            max_top_logprobs=self.max_top_logprobs,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -120,6 +123,20 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
         "--max-stop-length", type=int, default=256, help="Longest stop string, in characters"
     )
     p.add_argument(
+        "--max-top-logprobs",
+        type=int,
+        default=100,
+        help="Most top logprobs per token (native top_logprobs_num; OpenAI caps its own at 20)",
+    )
+    p.add_argument(
+        "--request-read-timeout",
+        type=float,
+        default=30.0,
+        help="Slowloris guard: seconds a client gets to send a request's head (from connecting, "
+        "or from the previous response on a keep-alive connection), and again its body; a "
+        "slower client gets 408 and the connection is closed",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -167,10 +184,12 @@ def parse_server_args(argv: Sequence[str] | None = None) -> ServerArgs:
         engine = EngineConfig(**engine_values)
     except ConfigError as e:
         parser.error(str(e))
-    for name in ("max_header_bytes", "max_queued_requests", "max_n", "max_stop_strings"):
+    for name in (
+        "max_header_bytes", "max_queued_requests", "max_n", "max_stop_strings", "max_top_logprobs"
+    ):  # fmt: skip
         if values[name] < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {values[name]}")
-    for name in ("request_timeout", "shutdown_timeout", "max_stop_length"):
+    for name in ("request_timeout", "shutdown_timeout", "max_stop_length", "request_read_timeout"):
         if values[name] is not None and not values[name] > 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {values[name]}")
     return ServerArgs(engine=engine, **values)

@@ -29,6 +29,8 @@ class CompletionServing(OpenAIServing):
     async def create(self, body: CompletionRequest, raw: Request) -> Any:
         model = self.check_model(body.model)
         _check_unsupported(body)
+        if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int):
+            self.tm.limits.check_batch(len(body.prompt) * body.n)  # before tokenizing them all
         prompts = self._prompts(body.prompt)
         top_n = body.logprobs or 0
         params, max_field = self.sampling(

@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from radixserve.core.output import input_logprob_entries, logprob_triples, top_logprob_triples
-from radixserve.core.request import InvalidRequest, SamplingParams
+from radixserve.core.request import INT64_MAX, InvalidRequest, SamplingParams
 from radixserve.entrypoints.fanout import choice_params
 from radixserve.entrypoints.fanout import per_item as _per_item
 from radixserve.entrypoints.serving_openai import error_event, raise_if_failed
@@ -43,11 +43,17 @@ class NativeServing:
     async def generate(self, body: Any, raw: Request) -> Any:
         if not isinstance(body, dict):
             raise InvalidRequest("the request body must be a JSON object")
+        stream = _flag(body.get("stream"), "stream")
         prompts, batch = self._prompts(body)
         count = len(prompts)
         raw_params = _per_item(body.get("sampling_params"), count, "sampling_params")
         options = [
-            LogprobOptions(bool(lp), _count(top, "top_logprobs_num"), bool(txt), _start(start))
+            LogprobOptions(
+                _flag(lp, "return_logprob"),
+                _count(top, "top_logprobs_num"),
+                _flag(txt, "return_text_in_logprobs"),
+                _start(start),
+            )
             for lp, top, txt, start in zip(
                 _per_item(body.get("return_logprob"), count, "return_logprob"),
                 _per_item(body.get("top_logprobs_num"), count, "top_logprobs_num"),
@@ -63,7 +69,7 @@ class NativeServing:
         rids = _rids(body.get("rid"), count)
         reqs, req_options = self._submit(prompts, params, options, rids)
         batch = batch or len(reqs) > 1
-        if body.get("stream"):
+        if stream:
             stream = self._stream(reqs, req_options, batch)
             return StreamingResponse(stream, media_type="text/event-stream")
         await self.tm.wait_finished(reqs, raw.is_disconnected)
@@ -75,6 +81,9 @@ class NativeServing:
         text, input_ids = body.get("text"), body.get("input_ids")
         if (text is None) == (input_ids is None):
             raise InvalidRequest("send exactly one of 'text' or 'input_ids'")
+        items = text if text is not None else input_ids
+        if isinstance(items, list) and items and not _is_int(items[0]):
+            self.tm.limits.check_batch(len(items))  # before tokenizing thousands of prompts
         if text is not None:
             if isinstance(text, str):
                 return [self.tm.encode(text)], False
@@ -168,19 +177,27 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _flag(value: Any, name: str) -> bool:
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"{name} must be true or false, got {value!r:.200}")
+    return value
+
+
 def _count(value: Any, name: str) -> int:
     if value is None:
         return 0
-    if not _is_int(value) or value < 0:
-        raise InvalidRequest(f"{name} must be a non-negative integer, got {value!r}")
+    if not _is_int(value) or not 0 <= value <= INT64_MAX:
+        raise InvalidRequest(f"{name} must be a non-negative integer, got {value!r:.200}")
     return int(value)
 
 
 def _start(value: Any) -> int | None:
     if value is None:
         return None
-    if not _is_int(value) or value < -1:
-        raise InvalidRequest(f"logprob_start_len must be an integer >= -1, got {value!r}")
+    if not _is_int(value) or not -1 <= value <= INT64_MAX:
+        raise InvalidRequest(f"logprob_start_len must be an integer >= -1, got {value!r:.200}")
     return int(value)
 
 
@@ -196,7 +213,7 @@ def _resolved_start(opts: LogprobOptions, params: SamplingParams) -> int:
 def _rids(value: Any, count: int) -> list[str | None]:
     rids = _per_item(value, count, "rid") if value is not None else [None] * count
     if any(r is not None and not isinstance(r, str) for r in rids):
-        raise InvalidRequest(f"rid must be a string or a list of strings, got {value!r}")
+        raise InvalidRequest(f"rid must be a string or a list of strings, got {value!r:.200}")
     if count > 1 and value is not None and len(set(rids)) != count:
         raise InvalidRequest("rid must give a distinct id per input of the batch")
     return rids
@@ -219,5 +236,6 @@ def _sampling(raw: Any, opts: LogprobOptions) -> SamplingParams:
             values[key] = value
     if opts.return_logprob or opts.top_n:
         values["logprobs"] = True
-        values["top_logprobs_num"] = max(opts.top_n, int(values.get("top_logprobs_num") or 0))
+        given = values.get("top_logprobs_num")
+        values["top_logprobs_num"] = max(opts.top_n, _count(given, "top_logprobs_num"))
     return SamplingParams.from_dict(values)

@@ -166,24 +166,29 @@ class TokenizerManager:
         rid: str | None = None,
         logprob_start_len: int = -1,
     ) -> ServerReq:
-        """Queue a checked request in the engine."""
+        """Queue a checked request in the engine. It counts as live (in ``reqs``, against the
+        admission limit) only once the engine has it: a request that fails before that leaves
+        nothing behind."""
         if self.dead is not None:
             raise EngineDied(self.dead)
         if rid is None:
             rid = uuid.uuid4().hex
         elif rid in self.reqs:
             raise InvalidRequest(f"rid '{rid}' is already in use by a running request")
+        message = ipc.GenerateRequest(
+            rid=rid, input_ids=ids, sampling=params, logprob_start_len=logprob_start_len
+        )
+        try:
+            data = ipc.encode(message)
+        except ipc.EncodeError as e:
+            raise InvalidRequest(f"the request cannot be passed to the engine: {e}") from None
         req = ServerReq(rid, ids, params, event)
         req.logprob_start_len = logprob_start_len
+        self.client.send_encoded(data)
         self.reqs[rid] = req
         timeout = self.limits.request_timeout
         if timeout is not None:
             req.timer = asyncio.get_running_loop().call_later(timeout, self._time_out, rid)
-        self.client.send(
-            ipc.GenerateRequest(
-                rid=rid, input_ids=ids, sampling=params, logprob_start_len=logprob_start_len
-            )
-        )
         return req
 
     def abort(self, rid: str, message: str = "aborted by the client") -> None:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from hardening import ValidTraffic, assert_openai_error, wait_idle
+from hardening import ValidTraffic, assert_openai_error, is_idle, wait_idle
 from malformed_cases import CASES
 from server_process import RunningServer
 
@@ -38,7 +38,7 @@ def test_valid_traffic_untouched_and_no_leak(server: RunningServer, traffic: Val
     traffic.__exit__(None, None, None)
     traffic.assert_untouched(at_least=3)
     state = wait_idle(server, timeout=10)
-    assert state["kv"]["in_use"] == 0 and state["num_running_reqs"] == 0, state
+    assert is_idle(state), state
     assert server.proc.poll() is None, server.log()[-2000:]
     health = httpx.get(server.url + "/health", timeout=10)
     assert health.status_code == 200

@@ -57,15 +57,27 @@ def metric(server: RunningServer, name: str, **labels: str) -> float:
 
 
 def wait_idle(server: RunningServer, timeout: float) -> dict[str, Any]:
-    """Poll /get_server_info until nothing runs or waits and no KV is in use; return the state
-    (the caller asserts on it, so a timeout shows the last state seen)."""
+    """Poll /get_server_info until nothing runs or waits, no KV is in use and the server holds
+    no live request; return the state (the caller asserts on it, so a timeout shows the last
+    state seen)."""
     deadline = time.monotonic() + timeout
     while True:
         state = server_state(server)
-        idle = state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 0
-        if idle and state["kv"]["in_use"] == 0 or time.monotonic() > deadline:
+        if is_idle(state) or time.monotonic() > deadline:
             return state
         time.sleep(0.05)
+
+
+def is_idle(state: dict[str, Any]) -> bool:
+    """The leak invariant at idle: nothing running or waiting, no KV in use or locked, and no
+    live request left in the server's bookkeeping (each would hold an admission slot)."""
+    return (
+        state["num_running_reqs"] == 0
+        and state["num_waiting_reqs"] == 0
+        and state["kv"]["in_use"] == 0
+        and state["kv"]["locked"] == 0
+        and state["num_live_requests"] == 0
+    )
 
 
 class ValidTraffic:
