@@ -125,7 +125,14 @@ class EngineConfig:
         None, "Grammar backend for constrained decoding (alias of --plugin grammar=NAME)"
     )
     grammar_compile_timeout: float = _opt(
-        30.0, "Seconds a request may wait for its grammar to compile before it is aborted"
+        30.0,
+        "Seconds a request may wait for its grammar to compile; past it the request is refused "
+        "(400) and, in the server, a runaway compile is stopped",
+    )
+    grammar_compile_memory: int = _opt(
+        2048,
+        "MiB of memory a grammar compile may use (the server compiles each new grammar in a "
+        "capped child process first); a grammar that needs more is refused (400)",
     )
     disable_jump_forward: bool = _opt(
         False, "Sample every token of constrained outputs, even where the grammar forces them"
@@ -137,6 +144,10 @@ class EngineConfig:
         if not self.grammar_compile_timeout > 0:
             raise ConfigError(
                 f"grammar_compile_timeout must be > 0 seconds, got {self.grammar_compile_timeout}"
+            )
+        if self.grammar_compile_memory < 64:
+            raise ConfigError(
+                f"grammar_compile_memory must be >= 64 MiB, got {self.grammar_compile_memory}"
             )
         if not self.watchdog_timeout > 0:
             raise ConfigError(f"watchdog_timeout must be > 0 seconds, got {self.watchdog_timeout}")

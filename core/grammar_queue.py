@@ -9,6 +9,11 @@ that names the problem.
 The timeout is judged by when a compilation finished, not by when the engine next polls: a
 compile that ends after the request's deadline is refused even if its result is already there,
 so a request's outcome does not depend on poll timing.
+
+In the server (``isolate``) each new spec is first compiled in a sandbox process capped in time
+and memory (core/grammar_sandbox.py): a spec that runs away there is refused, and the engine
+never compiles it. A compiled grammar whose every complete output is longer than the request's
+``max_new_tokens`` is refused too: the output could only end cut off.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
+from radixserve.core.grammar_sandbox import GrammarSandbox, SandboxRefused, SandboxSpec
 from radixserve.core.interfaces import Grammar, GrammarBackend
 from radixserve.core.request import FinishReason, Req
 
@@ -66,6 +72,8 @@ class GrammarQueue:
         self._cache_lock = threading.Lock()  # done-callbacks run on the worker threads
         self._pending: list[_Pending] = []
         self._pool: ThreadPoolExecutor | None = None
+        self._sandbox: SandboxSpec | None = None
+        self._idle_sandboxes: list[GrammarSandbox] = []
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -78,6 +86,11 @@ class GrammarQueue:
                 self._backend = self._make_backend()
                 self._backend_ready = time.monotonic()
             return self._backend
+
+    def isolate(self, sandbox: SandboxSpec) -> None:
+        """Compile every new spec in a sandbox process first (time and memory capped); only
+        one that passes is compiled in this process."""
+        self._sandbox = sandbox
 
     def submit(self, req: Req) -> None:
         """Start (or join) the compilation of ``req``'s grammar; the request waits here."""
@@ -101,9 +114,26 @@ class GrammarQueue:
 
     def _compile(self, job: _Compile, kind: str, spec: str) -> Grammar:
         try:
+            if self._sandbox is not None:
+                self._probe(self._sandbox, kind, spec)
             return self.backend.compile(kind, spec)
         finally:
             job.finished_at = time.monotonic()
+
+    def _probe(self, sandbox: SandboxSpec, kind: str, spec: str) -> None:
+        with self._cache_lock:
+            box = self._idle_sandboxes.pop() if self._idle_sandboxes else None
+        if box is None:
+            box = GrammarSandbox(sandbox)
+            self.backend  # noqa: B018 - built now too: neither start-up counts against a timeout
+            with self._backend_lock:
+                self._backend_ready = time.monotonic()
+        try:
+            box.probe(kind, spec, self.timeout_s)
+        finally:
+            if box.alive:
+                with self._cache_lock:
+                    self._idle_sandboxes.append(box)
 
     def _forget_failure(self, key: GrammarKey, job: _Compile) -> None:
         # Errors are not cached: the next request with this spec compiles it again.
@@ -137,7 +167,13 @@ class GrammarQueue:
                 error = p.job.future.exception()
                 if error is None:
                     p.req.grammar = p.job.future.result().copy()
-                    ready.append(p.req)
+                    too_short = _budget_problem(p.req)
+                    if too_short:
+                        p.req.grammar = None
+                        self._refuse(p.req, too_short)
+                        failed.append(p.req)
+                    else:
+                        ready.append(p.req)
                 else:
                     message = compile_error_message(p.req, self.backend_name, error)
                     self._refuse(p.req, message)
@@ -176,6 +212,10 @@ class GrammarQueue:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._cache_lock:
+            boxes, self._idle_sandboxes = self._idle_sandboxes, []
+        for box in boxes:
+            box.close()
 
 
 def _field(req: Req) -> str:
@@ -186,6 +226,20 @@ def _field(req: Req) -> str:
 def compile_error_message(req: Req, backend: str, error: BaseException) -> str:
     """One line naming the constraint field, the backend and its complaint."""
     detail = " ".join(str(error).split()) or type(error).__name__
+    if isinstance(error, SandboxRefused):
+        return f"{_field(req)} refused (grammar backend {backend}): {detail}"
     if not isinstance(error, ValueError):  # not a bad spec: a backend failure
         detail = f"{type(error).__name__}: {detail}"
     return f"{_field(req)} rejected by grammar backend '{backend}': {detail}"
+
+
+def _budget_problem(req: Req) -> str | None:
+    """Why ``req``'s budget cannot hold any complete output of its grammar, if it cannot."""
+    budget, floor = req.sampling.max_new_tokens, req.grammar.min_output_tokens()
+    if 0 < budget < floor:
+        return (
+            f"every output {_field(req)} allows is at least {floor} tokens long, but "
+            f"max_new_tokens is {budget}: the output could only end cut off. Raise "
+            f"max_new_tokens (max_tokens) or shorten the {_field(req)}"
+        )
+    return None

@@ -174,6 +174,12 @@ class Grammar(ABC):
         """A new matcher in the initial state over the same compiled grammar (cheap: compiled
         grammars are cached and each request gets its own copy)."""
 
+    def min_output_tokens(self) -> int:
+        """A lower bound on the tokens of any complete output (0 when unknown). The engine
+        refuses a request whose ``max_new_tokens`` is smaller: its output could only end cut
+        off, and invalid."""
+        return 0
+
 
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 

@@ -23,6 +23,7 @@ import zmq
 from radixserve.core import ipc
 from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.core.engine_core import EngineCore
+from radixserve.core.grammar_sandbox import SandboxSpec
 from radixserve.core.plugins import PluginError, default_host
 from radixserve.core.request import FinishReason, InvalidRequest, Req, SamplingParams
 
@@ -60,6 +61,7 @@ def run_engine(settings: dict[str, Any], inbound_addr: str, outbound_addr: str) 
             push.send(ipc.encode(ipc.EngineFailed(f"{type(e).__name__}: {e}")))
             return
         push.send(ipc.encode(_ready(core)))
+        _isolate_grammar_compiles(core)
         EngineLoop(core, pull, push).run()
     finally:
         push.close(linger=2000)  # let a final message (EngineFailed) reach the server
@@ -80,6 +82,24 @@ def _build_core(settings: dict[str, Any]) -> EngineCore:
     values["plugin_allow"] = tuple(values.get("plugin_allow") or ())
     config = EngineConfig(**values)
     return EngineCore(Path(resolved), config, host)
+
+
+def _isolate_grammar_compiles(core: EngineCore) -> None:
+    """Compile each new grammar in a capped sandbox process first (core/grammar_sandbox.py),
+    so that no request's grammar can take the engine's time or memory."""
+    grammars, config = core.grammars, core.config
+    if grammars.backend_name == "none":
+        return  # it refuses every grammar at once
+    grammars.isolate(
+        SandboxSpec(
+            backend=grammars.backend_name,
+            model_dir=str(config.model_path),
+            vocab_size=core.runner.model_config.vocab_size,
+            stop_token_ids=tuple(core.eos_token_ids),
+            plugin_allow=tuple(config.plugin_allow),
+            memory_mb=config.grammar_compile_memory,
+        )
+    )
 
 
 def _ready(core: EngineCore) -> ipc.EngineReady:

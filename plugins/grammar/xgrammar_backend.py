@@ -4,6 +4,7 @@ tags through the xgrammar library, with its C++ mask kernels."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -13,17 +14,26 @@ import torch
 from radixserve.core.hookspecs import hookimpl
 from radixserve.core.interfaces import Grammar, GrammarBackend
 from radixserve.core.tokenizer import Tokenizer
-from radixserve.plugins.grammar.vocab import encoded_vocab, special_token_ids, vocab_type
+from radixserve.plugins.grammar.output_floor import Unparsed, output_floor
+from radixserve.plugins.grammar.vocab import (
+    encoded_vocab,
+    special_token_ids,
+    token_bytes,
+    vocab_type,
+)
+
+logger = logging.getLogger(__name__)
 
 # xgrammar prefixes its errors with "[hh:mm:ss] /path/file.cc:123: " and check boilerplate.
 _NOISE = re.compile(r"\[[\d:]+\] \S+:\d+: |Check failed: \(.*?\) is false: ")
 
 
 class XGrammarMatcher(Grammar):
-    def __init__(self, compiled: Any) -> None:
+    def __init__(self, compiled: Any, min_tokens: int = 0) -> None:
         import xgrammar as xgr
 
         self.compiled = compiled
+        self.min_tokens = min_tokens
         self.matcher = xgr.GrammarMatcher(compiled)
 
     def accept_token(self, token_id: int) -> bool:
@@ -48,7 +58,10 @@ class XGrammarMatcher(Grammar):
         return str(self.matcher.find_jump_forward_string())
 
     def copy(self) -> Grammar:
-        return XGrammarMatcher(self.compiled)
+        return XGrammarMatcher(self.compiled, self.min_tokens)
+
+    def min_output_tokens(self) -> int:
+        return self.min_tokens
 
 
 class XGrammarBackend(GrammarBackend):
@@ -74,25 +87,42 @@ class XGrammarBackend(GrammarBackend):
         # The engine caches compiled grammars itself (core/grammar_queue.py).
         self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
         self.batch = xgr.BatchGrammarMatcher(max_threads=2)
+        self.longest_token = max(
+            (len(b) for b in token_bytes(tokenizer, vocab_size) if b), default=1
+        )
 
     def compile(self, kind: str, spec: str) -> Grammar:
-        c = self.compiler
+        import xgrammar as xgr
+
         try:
             if kind == "json_schema":
                 # Compact JSON with fixed separators: no runaway whitespace, and keys and
                 # punctuation become forced strings that jump-forward skips.
-                compiled = c.compile_json_schema(spec, any_whitespace=False)
+                grammar = xgr.Grammar.from_json_schema(spec, any_whitespace=False)
             elif kind == "regex":
-                compiled = c.compile_regex(spec)
+                grammar = xgr.Grammar.from_regex(spec)
             elif kind == "ebnf":
-                compiled = c.compile_grammar(spec)
+                grammar = xgr.Grammar.from_ebnf(spec)
             elif kind == "structural_tag":
-                compiled = c.compile_structural_tag(spec)
+                grammar = xgr.Grammar.from_structural_tag(spec)
             else:
                 raise ValueError(f"unknown grammar kind '{kind}'")
+            min_tokens = self._min_tokens(grammar)
+            compiled = self.compiler.compile_grammar(grammar)
         except (RuntimeError, TypeError) as e:
             raise ValueError(_NOISE.sub("", str(e)).strip()) from e
-        return XGrammarMatcher(compiled)
+        return XGrammarMatcher(compiled, min_tokens)
+
+    def _min_tokens(self, grammar: Any) -> int:
+        """Fewest tokens of a complete output; raises ValueError for a grammar with a rule that
+        can never complete (its jump-forward text would be endless: xgrammar would grow it
+        until memory runs out)."""
+        try:
+            floor = output_floor(str(grammar))
+        except Unparsed as e:  # a form this xgrammar prints that we do not read: no bound
+            logger.debug("no output floor for this grammar: %s", e)
+            return 0
+        return -(-floor // self.longest_token)
 
     def fill_bitmasks(self, grammars: Sequence[tuple[int, Grammar]], bitmask: torch.Tensor) -> None:
         live = [(r, g) for r, g in grammars if not g.is_terminated()]
