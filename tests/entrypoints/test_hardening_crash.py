@@ -86,6 +86,14 @@ def _gated_server(
         gate.open()
 
 
+def _health(server: RunningServer, seen: list[int]) -> int | None:
+    try:
+        seen.append(httpx.get(server.url + "/health", timeout=10).status_code)
+    except httpx.TransportError:
+        return None
+    return seen[-1]
+
+
 def _refuses_new_requests(server: RunningServer) -> bool:
     """True once a new request is refused: the listener is closed, or a 503 while draining."""
     try:
@@ -113,10 +121,10 @@ def test_kill_engine_under_load(tiny_long_llama_dir: Path, tmp_path: Path) -> No
         gate.wait_entered()  # all four are in flight
         engine_pid = _engine_pid(server)
         os.kill(engine_pid, signal.SIGKILL)
-        assert _wait_for(lambda: _is_gone(engine_pid))
-        # Health probes notice a vanished engine at once, not at the next receive-loop poll.
-        health = httpx.get(server.url + "/health", timeout=10)
-        assert health.status_code == 503, health.text
+        # Health probes notice the engine as soon as it can be reaped (all of its threads have
+        # ended), not at the receive loop's next poll; how soon that is depends on the machine.
+        statuses: list[int] = []
+        assert _wait_for(lambda: _health(server, statuses) == 503), statuses
         try:  # once dead, never healthy again (the server may already be on its way out)
             again = httpx.get(server.url + "/health_generate", headers=server.headers, timeout=10)
             assert again.status_code == 503, again.text

@@ -8,7 +8,7 @@ import shutil
 import time
 from pathlib import Path
 
-from radixserve_test_models import GATE_DIR_ENV, GATE_TOKEN, STALL_TOKEN
+from radixserve_test_models import GATE_DIR_ENV, GATE_POSITION, GATE_TOKEN, STALL_TOKEN
 
 __all__ = [
     "GATE_TOKEN", "STALL_TOKEN", "Gate", "gated_prompt", "install_plugin", "install_test_models",
@@ -34,10 +34,12 @@ def install_test_models(site: Path) -> dict[str, str]:
     return install_plugin(site, "radixserve_test_models")
 
 
-def gated_prompt(*ids: int) -> list[int]:
-    """A prompt that GatedLlama holds while the gate is closed (the gate token comes last, so a
-    prompt served from the prefix cache still prefills it)."""
-    return [*(ids or (5, 6)), GATE_TOKEN]
+def gated_prompt(first: int = 5, second: int = 6) -> list[int]:
+    """A prompt that GatedLlama holds while the gate is closed: the gate token at its position,
+    last, so that even a prompt served from the prefix cache runs it in a step."""
+    prompt = [first, second, GATE_TOKEN]
+    assert prompt.index(GATE_TOKEN) == GATE_POSITION
+    return prompt
 
 
 class Gate:

@@ -1,15 +1,18 @@
 """A third-party model plugin for tests, installed through its entry point like any package
 (``model_gate.install_test_models``), so the server's engine process loads it the real way.
 
-Both models are the built-in Llama with a test-controlled forward. They look only at prefill
-tokens (decodes come first in a batch, one token each), so a generated token never trips them.
+Both models are the built-in Llama with a test-controlled forward, tripped by a marker token
+at a fixed prompt position: however the scheduler splits or caches a prompt, the step that
+computes that position holds the marker there, and a generated token never sits that early in
+a sequence (the test prompts are longer).
 
-- ``StallingLlama``: a prefill holding STALL_TOKEN never returns (a hung kernel, a deadlock).
-- ``GatedLlama``: a prefill holding GATE_TOKEN waits while the file ``closed`` exists in the
-  directory named by ``GATED_LLAMA_DIR``; each wait first appends a line to ``entered`` there.
-  A test closes the gate, sends a prompt ending in GATE_TOKEN, knows from ``entered`` that the
-  request is inside a model step, and opens the gate when it wants the step to end. Nothing
-  depends on how fast the machine generates.
+- ``StallingLlama``: a step holding STALL_TOKEN at position 1 never returns (a hung kernel, a
+  deadlock).
+- ``GatedLlama``: a step holding GATE_TOKEN at position 2 waits while the file ``closed``
+  exists in the directory named by ``GATED_LLAMA_DIR``; each wait first appends a line to
+  ``entered`` there. A test closes the gate, sends such a prompt, knows from ``entered`` that
+  the request is inside a model step, and opens the gate when it wants the step to end.
+  Nothing depends on how fast the machine generates.
 """
 
 from __future__ import annotations
@@ -22,18 +25,18 @@ from typing import Any
 import radixserve
 from radixserve.plugins.models.llama import LlamaForCausalLM
 
-STALL_TOKEN = 357
-GATE_TOKEN = 358
+STALL_TOKEN, STALL_POSITION = 357, 1
+GATE_TOKEN, GATE_POSITION = 358, 2
 GATE_DIR_ENV = "GATED_LLAMA_DIR"
 
 
-def _prefill_holds(batch: Any, token: int) -> bool:
-    return bool((batch.input_ids[batch.num_decode :] == token).any())
+def _holds(batch: Any, token: int, position: int) -> bool:
+    return bool(((batch.input_ids == token) & (batch.positions == position)).any())
 
 
 class StallingLlama(LlamaForCausalLM):
     def forward(self, batch: Any) -> Any:
-        if _prefill_holds(batch, STALL_TOKEN):
+        if _holds(batch, STALL_TOKEN, STALL_POSITION):
             time.sleep(3600)
         return super().forward(batch)
 
@@ -41,7 +44,7 @@ class StallingLlama(LlamaForCausalLM):
 class GatedLlama(LlamaForCausalLM):
     def forward(self, batch: Any) -> Any:
         gate = os.environ.get(GATE_DIR_ENV)
-        if gate and _prefill_holds(batch, GATE_TOKEN):
+        if gate and _holds(batch, GATE_TOKEN, GATE_POSITION):
             closed = Path(gate) / "closed"
             if closed.exists():
                 with open(Path(gate) / "entered", "a") as f:
