@@ -31,6 +31,9 @@ from radixserve.core.interfaces import Grammar, GrammarBackend
 from radixserve.core.request import FinishReason, Req
 
 CACHE_SIZE = 256
+# Compiled grammars kept past this total (their own estimate) leave the cache, oldest first, so
+# many large distinct grammars cannot grow the engine's memory without bound.
+CACHE_BYTES = 256 << 20
 WORKERS = 2  # one slow grammar does not hold up every other request's compilation
 # Longest the engine sleeps waiting for a compilation when it has nothing else to run; new
 # requests wait at most this long to be seen.
@@ -46,6 +49,7 @@ class _Compile:
     future: Future[Grammar] = field(init=False)
     # NOTE: the worker stamps this before its future completes, so a done future always has it.
     finished_at: float = math.inf
+    nbytes: int = 0  # the compiled grammar's size, once compiled
 
 
 @dataclass(slots=True)
@@ -116,9 +120,23 @@ class GrammarQueue:
         try:
             if self._sandbox is not None:
                 self._probe(self._sandbox, kind, spec)
-            return self.backend.compile(kind, spec)
+            grammar = self.backend.compile(kind, spec)
+            job.nbytes = grammar.memory_bytes()
+            self._trim_cache(job)
+            return grammar
         finally:
             job.finished_at = time.monotonic()
+
+    def _trim_cache(self, keep: _Compile) -> None:
+        with self._cache_lock:
+            total = sum(j.nbytes for j in self._cache.values())
+            for key in list(self._cache):
+                if total <= CACHE_BYTES:
+                    break
+                job = self._cache[key]
+                if job is not keep:
+                    del self._cache[key]
+                    total -= job.nbytes
 
     def _probe(self, sandbox: SandboxSpec, kind: str, spec: str) -> None:
         with self._cache_lock:

@@ -174,6 +174,11 @@ class Grammar(ABC):
         """A new matcher in the initial state over the same compiled grammar (cheap: compiled
         grammars are cached and each request gets its own copy)."""
 
+    def memory_bytes(self) -> int:
+        """About how many bytes the compiled grammar holds (shared by its copies); 0 when
+        unknown. The engine's cache of compiled grammars is bounded by their sum."""
+        return 0
+
     def min_output_tokens(self) -> int:
         """A lower bound on the tokens of any complete output (0 when unknown). The engine
         refuses a request whose ``max_new_tokens`` is smaller: its output could only end cut

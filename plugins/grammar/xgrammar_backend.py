@@ -63,6 +63,9 @@ class XGrammarMatcher(Grammar):
     def min_output_tokens(self) -> int:
         return self.min_tokens
 
+    def memory_bytes(self) -> int:
+        return int(self.compiled.memory_size_bytes)
+
 
 class XGrammarBackend(GrammarBackend):
     def __init__(

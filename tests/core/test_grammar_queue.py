@@ -221,3 +221,20 @@ def test_a_compile_that_ends_in_time_is_accepted_however_late_the_poll(
     clock.engine = 50.0  # the engine polls long after the deadline
     ready, failed = queue.pop_done()
     assert [r.rid for r in ready] == ["on-time"] and not failed
+
+
+def test_the_cache_is_bounded_by_the_compiled_grammars_size(
+    backend: FakeBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many large distinct grammars cannot grow the engine's memory without bound: past
+    CACHE_BYTES the oldest compiled grammars leave the cache (issue 13)."""
+    monkeypatch.setattr(grammar_queue, "CACHE_BYTES", 250)
+    monkeypatch.setattr(FakeGrammar, "memory_bytes", lambda self: 100, raising=False)
+    queue = make_queue(backend)
+    for i in range(5):
+        queue.submit(req(f"r{i}", f"a{i}"))
+        assert drain(queue, 1)[0][0].rid == f"r{i}"
+    assert [key[2] for key in queue._cache] == ["a3", "a4"]
+    queue.submit(req("again", "a0"))  # left the cache: compiled anew
+    drain(queue, 1)
+    assert backend.compiled.count("a0") == 2
