@@ -156,6 +156,8 @@ class EngineCore:
         self._in_flight = InFlightStep(batch, launched)
         if not self.overlap:
             changed += self._commit_in_flight()
+        if any(r.failed for r in batch.reqs):  # the sampler could not serve these alone
+            changed += self._end_failed(batch)
         self.host.hook.step_finished(
             stats={
                 "num_decode": batch.num_decode,
@@ -185,10 +187,16 @@ class EngineCore:
         message = f"the engine failed on this request's step ({type(error).__name__}: {error})"
         for req in batch.reqs:
             if self.scheduler.abort(req.rid, message) is not None:
-                req.failed = True
+                req.failed = message
                 changed.append(req)
         self.cache.evict(1 << 62)
         return changed
+
+    def _end_failed(self, batch: ScheduledBatch) -> list[Req]:
+        ended = [r for r in batch.reqs if r.failed and not r.finished]
+        for req in ended:
+            self.abort(req.rid, str(req.failed))
+        return ended
 
     def _sync(self) -> None:
         """Commit any step in flight (its requests are reported by the next ``step``), so the

@@ -263,7 +263,8 @@ class Req:
         self.detok: Any = None  # IncrementalDetokenizer, created at the first output token
         self.grammar: Any = None  # the request's Grammar matcher (core.interfaces), once compiled
         self.refused = False  # ended before running because its input was bad (grammar compile)
-        self.failed = False  # ended by a failure inside the engine (the server answers 500)
+        # Why the engine failed this request (the server answers 500), once it has.
+        self.failed: str | None = None
         # timing
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None

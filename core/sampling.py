@@ -9,8 +9,8 @@ exponential race (argmax of p / Exp(1)), which equals drawing from p.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -19,6 +19,7 @@ from radixserve.core.grammar import mark_dead_rows
 from radixserve.core.request import Req
 
 _SEED_MASK = (1 << 63) - 1
+_T = TypeVar("_T")
 
 
 class SampleResult(NamedTuple):
@@ -35,7 +36,35 @@ def sample(
 ) -> SampleResult:
     """Choose the next token of each request; ``logits`` is [len(reqs), vocab] float32, already
     grammar-masked where ``raw`` (the unmasked logits, for logprobs) is given. A constrained row
-    with no allowed token gets ``NO_TOKEN``."""
+    with no allowed token gets ``NO_TOKEN``.
+
+    A batch that fails is sampled again row by row: a row that still fails gets its argmax
+    token and ``req.failed`` (the engine then ends that request), and the others their own."""
+    try:
+        return _sample(logits, reqs, eos_ids, raw)
+    except Exception:  # noqa: BLE001 - found and marked row by row below
+        if len(reqs) == 1:
+            raise
+    parts = [
+        _row_apart(lambda i: _sample(logits[i : i + 1], [reqs[i]], eos_ids, _row(raw, i)), i, reqs)
+        for i in range(len(reqs))
+    ]
+    next_ids = [
+        p.next_ids[0] if p is not None else int(logits[i].argmax()) for i, p in enumerate(parts)
+    ]
+    if not any(r.sampling.logprobs for r in reqs):
+        return SampleResult(next_ids, None, None)
+    logprobs = [p.logprobs[0] if p is not None and p.logprobs else 0.0 for p in parts]
+    tops = [p.top_logprobs[0] if p is not None and p.top_logprobs else [] for p in parts]
+    return SampleResult(next_ids, logprobs, tops)
+
+
+def _sample(
+    logits: torch.Tensor,
+    reqs: Sequence[Req],
+    eos_ids: Sequence[int],
+    raw: torch.Tensor | None = None,
+) -> SampleResult:
     raw = logits if raw is None else raw
     logits = _apply_penalties(logits, reqs)
     logits = mask_until_min_tokens(logits, reqs, eos_ids)
@@ -48,10 +77,35 @@ def sample(
 
 def sample_ids(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
     """The chosen token of each row, on the device, with no host sync: the whole of sampling
-    for requests without penalties, grammars or logprobs (after min-tokens masking)."""
+    for requests without penalties, grammars or logprobs (after min-tokens masking). A row
+    that fails is handled as in ``sample``."""
     if all(r.sampling.is_greedy for r in reqs):
         return logits.argmax(dim=-1)
-    return _sample_rows(logits, reqs)
+    try:
+        return _sample_rows(logits, reqs)
+    except Exception:  # noqa: BLE001 - found and marked row by row below
+        if len(reqs) == 1:
+            raise
+    rows = [
+        _row_apart(lambda i: _sample_rows(logits[i : i + 1], [reqs[i]]), i, reqs)
+        for i in range(len(reqs))
+    ]
+    return torch.cat(
+        [r if r is not None else logits[i : i + 1].argmax(dim=-1) for i, r in enumerate(rows)]
+    )
+
+
+def _row_apart(run: Callable[[int], _T], i: int, reqs: Sequence[Req]) -> _T | None:
+    """``run(i)`` for row ``i`` alone; None, with its request marked failed, if it raises."""
+    try:
+        return run(i)
+    except Exception as e:  # noqa: BLE001 - this request fails; its batch goes on
+        reqs[i].failed = f"sampling failed for this request ({type(e).__name__}: {e})"
+        return None
+
+
+def _row(tensor: torch.Tensor | None, i: int) -> torch.Tensor | None:
+    return None if tensor is None else tensor[i : i + 1]
 
 
 def _apply_penalties(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:

@@ -187,7 +187,7 @@ class EngineLoop:
         ended = []
         for req in list(self.core.scheduler.running):
             if self.core.abort(req.rid, message) is not None:
-                req.failed = True
+                req.failed = message
                 ended.append(req)
         kv = self.core.scheduler.kv_accounting()
         if kv["in_use"] or kv["locked"]:
