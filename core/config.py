@@ -102,6 +102,11 @@ class EngineConfig:
         1024, "Most tokens computed per step (prefill chunks + decodes); -1 disables chunking"
     )
     schedule_policy: str = _opt("lpm", "Waiting-queue order: lpm, dfs-weight, fcfs, random")
+    schedule_conservativeness: float = _opt(
+        1.0,
+        "How much KV admission keeps for running requests' future tokens (1.0: an estimate "
+        "that adapts to retractions; larger: fewer retractions; 0: none kept)",
+    )
     disable_radix_cache: bool = _opt(False, "Turn the radix prefix cache off")
     random_seed: int = _opt(0, "Seed of the engine's random generator")
     cuda_graph_max_bs: int = _opt(
@@ -167,6 +172,10 @@ class EngineConfig:
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ConfigError(
                 f"chunked_prefill_size must be positive or -1, got {self.chunked_prefill_size}"
+            )
+        if not self.schedule_conservativeness >= 0:
+            raise ConfigError(
+                f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}"
             )
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ConfigError(

@@ -17,7 +17,13 @@ from radixserve.core.model_runner import LaunchedStep, ModelRunner
 from radixserve.core.plugins import PluginHost
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
 from radixserve.core.request import InvalidRequest, Req
-from radixserve.core.scheduler import RetractionNeeded, ScheduledBatch, Scheduler, SchedulerConfig
+from radixserve.core.scheduler import (
+    RetractionNeeded,
+    ScheduledBatch,
+    Scheduler,
+    SchedulerConfig,
+    new_token_ratios,
+)
 from radixserve.core.stop import StopChecker
 from radixserve.core.tokenizer import Tokenizer
 
@@ -59,6 +65,7 @@ class EngineCore:
                 schedule_policy=config.schedule_policy,
                 max_context=self.max_context,
                 random_seed=config.random_seed,
+                **new_token_ratios(config.schedule_conservativeness),
             ),
             self.runner.allocator,
             self.runner.req_to_token,

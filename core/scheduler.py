@@ -13,6 +13,7 @@ import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -41,6 +42,15 @@ class SchedulerConfig:
     schedule_policy: str
     max_context: int
     random_seed: int = 0
+    # Admission reserves room for the running requests' future tokens: this share of what each
+    # may still generate. It starts at init, decays to min while nothing is retracted, and jumps
+    # back up after a retraction (SGLang's new_token_ratio).
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.098
+    new_token_ratio_decay_steps: int = 600
+    # Requests whose uncached prompt shares at least this many tokens with one being prefilled
+    # wait for that prefill to reach the cache instead of computing the same KV again.
+    shared_prefill_min_tokens: int = 32
 
 
 @dataclass(slots=True)
@@ -58,6 +68,7 @@ class SchedulerStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     retractions: int = 0
+    deferred_admissions: int = 0  # times a request waited for a shared prefill (per step)
     step_trace: list[tuple[int, int]] = field(default_factory=list)  # (decodes, prefill tokens)
 
     @property
@@ -88,6 +99,12 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._rng = random.Random(config.random_seed)
         self.trace_steps = False
+        self.new_token_ratio = config.init_new_token_ratio
+        self._ratio_decay = (config.init_new_token_ratio - config.min_new_token_ratio) / max(
+            config.new_token_ratio_decay_steps, 1
+        )
+        self._retracted_this_step = False
+        self._scheduled: dict[str, int] = {}  # rid -> tokens given KV slots for this step
 
     # -- queue -----------------------------------------------------------------------------
 
@@ -121,18 +138,37 @@ class Scheduler:
 
     def schedule(self, allow_retract: bool = True) -> ScheduledBatch | None:
         """The next step's batch, or None when nothing can run. With ``allow_retract=False``
-        (tokens are pending) it raises RetractionNeeded where it would have to retract."""
-        decodes = self._schedule_decodes(allow_retract)
-        budget = self.config.chunked_prefill_size
-        budget = (budget if budget > 0 else 1 << 62) - len(decodes)
-        prefills: list[tuple[Req, int]] = []
-        for req in [r for r in self.running if r.state == ReqState.PREFILL]:
-            chunk = self._extend_running(req, budget)
-            if chunk:
-                prefills.append((req, chunk))
-                budget -= chunk
-        if budget > 0 and self.waiting:
+        (tokens are pending) it raises RetractionNeeded where it would have to retract.
+
+        Progress is guaranteed: when every running request is a prefill that cannot get KV,
+        the newest is retracted (or, alone, ended with a reason), so a step never comes back
+        empty while requests run."""
+        self._retracted_this_step = False
+        self._scheduled = {}
+        while True:
+            decodes = self._schedule_decodes(allow_retract)
+            budget = self.config.chunked_prefill_size
+            budget = (budget if budget > 0 else 1 << 62) - len(decodes)
+            prefills: list[tuple[Req, int]] = []
+            for req in [r for r in self.running if r.state == ReqState.PREFILL]:
+                chunk = self._extend_running(req, budget)
+                if chunk:
+                    prefills.append((req, chunk))
+                    budget -= chunk
+            if decodes or prefills or not self._stalled():
+                self._scheduled = {r.rid: 1 for r in decodes}
+                self._scheduled.update((r.rid, n) for r, n in prefills)
+                break
+            if not allow_retract:
+                raise RetractionNeeded
+            self._unstall()
+        # A request retracted this step would only be re-admitted into the same shortage.
+        if budget > 0 and self.waiting and not self._retracted_this_step:
             prefills += self._admit(budget)
+        if not self._retracted_this_step:
+            self.new_token_ratio = max(
+                self.new_token_ratio - self._ratio_decay, self.config.min_new_token_ratio
+            )
         if not decodes and not prefills:
             return None
         # Single-token extends attend like decodes, so they join the batched decode path.
@@ -141,6 +177,21 @@ class Scheduler:
         if self.trace_steps:
             self.stats.step_trace.append((len(decodes), sum(n for _, n in prefills)))
         return ScheduledBatch([r for r, _ in entries], [n for _, n in entries], num_decode)
+
+    def _stalled(self) -> bool:
+        """Requests run, yet none could get KV for its next tokens (only prefills remain)."""
+        return any(r.state == ReqState.PREFILL and r.kv_len < r.seq_len for r in self.running)
+
+    def _unstall(self) -> None:
+        """Free KV for the stalled prefills: retract the newest running request, or end the
+        only one, which the pool cannot hold even with the cache evicted."""
+        victim = max(self.running, key=lambda r: r.arrival_time)
+        if len(self.running) > 1:
+            self._retract(victim)
+            return
+        self._release(victim)
+        victim.finish(FinishReason("abort", message="KV pool too small for this request"))
+        self.ended.append(victim)
 
     def process_output(self, batch: ScheduledBatch, sampled: dict[int, SampledToken]) -> list[Req]:
         """Advance requests after a forward; ``sampled`` maps batch index -> (token id,
@@ -231,9 +282,11 @@ class Scheduler:
                 return decodes
             if not allow_retract:
                 raise RetractionNeeded
-            victim = max(decodes, key=lambda r: r.arrival_time)
-            decodes.remove(victim)
-            if decodes or self.running != [victim]:
+            # The newest running request goes, mid-prefill ones included: their KV counts too.
+            victim = max(self.running, key=lambda r: r.arrival_time)
+            if victim in decodes:
+                decodes.remove(victim)
+            if len(self.running) > 1:
                 self._retract(victim)
             else:
                 self._release(victim)
@@ -248,6 +301,18 @@ class Scheduler:
         req.num_retractions += 1
         self.stats.retractions += 1
         self.waiting.appendleft(req)
+        self._retracted_this_step = True
+        self.new_token_ratio = self._ratio_after_retraction()
+
+    def _ratio_after_retraction(self) -> float:
+        """The share of their remaining budgets that running requests have shown to use: what
+        they decoded so far, plus a margin of steps, over what they may decode in all."""
+        decoded = sum(r.num_output_tokens for r in self.running)
+        allowed = sum(r.sampling.max_new_tokens for r in self.running)
+        estimate = (decoded + _RETRACT_MARGIN_STEPS * len(self.running)) / (allowed + 1)
+        if not self.config.init_new_token_ratio:
+            return 0.0  # --schedule-conservativeness 0: admission keeps nothing back
+        return min(1.0, max(estimate, self.config.init_new_token_ratio))
 
     def _alloc_kv(
         self, alloc: Callable[[], torch.Tensor | None], tokens_needed: Callable[[], int]
@@ -307,15 +372,17 @@ class Scheduler:
         return chunk if self._alloc_extend(req.req_pool_idx, req.kv_len, chunk) else 0
 
     def _admit(self, budget: int) -> list[tuple[Req, int]]:
-        def match(r: Req) -> tuple[int, object]:
-            result = self.cache.match_prefix(r.fill_ids()[: _match_limit(r)], r.extra_key)
-            return len(result.kv_indices), result.last_node
+        def peek(r: Req) -> tuple[int, object]:
+            return self.cache.peek_prefix(r.fill_ids()[: _match_limit(r)], r.extra_key)
 
         admitted: list[tuple[Req, int]] = []
-        ordered = order_waiting(self.config.schedule_policy, list(self.waiting), match, self._rng)  # type: ignore[arg-type]
+        ordered = order_waiting(self.config.schedule_policy, list(self.waiting), peek, self._rng)  # type: ignore[arg-type]
         for req in ordered:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
+            if self._shares_running_prefill(req):
+                self.stats.deferred_admissions += 1
+                continue
             chunk = self._admit_one(req, budget)
             if chunk == 0:
                 break
@@ -323,6 +390,25 @@ class Scheduler:
             admitted.append((req, chunk))
             budget -= chunk
         return admitted
+
+    def _shares_running_prefill(self, req: Req) -> bool:
+        """Whether ``req``'s uncached prompt starts like a prompt still being prefilled (an
+        identical prompt sent together, a sibling of n>1): it then waits one step or more, and
+        is admitted from the cache once that prefill has put the shared tokens there."""
+        prefilling = [
+            r for r in self.running if r.state == ReqState.PREFILL and r.extra_key == req.extra_key
+        ]
+        if not prefilling:
+            return False
+        page = self.allocator.page_size
+        limit = _match_limit(req)
+        cached, _ = self.cache.peek_prefix(req.fill_ids()[:limit], req.extra_key)
+        span = min(self.config.shared_prefill_min_tokens, limit - cached)
+        span -= span % page
+        if span <= 0:
+            return False
+        key = req.fill_ids()[: cached + span]
+        return any(r.fill_ids()[: cached + span] == key for r in prefilling)
 
     def _admit_one(self, req: Req, budget: int) -> int:
         fill = req.fill_ids()
@@ -332,6 +418,10 @@ class Scheduler:
         if row is None:
             return 0
         self.cache.inc_lock_ref(node)  # protect the matched prefix from our own eviction
+        if self.running and not self._fits_with_reserve(req, len(fill) - len(prefix)):
+            self.cache.dec_lock_ref(node)
+            self.req_to_token.free(row)
+            return 0
         self.req_to_token.write(row, 0, prefix)
         if not self._alloc_extend(row, len(prefix), chunk):
             self.cache.dec_lock_ref(node)
@@ -345,7 +435,25 @@ class Scheduler:
             self.stats.cached_tokens += len(prefix)
         req.state = ReqState.PREFILL
         self.running.append(req)
+        self._scheduled[req.rid] = chunk
         return chunk
+
+    def _fits_with_reserve(self, req: Req, uncached: int) -> bool:
+        """Whether ``req``'s uncached prompt and its share of future tokens fit beside what the
+        running requests still need (their unprefilled prompts and their share). Called with
+        ``req``'s prefix locked, so the cache it shares is not counted as evictable."""
+        ratio = self.new_token_ratio
+        reserved = sum(
+            (r.seq_len - r.kv_len - self._scheduled.get(r.rid, 0))  # prompt without slots yet
+            + ratio * self._remaining_new_tokens(r)
+            for r in self.running
+        )
+        room = self.allocator.available() + self.cache.evictable_size - reserved
+        return uncached + ratio * self._remaining_new_tokens(req) <= room
+
+    def _remaining_new_tokens(self, req: Req) -> int:
+        left = req.sampling.max_new_tokens - req.num_output_tokens
+        return max(0, min(left, self.config.max_context - req.seq_len))
 
     # -- accounting ------------------------------------------------------------------------
 
@@ -367,6 +475,16 @@ class Scheduler:
             raise AssertionError(f"KV leak at idle: {acct}")
         if not self.running and acct["locked"] != 0:
             raise AssertionError(f"cache nodes still locked at idle: {acct}")
+
+
+def new_token_ratios(conservativeness: float) -> dict[str, Any]:
+    """SchedulerConfig's new-token ratios for ``--schedule-conservativeness`` (as SGLang)."""
+    init = min(0.7 * conservativeness, 1.0)
+    return {"init_new_token_ratio": init, "min_new_token_ratio": init * 0.14}
+
+
+# After a retraction, running requests are assumed to decode this many more steps each.
+_RETRACT_MARGIN_STEPS = 20
 
 
 def _match_limit(req: Req) -> int:

@@ -3,30 +3,17 @@ in every state, KV accounting, retraction, admission order per policy, flush."""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from scheduler_checks import check_accounting, greedy, tokens
 from tiny_models import make_tiny_llama_dir
 
 from radixserve.core.config import EngineConfig
 from radixserve.core.engine_core import EngineCore
 from radixserve.core.plugins import default_host
-from radixserve.core.request import Req, ReqState, SamplingParams
-
-# Token ids of the tiny model (vocab 362); 0..2 are special tokens.
-LOW, HIGH = 3, 360
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(LOW, HIGH) for _ in range(n)]
-
-
-def greedy(max_new_tokens: int) -> SamplingParams:
-    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
-
+from radixserve.core.request import Req, ReqState
 
 # Every test runs with overlap scheduling off and on (on the CPU it is off by default; the
 # overlapped path must keep every invariant and output of the synchronous one).
@@ -65,19 +52,6 @@ def run_to_idle(core: EngineCore, max_steps: int = 5000) -> None:
             return
         step(core)
     raise AssertionError(f"no progress after {max_steps} steps: {core.scheduler.running}")
-
-
-def check_accounting(core: EngineCore) -> None:
-    """Between steps every slot is free, in the tree, or computed-but-uncached by a running
-    request (exactly its tokens past its cached prefix)."""
-    sched = core.scheduler
-    acct = sched.kv_accounting()
-    held = sum(r.kv_len - r.prefix_len for r in sched.running)
-    assert acct["in_use"] == held, (acct, sched.running)
-    assert acct["free"] + acct["evictable"] + acct["locked"] + held == acct["size"]
-    if not sched.running:
-        sched.check_no_leak()
-        assert acct["locked"] == 0
 
 
 def running_order(core: EngineCore) -> list[str]:
@@ -165,6 +139,7 @@ def test_abort_in_every_state_frees_its_kv_and_unlocks_its_nodes(
     settings: dict[str, object] = {"chunked_prefill_size": 8}
     if state == "retracted":
         settings["max_total_tokens"] = 80  # both decoding overflow it; the newest is retracted
+        settings["schedule_conservativeness"] = 0.0  # admission keeps no room back
     core = make_core(tiny_llama_dir, **settings)
     sched = core.scheduler
     companion, victim = _victim_in_state(core, state)
@@ -205,7 +180,9 @@ def test_abort_of_the_only_request_leaves_the_pool_free_after_flush(tiny_llama_d
 def test_retraction_under_kv_pressure_keeps_greedy_outputs(tiny_llama_dir: Path) -> None:
     prompts = [SHARED[:16] + tokens(30 + i, 14) for i in range(6)]
     roomy = make_core(tiny_llama_dir)
-    tight = make_core(tiny_llama_dir, max_total_tokens=96, chunked_prefill_size=32)
+    tight = make_core(
+        tiny_llama_dir, max_total_tokens=96, chunked_prefill_size=32, schedule_conservativeness=0.0
+    )
     results = []
     for core in (roomy, tight):
         reqs = [add(core, f"r{i}", p, max_new_tokens=20) for i, p in enumerate(prompts)]
@@ -219,7 +196,7 @@ def test_retraction_under_kv_pressure_keeps_greedy_outputs(tiny_llama_dir: Path)
 
 
 def test_retraction_counters_and_cached_tokens_of_retracted_requests(tiny_llama_dir: Path) -> None:
-    core = make_core(tiny_llama_dir, max_total_tokens=64)
+    core = make_core(tiny_llama_dir, max_total_tokens=64, schedule_conservativeness=0.0)
     reqs = [add(core, f"r{i}", tokens(40 + i, 20), max_new_tokens=16) for i in range(3)]
     run_to_idle(core)
     stats = core.scheduler.stats

@@ -48,7 +48,11 @@ def check_pages(core: EngineCore) -> None:
 
 def run(model_dir: Path, page_size: int, abort_mid_prefill: bool) -> tuple[list[Req], int]:
     config = EngineConfig(
-        page_size=page_size, max_total_tokens=240, chunked_prefill_size=24, max_running_requests=4
+        page_size=page_size,
+        max_total_tokens=240,
+        chunked_prefill_size=24,
+        max_running_requests=4,
+        schedule_conservativeness=0.0,  # admission keeps no room back: retraction does the work
     )
     core = EngineCore(model_dir, config, default_host())
     shared = tokens(1, 37)

@@ -133,7 +133,7 @@ def _check_independent_of_cache_and_pressure(
         "cache": dict(max_total_tokens=need),
         "no-cache": dict(max_total_tokens=need, disable_radix_cache=True),
         "chunked-64": dict(max_total_tokens=need, chunked_prefill_size=64),
-        "quarter-pool": dict(max_total_tokens=need // 4),
+        "quarter-pool": dict(max_total_tokens=need // 4, schedule_conservativeness=0.0),
     }
     outputs = {}
     for name, settings in runs.items():

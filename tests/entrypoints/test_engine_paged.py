@@ -66,10 +66,15 @@ def test_page_size_16_gives_the_greedy_outputs_of_page_size_1(
         "paged-chunked-40": dict(max_total_tokens=need, chunked_prefill_size=40),
         "paged-no-cache": dict(max_total_tokens=need, disable_radix_cache=True),
         # Room for one request and two more pages: the others must wait or be retracted.
-        "paged-tight-pool": dict(max_total_tokens=max(map(len, prompts)) + NEW_TOKENS + 3 * PAGE),
+        # (admission keeps no room back, so retraction does the work)
+        "paged-tight-pool": dict(
+            max_total_tokens=max(map(len, prompts)) + NEW_TOKENS + 3 * PAGE,
+            schedule_conservativeness=0.0,
+        ),
         "paged-overlap": dict(max_total_tokens=need, enable_overlap_schedule=True),
         "paged-tight-pool-overlap": dict(
             max_total_tokens=max(map(len, prompts)) + NEW_TOKENS + 3 * PAGE,
+            schedule_conservativeness=0.0,
             enable_overlap_schedule=True,
         ),
     }

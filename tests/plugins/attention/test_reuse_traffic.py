@@ -44,6 +44,7 @@ def _run(model_dir: Path, attention: str, hardware: str, page: int, overlap: boo
         plugins=[f"attention={attention}", hardware],
         dtype="float32",
         page_size=page,
+        schedule_conservativeness=0.0,  # admission keeps no room back: retraction reuses slots
         **flag,
         **settings,
     ) as engine:
@@ -86,3 +87,34 @@ def test_reuse_traffic_equals_torch_native(
     ref = comparable(references[page, overlap])
     for name, outputs in comparable(ours).items():
         assert outputs == ref[name], f"round '{name}' differs from torch_native"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("page", "overlap"), CONFIGS, ids=IDS)
+def test_gpu_reuse_traffic_smollm2_shape_with_cuda_graphs(
+    tmp_path_factory: pytest.TempPathFactory, page: int, overlap: bool
+) -> None:
+    """SmolLM2-shaped random weights, float32, on the GPU: triton with CUDA graphs against
+    torch_native on the same GPU, over the same traffic at four times the lengths."""
+    from tiny_models import make_tiny_llama_dir
+
+    model_dir = tmp_path_factory.getbasetemp() / "smollm2-shape-reuse"
+    if not (model_dir / "config.json").exists():
+        make_tiny_llama_dir(
+            model_dir, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+            num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+            tie_word_embeddings=True,
+        )  # fmt: skip
+    runs = {
+        attention: _run(
+            model_dir, attention, "hardware=cuda", page, overlap, scale=4, max_total_tokens=4 * POOL
+        )  # fmt: skip
+        for attention in ("torch_native", *_backends_under_test())
+    }
+    ref = runs.pop("torch_native")
+    assert ref["retractions"] > 0
+    for attention, ours in runs.items():
+        for name, outputs in comparable(ours).items():
+            same = sum(a == b for a, b in zip(outputs, ref[name], strict=True))
+            assert outputs == ref[name], f"{attention}: '{name}' {same}/{len(outputs)} equal"
