@@ -50,6 +50,9 @@ class _Compile:
     # NOTE: the worker stamps this before its future completes, so a done future always has it.
     finished_at: float = math.inf
     nbytes: int = 0  # the compiled grammar's size, once compiled
+    # Fewest tokens of a complete output, once known (from the sandbox, before the compile
+    # here ends): a request whose budget is smaller is refused without waiting for it.
+    min_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -119,9 +122,9 @@ class GrammarQueue:
     def _compile(self, job: _Compile, kind: str, spec: str) -> Grammar:
         try:
             if self._sandbox is not None:
-                self._probe(self._sandbox, kind, spec)
+                job.min_tokens = self._probe(self._sandbox, kind, spec)
             grammar = self.backend.compile(kind, spec)
-            job.nbytes = grammar.memory_bytes()
+            job.nbytes, job.min_tokens = grammar.memory_bytes(), grammar.min_output_tokens()
             self._trim_cache(job)
             return grammar
         finally:
@@ -138,7 +141,7 @@ class GrammarQueue:
                     del self._cache[key]
                     total -= job.nbytes
 
-    def _probe(self, sandbox: SandboxSpec, kind: str, spec: str) -> None:
+    def _probe(self, sandbox: SandboxSpec, kind: str, spec: str) -> int:
         with self._cache_lock:
             box = self._idle_sandboxes.pop() if self._idle_sandboxes else None
         if box is None:
@@ -147,7 +150,7 @@ class GrammarQueue:
             with self._backend_lock:
                 self._backend_ready = time.monotonic()
         try:
-            box.probe(kind, spec, self.timeout_s)
+            return box.probe(kind, spec, self.timeout_s)
         finally:
             if box.alive:
                 with self._cache_lock:
@@ -173,7 +176,11 @@ class GrammarQueue:
             finished = p.job.finished_at
             deadline = self._deadline(p)
             late = finished > deadline if finished < math.inf else now >= deadline
-            if late:
+            too_short = _budget_problem(p.req, p.job.min_tokens)
+            if too_short:
+                self._refuse(p.req, too_short)
+                failed.append(p.req)
+            elif late:
                 message = (
                     f"{_field(p.req)} did not compile within grammar_compile_timeout="
                     f"{self.timeout_s:g}s (grammar backend {self.backend_name}); simplify it "
@@ -185,13 +192,7 @@ class GrammarQueue:
                 error = p.job.future.exception()
                 if error is None:
                     p.req.grammar = p.job.future.result().copy()
-                    too_short = _budget_problem(p.req)
-                    if too_short:
-                        p.req.grammar = None
-                        self._refuse(p.req, too_short)
-                        failed.append(p.req)
-                    else:
-                        ready.append(p.req)
+                    ready.append(p.req)
                 else:
                     message = compile_error_message(p.req, self.backend_name, error)
                     self._refuse(p.req, message)
@@ -251,10 +252,11 @@ def compile_error_message(req: Req, backend: str, error: BaseException) -> str:
     return f"{_field(req)} rejected by grammar backend '{backend}': {detail}"
 
 
-def _budget_problem(req: Req) -> str | None:
-    """Why ``req``'s budget cannot hold any complete output of its grammar, if it cannot."""
-    budget, floor = req.sampling.max_new_tokens, req.grammar.min_output_tokens()
-    if 0 < budget < floor:
+def _budget_problem(req: Req, floor: int | None) -> str | None:
+    """Why ``req``'s budget cannot hold any complete output of its grammar (one needs at least
+    ``floor`` tokens), if it cannot."""
+    budget = req.sampling.max_new_tokens
+    if floor is not None and 0 < budget < floor:
         return (
             f"every output {_field(req)} allows is at least {floor} tokens long, but "
             f"max_new_tokens is {budget}: the output could only end cut off. Raise "

@@ -79,10 +79,11 @@ class GrammarSandbox:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def probe(self, kind: str, spec: str, timeout_s: float) -> None:
-        """Return once ``spec`` compiled in the sandbox; raise ValueError with the backend's
-        complaint, or SandboxRefused when it took longer than ``timeout_s`` or too much memory
-        (the sandbox is then gone; make a new one)."""
+    def probe(self, kind: str, spec: str, timeout_s: float) -> int:
+        """Return once ``spec`` compiled in the sandbox, with the fewest tokens of a complete
+        output (``Grammar.min_output_tokens``); raise ValueError with the backend's complaint,
+        or SandboxRefused when it took longer than ``timeout_s`` or too much memory (the sandbox
+        is then gone; make a new one)."""
         self._send({"kind": kind, "spec": spec})
         reply = self._receive(timeout_s)
         if reply is None:
@@ -105,6 +106,7 @@ class GrammarSandbox:
             )
         if "error" in reply:
             raise ValueError(reply["error"])
+        return int(reply.get("min_tokens", 0))
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -190,13 +192,13 @@ def _child_main() -> None:
     reply({"ready": True})
     while (request := receive()) is not None:
         try:
-            _exercise(backend, request["kind"], request["spec"], spec.vocab_size)
+            min_tokens = _exercise(backend, request["kind"], request["spec"], spec.vocab_size)
         except Exception as e:  # noqa: BLE001 - reported: a bad spec, or the backend's failure
             oom = isinstance(e, MemoryError) or "bad_alloc" in str(e)
             message = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
             reply({"error": message, "oom": oom})
         else:
-            reply({"ok": True})
+            reply({"ok": True, "min_tokens": min_tokens})
 
 
 def _build_backend(spec: SandboxSpec) -> Any:
@@ -210,13 +212,14 @@ def _build_backend(spec: SandboxSpec) -> Any:
     return factory(Tokenizer(Path(spec.model_dir)), spec.vocab_size, list(spec.stop_token_ids))
 
 
-def _exercise(backend: Any, kind: str, spec: str, vocab_size: int) -> None:
+def _exercise(backend: Any, kind: str, spec: str, vocab_size: int) -> int:
     """What a request does with a fresh grammar before its first token: compile it, take a
-    matcher, fill a mask and read the jump-forward text."""
+    matcher, fill a mask and read the jump-forward text. Returns its min_output_tokens."""
     matcher = backend.compile(kind, spec).copy()
     bitmask = backend.allocate_bitmask(1, vocab_size)
     matcher.fill_bitmask(bitmask, 0)
     matcher.forced_string()
+    return int(matcher.min_output_tokens())
 
 
 def _cap_memory(memory_mb: int) -> None:
