@@ -1,0 +1,136 @@
+"""The engine process loop's second line (issue 13), on a fake core over inproc sockets: a step
+that raises ends the running requests with a 500 and the loop goes on; steps that keep failing
+with nothing to end stop the engine (EngineFailed); a message the engine cannot decode is
+refused alone."""
+
+from __future__ import annotations
+
+import threading
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from radixserve.core import ipc
+from radixserve.core.request import FinishReason, Req, SamplingParams
+from radixserve.entrypoints.engine_process import MAX_FAILED_STEPS, EngineLoop
+
+HANG_GUARD_MS = 60_000
+
+
+class FakeScheduler:
+    def __init__(self) -> None:
+        self.running: list[Req] = []
+
+    def kv_accounting(self) -> dict[str, int]:
+        return {"in_use": 0, "locked": 0}
+
+
+class FakeCore:
+    """Runs requests for one step each; ``fail`` makes steps raise, ``busy`` makes it step with
+    nothing running."""
+
+    config = types.SimpleNamespace(watchdog_timeout=300.0)
+
+    def __init__(self) -> None:
+        self.scheduler = FakeScheduler()
+        self.fail = False
+        self.busy = False
+        self.steps = 0
+
+    def add_request(self, req: Req) -> None:
+        self.scheduler.running.append(req)
+
+    def abort(self, rid: str, message: str = "aborted") -> Req | None:
+        for req in self.scheduler.running:
+            if req.rid == rid:
+                self.scheduler.running.remove(req)
+                req.finish(FinishReason("abort", message=message))
+                return req
+        return None
+
+    def has_work(self) -> bool:
+        return self.busy or bool(self.scheduler.running)
+
+    def step(self) -> list[Req]:
+        self.steps += 1
+        if self.fail:
+            raise RuntimeError("a bug in the step")
+        done, self.scheduler.running = self.scheduler.running, []
+        for req in done:
+            req.output_ids.append(1)
+            req.finish(FinishReason("length", length=1))
+        return done
+
+
+@pytest.fixture
+def loop() -> Iterator[tuple[FakeCore, zmq.Socket, zmq.Socket, threading.Thread]]:
+    ctx = zmq.Context()
+    to_engine, engine_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    engine_out, from_engine = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    engine_in.bind("inproc://in")
+    to_engine.connect("inproc://in")
+    from_engine.bind("inproc://out")
+    engine_out.connect("inproc://out")
+    core = FakeCore()
+    thread = threading.Thread(target=EngineLoop(core, engine_in, engine_out).run, daemon=True)  # type: ignore[arg-type]
+    thread.start()
+    yield core, to_engine, from_engine, thread
+    to_engine.send(ipc.encode(ipc.ShutdownRequest()))
+    thread.join(HANG_GUARD_MS / 1000)
+    for sock in (to_engine, engine_in, engine_out, from_engine):
+        sock.close(linger=0)
+    ctx.term()
+
+
+def receive(sock: zmq.Socket) -> Any:
+    assert sock.poll(HANG_GUARD_MS), "no message from the engine loop"
+    return ipc.decode_outbound(sock.recv())
+
+
+def generate(rid: str) -> bytes:
+    return ipc.encode(ipc.GenerateRequest(rid=rid, input_ids=[1, 2], sampling=SamplingParams()))
+
+
+def test_a_failing_step_ends_the_running_requests_and_the_loop_goes_on(loop: Any) -> None:
+    core, to_engine, from_engine, thread = loop
+    core.fail = True
+    to_engine.send(generate("victim"))
+    out = receive(from_engine)
+    (delta,) = out.reqs
+    assert delta.rid == "victim" and delta.error_status == 500
+    assert "the engine failed while running this request (RuntimeError: a bug" in (
+        delta.finish.message
+    )
+    core.fail = False
+    to_engine.send(generate("next"))
+    (delta,) = receive(from_engine).reqs
+    assert delta.rid == "next" and delta.error_status == 0 and delta.finish.type == "length"
+    assert thread.is_alive()
+
+
+def test_steps_failing_with_nothing_to_end_stop_the_engine(loop: Any) -> None:
+    core, to_engine, from_engine, thread = loop
+    core.fail = core.busy = True
+    to_engine.send(ipc.encode(ipc.AbortRequest("nobody")))  # wakes the loop; nothing runs
+    msg = receive(from_engine)
+    assert isinstance(msg, ipc.EngineFailed)
+    assert "a bug in the step" in msg.message
+    thread.join(HANG_GUARD_MS / 1000)
+    assert not thread.is_alive() and core.steps == MAX_FAILED_STEPS + 1
+
+
+def test_an_undecodable_request_is_refused_alone(loop: Any) -> None:
+    core, to_engine, from_engine, thread = loop
+    bad = msgspec.msgpack.encode({"type": "generate", "rid": "odd", "input_ids": "not ids"})
+    to_engine.send(bad)
+    (delta,) = receive(from_engine).reqs
+    assert delta.rid == "odd" and delta.error_status == 400
+    assert "the engine cannot read the request" in delta.finish.message
+    to_engine.send(generate("fine"))
+    (delta,) = receive(from_engine).reqs
+    assert delta.rid == "fine" and delta.error_status == 0
+    assert thread.is_alive()
