@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from hardening import assert_openai_error, is_idle, own_server, wait_idle
+from hardening import Background, assert_openai_error, is_idle, own_server, wait_idle
 from model_gate import install_plugin
 from radixserve_test_faults import FAULT_TOKEN, GROW_SPEC, SLEEP_SPEC
 from server_process import TINY_MODEL_NAME, RunningServer
@@ -66,28 +66,19 @@ def isolated(
         yield running
 
 
-class OtherClient:
+class OtherClient(Background):
     """Another client sending small requests the whole time; records each latency."""
 
     def __init__(self, server: RunningServer) -> None:
+        super().__init__()
         self.server = server
         self.latencies: list[float] = []
         self.statuses: list[int] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> OtherClient:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(HANG_GUARD_S)
-
-    def _run(self) -> None:
+    def run(self, stop: threading.Event) -> None:
         body = {"text": "hello", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
         with httpx.Client(headers=self.server.headers, timeout=HANG_GUARD_S) as client:
-            while not self._stop.is_set():
+            while not stop.is_set():
                 start = time.monotonic()
                 r = client.post(self.server.url + "/generate", json=body)
                 self.latencies.append(time.monotonic() - start)
@@ -102,28 +93,19 @@ class OtherClient:
         assert self.statuses and set(self.statuses) == {200}, self.statuses
 
 
-class EngineMemory:
+class EngineMemory(Background):
     """Peak resident memory of the engine process (not its sandbox children) while in use."""
 
     def __init__(self, server: RunningServer) -> None:
+        super().__init__()
         children = psutil.Process(server.proc.pid).children()
         engines = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
         assert len(engines) == 1, [c.cmdline() for c in children]
         self.engine = engines[0]
         self.before = self.peak = self.engine.memory_info().rss
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> EngineMemory:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(HANG_GUARD_S)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.05):
+    def run(self, stop: threading.Event) -> None:
+        while not stop.wait(0.05):
             self.peak = max(self.peak, self.engine.memory_info().rss)
 
     def report(self) -> str:

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from server_process import (
@@ -78,6 +78,30 @@ def is_idle(state: dict[str, Any]) -> bool:
         and state["kv"]["locked"] == 0
         and state["num_live_requests"] == 0
     )
+
+
+_B = TypeVar("_B", bound="Background")
+
+
+class Background:
+    """A daemon thread that runs ``run(stop)`` for the length of a ``with`` block; ``run`` must
+    return soon after the ``stop`` event is set."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self.run, args=(self._stop,), daemon=True)
+
+    def run(self, stop: threading.Event) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _B) -> _B:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(120)
+        assert not self._thread.is_alive(), f"{type(self).__name__}: the thread hung"
 
 
 class ValidTraffic:
