@@ -171,7 +171,7 @@ class ReqToTokenPool:
             self._mirror = torch.zeros((rows + 1, cols), dtype=torch.int32, device=device)
             self._mirror[:rows] = to_device(self.table.to(torch.int32), device)
             self._dirty.clear()
-        elif self._mirror.device != torch.device(device):
+        elif not _same_device(self._mirror.device, torch.device(device)):
             raise ValueError(
                 f"the req->token mirror lives on {self._mirror.device}, not on {device}"
             )
@@ -222,3 +222,8 @@ class KVPool:
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer_id].index_copy_(0, slots, k)
         self.v[layer_id].index_copy_(0, slots, v)
+
+
+def _same_device(have: torch.device, want: torch.device) -> bool:
+    """``want`` without an index ("cuda") means the current device of its type."""
+    return have.type == want.type and want.index in (None, have.index)
