@@ -1,17 +1,16 @@
-"""Tokenization, chat templates (sandboxed Jinja) and incremental detokenization."""
+"""Tokenization, chat templates (rendered as transformers does) and incremental detokenization."""
 
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
+from radixserve.core import chat_template as templating
 from radixserve.core.config import ConfigError
 from radixserve.core.request import InvalidRequest
 
@@ -29,11 +28,29 @@ class Tokenizer:
         self._tok = HFTokenizer.from_file(str(path))
         cfg_path = model_dir / "tokenizer_config.json"
         self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        self.chat_template = chat_template or self.config.get("chat_template")
-        self.bos_token = _token_text(self.config.get("bos_token"))
-        self.eos_token = _token_text(self.config.get("eos_token"))
+        self.templates = _named_templates(chat_template or self.config.get("chat_template"))
+        self.special_tokens = {
+            name: text
+            for name in templating.SPECIAL_TOKEN_NAMES
+            if (text := _token_text(self.config.get(name))) is not None
+        }
+        self.bos_token = self.special_tokens.get("bos_token")
+        self.eos_token = self.special_tokens.get("eos_token")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self._compiled_template: Any = None
+
+    @property
+    def chat_template(self) -> str | None:
+        """The default template's source (the ``tool_use`` one is picked when tools are given)."""
+        return self.template_for(None)
+
+    def template_for(self, tools: list[dict[str, Any]] | None) -> str | None:
+        """The template source rendered for a request with these ``tools``, if any."""
+        if self.templates is None:
+            return None
+        try:
+            return templating.select_template(self.templates, tools=tools)
+        except TemplateError:
+            return None
 
     @property
     def backend(self) -> HFTokenizer:
@@ -64,23 +81,24 @@ class Tokenizer:
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
         **extra: Any,
     ) -> str:
-        """Render ``messages`` with the model's template; InvalidRequest on a bad message."""
-        if not self.chat_template:
+        """Render ``messages`` as ``transformers``' ``apply_chat_template(..., tokenize=False)``
+        would with the same arguments; InvalidRequest on a bad message or a failing template."""
+        if not self.templates:
             raise InvalidRequest("this model has no chat template; pass --chat-template")
         _check_messages(messages)
-        if self._compiled_template is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_template_error
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._compiled_template = env.from_string(self.chat_template)
         try:
-            return self._compiled_template.render(
-                messages=messages,
+            source = templating.select_template(self.templates, tools=tools)
+            return templating.render(
+                source,
+                messages,
+                tools=tools,
+                documents=documents,
                 add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
+                special_tokens=self.special_tokens,
                 **extra,
             )
         except TemplateError as e:
@@ -89,6 +107,13 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, Any]], **extra: Any) -> list[int]:
         # The template already holds any BOS it wants, so no special tokens are added here.
         return self.encode(self.apply_chat_template(messages, **extra), add_special_tokens=False)
+
+
+def _named_templates(value: Any) -> str | dict[str, str] | None:
+    # tokenizer_config.json may hold several templates as [{"name": ..., "template": ...}].
+    if isinstance(value, list):
+        return {t["name"]: t["template"] for t in value}
+    return value
 
 
 def _token_text(value: Any) -> str | None:
@@ -103,10 +128,6 @@ def _is_valid_unicode(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def _raise_template_error(message: str) -> None:
-    raise TemplateError(message)
 
 
 def _check_messages(messages: Any) -> None:

@@ -175,6 +175,10 @@ class ChatCompletionRequest(SamplingRequest):
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    # Passed to the chat template as transformers' apply_chat_template passes them (vLLM and
+    # SGLang accept the same two fields).
+    documents: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TopLogprob(BaseModel):

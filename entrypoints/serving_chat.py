@@ -40,8 +40,10 @@ class ChatServing(OpenAIServing):
         plan = plan_tools(body)
         grammar = chat_grammar(body, plan)
         messages = [_message_dict(i, m) for i, m in enumerate(body.messages)]
-        template = self.tm.tokenizer.chat_template or ""
-        extra = {"tools": plan.tools} if plan.active else {}
+        extra = _template_kwargs(body)
+        if plan.active:
+            extra["tools"] = plan.tools
+        template = self.tm.tokenizer.template_for(extra.get("tools")) or ""
         ids = self.tm.encode_chat(plan.prompt_messages(messages, template), **extra)
         if body.max_completion_tokens is not None:
             max_tokens, field = body.max_completion_tokens, "max_completion_tokens"
@@ -143,6 +145,23 @@ def _top(text: str, logprob: float) -> TopLogprob:
 def _finish_reason(req: ServerReq, called: bool) -> str | None:
     reason = finish_reason(req)
     return "tool_calls" if called and reason == "stop" else reason
+
+
+_TEMPLATE_ARGS = ("messages", "tools", "add_generation_prompt")
+
+
+def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
+    extra = dict(body.chat_template_kwargs or {})
+    for name in _TEMPLATE_ARGS:
+        if name in extra:
+            raise ApiError(
+                400,
+                f"chat_template_kwargs may not set '{name}' (the server sets it)",
+                param="chat_template_kwargs",
+            )
+    if body.documents is not None:
+        extra["documents"] = body.documents
+    return extra
 
 
 def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
