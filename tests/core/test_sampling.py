@@ -1,0 +1,261 @@
+"""The sampler on fixed logits, on the CPU: sampled tokens stay inside the top-k set, the top-p
+nucleus and the min-p floor (each computed here independently); the empirical distribution of
+many seeded draws matches softmax(logits / T) after filtering (a chi-square test at a fixed
+budget and seed, so it is deterministic); penalties change the logits by SGLang's formulas;
+seeded choices are reproducible and distinct."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from radixserve.core import sampling
+from radixserve.core.request import Req, SamplingParams
+
+# Distinct values, no ties, so every filter's kept set is unambiguous.
+LOGITS = [2.0, 1.6, 1.1, 0.7, 0.2, -0.4, -1.0, -1.9]
+DRAWS = 20_000
+# Upper 0.1% points of the chi-square distribution, by degrees of freedom (standard tables).
+CHI2_CRIT_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322}
+
+
+def reqs_for(n: int, **params: object) -> list[Req]:
+    sp = SamplingParams(**params)  # type: ignore[arg-type]
+    return [Req(f"r{i}", [0], sp) for i in range(n)]
+
+
+def draw(logits: list[float], n: int = DRAWS, seed: int = 0, **params: object) -> list[int]:
+    """``n`` independent draws (one batch row each) under a fixed torch seed."""
+    batch = torch.tensor([logits] * n, dtype=torch.float32)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return sampling.sample_ids(batch, reqs_for(n, **params)).tolist()
+
+
+def softmax(logits: list[float], temperature: float) -> list[float]:
+    m = max(logits)
+    e = [math.exp((x - m) / temperature) for x in logits]
+    return [x / sum(e) for x in e]
+
+
+def kept_top_k(probs: list[float], k: int) -> set[int]:
+    return set(sorted(range(len(probs)), key=lambda i: -probs[i])[:k])
+
+
+def kept_top_p(probs: list[float], p: float) -> set[int]:
+    """The smallest set of most likely tokens whose mass reaches ``p``."""
+    kept, mass = set(), 0.0
+    for i in sorted(range(len(probs)), key=lambda i: -probs[i]):
+        kept.add(i)
+        mass += probs[i]
+        if mass >= p:
+            break
+    return kept
+
+
+def kept_min_p(probs: list[float], min_p: float) -> set[int]:
+    return {i for i, q in enumerate(probs) if q >= min_p * max(probs)}
+
+
+def chi_square(samples: list[int], expected: list[float]) -> tuple[float, int]:
+    """Pearson's statistic and its degrees of freedom. Tokens of expected probability 0 must
+    never be drawn (checked here); tokens of expected count below 5 are pooled into one cell
+    (and that cell into the smallest other one if it is still below 5), as the chi-square
+    approximation needs."""
+    counts = [0] * len(expected)
+    for s in samples:
+        counts[s] += 1
+    assert all(counts[i] == 0 for i, q in enumerate(expected) if q == 0), counts
+    n = len(samples)
+    cells = sorted(((q * n, counts[i]) for i, q in enumerate(expected) if q > 0), reverse=True)
+    big = [list(c) for c in cells if c[0] >= 5]
+    small = [c for c in cells if c[0] < 5]
+    if small:
+        pooled = [sum(e for e, _ in small), sum(c for _, c in small)]
+        if pooled[0] >= 5 or not big:
+            big.append(pooled)
+        else:
+            big[-1] = [big[-1][0] + pooled[0], big[-1][1] + pooled[1]]
+    return sum((c - e) ** 2 / e for e, c in big), len(big) - 1
+
+
+def filtered(probs: list[float], kept: set[int]) -> list[float]:
+    total = sum(probs[i] for i in kept)
+    return [q / total if i in kept else 0.0 for i, q in enumerate(probs)]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_top_k_keeps_exactly_k_tokens(k: int) -> None:
+    probs = torch.softmax(torch.tensor([LOGITS]), dim=-1)
+    out = sampling._filter_probs(probs, reqs_for(1, top_k=k))[0]
+    assert set(out.nonzero().flatten().tolist()) == kept_top_k(softmax(LOGITS, 1.0), k)
+    samples = set(draw(LOGITS, 4000, temperature=1.0, top_k=k))
+    assert samples <= kept_top_k(softmax(LOGITS, 1.0), k)
+
+
+@pytest.mark.parametrize("p", [0.3, 0.5, 0.8, 0.95])
+def test_top_p_keeps_the_nucleus(p: float) -> None:
+    probs = torch.softmax(torch.tensor([LOGITS]), dim=-1)
+    out = sampling._filter_probs(probs, reqs_for(1, top_p=p))[0]
+    nucleus = kept_top_p(softmax(LOGITS, 1.0), p)
+    assert set(out.nonzero().flatten().tolist()) == nucleus
+    assert set(draw(LOGITS, 4000, temperature=1.0, top_p=p)) <= nucleus
+
+
+@pytest.mark.parametrize("min_p", [0.05, 0.2, 0.5, 0.9])
+def test_min_p_keeps_the_floor(min_p: float) -> None:
+    probs = torch.softmax(torch.tensor([LOGITS]), dim=-1)
+    out = sampling._filter_probs(probs, reqs_for(1, min_p=min_p))[0]
+    floor = kept_min_p(softmax(LOGITS, 1.0), min_p)
+    assert set(out.nonzero().flatten().tolist()) == floor
+    assert set(draw(LOGITS, 4000, temperature=1.0, min_p=min_p)) <= floor
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "min_p", "size"),
+    [(3, 0.95, 0.05, 3), (6, 0.9, 0.05, 4), (6, 0.99, 0.3, 3)],  # each filter binds once
+)
+def test_filters_combine_as_an_intersection(
+    top_k: int, top_p: float, min_p: float, size: int
+) -> None:
+    probs = softmax(LOGITS, 0.8)
+    want = kept_top_k(probs, top_k) & kept_top_p(probs, top_p) & kept_min_p(probs, min_p)
+    assert len(want) == size
+    out = sampling._filter_probs(
+        torch.tensor([probs]), reqs_for(1, top_k=top_k, top_p=top_p, min_p=min_p)
+    )[0]
+    assert set(out.nonzero().flatten().tolist()) == want
+    assert torch.allclose(out, torch.tensor([q if i in want else 0.0 for i, q in enumerate(probs)]))
+
+
+@pytest.mark.parametrize("temperature", [0.3, 0.5, 0.8, 1.0, 1.7, 3.0])
+def test_distribution_matches_softmax_over_temperature(temperature: float) -> None:
+    probs = softmax(LOGITS, temperature)
+    stat, df = chi_square(draw(LOGITS, temperature=temperature), probs)
+    assert stat < CHI2_CRIT_001[df], (temperature, stat)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "params", "kept"),
+    [
+        (0.7, {"top_k": 3}, lambda q: kept_top_k(q, 3)),
+        (1.5, {"top_k": 5}, lambda q: kept_top_k(q, 5)),
+        (1.0, {"top_p": 0.8}, lambda q: kept_top_p(q, 0.8)),
+        (2.0, {"top_p": 0.6}, lambda q: kept_top_p(q, 0.6)),
+        (1.0, {"min_p": 0.2}, lambda q: kept_min_p(q, 0.2)),
+        (0.6, {"min_p": 0.1}, lambda q: kept_min_p(q, 0.1)),
+    ],
+)
+def test_distribution_matches_filtered_softmax(temperature, params, kept) -> None:
+    """Filters act on softmax(logits / T) and the kept mass is renormalized."""
+    probs = softmax(LOGITS, temperature)
+    expected = filtered(probs, kept(probs))
+    stat, df = chi_square(draw(LOGITS, temperature=temperature, **params), expected)
+    assert stat < CHI2_CRIT_001[df], (temperature, params, stat)
+
+
+def test_chi_square_detects_a_wrong_temperature() -> None:
+    """The budget is large enough: draws at T are far from softmax(logits / sqrt(T))."""
+    for temperature in (0.5, 2.0):
+        stat, df = chi_square(
+            draw(LOGITS, temperature=temperature), softmax(LOGITS, math.sqrt(temperature))
+        )
+        assert stat > 10 * CHI2_CRIT_001[df], (temperature, stat)
+
+
+def test_greedy_and_top_k_1_take_the_argmax() -> None:
+    assert set(draw(LOGITS, 500, temperature=0.0)) == {0}
+    assert set(draw(LOGITS, 500, temperature=5.0, top_k=1)) == {0}
+
+
+# --- penalties, on the logits (SGLang's formulas) ---------------------------------------
+
+
+def penalized(logits: list[float], prompt: list[int], output: list[int], **params) -> list[float]:
+    req = Req("r", prompt, SamplingParams(**params))
+    req.output_ids = list(output)
+    return sampling._apply_penalties(torch.tensor([logits]), [req])[0].tolist()
+
+
+PEN_LOGITS = [1.5, -0.5, 2.0, 0.0, -1.25, 0.75]
+
+
+def test_frequency_penalty_subtracts_penalty_times_output_count() -> None:
+    out = penalized(PEN_LOGITS, prompt=[4, 4], output=[0, 2, 2, 2, 1], frequency_penalty=0.5)
+    counts = [1, 1, 3, 0, 0, 0]  # prompt tokens do not count
+    assert out == pytest.approx([x - 0.5 * c for x, c in zip(PEN_LOGITS, counts, strict=True)])
+
+
+def test_presence_penalty_subtracts_once_per_output_token() -> None:
+    out = penalized(PEN_LOGITS, prompt=[4, 5], output=[0, 2, 2, 2], presence_penalty=-0.75)
+    seen = [1, 0, 1, 0, 0, 0]
+    assert out == pytest.approx([x + 0.75 * s for x, s in zip(PEN_LOGITS, seen, strict=True)])
+
+
+def test_repetition_penalty_divides_positive_multiplies_negative() -> None:
+    rp = 1.3
+    out = penalized(PEN_LOGITS, prompt=[1, 3], output=[0, 4], repetition_penalty=rp)
+    seen = {0, 1, 3, 4}  # prompt and output both count
+    want = [(x / rp if x > 0 else x * rp) if i in seen else x for i, x in enumerate(PEN_LOGITS)]
+    assert out == pytest.approx(want)
+
+
+def test_frequency_and_presence_add_up() -> None:
+    out = penalized(
+        PEN_LOGITS, prompt=[3], output=[5, 5, 1], frequency_penalty=0.25, presence_penalty=1.0
+    )
+    counts = [0, 1, 0, 0, 0, 2]
+    want = [x - 0.25 * c - 1.0 * (c > 0) for x, c in zip(PEN_LOGITS, counts, strict=True)]
+    assert out == pytest.approx(want)
+
+
+def test_no_penalty_leaves_logits_and_rows_apart() -> None:
+    logits = torch.tensor([PEN_LOGITS, PEN_LOGITS])
+    plain = Req("a", [0, 1], SamplingParams())
+    plain.output_ids = [2, 2]
+    pen = Req("b", [0, 1], SamplingParams(frequency_penalty=1.0))
+    pen.output_ids = [2, 2]
+    out = sampling._apply_penalties(logits, [plain, pen])
+    assert out[0].tolist() == PEN_LOGITS
+    assert out[1].tolist() == pytest.approx([1.5, -0.5, 0.0, 0.0, -1.25, 0.75])
+    assert logits[1].tolist() == PEN_LOGITS  # the input is not changed in place
+
+
+# --- seeds ------------------------------------------------------------------------------
+
+
+def test_seeded_choices_reproducible_and_distinct() -> None:
+    """n choices of one seeded request get seeds seed + index (entrypoints/fanout.py): each
+    choice's draws repeat exactly, and the choices differ from each other."""
+    from radixserve.entrypoints.fanout import choice_params
+
+    base = SamplingParams(temperature=1.0, seed=2**64 - 2, n=4)
+    logits = torch.tensor([LOGITS] * 4)
+
+    def run() -> list[list[int]]:
+        reqs = [Req(f"c{i}", [0], choice_params(base, i)) for i in range(4)]
+        rows = []
+        for _ in range(32):  # 32 positions: the seed is keyed by output position
+            rows.append(sampling.sample_ids(logits, reqs).tolist())
+            for r, t in zip(reqs, rows[-1], strict=True):
+                r.output_ids.append(t)
+        return [list(col) for col in zip(*rows, strict=True)]
+
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        first = run()
+        torch.manual_seed(2)  # the global generator must not matter for seeded rows
+        second = run()
+    assert first == second
+    assert len({tuple(c) for c in first}) == 4
+    assert [choice_params(base, i).seed for i in range(4)] == [2**64 - 2, 2**64 - 1, 0, 1]
+
+
+def test_seeded_row_does_not_depend_on_its_batch() -> None:
+    seeded = SamplingParams(temperature=1.0, seed=99)
+    alone = sampling.sample_ids(torch.tensor([LOGITS]), [Req("a", [0], seeded)]).item()
+    other = Req("b", [0], SamplingParams(temperature=2.0))
+    batch = torch.tensor([LOGITS[::-1], LOGITS])
+    assert sampling.sample_ids(batch, [other, Req("a", [0], seeded)])[1].item() == alone
