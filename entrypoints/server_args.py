@@ -30,6 +30,7 @@ class ServerArgs:
     api_key: str | None = None
     chat_template: str | None = None
     enable_metrics: bool = False
+    incremental_streaming_output: bool = False
     max_body_bytes: int = 32 << 20
     max_header_bytes: int = 64 << 10
     max_queued_requests: int = 1024
@@ -82,6 +83,12 @@ def build_parser(prog: str = "radixserve serve") -> argparse.ArgumentParser:
         "--chat-template", default=None, help="Chat template: a Jinja file or template text"
     )
     p.add_argument("--enable-metrics", action="store_true", help="Serve Prometheus /metrics")
+    p.add_argument(
+        "--incremental-streaming-output",
+        action="store_true",
+        help="Native /generate streams send only what is new in each event (text, output_ids, "
+        "output logprobs), as SGLang's flag of that name; default: cumulative",
+    )
     p.add_argument(
         "--max-body-bytes", type=int, default=32 << 20, help="Largest request body accepted"
     )

@@ -1,7 +1,10 @@
 """POST /generate: SGLang's native API (the wire contract is PROTOCOL.md).
 
 One input gives one object, a batch (a list input, or n > 1) a list in input order (input-major,
-then choice). ``stream`` sends cumulative ``text`` per event and ends with ``data: [DONE]``.
+then choice). ``stream`` sends cumulative ``text`` per event and ends with ``data: [DONE]``;
+with ``--incremental-streaming-output`` each event holds only what is new (SGLang's flag).
+Either way ``output_token_logprobs_length`` counts all output logprobs so far, so a client can
+tell a cumulative list from a delta (SGLang's frontend reads it).
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ class LogprobOptions:
 
 
 class NativeServing:
-    def __init__(self, tm: TokenizerManager) -> None:
+    def __init__(self, tm: TokenizerManager, incremental: bool = False) -> None:
         self.tm = tm
+        self.incremental = incremental
 
     async def generate(self, body: Any, raw: Request) -> Any:
         if not isinstance(body, dict):
@@ -129,12 +133,15 @@ class NativeServing:
     async def _stream(
         self, reqs: list[ServerReq], options: list[LogprobOptions], batch: bool
     ) -> AsyncIterator[bytes]:
+        sent = [_Sent() for _ in reqs]  # what each request's earlier events carried
         async for updates in follow(self.tm, reqs):
             for u in updates:
                 if u.req.failed:
                     yield sse(error_event(u.req))
                     continue
                 out = self.result(u.req, options[u.index])
+                if self.incremental:
+                    sent[u.index].cut(out)
                 if batch:
                     out["index"] = u.index
                 yield sse(out)
@@ -156,6 +163,7 @@ class NativeServing:
             meta["output_token_logprobs"] = logprob_triples(
                 r.logprobs[:n], r.output_ids[:n], decode
             )
+            meta["output_token_logprobs_length"] = n
             entries: list[Any] = []
             tops: list[Any] | None = []
             if r.logprob_start_len >= 0 and r.finished:
@@ -171,6 +179,31 @@ class NativeServing:
                 meta["input_top_logprobs"] = tops or []
                 meta["output_top_logprobs"] = top_logprob_triples(r.top_logprobs, decode)
         return {"text": r.visible_text(), "output_ids": list(r.output_ids), "meta_info": meta}
+
+
+# Output-side lists that an incremental stream sends as deltas (SGLang's set).
+_DELTA_KEYS = ("output_token_logprobs", "output_top_logprobs")
+
+
+@dataclass(slots=True)
+class _Sent:
+    """How much of one request's text, ids and output logprobs earlier events carried."""
+
+    text: int = 0
+    ids: int = 0
+    logprobs: int = 0
+
+    def cut(self, out: dict[str, Any]) -> None:
+        """Turn a cumulative event into a delta, in place (input logprobs stay whole, as in
+        SGLang: they arrive once, with the last event)."""
+        text, ids, meta = out["text"], out["output_ids"], out["meta_info"]
+        out["text"], out["output_ids"] = text[self.text :], ids[self.ids :]
+        self.text, self.ids = len(text), len(ids)
+        if "output_token_logprobs_length" in meta:
+            for key in _DELTA_KEYS:
+                if key in meta:
+                    meta[key] = meta[key][self.logprobs :]
+            self.logprobs = meta["output_token_logprobs_length"]
 
 
 def _is_int(value: Any) -> bool:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from radixserve.lang import ir
-from radixserve.lang.backends.base import Backend, ProgramView
+from radixserve.lang.backends.base import STREAM_DELTA_KEYS, Backend, ProgramView
 from radixserve.lang.chat_template import ChatTemplate
 from radixserve.lang.sampling import SamplingOptions
 
@@ -50,6 +50,7 @@ class StreamExecutor:
         self.assigned: list[str] = []  # variables this executor set (not inherited by a fork)
         self._done: set[str] = set()  # variables whose value is final
         self._partial: dict[str, str] = {}  # streamed variables, as far as they got
+        self._pieces: dict[str, list[dict[str, Any]]] = {}  # each streamed piece's meta_info
         self._pending = 0
         self._cond = threading.Condition()
         self._queue: queue.Queue[ir.Expr] = queue.Queue()
@@ -134,7 +135,14 @@ class StreamExecutor:
 
     def stream_chunks(self, name: str | None) -> Iterator[str]:
         """New text of the whole program (``name`` None) or of one variable, as it arrives."""
-        seen = 0
+        for piece, _ in self.stream_chunks_with_meta(name):
+            yield piece
+
+    def stream_chunks_with_meta(self, name: str | None) -> Iterator[tuple[str, dict[str, Any]]]:
+        """``stream_chunks`` with each chunk's meta_info, as SGLang's frontend gives it: the
+        latest event's fields, with the output-side logprob lists holding only the chunk's own
+        tokens (events that brought no text are merged into the next chunk)."""
+        seen = used = 0
 
         def ready() -> bool:
             return len(self._current(name)) > seen or self._over(name)
@@ -143,9 +151,12 @@ class StreamExecutor:
             with self._cond:
                 self._cond.wait_for(ready)
                 text, over = self._current(name), self._over(name)
+                pieces = self._pieces.get(name, []) if name is not None else []
+                meta = merge_stream_meta(pieces[used:])
+                fresh = len(pieces)
             if len(text) > seen:
-                yield text[seen:]
-                seen = len(text)
+                yield text[seen:], meta
+                seen, used = len(text), fresh
             elif over:
                 break
         self.raise_error()
@@ -242,16 +253,17 @@ class StreamExecutor:
             self._append(text)
             self.set_var(expr.name, text, meta)
             return
-        value, meta = "", {}
+        value, pieces = "", []
         for piece, piece_meta in self.backend.generate_stream(view, options):
-            meta = piece_meta
             with self._cond:
                 value += piece
                 self.text_ += piece
+                pieces.append(piece_meta)
                 if expr.name is not None:
                     self._partial[expr.name] = value
+                    self._pieces[expr.name] = pieces
                 self._cond.notify_all()
-        self.set_var(expr.name, value, meta)
+        self.set_var(expr.name, value, merge_stream_meta(pieces))
 
     def _role_begin(self, role: str) -> None:
         if self.cur_role is not None:
@@ -272,3 +284,15 @@ class StreamExecutor:
         self.messages_.append({"role": role, "content": content.lstrip()})
         self.cur_role = None
         self._append(self.chat_template.prefix_and_suffix(role)[1])
+
+
+def merge_stream_meta(pieces: list[dict[str, Any]]) -> dict[str, Any]:
+    """One meta_info for consecutive stream pieces: the last piece's fields, with the delta
+    lists of all of them joined."""
+    if not pieces:
+        return {}
+    merged = dict(pieces[-1])
+    for key in STREAM_DELTA_KEYS:
+        if any(key in p for p in pieces):
+            merged[key] = [entry for p in pieces for entry in p.get(key) or []]
+    return merged

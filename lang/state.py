@@ -85,17 +85,33 @@ class ProgramState:
 
     # -- streaming -----------------------------------------------------------------------------
 
-    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
+    def text_iter(
+        self, var_name: str | None = None, return_meta_data: bool = False
+    ) -> Iterator[Any]:
         """The program's text (or one variable) piece by piece as it is generated; without
-        ``stream=True`` a single piece, once complete."""
+        ``stream=True`` a single piece, once complete. With ``return_meta_data`` (a variable
+        only) each piece comes as ``(text, meta_info)``, the output logprob lists holding that
+        piece's own tokens, as in SGLang's frontend."""
+        if return_meta_data and var_name is None:
+            raise ValueError("return_meta_data needs a variable name")
         if not self.executor.stream:
-            yield self.text() if var_name is None else str(self[var_name])
+            if var_name is None:
+                yield self.text()
+            elif return_meta_data:
+                yield str(self[var_name]), self.get_meta_info(var_name)
+            else:
+                yield str(self[var_name])
             return
-        yield from self.executor.stream_chunks(var_name)
+        if return_meta_data:
+            yield from self.executor.stream_chunks_with_meta(var_name)
+        else:
+            yield from self.executor.stream_chunks(var_name)
 
-    async def text_async_iter(self, var_name: str | None = None) -> AsyncIterator[str]:
+    async def text_async_iter(
+        self, var_name: str | None = None, return_meta_data: bool = False
+    ) -> AsyncIterator[Any]:
         """``text_iter`` for asyncio code: waits in a worker thread, not on the event loop."""
-        chunks = self.text_iter(var_name)
+        chunks = self.text_iter(var_name, return_meta_data)
         loop = asyncio.get_running_loop()
         while True:
             piece = await loop.run_in_executor(None, next, chunks, None)

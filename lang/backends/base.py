@@ -17,6 +17,10 @@ from radixserve.lang.chat_template import ChatTemplate, get_chat_template
 from radixserve.lang.choices import ChoicesDecision, ChoicesMethod
 from radixserve.lang.sampling import SamplingOptions
 
+# Output-side meta_info lists that a stream delivers piece by piece: each streamed piece's
+# meta_info holds only that piece's own entries (SGLang's frontend contract).
+STREAM_DELTA_KEYS = ("output_token_logprobs", "output_top_logprobs")
+
 
 class BackendError(RuntimeError):
     """A backend could not do what a program asked (unreachable, refused, unsupported)."""

@@ -10,7 +10,7 @@ from abc import abstractmethod
 from collections.abc import Iterator
 from typing import Any
 
-from radixserve.lang.backends.base import Backend, BackendError, ProgramView
+from radixserve.lang.backends.base import STREAM_DELTA_KEYS, Backend, BackendError, ProgramView
 from radixserve.lang.choices import (
     ChoicesDecision,
     ChoicesMethod,
@@ -46,14 +46,22 @@ class NativeBackend(Backend):
         self, view: ProgramView, options: SamplingOptions
     ) -> Iterator[tuple[str, dict[str, Any]]]:
         body = {**generate_body(view.text, options), "stream": True}
-        seen = 0
+        seen = logprobs_seen = 0
         for event in self.post_stream(body):
             if "error" in event:
                 raise BackendError(f"the stream failed: {_message(event['error'])}")
             text = _item(event, "text")
             piece = text[seen:]
             seen = len(text)
-            yield piece, event.get("meta_info", {})
+            meta = dict(event.get("meta_info", {}))
+            length = meta.get("output_token_logprobs_length")
+            if length is not None and len(meta.get("output_token_logprobs") or []) == length:
+                # Cumulative lists (the server's default): keep each piece's own tokens only.
+                for key in STREAM_DELTA_KEYS:
+                    if key in meta:
+                        meta[key] = meta[key][logprobs_seen:]
+                logprobs_seen = length
+            yield piece, meta
 
     def select(
         self, view: ProgramView, choices: list[str], temperature: float, method: ChoicesMethod
