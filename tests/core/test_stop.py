@@ -16,7 +16,22 @@ from radixserve.core.tokenizer import Tokenizer
 
 EOS = "<eos>"
 # Multi-character tokens; every single byte is a token too (id = byte value).
-PIECES = ["ab", "abc", "cde", "xab", "ST", "OP", "TO", "xS", "Py", "abcd", "bcd", "Hello", " world"]
+PIECES = [
+    "ab",
+    "abc",
+    "cde",
+    "xab",
+    "ST",
+    "OP",
+    "TO",
+    "xS",
+    "Py",
+    "abcd",
+    "bcd",
+    "Hello",
+    " world",
+    "abab",
+]
 
 
 def _byte_chars() -> dict[int, str]:
@@ -179,6 +194,74 @@ def test_no_stop_trim_keeps_the_stop_text(tokenizer: Tokenizer) -> None:
     assert req.detok.text == "xabc"
 
 
+def test_first_occurrence_in_one_token_wins(tokenizer: Tokenizer) -> None:
+    req, _ = run(tokenizer, ["x", "abab"], stop=["ab"])
+    assert req.detok.text == "x"
+
+
+def test_stops_at_the_same_position_first_listed_wins(tokenizer: Tokenizer) -> None:
+    req, _ = run(tokenizer, ["abcd"], stop=["ab", "abc"], no_stop_trim=True)
+    assert req.finish_reason.matched == "ab" and req.detok.text == "ab"  # type: ignore[union-attr]
+
+
+def test_no_stop_trim_keeps_text_up_to_the_stop_end(tokenizer: Tokenizer) -> None:
+    req, _ = run(tokenizer, ["Hello", "xab", "Hello"], stop=["ab"], no_stop_trim=True)
+    assert req.detok.text == "Helloxab"
+
+
+def test_unmatched_stop_strings_still_end_on_length(tokenizer: Tokenizer) -> None:
+    req, n = run(tokenizer, ["Hello"] * 5, stop=["zz"], max_new_tokens=3)
+    assert n == 3 and req.finish_reason.type == "length"  # type: ignore[union-attr]
+
+
+def test_stop_on_the_last_allowed_token_reports_stop(tokenizer: Tokenizer) -> None:
+    req, n = run(tokenizer, ["Hello", "ST", "OP"], stop=["STOP"], max_new_tokens=3)
+    assert n == 3 and req.finish_reason.type == "stop" and req.detok.text == "Hello"  # type: ignore[union-attr]
+
+
+def test_stops_count_from_exactly_min_new_tokens(tokenizer: Tokenizer) -> None:
+    req, n = run(tokenizer, ["ST", "OP", "Hello"], stop=["STOP"], min_new_tokens=2)
+    assert n == 2 and req.finish_reason.type == "stop"  # type: ignore[union-attr]
+    hello = tid(tokenizer, "Hello")
+    req, n = run(tokenizer, ["Hello", "Hello", "a"], stop_token_ids=[hello], min_new_tokens=2)
+    assert n == 2 and req.finish_reason.matched == hello  # type: ignore[union-attr]
+
+
+def test_no_stop_trim_keeps_the_stop_token_text(tokenizer: Tokenizer) -> None:
+    hello = tid(tokenizer, "Hello")
+    req, n = run(tokenizer, ["a", "Hello"], stop_token_ids=[hello], no_stop_trim=True)
+    assert n == 2 and req.detok.text == "aHello"
+    req, n = run(tokenizer, ["a", "Hello"], stop_token_ids=[hello])
+    assert n == 2 and req.detok.text == "a"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_skip_special_tokens_reaches_the_detokenizer(tokenizer: Tokenizer, skip: bool) -> None:
+    eos = tokenizer.token_to_id(EOS)
+    checker = StopChecker(tokenizer, [eos], 1000)  # type: ignore[list-item]
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True, skip_special_tokens=skip)
+    req = Req("r", list(PROMPT), params)
+    for token in (tid(tokenizer, "a"), eos, tid(tokenizer, "b")):
+        checker.append(req, token)  # type: ignore[arg-type]
+    assert req.detok.text == ("ab" if skip else f"a{EOS}b")
+
+
+def test_append_records_tokens_logprobs_and_first_token_time(tokenizer: Tokenizer) -> None:
+    checker = StopChecker(tokenizer, [], 1000)
+    req = Req("r", list(PROMPT), SamplingParams(max_new_tokens=5, logprobs=True))
+    checker.append(req, tid(tokenizer, "a"), -0.5, [(-0.5, 97)])
+    first = req.first_token_time
+    assert first is not None
+    checker.append(req, tid(tokenizer, "b"))
+    assert req.output_ids == [97, 98]
+    assert req.output_logprobs == [-0.5, 0.0]
+    assert req.output_top_logprobs == [[(-0.5, 97)], []]
+    assert req.first_token_time == first
+    plain = Req("p", list(PROMPT), SamplingParams(max_new_tokens=5))
+    checker.append(plain, tid(tokenizer, "a"), -0.5, [(-0.5, 97)])
+    assert plain.output_logprobs == [] and plain.output_top_logprobs == []
+
+
 def test_stop_inside_multibyte_character(tokenizer: Tokenizer) -> None:
     # "é" is c3 a9: its first byte gives no text; the stop matches when the second arrives.
     req, n = run(tokenizer, ["x", b"\xc3", b"\xa9", "Hello"], stop=["é"])
@@ -244,3 +327,5 @@ def test_streamable_text_holds_back_a_possible_stop_prefix() -> None:
     assert streamable_text("Hello", ["STOP"]) == "Hello"
     assert streamable_text("ab", ["abc"]) == ""
     assert streamable_text("", ["abc"]) == ""
+    # Only a proper prefix is held back: a complete stop string is not a tail that can grow.
+    assert streamable_text("xabc", ["abc"]) == "xabc"
