@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 30000
 
-.PHONY: serve test lint bench setup clean
+.PHONY: serve test lint bench mutation setup clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,12 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/pip install -q '.[bench]'
 	$(BIN)/python bench/offline.py
+
+# Mutation testing of the core, each module against only the tests that cover it (not part of
+# `make test`; mutates a copy under /tmp, never the checkout). Results: docs/TESTING.md.
+mutation: $(STAMP)
+	$(BIN)/pip install -q -e '.[mutation]'
+	$(BIN)/python tests/support/mutation.py $(MODULES)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache

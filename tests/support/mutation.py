@@ -1,0 +1,124 @@
+"""Mutation testing of the core with mutmut, one module at a time, each against only the tests
+that cover it (``make mutation``; not part of ``make test``).
+
+mutmut names a mutated module after its path, so each run happens in a staging folder outside
+the checkout, ``<stage>/radixserve/`` (a copy of the working tree's tracked and unignored
+files), where the path ``radixserve/core/stop.py`` is the module ``radixserve.core.stop`` the
+tests import. The checkout itself is never mutated.
+
+    python tests/support/mutation.py [core/stop.py ...] [--stage DIR] [--max-children N]
+
+Prints one line per module: killed / total and the score, then the surviving mutants (see one
+with ``cd <stage>/<module> && mutmut show NAME``; mutmut's log: ``<stage>/<module>/mutmut.log``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# Each module and the pytest arguments that select the tests covering it (fast CPU ones; none
+# needs SmolLM2).
+MODULES: dict[str, list[str]] = {
+    "core/schedule_policy.py": [
+        "tests/core/test_scheduler.py",
+        "-k",
+        "lpm or fcfs or dfs_weight or random",
+    ],
+    "core/stop.py": ["tests/core/test_stop.py"],
+    "core/sampling.py": ["tests/core/test_sampling.py"],
+    "core/memory.py": ["tests/core/test_memory.py"],
+    "core/radix_cache.py": ["tests/core/test_radix_cache.py"],
+    "core/scheduler.py": [
+        "tests/core/test_scheduler.py",
+        "tests/core/test_scheduler_admission.py",
+        "tests/core/test_scheduler_paged.py",
+    ],
+}
+
+
+def stage(module: str, base: Path) -> Path:
+    """A fresh staging folder for ``module``: the tree under radixserve/, mutmut's config."""
+    folder = base / Path(module).stem
+    shutil.rmtree(folder, ignore_errors=True)
+    tree = folder / "radixserve"
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split("\n")
+    for name in filter(None, files):
+        src = ROOT / name
+        if src.is_file():
+            (tree / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, tree / name)
+    args = [f"radixserve/{a}" if a.startswith("tests/") else a for a in MODULES[module]]
+    tests = ", ".join(json.dumps(a) for a in args)
+    (folder / "pyproject.toml").write_text(
+        "[tool.mutmut]\n"
+        'source_paths = ["radixserve"]\n'
+        f'only_mutate = ["radixserve/{module}"]\n'
+        f"pytest_add_cli_args_test_selection = [{tests}]\n"
+        'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "no:randomly"]\n'
+        # torch is not fork-safe after use: fork each mutant from a clean server process.
+        'process_isolation = "forkserver"\n'
+        "use_git_change_detection = false\n"
+    )
+    return folder
+
+
+def run(module: str, base: Path, max_children: int) -> dict[str, str]:
+    folder = stage(module, base)
+    mutmut = [str(Path(sys.executable).with_name("mutmut"))]
+    with open(folder / "mutmut.log", "w") as log:  # progress spinners: keep them out of the way
+        subprocess.run(
+            [*mutmut, "run", "--max-children", str(max_children)],
+            cwd=folder,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            check=False,
+        )
+    out = subprocess.run(
+        [*mutmut, "results", "--all", "true"],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+    results: dict[str, str] = {}
+    for line in out.splitlines():
+        name, _, status = line.strip().rpartition(": ")
+        if name:
+            results[name] = status
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("modules", nargs="*", default=list(MODULES))
+    parser.add_argument("--stage", type=Path, default=Path("/tmp/radixserve-mutation"))
+    parser.add_argument("--max-children", type=int, default=2)
+    args = parser.parse_args()
+    summary = []
+    for module in args.modules:
+        results = run(module, args.stage, args.max_children)
+        total = len(results)
+        killed = sum(s in ("killed", "timeout", "caught by type check") for s in results.values())
+        score = 100.0 * killed / total if total else 0.0
+        survivors = sorted(n for n, s in results.items() if s == "survived")
+        other = sorted(f"{n} ({s})" for n, s in results.items() if s not in ("killed", "survived"))
+        summary.append(f"{module}: {killed}/{total} killed, {score:.1f}%")
+        print(summary[-1], *(f"  survived: {n}" for n in survivors), sep="\n")
+        print(*(f"  other: {n}" for n in other), sep="\n")
+    print("\n".join(["", "summary:", *summary]))
+
+
+if __name__ == "__main__":
+    main()
