@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,16 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, Any]], **extra: Any) -> list[int]:
         # The template already holds any BOS it wants, so no special tokens are added here.
         return self.encode(self.apply_chat_template(messages, **extra), add_special_tokens=False)
+
+
+@cache
+def byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map: how byte-level BPE vocabularies
+    (GPT-2, Llama 3, SmolLM2, Qwen2) spell bytes, e.g. space as "Ġ"."""
+    table = {b: chr(b) for b in [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]}
+    for n, b in enumerate(b for b in range(256) if b not in table):
+        table[b] = chr(0x100 + n)
+    return table
 
 
 def _named_templates(value: Any) -> str | dict[str, str] | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import orjson
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
@@ -37,6 +37,7 @@ from radixserve.entrypoints.tokenizer_manager import TokenizerManager
 
 HEALTH_TIMEOUT_S = 20.0
 GET_POST = ["GET", "POST"]
+MAX_JSON_DEPTH = 256  # deeper request bodies are refused (no real request nests past ~5)
 
 
 async def read_json(request: Request) -> Any:
@@ -45,9 +46,27 @@ async def read_json(request: Request) -> Any:
     if not data.strip():
         return {}
     try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError as e:
+        body = msgspec.json.decode(data)
+        too_deep = _depth_exceeds(body, MAX_JSON_DEPTH)
+    except msgspec.DecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # msgspec stops at the interpreter's recursion limit
+        too_deep = True
+    if too_deep:
+        raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+    return body
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    # msgspec decodes any depth; the handlers walk bodies recursively, so refuse deep ones here.
+    stack = [(value, 1)] if isinstance(value, (list, dict)) else []
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (list, dict)))
+    return False
 
 
 async def read_object(request: Request) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
+import msgspec
 from fastapi.responses import Response
 from pydantic import BaseModel
 
@@ -19,7 +19,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 def sse(payload: BaseModel | dict[str, Any]) -> bytes:
     if isinstance(payload, BaseModel):
         return b"data: " + payload.model_dump_json().encode() + b"\n\n"
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
 @dataclass(slots=True)
@@ -37,7 +37,7 @@ class Update:
 def json_response(payload: BaseModel | dict[str, Any] | list[Any], status: int = 200) -> Response:
     if isinstance(payload, BaseModel):
         return Response(payload.model_dump_json(), status, media_type="application/json")
-    return Response(orjson.dumps(payload), status, media_type="application/json")
+    return Response(msgspec.json.encode(payload), status, media_type="application/json")
 
 
 async def follow(tm: TokenizerManager, reqs: Sequence[ServerReq]) -> AsyncIterator[list[Update]]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from radixserve.core.tokenizer import Tokenizer
+from radixserve.core.tokenizer import Tokenizer, byte_level_alphabet
 
 
 def encoded_vocab(tokenizer: Tokenizer, vocab_size: int) -> list[str]:
@@ -67,18 +67,4 @@ def _tokenizer_json(tokenizer: Tokenizer) -> dict[str, Any]:
     return data
 
 
-def _bytes_to_unicode() -> dict[str, int]:
-    """GPT-2's printable stand-in character for each byte, inverted."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for c, b in zip(chars, printable, strict=True)}
-
-
-_BYTE_DECODER = _bytes_to_unicode()
+_BYTE_DECODER = {c: b for b, c in byte_level_alphabet().items()}

@@ -23,6 +23,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, p
 from tokenizers.models import BPE
 from tqdm import tqdm
 
+from radixserve.core.tokenizer import byte_level_alphabet
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -237,14 +239,6 @@ def _safetensors_header(entries: list[tuple[str, tuple[int, ...]]]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map: how byte-level vocabularies spell."""
-    table = {b: chr(b) for b in [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]}
-    for n, b in enumerate(b for b in range(256) if b not in table):
-        table[b] = chr(0x100 + n)
-    return table
-
-
 def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
     """Sentencepiece files list no merges: a split pair merges with its merged token's score."""
     ids = {token: i for i, token in enumerate(tokens)}
@@ -260,7 +254,7 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
 
 
 def _byte_level_bpe(meta: dict[str, Any], tokens: list[str]) -> tuple[Tokenizer, set[str] | None]:
-    alphabet = _byte_alphabet()
+    alphabet = byte_level_alphabet()
     letters = set(alphabet.values())
     # Added tokens may be stored raw; the BPE vocabulary must spell everything in the alphabet.
     vocab = {
