@@ -15,13 +15,13 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import numpy as np
 from common import machine_info, random_prompts, write_json
 from tqdm.asyncio import tqdm
 
@@ -105,6 +105,7 @@ async def send(
                     result.error = str(event["error"])
                     return result
                 now = time.perf_counter()
+                before = result.output_tokens
                 count = tokens_in(args.backend, event)
                 if count is not None:
                     result.output_tokens = count
@@ -112,8 +113,12 @@ async def send(
                     continue
                 if result.ttft == 0.0:
                     result.ttft = now - start
-                else:
+                elif count is None:  # OpenAI chunks: one gap per chunk, as SGLang's client
                     result.itl.append(now - last)
+                elif count > before:  # native: the gap spread over the chunk's tokens, as SGLang
+                    result.itl.extend([(now - last) / (count - before)] * (count - before))
+                else:
+                    continue  # no new token: the gap goes on
                 last = now
         result.latency = time.perf_counter() - start
         result.ok = result.output_tokens == req.output_len
@@ -158,15 +163,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return summarize(args, results, duration, model)
 
 
+STAT_KEYS = ("mean", "median", "std", "p90", "p95", "p99")
+
+
 def _stats(values: list[float], scale: float = 1000.0) -> dict[str, float]:
+    """Mean, median, std and percentiles as SGLang's and vLLM's benchmark clients compute them
+    (numpy: linear interpolation between ranks, population std), in ms."""
     if not values:
-        return {"mean": 0.0, "p50": 0.0, "p99": 0.0}
-    ordered = sorted(values)
-    pick = lambda q: ordered[min(int(q * len(ordered)), len(ordered) - 1)]  # noqa: E731
+        return dict.fromkeys(STAT_KEYS, 0.0)
+    a = np.asarray(values, dtype=np.float64) * scale
     return {
-        "mean": statistics.fmean(values) * scale,
-        "p50": pick(0.5) * scale,
-        "p99": pick(0.99) * scale,
+        "mean": float(np.mean(a)),
+        "median": float(np.median(a)),
+        "std": float(np.std(a)),
+        "p90": float(np.percentile(a, 90)),
+        "p95": float(np.percentile(a, 95)),
+        "p99": float(np.percentile(a, 99)),
     }
 
 
@@ -221,7 +233,7 @@ def print_summary(s: dict[str, Any]) -> None:
         print(f"{key:<28}{value:>14.2f}" if isinstance(value, float) else f"{key:<28}{value:>14}")
     for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_latency_ms"):
         st = s[key]
-        print(f"{key:<28}mean {st['mean']:>9.2f}   p50 {st['p50']:>9.2f}   p99 {st['p99']:>9.2f}")
+        print(f"{key:<28}" + "  ".join(f"{k} {st[k]:>8.2f}" for k in STAT_KEYS))
     if "ratio_to_baseline" in s:
         print(f"{'output tok/s vs baseline':<28}{s['ratio_to_baseline']:>14.3f}")
     for err in s["errors"]:
