@@ -29,10 +29,8 @@ def _enforceable(node: dict[str, Any], path: str) -> dict[str, Any]:
     if not any(k in node for k in _BOUNDS):
         return node
     lo, hi = node.get("minimum"), node.get("maximum")
-    if "exclusiveMinimum" in node:
-        lo = node["exclusiveMinimum"] + 1
-    if "exclusiveMaximum" in node:
-        hi = node["exclusiveMaximum"] - 1
+    lo = _exclusive(node.get("exclusiveMinimum"), lo, +1)
+    hi = _exclusive(node.get("exclusiveMaximum"), hi, -1)
     ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi))
     if node.get("type") != "integer" or not ints or hi - lo >= MAX_ENUM_RANGE:
         raise ValueError(
@@ -41,3 +39,13 @@ def _enforceable(node: dict[str, Any], path: str) -> dict[str, Any]:
         )
     rest = {k: v for k, v in node.items() if k not in (*_BOUNDS, "type")}
     return {**rest, "enum": list(range(lo, hi + 1))}
+
+
+def _exclusive(flag: Any, bound: Any, step: int) -> Any:
+    """The inclusive integer bound given an exclusive one: a number (draft 6 on) is itself the
+    excluded bound; draft 4's boolean makes ``minimum``/``maximum`` exclusive."""
+    if flag is None or flag is False:
+        return bound
+    if flag is True:
+        return None if bound is None else bound + step
+    return flag + step

@@ -7,9 +7,25 @@ from typing import Any
 
 Rewrite = Callable[[dict[str, Any], str], dict[str, Any]]
 
-_MAPS = ("properties", "$defs", "definitions", "patternProperties")
-_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
-_MANY = ("anyOf", "oneOf", "allOf", "prefixItems")
+# Every keyword whose value holds subschemas (JSON Schema 2020-12, and draft 4-7 spellings):
+# a map of name -> subschema, one subschema, or a list of them. "items" is one subschema or
+# (draft 4-2019) a list; draft-4 "dependencies" maps a property to a subschema or to a list of
+# property names (the names are not walked).
+_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_ONE = (
+    "items",
+    "additionalItems",
+    "additionalProperties",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+    "propertyNames",
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+)
+_MANY = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 
 
 def map_schema(node: Any, rewrite: Rewrite, path: str = "#") -> Any:
@@ -22,6 +38,11 @@ def map_schema(node: Any, rewrite: Rewrite, path: str = "#") -> Any:
             out[key] = {
                 k: map_schema(v, rewrite, f"{path}/{key}/{k}") for k, v in node[key].items()
             }
+    if isinstance(node.get("dependencies"), dict):
+        out["dependencies"] = {
+            k: map_schema(v, rewrite, f"{path}/dependencies/{k}") if isinstance(v, dict) else v
+            for k, v in node["dependencies"].items()
+        }
     for key in _ONE:
         if isinstance(node.get(key), dict):
             out[key] = map_schema(node[key], rewrite, f"{path}/{key}")

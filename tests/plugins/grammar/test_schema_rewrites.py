@@ -65,3 +65,39 @@ def test_outlines_refuses_what_it_cannot_enforce(node: dict, problem: str) -> No
 def test_outlines_bad_json() -> None:
     with pytest.raises(ValueError, match="json_schema is not valid JSON"):
         enforceable_schema("{nope")
+
+
+def test_outlines_draft4_boolean_exclusive_bounds() -> None:
+    draft4 = {"type": "integer", "minimum": 0, "exclusiveMinimum": True, "maximum": 3}
+    assert enforceable_schema(json.dumps(draft4)) == {"enum": [1, 2, 3]}
+    both = {**draft4, "exclusiveMaximum": True}
+    assert enforceable_schema(json.dumps(both)) == {"enum": [1, 2]}
+    off = {**draft4, "exclusiveMinimum": False, "exclusiveMaximum": False}
+    assert enforceable_schema(json.dumps(off)) == {"enum": [0, 1, 2, 3]}
+    with pytest.raises(ValueError, match="cannot enforce numeric bounds"):
+        enforceable_schema(json.dumps({"type": "integer", "exclusiveMinimum": True}))
+
+
+OBJ = {"properties": {"a": {}}}  # closed_objects adds additionalProperties: false to it
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"propertyNames": OBJ}, ("propertyNames",)),
+        ({"dependentSchemas": {"a": OBJ}}, ("dependentSchemas", "a")),
+        ({"dependencies": {"a": OBJ, "b": ["a"]}}, ("dependencies", "a")),
+        ({"unevaluatedProperties": OBJ}, ("unevaluatedProperties",)),
+        ({"unevaluatedItems": OBJ}, ("unevaluatedItems",)),
+        ({"additionalItems": OBJ}, ("additionalItems",)),
+        ({"items": [{}, OBJ]}, ("items", 1)),
+        ({"items": OBJ}, ("items",)),
+    ],
+)
+def test_every_subschema_keyword_is_walked(schema: dict, where: tuple) -> None:
+    node = closed_objects(schema)
+    for key in where:
+        node = node[key]
+    assert node["additionalProperties"] is False
+    if "dependencies" in schema:  # a list of property names is left alone
+        assert closed_objects(schema)["dependencies"]["b"] == ["a"]
