@@ -119,11 +119,7 @@ class OutlinesBackend(GrammarBackend):
             except (TypeError, ValueError) as e:
                 raise ValueError(f"outlines-core cannot convert this schema: {e}") from e
         elif kind == "regex":
-            try:
-                re.compile(spec)
-            except re.error as e:
-                raise ValueError(f"bad regex {spec!r}: {e}") from e
-            regex = spec
+            regex = spec  # Rust regex syntax (outlines-core's): \p{L} and the like are fine
         elif kind in ("ebnf", "structural_tag"):
             raise ValueError(
                 f"the outlines backend does not support {kind} (outlines-core has no "
@@ -134,8 +130,20 @@ class OutlinesBackend(GrammarBackend):
         try:
             index = outlines_core.Index(regex, self.vocabulary)
         except ValueError as e:
-            raise ValueError(f"outlines-core cannot build an automaton for it: {e}") from e
+            raise ValueError(
+                f"outlines-core cannot build an automaton for it: {e}{_regex_hint(regex)}"
+            ) from e
         return OutlinesMatcher(CompiledIndex(index, self.token_bytes, self.stops))
+
+
+def _regex_hint(regex: str) -> str:
+    # outlines-core does not say what is wrong with a regex it cannot parse; Python's parser
+    # often can (it only explains a refusal, it never refuses: the syntaxes differ).
+    try:
+        re.compile(regex)
+    except re.error as e:
+        return f" (Python's regex parser: {e})"
+    return ""
 
 
 def _whole_chars(data: bytes) -> str:

@@ -158,3 +158,12 @@ def test_compile_error_names_the_problem(
 ) -> None:
     with pytest.raises(ValueError, match=problem):
         backend.compile(kind, spec)
+
+
+@pytest.mark.parametrize("regex", [r"\p{L}+", r"[\p{Lu}][\p{Ll}]*"])
+def test_unicode_class_regexes_compile(backend: GrammarBackend, regex: str) -> None:
+    # Rust regex syntax (outlines-core, llguidance) and xgrammar's both accept Unicode classes;
+    # no backend may refuse them for Python's `re`, which does not know \p.
+    if backend.name == "xgrammar":  # type: ignore[attr-defined]
+        pytest.skip("xgrammar's regex converter has no Unicode classes")
+    backend.compile("regex", regex)
