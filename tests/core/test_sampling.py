@@ -16,7 +16,7 @@ from radixserve.core.request import Req, SamplingParams
 
 # Distinct values, no ties, so every filter's kept set is unambiguous.
 LOGITS = [2.0, 1.6, 1.1, 0.7, 0.2, -0.4, -1.0, -1.9]
-DRAWS = 20_000
+DRAWS = 12_000
 # Upper 0.1% points of the chi-square distribution, by degrees of freedom (standard tables).
 CHI2_CRIT_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322}
 
@@ -259,3 +259,95 @@ def test_seeded_row_does_not_depend_on_its_batch() -> None:
     other = Req("b", [0], SamplingParams(temperature=2.0))
     batch = torch.tensor([LOGITS[::-1], LOGITS])
     assert sampling.sample_ids(batch, [other, Req("a", [0], seeded)])[1].item() == alone
+
+
+def test_row_seed_folds_into_63_bits() -> None:
+    assert sampling.row_seed(5, 3) == 5 * 1_000_003 + 3
+    assert 0 <= sampling.row_seed(2**64 - 1, 7) < 2**63
+    assert sampling.row_seed(2**64 - 1, 7) == ((2**64 - 1) * 1_000_003 + 7) % 2**63
+
+
+# --- sample(): min-tokens masking, penalties, logprobs, a failing row ------------------------
+
+EOS = 7
+
+
+def test_min_new_tokens_masks_eos_and_stop_ids_until_reached() -> None:
+    logits = torch.tensor([LOGITS, LOGITS, LOGITS])
+    early = Req("a", [0], SamplingParams(min_new_tokens=2, stop_token_ids=[0]))
+    early.output_ids = [3]
+    done = Req("b", [0], SamplingParams(min_new_tokens=1, stop_token_ids=[0]))
+    done.output_ids = [3]
+    plain = Req("c", [0], SamplingParams())
+    out = sampling.mask_until_min_tokens(logits, [early, done, plain], [EOS])
+    assert out[0, 0] == -math.inf and out[0, EOS] == -math.inf
+    assert out[0, 1:EOS].tolist() == pytest.approx(LOGITS[1:EOS])
+    assert out[1].tolist() == pytest.approx(LOGITS) and out[2].tolist() == pytest.approx(LOGITS)
+    assert logits[0].tolist() == pytest.approx(LOGITS)  # not in place
+    greedy = Req("g", [0], SamplingParams(temperature=0.0, min_new_tokens=1, stop_token_ids=[0]))
+    assert sampling.sample(torch.tensor([LOGITS]), [greedy], [EOS]).next_ids == [1]
+
+
+def test_sample_applies_penalties_before_choosing() -> None:
+    req = Req("r", [5], SamplingParams(temperature=0.0, frequency_penalty=0.5))
+    req.output_ids = [0]  # 2.0 - 0.5 < 1.6
+    assert sampling.sample(torch.tensor([LOGITS]), [req], [EOS]).next_ids == [1]
+
+
+def test_sample_logprobs_from_the_raw_logits() -> None:
+    raw = torch.tensor([LOGITS, LOGITS])
+    masked = raw.clone()
+    masked[0, 0] = -math.inf  # e.g. a grammar mask: the choice moves, logprobs stay raw
+    want = Req("a", [0], SamplingParams(temperature=0.0, logprobs=True, top_logprobs_num=3))
+    none = Req("b", [0], SamplingParams(temperature=0.0))
+    result = sampling.sample(masked, [want, none], [EOS], raw=raw)
+    logp = torch.log_softmax(raw[0], dim=-1).tolist()
+    assert result.next_ids == [1, 0]
+    assert result.logprobs == pytest.approx([logp[1], 0.0])
+    assert result.top_logprobs is not None and result.top_logprobs[1] == []
+    assert [i for _, i in result.top_logprobs[0]] == [0, 1, 2]
+    assert [v for v, _ in result.top_logprobs[0]] == pytest.approx(logp[:3])
+    plain = sampling.sample(raw, [none, none], [EOS])
+    assert plain.logprobs is None and plain.top_logprobs is None
+    few = Req("c", [0], SamplingParams(temperature=0.0, logprobs=True))
+    result = sampling.sample(raw, [few, want], [EOS])
+    assert result.top_logprobs is not None and result.top_logprobs[0] == []
+    assert len(result.top_logprobs[1]) == 3
+
+
+def _broken(**params: object) -> Req:
+    """A request whose penalty step fails (an output id outside the vocabulary)."""
+    req = Req("bad", [0], SamplingParams(**params))  # type: ignore[arg-type]
+    req.output_ids = [len(LOGITS) + 5]
+    return req
+
+
+def test_a_failing_row_fails_alone() -> None:
+    good = Req("good", [0], SamplingParams(temperature=0.0, logprobs=True, top_logprobs_num=1))
+    bad = _broken(temperature=0.0, frequency_penalty=1.0, logprobs=True)
+    logits = torch.tensor([LOGITS[::-1], LOGITS])
+    result = sampling.sample(logits, [good, bad], [EOS])
+    assert result.next_ids == [7, 0]  # the failed row gets its argmax
+    assert good.failed is None and bad.failed and "sampling failed" in bad.failed
+    assert result.logprobs is not None and result.logprobs[1] == 0.0
+    assert result.logprobs[0] == pytest.approx(torch.log_softmax(logits[0], -1)[7].item())
+    assert result.top_logprobs is not None and result.top_logprobs[1] == []
+    assert len(result.top_logprobs[0]) == 1
+    with pytest.raises(RuntimeError):
+        sampling.sample(torch.tensor([LOGITS]), [_broken(frequency_penalty=1.0)], [EOS])
+    good2 = Req("g2", [0], SamplingParams(temperature=0.0))
+    bad2 = _broken(temperature=0.0, frequency_penalty=1.0)
+    result = sampling.sample(logits, [good2, bad2], [EOS])
+    assert result.next_ids == [7, 0] and result.logprobs is None and result.top_logprobs is None
+
+
+def test_a_failing_row_in_sample_ids_fails_alone() -> None:
+    bad = Req("bad", [0], SamplingParams(temperature=1.0))
+    bad.sampling.seed = "not a number"  # type: ignore[assignment]  # past validation
+    seeded = SamplingParams(temperature=1.0, seed=3)
+    logits = torch.tensor([LOGITS, LOGITS[::-1]])
+    alone = sampling.sample_ids(logits[1:], [Req("s", [0], seeded)]).item()
+    out = sampling.sample_ids(logits, [bad, Req("s", [0], seeded)]).tolist()
+    assert out == [0, alone] and bad.failed and "sampling failed" in bad.failed
+    with pytest.raises(TypeError):
+        sampling.sample_ids(logits[:1], [bad])
