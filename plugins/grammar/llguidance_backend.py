@@ -61,6 +61,23 @@ class LLGuidanceBackend(GrammarBackend):
         self.tokenizer = llguidance.LLTokenizer(
             tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=sorted(self.stops) or None
         )
+        self.executor = llguidance.LLExecutor()  # its thread pool for batch mask fills
+
+    def fill_bitmasks(self, grammars: Sequence[tuple[int, Grammar]], bitmask: torch.Tensor) -> None:
+        """All live rows in one call of llguidance's parallel fill (its thread pool, no GIL)."""
+        live = [(row, g) for row, g in grammars if not g.is_terminated()]
+        if len(live) < 2 or not bitmask.is_contiguous():
+            super().fill_bitmasks(grammars, bitmask)
+            return
+        from llguidance.torch import fill_next_token_bitmask_par
+
+        matchers = [(g.matcher, row) for row, g in live]  # type: ignore[attr-defined]
+        fill_next_token_bitmask_par(self.executor, matchers, bitmask)
+        for row, g in grammars:
+            if g.is_terminated():
+                bitmask[row].zero_()
+            else:
+                g.fix_stop_bits(bitmask[row])  # type: ignore[attr-defined]
 
     def compile(self, kind: str, spec: str) -> Grammar:
         import llguidance

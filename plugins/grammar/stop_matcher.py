@@ -71,6 +71,11 @@ class StopTokenMatcher(Grammar):
             row.zero_()
             return
         self._fill_row(row)
+        self.fix_stop_bits(row)
+
+    def fix_stop_bits(self, row: torch.Tensor) -> None:
+        """After the library filled ``row``: the stop tokens are allowed exactly when the output
+        may end here (for backends that fill many rows in one library call)."""
         allow = self._can_stop()
         for token_id in self.stop_token_ids:
             if token_id < row.numel() * 32:

@@ -167,3 +167,22 @@ def test_unicode_class_regexes_compile(backend: GrammarBackend, regex: str) -> N
     if backend.name == "xgrammar":  # type: ignore[attr-defined]
         pytest.skip("xgrammar's regex converter has no Unicode classes")
     backend.compile("regex", regex)
+
+
+def test_batch_fill_matches_row_by_row(backend: GrammarBackend, tiny_tokenizer: Tokenizer) -> None:
+    # fill_bitmasks may use the library's batch fill (xgrammar, llguidance's thread pool); each
+    # row must equal the matcher's own fill, stop bits and terminated rows included.
+    vocab = tiny_tokenizer.vocab_size
+    grammars = [backend.compile("regex", WORDS_REGEX) for _ in range(4)]
+    for g, text in zip(grammars, ["", "ca", "dogs", "cat"], strict=True):
+        for token in ids(tiny_tokenizer, text):
+            assert g.accept_token(token)
+    assert grammars[3].accept_token(STOP) and grammars[3].is_terminated()
+    rows = [(5, grammars[0]), (1, grammars[1]), (2, grammars[2]), (4, grammars[3])]
+    batch = backend.allocate_bitmask(6, vocab)
+    backend.fill_bitmasks(rows, batch)
+    single = backend.allocate_bitmask(6, vocab)
+    for row, g in rows:
+        g.fill_bitmask(single, row)
+    assert torch.equal(batch, single)
+    assert (batch[0] == -1).all() and (batch[3] == -1).all()  # rows not named stay untouched
