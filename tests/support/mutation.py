@@ -26,9 +26,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # needs SmolLM2).
 MODULES: dict[str, list[str]] = {
     "core/schedule_policy.py": [
+        "tests/core/test_schedule_policy.py",
         "tests/core/test_scheduler.py",
         "-k",
-        "lpm or fcfs or dfs_weight or random",
+        "schedule_policy or lpm or fcfs or dfs_weight or random",
     ],
     "core/stop.py": ["tests/core/test_stop.py"],
     "core/sampling.py": ["tests/core/test_sampling.py"],
