@@ -52,6 +52,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeat-tput", type=int, default=0,
                    help="rerun the batch-64 workload N more times, overlap on and off")  # fmt: skip
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--defaults", action="store_true",
+                   help="also run every workload with no tuning flags")  # fmt: skip
     p.add_argument("--tune-decode", action="store_true", help="sweep decode launch settings first")
     p.add_argument("--skip-big", action="store_true", help="skip the 512-request offline run")
     p.add_argument("--small", action="store_true", help="tiny workloads (smoke test)")
@@ -237,6 +239,24 @@ def run_ours(model_dir: Path, args: argparse.Namespace, vocab: int, res: dict[st
     engine.shutdown()
 
 
+def run_defaults(
+    model_dir: Path, args: argparse.Namespace, vocab: int, res: dict[str, Any]
+) -> None:
+    """Every workload again on an engine given the model path and no tuning flag: what a user
+    gets by default (the hardware platform chooses chunk size, memory, graphs, batch). The
+    grammar plugin is named only because this benchmark's host loads no grammar backend."""
+    engine = Engine(str(model_dir), host=bench_host(StepStats()), plugins=["grammar=none"])
+    res["defaults_settings"] = engine.core.runner.settings.describe()
+    print(f"  defaults: {res['defaults_settings']}", flush=True)
+    w = workloads(args.small)
+    for key, seed in (("b1", 31), ("tput", 33)) + (() if args.skip_big else (("big", 35),)):
+        n, i, o = w[key]
+        run_generate(engine, prompts(n, i, vocab, seed - 1), max(o // 8, 2))  # warm-up
+        res[f"defaults_{key}_tok_s"] = n * o / run_generate(engine, prompts(n, i, vocab, seed), o)
+        print(f"  defaults_{key}_tok_s = {res[f'defaults_{key}_tok_s']}", flush=True)
+    engine.shutdown()
+
+
 def step_breakdown(steps: list[dict[str, Any]]) -> dict[str, Any]:
     """Host-timed steps (overlap off, so each includes its GPU time) split into decode-only
     steps and steps with prefill tokens."""
@@ -332,6 +352,8 @@ def main() -> None:
     if "ours_error" in res and not args.disable_cuda_graph:
         args.disable_cuda_graph = True  # still measure the kernels, without graphs
         phase(res, "ours_eager", lambda: run_ours(model_dir, args, vocab, res) or {}, out)
+    if args.defaults:
+        phase(res, "defaults", lambda: run_defaults(model_dir, args, vocab, res) or {}, out)
     report(res, args)
     if out:
         write_json(out, res)
@@ -375,7 +397,9 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
          (r["big_tok_s"] / 8000) if r.get("big_tok_s") else None, "/ 8000 target"],
         ["bound of that workload tok/s (ceilings)", r.get("bound_big_tok_s"),
          ratio("big_tok_s", "bound_big_tok_s"), "ours / bound"],
-    ]  # fmt: skip
+    ] + [[f"no tuning flags: {key} tok/s", r.get(f"defaults_{key}_tok_s"),
+          ratio(f"defaults_{key}_tok_s", f"{key}_tok_s"), ">= 0.95 of tuned"]
+         for key in ("b1", "tput", "big") if r.get(f"defaults_{key}_tok_s")]  # fmt: skip
     gb = r.get("weight_bytes", 0) / 1e9
     print(f"\nshape={args.shape} gpu={r.get('gpu')} weights={gb:.2f} GB")
     print(format_table(["measure", "value", "ratio", "target"], rows))

@@ -7,7 +7,8 @@ flags from these fields so there is one source of truth.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,17 +90,23 @@ class EngineConfig:
     )
     dtype: str = _opt("auto", "Weight and KV dtype: auto, float32, bfloat16, float16")
     context_length: int | None = _opt(None, "Maximum tokens per request (prompt + output)")
-    max_running_requests: int = _opt(64, "Most requests decoding at once")
+    max_running_requests: int | None = _opt(
+        None, "Most requests decoding at once (default: the hardware platform's)"
+    )
     max_total_tokens: int | None = _opt(
         None, "KV pool size in tokens (default: from --mem-fraction-static)"
     )
-    mem_fraction_static: float = _opt(0.2, "Fraction of device memory for weights + KV pool")
+    mem_fraction_static: float | None = _opt(
+        None, "Fraction of device memory for weights + KV pool (default: the hardware platform's)"
+    )
     page_size: int = _opt(
         1,
         "Tokens per KV page (a power of two, 1 to 256); prefix-cache matches are whole pages",
     )
-    chunked_prefill_size: int = _opt(
-        1024, "Most tokens computed per step (prefill chunks + decodes); -1 disables chunking"
+    chunked_prefill_size: int | None = _opt(
+        None,
+        "Most tokens computed per step (prefill chunks + decodes); -1 disables chunking "
+        "(default: the hardware platform's)",
     )
     schedule_policy: str = _opt("lpm", "Waiting-queue order: lpm, dfs-weight, fcfs, random")
     schedule_conservativeness: float = _opt(
@@ -109,8 +116,10 @@ class EngineConfig:
     )
     disable_radix_cache: bool = _opt(False, "Turn the radix prefix cache off")
     random_seed: int = _opt(0, "Seed of the engine's random generator")
-    cuda_graph_max_bs: int = _opt(
-        256, "Largest decode batch replayed from a CUDA graph (batches are padded up to a size)"
+    cuda_graph_max_bs: int | None = _opt(
+        None,
+        "Largest decode batch replayed from a CUDA graph (batches are padded up to a size; "
+        "default: the hardware platform's)",
     )
     disable_cuda_graph: bool = _opt(False, "Run decode steps eagerly instead of from CUDA graphs")
     disable_overlap_schedule: bool = _opt(
@@ -156,7 +165,7 @@ class EngineConfig:
             )
         if not self.watchdog_timeout > 0:
             raise ConfigError(f"watchdog_timeout must be > 0 seconds, got {self.watchdog_timeout}")
-        if self.max_running_requests < 1:
+        if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ConfigError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ConfigError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
@@ -169,7 +178,8 @@ class EngineConfig:
                 f"max_total_tokens={self.max_total_tokens} holds no page of page_size="
                 f"{self.page_size} besides the reserved one; give at least {2 * self.page_size}"
             )
-        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+        chunk = self.chunked_prefill_size
+        if chunk is not None and (chunk == 0 or chunk < -1):
             raise ConfigError(
                 f"chunked_prefill_size must be positive or -1, got {self.chunked_prefill_size}"
             )
@@ -188,7 +198,7 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype '{self.dtype}'; choose one of {', '.join(DTYPES)}")
-        if not 0.0 < self.mem_fraction_static <= 1.0:
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static <= 1.0:
             raise ConfigError(
                 f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}"
             )
@@ -203,9 +213,59 @@ class EngineConfig:
             # NOTE: the config is frozen; resolving the alias into ``plugins`` happens only here.
             object.__setattr__(self, "plugins", (*self.plugins, f"grammar={name}"))
 
+    def with_platform_defaults(
+        self, platform: str, chosen: Mapping[str, Any]
+    ) -> tuple[EngineConfig, PlatformSettings]:
+        """This config with every setting left unset (None) filled: from ``chosen`` (the
+        hardware platform's defaults), else from the core's. Returns it with the settings and
+        where each came from."""
+        values: dict[str, Any] = {}
+        origins: dict[str, str] = {}
+        for name, core_default in CORE_DEFAULTS.items():
+            given = getattr(self, name)
+            if given is not None:
+                values[name], origins[name] = given, "flag"
+            elif name in chosen:
+                values[name], origins[name] = chosen[name], f"{platform} default"
+            else:
+                values[name], origins[name] = core_default, "default"
+        unknown = set(chosen) - set(CORE_DEFAULTS)
+        if unknown:
+            raise ConfigError(f"platform '{platform}' sets unknown defaults: {sorted(unknown)}")
+        return replace(self, **values), PlatformSettings(**values, origins=origins)
+
     @classmethod
     def field_help(cls) -> dict[str, str]:
         return {f.name: f.metadata.get("help", "") for f in fields(cls)}
+
+
+#: Settings a hardware platform may choose for its device (HardwarePlatform.engine_defaults),
+#: and what they are where neither the user nor the platform sets them.
+CORE_DEFAULTS: dict[str, Any] = {
+    "max_running_requests": 64,
+    "mem_fraction_static": 0.2,
+    "chunked_prefill_size": 1024,
+    "cuda_graph_max_bs": 256,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PlatformSettings:
+    """The resolved values of CORE_DEFAULTS' settings, and where each came from ("flag",
+    "<platform> default", "default", or a note of why it was lowered)."""
+
+    max_running_requests: int
+    mem_fraction_static: float
+    chunked_prefill_size: int
+    cuda_graph_max_bs: int
+    origins: dict[str, str]
+
+    def describe(self) -> dict[str, dict[str, Any]]:
+        """{setting: {"value": ..., "from": ...}} for the ready banner and /server_info."""
+        return {
+            name: {"value": getattr(self, name), "from": self.origins[name]}
+            for name in CORE_DEFAULTS
+        }
 
 
 PAGE_SIZES = tuple(1 << i for i in range(9))  # 1 .. 256

@@ -37,9 +37,11 @@ class InFlightStep(NamedTuple):
 
 class EngineCore:
     def __init__(self, model_dir: Path, config: EngineConfig, host: PluginHost) -> None:
-        self.config = config
         self.host = host
         self.runner = ModelRunner(model_dir, config, host)
+        # From here on, every setting a platform may default is resolved.
+        self.config = config = self.runner.config
+        settings = self.runner.settings
         self.tokenizer = Tokenizer(model_dir)
         mc = self.runner.model_config
         self.eos_token_ids = tuple(mc.eos_token_ids) or _eos_from_tokenizer(self.tokenizer)
@@ -48,7 +50,7 @@ class EngineCore:
         self.cache = cache_cls(self.runner.allocator, self.runner.req_to_token)
         self.grammars = self._grammar_queue(host)
         self.runner.grammar_masker = GrammarMasker(
-            lambda: self.grammars.backend, config.max_running_requests, mc.vocab_size
+            lambda: self.grammars.backend, settings.max_running_requests, mc.vocab_size
         )
         self.grammar_stepper = GrammarStepper(self.tokenizer, not config.disable_jump_forward)
         # Overlap scheduling: where the device runs asynchronously, step N+1 is scheduled and
@@ -60,8 +62,8 @@ class EngineCore:
         self._changed_outside_step: list[Req] = []
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_running_requests=config.max_running_requests,
-                chunked_prefill_size=config.chunked_prefill_size,
+                max_running_requests=settings.max_running_requests,
+                chunked_prefill_size=settings.chunked_prefill_size,
                 schedule_policy=config.schedule_policy,
                 max_context=self.max_context,
                 random_seed=config.random_seed,
@@ -78,6 +80,7 @@ class EngineCore:
             "plugins": dict(self.runner.plugins.names),
             "kv_tokens": self.runner.kv_size,
             "max_context": self.max_context,
+            "settings": settings.describe(),
         }
         logger.info("engine ready: %s", info)
         host.hook.engine_started(info=info)

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import torch
 
     from radixserve.core.batch import ForwardBatch
-    from radixserve.core.config import EngineConfig
+    from radixserve.core.config import EngineConfig, ModelConfig
     from radixserve.core.memory import KVPool, ReqToTokenPool
 
 #: Runs one model step: ForwardBatch -> logits (see ``HardwarePlatform.step_executor``).
@@ -42,6 +42,16 @@ class HardwarePlatform(ABC):
     @abstractmethod
     def kv_cache_bytes(self, weight_bytes: int, mem_fraction: float) -> int:
         """Bytes to give the KV pool after ``weight_bytes`` of weights are loaded."""
+
+    #: Most tokens a KV pool sized from memory may hold (None: no cap).
+    max_kv_tokens: int | None = None
+
+    def engine_defaults(self, model: ModelConfig, weight_bytes: int) -> dict[str, Any]:
+        """This device's defaults for any of the settings in ``core.config.CORE_DEFAULTS``
+        (max_running_requests, mem_fraction_static, chunked_prefill_size, cuda_graph_max_bs).
+        A flag the user gives wins; a setting left out here takes the core's default. The
+        ready banner and /server_info show each value with where it came from."""
+        return {}
 
     #: True where device work runs asynchronously to the host (CUDA): then the engine overlaps
     #: scheduling the next step with the device computing this one.

@@ -10,7 +10,7 @@ Each request gets exactly one delta with ``finish`` set, after which the engine 
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
@@ -92,6 +92,8 @@ class EngineReady(msgspec.Struct, tag="ready", kw_only=True):
     eos_token_ids: list[int]
     plugins: dict[str, str]
     max_running_requests: int
+    # {setting: {"value": ..., "from": "flag" | "<platform> default" | "default" | why lowered}}
+    settings: dict[str, dict[str, Any]] = {}
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
 from radixserve.core.batch import ForwardBatch, to_device
-from radixserve.core.config import ConfigError, EngineConfig, ModelConfig
+from radixserve.core.config import ConfigError, EngineConfig, ModelConfig, PlatformSettings
 from radixserve.core.grammar import GrammarMasker
 from radixserve.core.interfaces import PLUGIN_KINDS, AttentionBackend, CausalLM, HardwarePlatform
 from radixserve.core.logprobs import record_input_logprobs, scored_positions
@@ -28,9 +28,8 @@ from radixserve.core.weights import count_parameters, iter_weights
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Without --max-total-tokens the pool is capped here: large enough for every test and benchmark
-# on a CPU host, small enough not to reserve most of its memory.
-DEFAULT_MAX_KV_TOKENS = 1 << 18
+# A default max_running_requests is lowered to what the KV pool holds at this many tokens each.
+_MIN_TOKENS_PER_RUNNING_REQUEST = 128
 
 
 _NOTHING_SCORED = range(0)
@@ -72,10 +71,18 @@ class ModelRunner:
             self.platform.default_dtype() if config.dtype == "auto" else _DTYPES[config.dtype]
         )
         mc = self.model_config
+        weight_bytes = count_parameters(model_dir) * self.dtype.itemsize
+        config, self.settings = config.with_platform_defaults(
+            hw.name, self.platform.engine_defaults(mc, weight_bytes)
+        )
         self.max_context = min(config.context_length or mc.max_context, mc.max_context)
-        self.kv_size = self._kv_pool_size(model_dir, config)
+        self.kv_size = self._kv_pool_size(weight_bytes, config)
+        config, self.settings = self._fit_running_to_pool(config)
+        self.config = config  # every setting resolved (see self.settings for their origins)
         self.allocator = TokenAllocator(self.kv_size, config.page_size)
-        self.req_to_token = ReqToTokenPool(config.max_running_requests + 1, self.max_context + 1)
+        self.req_to_token = ReqToTokenPool(
+            self.settings.max_running_requests + 1, self.max_context + 1
+        )
         self.kv_pool = KVPool(
             self.kv_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device,
             page_size=config.page_size,
@@ -102,20 +109,42 @@ class ModelRunner:
                 f"available: {', '.join(host.registries['model'].available_names())}"
             ) from e
 
-    def _kv_pool_size(self, model_dir: Path, config: EngineConfig) -> int:
+    def _kv_pool_size(self, weight_bytes: int, config: EngineConfig) -> int:
         mc = self.model_config
         per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
         if config.max_total_tokens is not None:
             return config.max_total_tokens
-        weight_bytes = count_parameters(model_dir) * self.dtype.itemsize
-        budget = self.platform.kv_cache_bytes(weight_bytes, config.mem_fraction_static)
-        size = min(budget // per_token, DEFAULT_MAX_KV_TOKENS)
+        fraction = self.settings.mem_fraction_static
+        size = self.platform.kv_cache_bytes(weight_bytes, fraction) // per_token
+        if self.platform.max_kv_tokens is not None:
+            size = min(size, self.platform.max_kv_tokens)
         if size < 16:
             raise ConfigError(
-                f"no memory left for the KV pool with mem_fraction_static="
-                f"{config.mem_fraction_static}; raise it or set max_total_tokens"
+                f"no memory left for the KV pool with mem_fraction_static={fraction} "
+                f"({self.settings.origins['mem_fraction_static']}); raise it or set "
+                "max_total_tokens"
             )
         return int(size)
+
+    def _fit_running_to_pool(self, config: EngineConfig) -> tuple[EngineConfig, PlatformSettings]:
+        """A default max_running_requests that the KV pool cannot hold at a modest request
+        size is lowered, with the reason logged and shown where the settings are."""
+        s = self.settings
+        fit = max(1, self.kv_size // _MIN_TOKENS_PER_RUNNING_REQUEST)
+        user_set = (
+            s.origins["max_running_requests"] == "flag" or config.max_total_tokens is not None
+        )
+        if user_set or fit >= s.max_running_requests:
+            return config, s
+        why = (
+            f"lowered from {s.max_running_requests}: the KV pool holds {self.kv_size} tokens, "
+            f"{_MIN_TOKENS_PER_RUNNING_REQUEST} per running request"
+        )
+        logger.warning("max_running_requests %d: %s", fit, why)
+        origins = {**s.origins, "max_running_requests": why}
+        return replace(config, max_running_requests=fit), replace(
+            s, max_running_requests=fit, origins=origins
+        )
 
     def build_batch(
         self, batch: ScheduledBatch, prev_ids: torch.Tensor | None = None

@@ -110,7 +110,8 @@ def _ready(core: EngineCore) -> ipc.EngineReady:
         vocab_size=core.runner.model_config.vocab_size,
         eos_token_ids=list(core.eos_token_ids),
         plugins=dict(core.runner.plugins.names),
-        max_running_requests=core.config.max_running_requests,
+        max_running_requests=core.runner.settings.max_running_requests,
+        settings=core.runner.settings.describe(),
     )
 
 

@@ -140,6 +140,9 @@ def create_app(
             "model_dir": info.model_dir,
             "context_length": info.max_context,
             "max_total_num_tokens": info.kv_size,
+            # the resolved values (the flags above are None where a default applied)
+            **{k: v["value"] for k, v in info.settings.items()},
+            "engine_settings": info.settings,
             "active_plugins": info.plugins,
             "num_running_reqs": state.num_running,
             "num_waiting_reqs": state.num_waiting,

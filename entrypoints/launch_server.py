@@ -76,7 +76,7 @@ async def serve(args: ServerArgs, chat_template: str | None = None) -> int:
             return 1
         tokenizer = Tokenizer(info.model_dir, chat_template=chat_template)
         metrics = ServerMetrics(args.model_name) if args.enable_metrics else None
-        tm = TokenizerManager(client, info, tokenizer, metrics, args.limits())
+        tm = TokenizerManager(client, info, tokenizer, metrics, args.limits(info))
         app = create_app(tm, args, metrics)
         config = uvicorn.Config(
             app,
@@ -142,6 +142,8 @@ async def _announce(server: uvicorn.Server, args: ServerArgs, info: EngineReady)
         f"KV pool {info.kv_size} tokens | context {info.max_context}",
         flush=True,
     )
+    settings = ", ".join(f"{k}={v['value']} ({v['from']})" for k, v in info.settings.items())
+    print(f"radixserve: settings {settings}", flush=True)
     print(f"radixserve ready at http://{args.host}:{args.port}", flush=True)
 
 

@@ -10,11 +10,17 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from radixserve.core.config import DTYPES, SCHEDULE_POLICIES, ConfigError, EngineConfig
+from radixserve.core.config import (
+    DTYPES,
+    LOG_LEVELS,
+    SCHEDULE_POLICIES,
+    ConfigError,
+    EngineConfig,
+)
+from radixserve.core.ipc import EngineReady
 from radixserve.entrypoints.admission import Limits
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
-LOG_LEVELS = ("debug", "info", "warning", "error")
 _CHOICES = {"schedule_policy": SCHEDULE_POLICIES, "dtype": DTYPES, "log_level": LOG_LEVELS}
 _FLAG_NAMES = {"plugins": "--plugin"}  # a repeatable flag reads better in the singular
 _ALIASES = {"model_path": ("--model",)}
@@ -50,11 +56,12 @@ class ServerArgs:
             return self.engine.served_model_name
         return self.engine.model_path or DEFAULT_MODEL_NAME
 
-    def limits(self) -> Limits:
-        """The admission limits the TokenizerManager enforces."""
+    def limits(self, engine: EngineReady) -> Limits:
+        """The admission limits the TokenizerManager enforces (``engine``: what the started
+        engine resolved, e.g. max_running_requests from its platform's defaults)."""
         return Limits(
             max_queued_requests=self.max_queued_requests,
-            max_running_requests=self.engine.max_running_requests,
+            max_running_requests=engine.max_running_requests,
             request_timeout=self.request_timeout,
             max_n=self.max_n,
             max_stop_strings=self.max_stop_strings,

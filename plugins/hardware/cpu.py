@@ -26,6 +26,10 @@ class CpuPlatform(HardwarePlatform):
             "kv_transfer": "none",
         }
 
+    # A host has far more memory than a CPU-served model's traffic needs; reserving all of
+    # --mem-fraction-static of it would starve the machine.
+    max_kv_tokens = 1 << 18
+
     def kv_cache_bytes(self, weight_bytes: int, mem_fraction: float) -> int:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return max(int(total * mem_fraction) - weight_bytes, 0)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from radixserve.core.config import ModelConfig
 from radixserve.core.hookspecs import hookimpl
 from radixserve.core.interfaces import HardwarePlatform, StepExecutor
 from radixserve.plugins.hardware.cpu import CpuPlatform
@@ -34,6 +35,27 @@ class CudaPlatform(HardwarePlatform):
 
     def default_plugins(self) -> dict[str, str]:
         return {**CpuPlatform().default_plugins(), "attention": "triton"}
+
+    def engine_defaults(self, model: ModelConfig, weight_bytes: int) -> dict[str, Any]:
+        """Sized from the card: a larger prefill chunk and more graph-captured decodes on
+        larger cards, and most of the memory for weights + KV. What is left is room for one
+        chunk's activations, the sampler's buffers over a full decode batch, CUDA graphs and
+        cuBLAS workspaces: twice an estimate of those, and at least 8% of the card."""
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        gib = total / (1 << 30)
+        chunk = 8192 if gib >= 60 else 4096 if gib >= 30 else 2048
+        graph_bs = 256 if gib >= 30 else 128
+        itemsize = self.default_dtype().itemsize
+        intermediate = int(model.raw.get("intermediate_size") or 4 * model.hidden_size)
+        activations = chunk * (4 * model.hidden_size + 3 * intermediate) * itemsize
+        sampler = graph_bs * model.vocab_size * 4 * 3  # float32 logits and two temporaries
+        reserve = max(2 * (activations + sampler + (2 << 30)), int(0.08 * total))
+        return {
+            "chunked_prefill_size": chunk,
+            "cuda_graph_max_bs": graph_bs,
+            "max_running_requests": graph_bs,
+            "mem_fraction_static": round(1 - reserve / total, 3),
+        }
 
     def kv_cache_bytes(self, weight_bytes: int, mem_fraction: float) -> int:
         free, total = torch.cuda.mem_get_info(self.device)

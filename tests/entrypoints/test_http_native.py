@@ -7,6 +7,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import prometheus_client
 import pytest
 import requests
 from hardening import metric
@@ -179,6 +180,12 @@ def test_model_and_server_info(server: RunningServer) -> None:
         assert set(info["kv"]) >= {"free", "evictable", "locked", "in_use"}
         assert info["context_length"] == TINY_CONTEXT and info["api_key"] == "***"
         assert {"num_running_reqs", "num_waiting_reqs", "cache_hit_rate"} <= set(info)
+        # every platform-chosen setting, resolved, with where it came from
+        settings = info["engine_settings"]
+        assert set(settings) == {"max_running_requests", "mem_fraction_static",
+                                 "chunked_prefill_size", "cuda_graph_max_bs"}  # fmt: skip
+        for name, entry in settings.items():
+            assert info[name] == entry["value"] is not None and entry["from"], name
 
 
 def test_health_routes_and_profile(server: RunningServer) -> None:
@@ -207,7 +214,9 @@ def test_tokenize_detokenize_round_trip(server: RunningServer) -> None:
 
 def test_metrics_names(server: RunningServer) -> None:
     generate(server, text="Hello", sampling_params={"max_new_tokens": 2})
-    text = requests.get(server.url + "/metrics", timeout=TIMEOUT).text  # no key needed
+    response = requests.get(server.url + "/metrics", timeout=TIMEOUT)  # no key needed
+    assert response.headers["content-type"] == prometheus_client.CONTENT_TYPE_LATEST
+    text = response.text
     for name in (
         "radixserve_requests_total",
         "radixserve_prompt_tokens_total",
