@@ -21,6 +21,7 @@ from radixserve.entrypoints.http_errors import (
     error_response,
     install_error_handlers,
 )
+from radixserve.entrypoints.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from radixserve.entrypoints.metrics import ServerMetrics
 from radixserve.entrypoints.openai_protocol import (
     ChatCompletionRequest,
@@ -232,6 +233,6 @@ def create_app(
         @app.get("/metrics")
         async def metrics_route() -> Response:
             state = await tm.engine_state() if tm.dead is None else None
-            return Response(metrics.render(state), media_type="text/plain; version=0.0.4")
+            return Response(metrics.render(state), media_type=METRICS_CONTENT_TYPE)
 
     return app

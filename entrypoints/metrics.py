@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import (
+    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
@@ -11,6 +12,9 @@ from prometheus_client import (
 )
 
 from radixserve.core import ipc
+
+# The exposition format generate_latest writes, as prometheus_client names it.
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 PREFIX = "radixserve"
 _LATENCY_BUCKETS = (
