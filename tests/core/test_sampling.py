@@ -170,6 +170,29 @@ def test_greedy_and_top_k_1_take_the_argmax() -> None:
     assert set(draw(LOGITS, 500, temperature=5.0, top_k=1)) == {0}
 
 
+def test_greedy_rows_in_a_sampled_batch_take_their_own_argmax() -> None:
+    logits = torch.tensor([LOGITS[::-1], LOGITS, LOGITS[::-1]])
+    reqs = [
+        Req("g", [0], SamplingParams(temperature=0.0)),
+        Req("s", [0], SamplingParams(temperature=1.0, seed=1)),
+        Req("k", [0], SamplingParams(temperature=1.0, top_k=1)),
+    ]
+    out = sampling.sample_ids(logits, reqs).tolist()
+    assert out[0] == 7 and out[2] == 7 and 0 <= out[1] < len(LOGITS)
+
+
+def test_top_p_and_min_p_at_exact_boundaries() -> None:
+    """Values exact in binary: the nucleus is the smallest set whose mass reaches top_p (as in
+    HF; SGLang's torch fallback keeps one more token on an exact tie), and a token exactly at
+    the min-p floor stays (as in SGLang)."""
+    probs = torch.tensor([[0.5, 0.25, 0.125, 0.125]])
+    nucleus = sampling._filter_probs(probs, reqs_for(1, top_p=0.75))[0]
+    assert nucleus.tolist() == [0.5, 0.25, 0.0, 0.0]
+    floor = sampling._filter_probs(probs, reqs_for(1, min_p=0.25))[0]
+    assert floor.tolist() == [0.5, 0.25, 0.125, 0.125]
+    assert sampling._filter_probs(probs, reqs_for(1, min_p=0.5))[0].tolist() == [0.5, 0.25, 0, 0]
+
+
 # --- penalties, on the logits (SGLang's formulas) ---------------------------------------
 
 
@@ -194,12 +217,17 @@ def test_presence_penalty_subtracts_once_per_output_token() -> None:
     assert out == pytest.approx([x + 0.75 * s for x, s in zip(PEN_LOGITS, seen, strict=True)])
 
 
-def test_repetition_penalty_divides_positive_multiplies_negative() -> None:
-    rp = 1.3
-    out = penalized(PEN_LOGITS, prompt=[1, 3], output=[0, 4], repetition_penalty=rp)
-    seen = {0, 1, 3, 4}  # prompt and output both count
+@pytest.mark.parametrize("rp", [1.3, 2.0, 0.5])
+def test_repetition_penalty_divides_positive_multiplies_negative(rp: float) -> None:
+    out = penalized(PEN_LOGITS, prompt=[1, 3, 5], output=[0, 4], repetition_penalty=rp)
+    seen = {0, 1, 3, 4, 5}  # prompt and output both count; 5 is in (0, 1)
     want = [(x / rp if x > 0 else x * rp) if i in seen else x for i, x in enumerate(PEN_LOGITS)]
     assert out == pytest.approx(want)
+
+
+def test_frequency_penalty_without_output_changes_nothing() -> None:
+    out = penalized(PEN_LOGITS, prompt=[1, 2], output=[], frequency_penalty=1.0)
+    assert out == PEN_LOGITS
 
 
 def test_frequency_and_presence_add_up() -> None:
