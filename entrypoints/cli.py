@@ -12,10 +12,7 @@ import importlib
 import json
 import logging
 import sys
-import types
-import typing
-from collections.abc import Callable, Sequence
-from dataclasses import MISSING, fields
+from collections.abc import Sequence
 from typing import Any
 
 import pluggy
@@ -30,6 +27,7 @@ from radixserve.core.plugins import (
     parse_plugin_selections,
 )
 from radixserve.core.request import InvalidRequest, SamplingParams
+from radixserve.entrypoints.server_args import add_dataclass_flags, dataclass_settings
 
 #: Errors that are the user's (or a plugin author's) to fix: one line, no traceback.
 USER_ERRORS = (
@@ -238,50 +236,14 @@ def configure_logging(level_name: str) -> None:
 
 
 def add_engine_config_args(parser: Any, skip: Sequence[str] = ()) -> None:
-    """Add one ``--flag`` per EngineConfig field (help from the field's metadata).
-
-    Flags default to ``argparse.SUPPRESS`` so only the ones given reach ``engine_settings`` and
-    EngineConfig's own defaults stay the single source of truth.
-    """
-    hints = typing.get_type_hints(EngineConfig)
-    for f in fields(EngineConfig):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
-        if typing.get_origin(hints[f.name]) is tuple:  # a repeatable flag (--plugin-allow)
-            metavar = f.metadata.get("metavar", "VALUE")
-            parser.add_argument(
-                flag, action="append", default=argparse.SUPPRESS, metavar=metavar, help=help_text
-            )
-            continue
-        kind = _scalar_type(f.name, hints[f.name])
-        if f.default is not MISSING and f.default is not None and kind is not bool:
-            help_text += f" (default: {f.default})"
-        if kind is bool:
-            action: Any = "store_true" if f.default is False else argparse.BooleanOptionalAction
-            parser.add_argument(flag, action=action, default=argparse.SUPPRESS, help=help_text)
-        else:
-            parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
+    """One ``--flag`` per EngineConfig field, from the server's own flag generator; a flag not
+    given stays out of the namespace, so EngineConfig's defaults stay the single source."""
+    add_dataclass_flags(parser, EngineConfig, skip=skip, suppress=True)
 
 
 def engine_settings(args: argparse.Namespace, skip: Sequence[str] = ()) -> dict[str, Any]:
     """The EngineConfig fields the user gave on the command line, as keyword arguments."""
-    return {
-        f.name: getattr(args, f.name)
-        for f in fields(EngineConfig)
-        if f.name not in skip and hasattr(args, f.name)
-    }
-
-
-def _scalar_type(name: str, hint: Any) -> Callable[[str], Any]:
-    """``int | None`` -> int; bool, int, float and str as themselves."""
-    if isinstance(hint, types.UnionType):
-        members = [a for a in typing.get_args(hint) if a is not type(None)]
-        hint = members[0] if len(members) == 1 else hint
-    if hint in (bool, int, float, str):
-        return typing.cast(Callable[[str], Any], hint)
-    raise TypeError(f"EngineConfig.{name} has type {hint!r}, which has no command-line form")
+    return dataclass_settings(args, EngineConfig, skip)
 
 
 if __name__ == "__main__":

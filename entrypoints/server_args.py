@@ -26,27 +26,64 @@ _FLAG_NAMES = {"plugins": "--plugin"}  # a repeatable flag reads better in the s
 _ALIASES = {"model_path": ("--model",)}
 
 
+_LIMITS = {f.name: f.default for f in dataclasses.fields(Limits)}
+
+
+def _opt(default: Any, help: str) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def _limit(name: str, help: str) -> Any:
+    # The admission limits' defaults live in one place: admission.Limits.
+    return _opt(_LIMITS[name], help)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ServerArgs:
-    """Settings of the HTTP server process; the engine's live in ``engine``."""
+    """Settings of the HTTP server process; the engine's live in ``engine``. Each field is a
+    flag (``add_dataclass_flags``), its docstring-like ``help`` the flag's help."""
 
     engine: EngineConfig
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    chat_template: str | None = None
-    enable_metrics: bool = False
-    incremental_streaming_output: bool = False
-    max_body_bytes: int = 32 << 20
-    max_header_bytes: int = 64 << 10
-    max_queued_requests: int = 1024
-    request_timeout: float | None = None
-    max_n: int = 16
-    max_stop_strings: int = 16
-    max_stop_length: int = 256
-    max_top_logprobs: int = 100
-    request_read_timeout: float = 30.0
-    shutdown_timeout: float = 30.0
+    host: str = _opt("127.0.0.1", "Address to listen on")
+    port: int = _opt(30000, "Port to listen on")
+    api_key: str | None = _opt(None, "Require 'Authorization: Bearer KEY'")
+    chat_template: str | None = _opt(None, "Chat template: a Jinja file or template text")
+    enable_metrics: bool = _opt(False, "Serve Prometheus /metrics")
+    incremental_streaming_output: bool = _opt(
+        False,
+        "Native /generate streams send only what is new in each event (text, output_ids, "
+        "output logprobs), as SGLang's flag of that name; default: cumulative",
+    )
+    max_body_bytes: int = _opt(32 << 20, "Largest request body accepted")
+    max_header_bytes: int = _opt(
+        64 << 10, "Largest request head (request line + headers) accepted; larger ones are refused"
+    )
+    max_queued_requests: int = _limit(
+        "max_queued_requests",
+        "Requests that may wait beyond --max-running-requests; more get 503 with Retry-After",
+    )
+    request_timeout: float | None = _limit(
+        "request_timeout",
+        "Seconds a request may run before it is aborted (finish_reason abort); default: no limit",
+    )
+    max_n: int = _limit("max_n", "Largest n (choices per prompt)")
+    max_stop_strings: int = _limit(
+        "max_stop_strings", "Most stop strings (and most stop_token_ids) per request"
+    )
+    max_stop_length: int = _limit("max_stop_length", "Longest stop string, in characters")
+    max_top_logprobs: int = _limit(
+        "max_top_logprobs",
+        "Most top logprobs per token (native top_logprobs_num; OpenAI caps its own at 20)",
+    )
+    request_read_timeout: float = _opt(
+        30.0,
+        "Slowloris guard: seconds a client gets to send a request's head (from connecting, or "
+        "from the previous response on a keep-alive connection), and again its body; a slower "
+        "client gets 408 and the connection is closed",
+    )
+    shutdown_timeout: float = _opt(
+        30.0, "On SIGTERM: seconds in-flight requests get to finish before they are aborted"
+    )
 
     @property
     def model_name(self) -> str:
@@ -83,105 +120,65 @@ class ServerArgs:
 
 def build_parser(prog: str = "radixserve serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Serve a model over HTTP (OpenAI + native).")
-    p.add_argument("--host", default="127.0.0.1", help="Address to listen on")
-    p.add_argument("--port", type=int, default=30000, help="Port to listen on")
-    p.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY'")
-    p.add_argument(
-        "--chat-template", default=None, help="Chat template: a Jinja file or template text"
-    )
-    p.add_argument("--enable-metrics", action="store_true", help="Serve Prometheus /metrics")
-    p.add_argument(
-        "--incremental-streaming-output",
-        action="store_true",
-        help="Native /generate streams send only what is new in each event (text, output_ids, "
-        "output logprobs), as SGLang's flag of that name; default: cumulative",
-    )
-    p.add_argument(
-        "--max-body-bytes", type=int, default=32 << 20, help="Largest request body accepted"
-    )
-    _add_limit_flags(p)
-    hints = typing.get_type_hints(EngineConfig)
-    for f in dataclasses.fields(EngineConfig):
-        _add_engine_flag(p, f, hints[f.name])
+    add_dataclass_flags(p, ServerArgs, skip=("engine",))
+    add_dataclass_flags(p, EngineConfig)
     return p
 
 
-def _add_limit_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--max-header-bytes",
-        type=int,
-        default=64 << 10,
-        help="Largest request head (request line + headers) accepted; larger ones are refused",
-    )
-    p.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=1024,
-        help="Requests that may wait beyond --max-running-requests; more get 503 with Retry-After",
-    )
-    p.add_argument(
-        "--request-timeout",
-        type=float,
-        default=None,
-        help="Seconds a request may run before it is aborted (finish_reason abort); "
-        "default: no limit",
-    )
-    p.add_argument("--max-n", type=int, default=16, help="Largest n (choices per prompt)")
-    p.add_argument(
-        "--max-stop-strings",
-        type=int,
-        default=16,
-        help="Most stop strings (and most stop_token_ids) per request",
-    )
-    p.add_argument(
-        "--max-stop-length", type=int, default=256, help="Longest stop string, in characters"
-    )
-    p.add_argument(
-        "--max-top-logprobs",
-        type=int,
-        default=100,
-        help="Most top logprobs per token (native top_logprobs_num; OpenAI caps its own at 20)",
-    )
-    p.add_argument(
-        "--request-read-timeout",
-        type=float,
-        default=30.0,
-        help="Slowloris guard: seconds a client gets to send a request's head (from connecting, "
-        "or from the previous response on a keep-alive connection), and again its body; a "
-        "slower client gets 408 and the connection is closed",
-    )
-    p.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="On SIGTERM: seconds in-flight requests get to finish before they are aborted",
-    )
+def add_dataclass_flags(
+    parser: Any, cls: type, skip: Sequence[str] = (), suppress: bool = False
+) -> None:
+    """One ``--flag`` per field of the config dataclass ``cls`` (the one flag generator of the
+    server and the CLI): help from ``metadata["help"]``, type from the annotation (``X | None``
+    is X; a bool is a switch, ``--no-`` form too when it defaults to True; a tuple is a
+    repeatable flag). With ``suppress`` a flag not given is absent from the namespace, so the
+    dataclass's own default applies (``dataclass_settings`` reads what was given)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flags = [_FLAG_NAMES.get(f.name, "--" + f.name.replace("_", "-"))]
+        flags += _ALIASES.get(f.name, ())
+        help_text = f.metadata.get("help", "")
+        base = _base_type(f.name, hints[f.name])
+        default = argparse.SUPPRESS if suppress else f.default
+        kw: dict[str, Any] = {"dest": f.name}
+        if base is bool:
+            kw["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+        elif base is tuple:
+            kw.update(action="append", metavar=f.metadata.get("metavar", "KIND=NAME"))
+            default = argparse.SUPPRESS if suppress else None
+        else:
+            kw["type"] = base
+            if f.name in _CHOICES:  # listed, not enforced here: EngineConfig checks the value
+                help_text += f" (one of: {', '.join(_CHOICES[f.name])})"
+            if f.default is not None and f.default is not dataclasses.MISSING:
+                help_text += f" (default: {f.default})"
+        if default is not dataclasses.MISSING:
+            kw["default"] = default
+        parser.add_argument(*flags, help=help_text, **kw)
 
 
-def _add_engine_flag(p: argparse.ArgumentParser, f: dataclasses.Field[Any], hint: Any) -> None:
-    flags = [_FLAG_NAMES.get(f.name, "--" + f.name.replace("_", "-")), *_ALIASES.get(f.name, ())]
-    help_text = f.metadata.get("help", "")
-    kw: dict[str, Any] = {"dest": f.name, "help": help_text}
-    if f.default is not dataclasses.MISSING:
-        kw["default"] = f.default
-    base = _base_type(hint)
-    if base is bool:
-        kw["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
-    elif base is tuple:
-        kw.update(action="append", default=None, metavar=f.metadata.get("metavar", "KIND=NAME"))
-    else:
-        kw["type"] = base
-        if f.name in _CHOICES:
-            kw["choices"] = _CHOICES[f.name]
-    p.add_argument(*flags, **kw)
+def dataclass_settings(
+    args: argparse.Namespace, cls: type, skip: Sequence[str] = ()
+) -> dict[str, Any]:
+    """The fields of ``cls`` given on the command line (flags added with ``suppress``)."""
+    return {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(cls)
+        if f.name not in skip and hasattr(args, f.name)
+    }
 
 
-def _base_type(hint: Any) -> Any:
-    """int | None -> int; tuple[str, ...] -> tuple."""
+def _base_type(name: str, hint: Any) -> Any:
+    """int | None -> int; tuple[str, ...] -> tuple; bool, int, float and str as themselves."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         hint = args[0]
-    return typing.get_origin(hint) or hint
+    base = typing.get_origin(hint) or hint
+    if base not in (bool, int, float, str, tuple):
+        raise TypeError(f"{name} has type {hint!r}, which has no command-line form")
+    return base
 
 
 def parse_server_args(argv: Sequence[str] | None = None) -> ServerArgs:
