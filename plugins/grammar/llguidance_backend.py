@@ -94,9 +94,7 @@ class LLGuidanceBackend(GrammarBackend):
 
                 grammar = build.grammar_from_lark(gbnf_to_lark(spec))
             elif kind == "structural_tag":
-                raise ValueError(
-                    "the llguidance backend does not support structural_tag; use xgrammar"
-                )
+                grammar = build.grammar_from_lark(structural_tag_lark(spec))
             else:
                 raise ValueError(f"unknown grammar kind '{kind}'")
         except json.JSONDecodeError as e:
@@ -111,6 +109,59 @@ class LLGuidanceBackend(GrammarBackend):
         return LLGuidanceMatcher(template, self.stops)
 
 
+def structural_tag_lark(spec: str) -> str:
+    """A structural tag (free text in which each trigger starts a tagged JSON segment) as
+    llguidance's Lark, through its own ``StructTag``. Both spellings SGLang accepts: ``{"type":
+    "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}`` and
+    xgrammar's ``{"format": {"type": "triggered_tags", "triggers", "tags": [{"begin",
+    "content": {"type": "json_schema", "json_schema"}, "end"}]}}``."""
+    import llguidance
+
+    try:
+        tag = json.loads(spec)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"structural_tag is not valid JSON: {e}") from e
+    if not isinstance(tag, dict):
+        raise ValueError("structural_tag must be a JSON object")
+    fmt = tag.get("format")
+    if isinstance(fmt, dict):
+        if fmt.get("type") != "triggered_tags":
+            raise ValueError(
+                f"the llguidance backend reads structural tags of format 'triggered_tags', not "
+                f"{fmt.get('type')!r}; use --plugin grammar=xgrammar"
+            )
+        triggers, items = fmt.get("triggers"), fmt.get("tags")
+        segments = []
+        for item in items if isinstance(items, list) else []:
+            content = item.get("content") if isinstance(item, dict) else None
+            if not isinstance(content, dict) or content.get("type") != "json_schema":
+                raise ValueError(
+                    "the llguidance backend reads tags whose content is a json_schema; use "
+                    "--plugin grammar=xgrammar"
+                )
+            segments.append((item.get("begin"), content.get("json_schema"), item.get("end")))
+    else:
+        triggers, items = tag.get("triggers"), tag.get("structures")
+        segments = [
+            (s.get("begin"), s.get("schema"), s.get("end"))
+            for s in (items if isinstance(items, list) else [])
+            if isinstance(s, dict)
+        ]
+    if not isinstance(triggers, list) or not segments:
+        raise ValueError("structural_tag needs 'triggers' and at least one tag")
+    tags = []
+    for begin, schema, end in segments:
+        if not isinstance(begin, str) or not isinstance(end, str):
+            raise ValueError("each structural tag needs 'begin' and 'end' strings")
+        trigger = next((t for t in triggers if isinstance(t, str) and begin.startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"no trigger starts the tag begin {begin!r}")
+        schema = closed_objects(schema if schema is not None else {})
+        tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=schema, end=end))
+    # Triggers are text here (assume_special=False): "<tool_call>" need not be one token.
+    return llguidance.StructTag.to_grammar(tags, assume_special=False)
+
+
 def _available() -> str | None:
     if importlib.util.find_spec("llguidance") is None:
         return "the 'llguidance' package is not installed (pip install llguidance)"
@@ -123,5 +174,5 @@ def register_grammar_backends(register) -> None:  # type: ignore[no-untyped-def]
         "llguidance",
         LLGuidanceBackend,
         available=_available,
-        description="llguidance: JSON schema, regex, EBNF/Lark",
+        description="llguidance: JSON schema, regex, EBNF/Lark, structural tags",
     )

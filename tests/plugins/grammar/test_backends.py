@@ -186,3 +186,49 @@ def test_batch_fill_matches_row_by_row(backend: GrammarBackend, tiny_tokenizer: 
         g.fill_bitmask(single, row)
     assert torch.equal(batch, single)
     assert (batch[0] == -1).all() and (batch[3] == -1).all()  # rows not named stay untouched
+
+
+TAG_LEGACY = {
+    "type": "structural_tag",
+    "structures": [
+        {
+            "begin": "<f>",
+            "schema": {"type": "object", "properties": {"a": {"type": "integer"}}},
+            "end": "</f>",
+        }
+    ],
+    "triggers": ["<f"],
+}
+TAG_FORMAT = {
+    "type": "structural_tag",
+    "format": {
+        "type": "triggered_tags",
+        "triggers": ["<f"],
+        "tags": [
+            {
+                "begin": "<f>",
+                "content": {
+                    "type": "json_schema",
+                    "json_schema": TAG_LEGACY["structures"][0]["schema"],
+                },
+                "end": "</f>",
+            }
+        ],
+    },
+}
+
+
+@pytest.mark.parametrize("tag", [TAG_LEGACY, TAG_FORMAT], ids=["structures", "triggered_tags"])
+def test_structural_tag(backend: GrammarBackend, tiny_tokenizer: Tokenizer, tag: dict) -> None:
+    if backend.name == "outlines":  # type: ignore[attr-defined]
+        pytest.skip("outlines-core has no context-free grammars")
+    if backend.name == "xgrammar" and "structures" in tag:  # type: ignore[attr-defined]
+        pytest.skip("this xgrammar reads only the 'format' spelling")
+    g = backend.compile("structural_tag", json.dumps(tag))
+    for token in ids(tiny_tokenizer, 'Hi there <f>{"a": 12}</f> done'):
+        assert g.accept_token(token), tiny_tokenizer.decode([token])
+    assert g.accept_token(STOP)
+    g = backend.compile("structural_tag", json.dumps(tag))
+    for token in ids(tiny_tokenizer, "Hi <f>"):
+        assert g.accept_token(token)
+    assert not any(g.accept_token(t) for t in ids(tiny_tokenizer, "x"))  # JSON must follow
