@@ -103,6 +103,14 @@ def test_n_returns_distinct_completions(engine: Engine) -> None:
     assert len({tuple(o["output_ids"]) for o in outs}) > 1
 
 
+def test_seeded_n_choices_are_reproducible_and_distinct(engine: Engine) -> None:
+    params = {"max_new_tokens": 16, "ignore_eos": True, "temperature": 1.0, "n": 3, "seed": 11}
+    first = engine.generate(PROMPT, dict(params))
+    again = engine.generate(PROMPT, dict(params))
+    assert [o["output_ids"] for o in first] == [o["output_ids"] for o in again]
+    assert len({tuple(o["output_ids"]) for o in first}) == 3
+
+
 def test_penalties_change_greedy_output(engine: Engine) -> None:
     base = _gen(engine, temperature=0)["output_ids"]
     rep = _gen(engine, temperature=0, repetition_penalty=5.0)["output_ids"]
