@@ -171,7 +171,8 @@ def test_greedy_and_top_k_1_take_the_argmax() -> None:
 
 
 def test_greedy_rows_in_a_sampled_batch_take_their_own_argmax() -> None:
-    logits = torch.tensor([LOGITS[::-1], LOGITS, LOGITS[::-1]])
+    # The sampled row holds the batch's largest logit, so a flat argmax would point into it.
+    logits = torch.tensor([LOGITS[::-1], [x + 1 for x in LOGITS], LOGITS[::-1]])
     reqs = [
         Req("g", [0], SamplingParams(temperature=0.0)),
         Req("s", [0], SamplingParams(temperature=1.0, seed=1)),
@@ -372,10 +373,31 @@ def test_a_failing_row_fails_alone() -> None:
 def test_a_failing_row_in_sample_ids_fails_alone() -> None:
     bad = Req("bad", [0], SamplingParams(temperature=1.0))
     bad.sampling.seed = "not a number"  # type: ignore[assignment]  # past validation
-    seeded = SamplingParams(temperature=1.0, seed=3)
-    logits = torch.tensor([LOGITS, LOGITS[::-1]])
+    seeded = SamplingParams(temperature=1.0, seed=4)
+    flat = [0.0] * len(LOGITS)  # argmax 0; seed 4 draws another token
+    logits = torch.tensor([LOGITS[::-1], flat])
     alone = sampling.sample_ids(logits[1:], [Req("s", [0], seeded)]).item()
-    out = sampling.sample_ids(logits, [bad, Req("s", [0], seeded)]).tolist()
-    assert out == [0, alone] and bad.failed and "sampling failed" in bad.failed
+    assert alone != 0
+    good = Req("s", [0], seeded)
+    out = sampling.sample_ids(logits, [bad, good]).tolist()
+    assert out == [7, alone] and bad.failed and "sampling failed" in bad.failed
+    assert good.failed is None
     with pytest.raises(TypeError):
         sampling.sample_ids(logits[:1], [bad])
+
+
+def test_a_failing_row_leaves_the_others_sampled_in_full() -> None:
+    """The row-by-row retry gives each good row its own min-tokens mask, seed and raw logits."""
+    params = SamplingParams(temperature=1.0, seed=5, min_new_tokens=1, logprobs=True)
+    raw = torch.zeros(2, len(LOGITS))
+    logits = raw.clone()
+    logits[0, 1] = -math.inf  # a mask: logprobs still come from raw
+    alone = sampling.sample(logits[:1], [Req("s", [0], params)], [EOS], raw=raw[:1])
+    assert alone.next_ids[0] not in (0, 1, EOS)
+    good = Req("s", [0], params)
+    bad = _broken(temperature=0.0, frequency_penalty=1.0)
+    result = sampling.sample(logits, [good, bad], [EOS], raw=raw)
+    assert good.failed is None and bad.failed
+    assert result.next_ids == [alone.next_ids[0], 0]
+    assert result.logprobs is not None
+    assert result.logprobs[0] == pytest.approx(-math.log(len(LOGITS)))
