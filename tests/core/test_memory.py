@@ -198,3 +198,43 @@ def test_req_to_token_mirror_follows_every_write() -> None:
     assert torch.equal(mirror[:3].long(), pool.table)
     assert mirror[0, :4].tolist() == [5, 20, 22, 11]
     assert pool.device_table("cpu") is mirror, "one tensor for the pool's life (CUDA graphs)"
+
+
+def test_req_to_token_rows_are_handed_out_in_order_and_reused() -> None:
+    pool = ReqToTokenPool(3, 8)
+    assert pool.table.shape == (3, 8) and pool.table.dtype == torch.int64
+    assert not pool.table.any() and pool.max_context == 8
+    assert [pool.alloc(), pool.alloc(), pool.alloc()] == [0, 1, 2]
+    assert pool.alloc() is None and pool.available() == 0
+    pool.free(1)
+    assert pool.available() == 1 and pool.alloc() == 1
+    pool.write(2, 0, torch.tensor([], dtype=torch.int64))  # nothing to write
+    assert not pool.table.any()
+    pool.sync()  # no mirror, no writes: nothing to do
+
+
+def test_req_to_token_mirror_is_pinned_to_its_device() -> None:
+    pool = ReqToTokenPool(2, 4)
+    mirror = pool.device_table(torch.device("cpu"))
+    pool.write(1, 3, torch.tensor([9]))
+    assert pool.device_table("cpu")[1, 3] == 9 and pool.device_table("cpu") is mirror
+    with pytest.raises(ValueError, match="lives on cpu, not on meta"):
+        pool.device_table("meta")
+
+
+def test_kv_pool_buffers_per_layer() -> None:
+    from radixserve.core.memory import KVPool
+
+    pool = KVPool(6, 2, 3, 4, torch.float16, "cpu", page_size=2)
+    assert pool.size == 6 and pool.page_size == 2
+    assert len(pool.k) == len(pool.v) == 2
+    for buf in (*pool.k, *pool.v):
+        assert buf.shape == (7, 3, 4) and buf.dtype == torch.float16 and not buf.any()
+    assert len({id(b) for b in (*pool.k, *pool.v)}) == 4, "every buffer its own tensor"
+    k, v = torch.ones(2, 3, 4), torch.full((2, 3, 4), 2.0)
+    pool.store(1, torch.tensor([2, 5]), k.half(), v.half())
+    assert pool.k[1][[2, 5]].eq(1).all() and pool.v[1][[2, 5]].eq(2).all()
+    assert not pool.k[1][[0, 1, 3, 4, 6]].any() and not pool.v[1][[0, 1, 3, 4, 6]].any()
+    assert not pool.k[0].any() and not pool.v[0].any()
+    assert KVPool.bytes_per_token(2, 3, 4, torch.float16) == 2 * 2 * 3 * 4 * 2
+    assert KVPool.bytes_per_token(30, 3, 64, torch.float32) == 2 * 30 * 3 * 64 * 4
