@@ -358,6 +358,7 @@ def test_a_failing_row_fails_alone() -> None:
     result = sampling.sample(logits, [good, bad], [EOS])
     assert result.next_ids == [7, 0]  # the failed row gets its argmax
     assert good.failed is None and bad.failed and "sampling failed" in bad.failed
+    assert "(RuntimeError: " in bad.failed  # the message names the error
     assert result.logprobs is not None and result.logprobs[1] == 0.0
     assert result.logprobs[0] == pytest.approx(torch.log_softmax(logits[0], -1)[7].item())
     assert result.top_logprobs is not None and result.top_logprobs[1] == []
