@@ -28,7 +28,7 @@ serve: $(STAMP)
 	$(BIN)/radixserve serve --host $(HOST) --port $(PORT)
 
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
