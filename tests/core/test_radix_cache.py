@@ -545,3 +545,33 @@ TestRadixCacheMachine = RadixCacheMachine.TestCase
 TestRadixCacheMachine.settings = MACHINE_SETTINGS
 TestPagedRadixCacheMachine = PagedRadixCacheMachine.TestCase
 TestPagedRadixCacheMachine.settings = MACHINE_SETTINGS
+
+
+# -- peek_prefix (read-only matching for queue ordering) ------------------------------------
+
+
+def test_peek_prefix_counts_the_match_without_changing_the_tree() -> None:
+    cache, _ = make_cache()
+    insert_fresh(cache, [1, 2, 3, 4, 5])
+    insert_fresh(cache, [1, 2, 9])
+    stamps = {id(n): n.last_access for n in cache._all_nodes()}
+    keys = sorted(n.key for n in cache._all_nodes())
+    n, node = cache.peek_prefix([1, 2, 3, 4, 7])
+    assert n == 4 and node.key == [3, 4, 5], "ends inside the node, which is not split"
+    assert cache.peek_prefix([1, 2, 9, 9]) == (3, node.parent.children[9])
+    assert cache.peek_prefix([1, 2])[0] == 2
+    assert cache.peek_prefix([7]) == (0, node.parent.parent)
+    assert cache.peek_prefix([]) == (0, node.parent.parent)
+    assert sorted(n.key for n in cache._all_nodes()) == keys
+    assert {id(n): n.last_access for n in cache._all_nodes()} == stamps
+    n, root = cache.peek_prefix([1, 2, 3], extra_key="other")
+    assert n == 0 and root.parent is None and root is not node.parent.parent
+    assert cache.match_prefix([1, 2, 3, 4, 7]).kv_indices.numel() == 4
+
+
+def test_peek_prefix_is_page_aligned() -> None:
+    cache, _ = make_cache(page_size=2)
+    insert_fresh(cache, [1, 2, 3, 4, 5, 6])
+    assert cache.peek_prefix([1, 2, 3, 4, 5, 6])[0] == 6
+    assert cache.peek_prefix([1, 2, 3, 4, 5])[0] == 4
+    assert cache.peek_prefix([1, 2, 3, 9, 5, 6])[0] == 2
