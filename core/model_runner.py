@@ -21,6 +21,7 @@ from radixserve.core.interfaces import PLUGIN_KINDS, AttentionBackend, CausalLM,
 from radixserve.core.logprobs import record_input_logprobs, scored_positions
 from radixserve.core.memory import KVPool, ReqToTokenPool, TokenAllocator
 from radixserve.core.plugins import PluginError, PluginHost, parse_plugin_selections
+from radixserve.core.request import token_slice
 from radixserve.core.sampling import SampleResult, mask_until_min_tokens, sample, sample_ids
 from radixserve.core.scheduler import SampledToken, ScheduledBatch
 from radixserve.core.weights import count_parameters, iter_weights
@@ -183,7 +184,7 @@ class ModelRunner:
                 )
                 continue
             assert not req.num_pending, "only plain decodes have pending tokens"
-            input_ids += _token_slice(req.input_ids, req.output_ids, start, n)
+            input_ids += token_slice(req.input_ids, req.output_ids, start, n)
             positions += range(start, start + n)
             rows += [req.req_pool_idx] * n
             pool_rows.append(req.req_pool_idx)
@@ -299,13 +300,3 @@ class LaunchedStep:
     next_ids: torch.Tensor | None  # sampled ids on the device, in sample-row order
     overlappable: bool  # the next step may be scheduled before result()
     result: Callable[[], dict[int, SampledToken]]
-
-
-def _token_slice(prompt: list[int], output: list[int], start: int, n: int) -> list[int]:
-    """Tokens [start, start+n) of prompt+output without concatenating the two lists."""
-    p = len(prompt)
-    if start >= p:
-        return output[start - p : start - p + n]
-    if start + n <= p:
-        return prompt[start : start + n]
-    return prompt[start:] + output[: start + n - p]

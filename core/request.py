@@ -309,3 +309,13 @@ class Req:
     def __repr__(self) -> str:
         state, n_in, n_out = self.state.value, len(self.input_ids), len(self.output_ids)
         return f"Req({self.rid}, {state}, in={n_in}, out={n_out})"
+
+
+def token_slice(prompt: list[int], output: list[int], start: int, n: int) -> list[int]:
+    """Tokens [start, start+n) of prompt+output without concatenating the two lists."""
+    p = len(prompt)
+    if start >= p:
+        return output[start - p : start - p + n]
+    if start + n <= p:
+        return prompt[start : start + n]
+    return prompt[start:] + output[: start + n - p]

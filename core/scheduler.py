@@ -21,7 +21,7 @@ from radixserve.core.grammar import GrammarStepper
 from radixserve.core.logprobs import first_scored_position
 from radixserve.core.memory import ReqToTokenPool, TokenAllocator
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
-from radixserve.core.request import FinishReason, Req, ReqState
+from radixserve.core.request import FinishReason, Req, ReqState, token_slice
 from radixserve.core.schedule_policy import order_waiting
 from radixserve.core.stop import StopChecker, TopLogprobs
 
@@ -372,15 +372,22 @@ class Scheduler:
         return chunk if self._alloc_extend(req.req_pool_idx, req.kv_len, chunk) else 0
 
     def _admit(self, budget: int) -> list[tuple[Req, int]]:
+        # The tree's matched lengths cannot change during admission (no insert happens; a split
+        # keeps lengths), so each waiting request is peeked at most once per step.
+        peeked: dict[str, tuple[int, object]] = {}
+
         def peek(r: Req) -> tuple[int, object]:
-            return self.cache.peek_prefix(r.fill_ids()[: _match_limit(r)], r.extra_key)
+            if r.rid not in peeked:
+                key = r.fill_ids()[: _match_limit(r)]
+                peeked[r.rid] = self.cache.peek_prefix(key, r.extra_key)
+            return peeked[r.rid]
 
         admitted: list[tuple[Req, int]] = []
         ordered = order_waiting(self.config.schedule_policy, list(self.waiting), peek, self._rng)  # type: ignore[arg-type]
         for req in ordered:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
-            if self._shares_running_prefill(req):
+            if self._shares_running_prefill(req, peek):
                 self.stats.deferred_admissions += 1
                 continue
             chunk = self._admit_one(req, budget)
@@ -391,24 +398,25 @@ class Scheduler:
             budget -= chunk
         return admitted
 
-    def _shares_running_prefill(self, req: Req) -> bool:
+    def _shares_running_prefill(self, req: Req, peek: Callable[[Req], tuple[int, object]]) -> bool:
         """Whether ``req``'s uncached prompt starts like a prompt still being prefilled (an
         identical prompt sent together, a sibling of n>1): it then waits one step or more, and
-        is admitted from the cache once that prefill has put the shared tokens there."""
+        is admitted from the cache once that prefill has put the shared tokens there.
+        ``peek(req)`` says how much of it the cache holds now."""
         prefilling = [
             r for r in self.running if r.state == ReqState.PREFILL and r.extra_key == req.extra_key
         ]
         if not prefilling:
             return False
-        page = self.allocator.page_size
         limit = _match_limit(req)
-        cached, _ = self.cache.peek_prefix(req.fill_ids()[:limit], req.extra_key)
+        cached = peek(req)[0]
         span = min(self.config.shared_prefill_min_tokens, limit - cached)
-        span -= span % page
+        span -= span % self.allocator.page_size
         if span <= 0:
             return False
-        key = req.fill_ids()[: cached + span]
-        return any(r.fill_ids()[: cached + span] == key for r in prefilling)
+        n = cached + span
+        key = token_slice(req.input_ids, req.output_ids, 0, n)
+        return any(token_slice(r.input_ids, r.output_ids, 0, n) == key for r in prefilling)
 
     def _admit_one(self, req: Req, budget: int) -> int:
         fill = req.fill_ids()

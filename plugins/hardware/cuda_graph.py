@@ -3,7 +3,7 @@
 A captured step covers the attention backend's device-only decode preparation
 (``prepare_decode_graph``) and the whole model forward, so a decode step costs one graph launch
 plus a few small copies into the static inputs. The graphs read the req->token pool's device
-mirror, a tensor allocated once; the pool brings it up to date before each replay. A batch of
+mirror, a tensor allocated once; the model runner brings it up to date before each step. A batch of
 ``bs`` decodes replays the graph of the smallest captured size >= bs; padding rows read the
 mirror's padding row (all slot 0, the KV pool's padding slot) and write their K/V to slot 0,
 which no request owns.
@@ -123,6 +123,5 @@ class CudaGraphRunner:
             if pad:
                 static[bs:padded].zero_()
         graph, logits = self.graphs[padded]
-        self._req_to_token.sync()  # the graphs read the mirror as it is at replay
         graph.replay()
         return logits[:bs]
