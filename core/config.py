@@ -151,10 +151,51 @@ class EngineConfig:
     disable_jump_forward: bool = _opt(
         False, "Sample every token of constrained outputs, even where the grammar forces them"
     )
+    speculative_algorithm: str | None = _opt(
+        None,
+        "Speculative decoding: NGRAM, STANDALONE (a draft model), EAGLE, EAGLE3, DFLASH, or any "
+        "installed speculative plugin (alias of --plugin speculative=NAME)",
+    )
+    speculative_num_steps: int | None = _opt(
+        None, "Draft tokens proposed per request and step (default 4; a chain)"
+    )
+    speculative_num_draft_tokens: int | None = _opt(
+        None,
+        "Tokens verified per request and step, the last verified token included (SGLang's "
+        "meaning: draft tokens + 1); overrides --speculative-num-steps",
+    )
+    speculative_eagle_topk: int = _opt(
+        1, "Branching of draft trees (1: chains; trees come with the EAGLE plugins)"
+    )
+    speculative_draft_model_path: str | None = _opt(
+        None, "Draft model for STANDALONE: a directory or .gguf sharing the target's vocabulary"
+    )
+    speculative_disable_batch_size: int = _opt(
+        32,
+        "Speculation turns itself off while more requests than this decode at once (above 8, "
+        "the draft length also shrinks as the batch grows)",
+    )
+    speculative_ngram_min_match_window_size: int = _opt(
+        1, "NGRAM: fewest trailing tokens a match must cover"
+    )
+    speculative_ngram_max_match_window_size: int = _opt(
+        12, "NGRAM: most trailing tokens a match is tried with"
+    )
+    speculative_simulate_accept_len: float | None = _opt(
+        None,
+        "Benchmarks only: accept a random number of draft tokens with this mean accept length "
+        "(tokens per verify step, 1 to num_steps + 1) instead of verifying; outputs are "
+        "meaningless. Also read from RADIXSERVE_SIMULATE_ACC_LEN",
+    )
 
     def __post_init__(self) -> None:
         if self.grammar_backend is not None:
             self._merge_grammar_backend(self.grammar_backend)
+        if self.speculative_algorithm is not None:
+            self._merge_plugin_alias(
+                "speculative", "speculative_algorithm", self.speculative_algorithm.lower()
+            )
+        self._check_speculative()
         if not self.grammar_compile_timeout > 0:
             raise ConfigError(
                 f"grammar_compile_timeout must be > 0 seconds, got {self.grammar_compile_timeout}"
@@ -204,14 +245,53 @@ class EngineConfig:
             )
 
     def _merge_grammar_backend(self, name: str) -> None:
-        chosen = [p.partition("=")[2].strip() for p in self.plugins if p.startswith("grammar=")]
+        self._merge_plugin_alias("grammar", "grammar_backend", name)
+
+    def _merge_plugin_alias(self, kind: str, flag: str, name: str) -> None:
+        chosen = [p.partition("=")[2].strip() for p in self.plugins if p.startswith(f"{kind}=")]
         if any(c != name for c in chosen):
             raise ConfigError(
-                f"grammar_backend '{name}' conflicts with --plugin grammar={chosen[-1]}; give one"
+                f"{flag} '{name}' conflicts with --plugin {kind}={chosen[-1]}; give one"
             )
         if not chosen:
             # NOTE: the config is frozen; resolving the alias into ``plugins`` happens only here.
-            object.__setattr__(self, "plugins", (*self.plugins, f"grammar={name}"))
+            object.__setattr__(self, "plugins", (*self.plugins, f"{kind}={name}"))
+
+    def _check_speculative(self) -> None:
+        for name in ("speculative_num_steps", "speculative_num_draft_tokens"):
+            value = getattr(self, name)
+            if value is not None and not 1 <= value - (name.endswith("tokens")) <= 64:
+                raise ConfigError(f"{name} must give 1 to 64 draft tokens, got {value}")
+        if self.speculative_eagle_topk != 1:
+            raise ConfigError(
+                "speculative_eagle_topk must be 1: radixserve drafts chains; draft trees come "
+                "with the EAGLE plugins"
+            )
+        if self.speculative_disable_batch_size < 1:
+            raise ConfigError(
+                "speculative_disable_batch_size must be >= 1, got "
+                f"{self.speculative_disable_batch_size}"
+            )
+        lo = self.speculative_ngram_min_match_window_size
+        hi = self.speculative_ngram_max_match_window_size
+        if not 1 <= lo <= hi:
+            raise ConfigError(
+                "need 1 <= speculative_ngram_min_match_window_size <= "
+                f"speculative_ngram_max_match_window_size, got {lo} and {hi}"
+            )
+        acc = self.speculative_simulate_accept_len
+        if acc is not None and not 1.0 <= acc <= self.num_draft_tokens + 1:
+            raise ConfigError(
+                f"speculative_simulate_accept_len must be in [1, {self.num_draft_tokens + 1}] "
+                f"(draft tokens + 1), got {acc}"
+            )
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens per request and step (k), from the speculative flags."""
+        if self.speculative_num_draft_tokens is not None:
+            return self.speculative_num_draft_tokens - 1
+        return self.speculative_num_steps if self.speculative_num_steps is not None else 4
 
     def with_platform_defaults(
         self, platform: str, chosen: Mapping[str, Any]

@@ -13,6 +13,7 @@ from typing import NamedTuple
 from radixserve.core.config import EngineConfig
 from radixserve.core.grammar import GrammarMasker, GrammarStepper
 from radixserve.core.grammar_queue import GrammarQueue
+from radixserve.core.interfaces import SpeculativeContext
 from radixserve.core.model_runner import LaunchedStep, ModelRunner
 from radixserve.core.plugins import PluginHost
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
@@ -24,6 +25,7 @@ from radixserve.core.scheduler import (
     SchedulerConfig,
     new_token_ratios,
 )
+from radixserve.core.speculative import Speculator
 from radixserve.core.stop import StopChecker
 from radixserve.core.tokenizer import Tokenizer
 
@@ -53,10 +55,15 @@ class EngineCore:
             lambda: self.grammars.backend, settings.max_running_requests, mc.vocab_size
         )
         self.grammar_stepper = GrammarStepper(self.tokenizer, not config.disable_jump_forward)
+        self.speculator = self._speculator(host, model_dir)
+        self.runner.speculator = self.speculator
         # Overlap scheduling: where the device runs asynchronously, step N+1 is scheduled and
         # queued while the device computes step N (see step()).
-        self.overlap = not config.disable_overlap_schedule and (
-            self.runner.platform.asynchronous or config.enable_overlap_schedule
+        # Speculating steps sample on the host (drafts need the last token), so no overlap.
+        self.overlap = (
+            not config.disable_overlap_schedule
+            and self.speculator is None
+            and (self.runner.platform.asynchronous or config.enable_overlap_schedule)
         )
         self._in_flight: InFlightStep | None = None
         self._changed_outside_step: list[Req] = []
@@ -74,6 +81,7 @@ class EngineCore:
             self.cache,
             StopChecker(self.tokenizer, self.eos_token_ids, self.max_context),
             self.grammar_stepper,
+            self.speculator,
         )
         info = {
             "model_path": str(model_dir),
@@ -84,6 +92,51 @@ class EngineCore:
         }
         logger.info("engine ready: %s", info)
         host.hook.engine_started(info=info)
+
+    def _speculator(self, host: PluginHost, model_dir: Path) -> Speculator | None:
+        name = self.runner.plugins.names["speculative"]
+        if name == "none":
+            return None
+        runner, config = self.runner, self.config
+        algorithm = host.registries["speculative"].get(name).factory()
+        algorithm.setup(
+            SpeculativeContext(
+                config=config,
+                model_config=runner.model_config,
+                model_path=str(model_dir),
+                host=host,
+                platform=runner.platform,
+                dtype=runner.dtype,
+                device=runner.device,
+                attention=runner.plugins.names["attention"],
+                kv_size=runner.kv_size,
+                page_size=config.page_size,
+                req_to_token=runner.req_to_token,
+                eos_token_ids=self.eos_token_ids,
+            )
+        )
+        return Speculator(
+            algorithm,
+            name,
+            config.num_draft_tokens,
+            config.speculative_disable_batch_size,
+            runner.model_config.vocab_size,
+            config.speculative_simulate_accept_len,
+            config.random_seed,
+        )
+
+    def spec_stats(self) -> dict[str, object] | None:
+        """Speculation's settings and accept statistics (None when speculation is off)."""
+        if self.speculator is None:
+            return None
+        sp = self.speculator
+        return {
+            "algorithm": sp.name,
+            "num_draft_tokens": sp.num_draft,
+            "disable_batch_size": sp.disable_batch_size,
+            "simulated_accept_len": sp.simulate_accept_len,
+            **sp.stats.to_json(),
+        }
 
     def _grammar_queue(self, host: PluginHost) -> GrammarQueue:
         name = self.runner.plugins.names["grammar"]

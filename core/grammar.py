@@ -14,6 +14,7 @@ the next step extends over those tokens.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -54,6 +55,38 @@ class GrammarMasker:
             mask = self._device
         backend.apply_bitmask(logits, mask, rows)
         return True
+
+    def apply_chains(
+        self, logits: torch.Tensor, chains: Sequence[tuple[int, Any, Sequence[int]]]
+    ) -> None:
+        """Mask verify rows: for each (first row, matcher or None, draft), row first + j gets
+        the matcher's mask after the first j draft tokens (which it must accept; drafts are
+        checked when proposed). Each matcher is left as it was."""
+        rows: list[int] = []
+        total = max((f + len(d) + 1 for f, g, d in chains if g is not None), default=0)
+        if not total:
+            return
+        backend = self._backend()
+        if self._host is None or self._host.shape[0] < total:
+            self._host = backend.allocate_bitmask(max(total, self.rows), self.vocab_size)
+            self._device = None
+        for first, grammar, draft in chains:
+            if grammar is None:
+                continue
+            for j in range(len(draft) + 1):
+                grammar.fill_bitmask(self._host, first + j)
+                rows.append(first + j)
+                if j < len(draft) and not grammar.accept_token(draft[j]):
+                    raise RuntimeError(f"a checked draft token {draft[j]} broke the grammar")
+            grammar.rollback(len(draft))
+        mask = self._host
+        if logits.device != mask.device:
+            if self._device is None or self._device.shape[0] < mask.shape[0]:
+                self._device = torch.empty_like(mask, device=logits.device)
+            n = max(rows) + 1
+            self._device[:n].copy_(mask[:n], non_blocking=True)
+            mask = self._device
+        backend.apply_bitmask(logits, mask, rows)
 
 
 class GrammarStepper:

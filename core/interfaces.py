@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -242,12 +243,71 @@ class GrammarBackend(ABC):
         logits[index] = logits[index].masked_fill(banned, float("-inf"))
 
 
+@dataclass
+class Draft:
+    """One request's proposed continuation: a chain of draft tokens, in order."""
+
+    tokens: list[int]
+    #: [len(tokens), vocab] float32: the distribution each token was drawn from, for rejection
+    #: sampling. None when the tokens were chosen without sampling (greedy drafts, n-gram
+    #: lookups); verification then treats each as certain (probability 1).
+    probs: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class SpeculativeContext:
+    """What a speculative algorithm may use, given once by ``setup`` before the first step."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    model_path: str  # the target model's directory
+    host: Any  # core.plugins.PluginHost: to build a draft model from the model plugins
+    platform: HardwarePlatform
+    dtype: torch.dtype
+    device: str
+    attention: str  # the target's attention plugin name
+    kv_size: int  # slots in the target's KV pool (a draft's own pool mirrors them)
+    page_size: int
+    req_to_token: ReqToTokenPool  # the target's slot table; a draft writes at the same slots
+    eos_token_ids: tuple[int, ...]
+
+
 class SpeculativeAlgorithm(ABC):
-    """Proposes draft tokens that the target model verifies in one extend step."""
+    """Proposes draft tokens that the target model verifies in one extend-like step.
+
+    Per step, for the decoding requests that speculate (each with nothing pending, in DECODE):
+    ``propose`` returns each one's draft; the core checks drafts against the request's grammar
+    and budget, runs the target once over [last token, *draft] per request, accepts the longest
+    verified prefix (greedy) or by rejection sampling, commits the accepted tokens plus one
+    from the target, frees the KV of rejected positions and calls ``verified``.
+
+    KV: when ``propose`` runs, a request's target KV covers positions ``[0, req.kv_len)``; its
+    last token (``req.output_ids[-1]`` or the prompt's last) sits at position ``req.kv_len``,
+    and the slots of positions ``req.kv_len .. req.kv_len + max_drafts[i]`` are allocated in
+    ``context.req_to_token.table[req.req_pool_idx]``. A drafter with its own KV pool (same
+    size as the target's, indexed by the same slots) may write at any allocated position and
+    must not write elsewhere. Slots of positions at or past the new ``req.kv_len`` after
+    verification are freed and may go to other requests; slots below it can be replaced when
+    the prefix cache merges duplicates, so a drafter that keeps KV should check that the slots
+    it wrote are still the row's before it trusts them.
+    """
+
+    def setup(self, context: SpeculativeContext) -> None:  # noqa: B027 - optional hook
+        """Called once before the first step (build a draft model here)."""
 
     @abstractmethod
-    def propose(self, token_ids: list[list[int]], num_draft: int) -> list[list[int]]:
-        """Draft up to ``num_draft`` next tokens per request given its tokens so far."""
+    def propose(self, reqs: Sequence[Any], max_drafts: Sequence[int]) -> list[Draft]:
+        """Up to ``max_drafts[i]`` draft tokens for ``reqs[i]`` (a ``core.request.Req``: read
+        ``input_ids``, ``output_ids``, ``sampling``, ``rid``, ``req_pool_idx``, ``kv_len``).
+        An empty draft means "decode normally"."""
+
+    def verified(self, reqs: Sequence[Any], num_accepted: Sequence[int]) -> None:  # noqa: B027
+        """After the step: ``num_accepted[i]`` of ``reqs[i]``'s draft tokens were kept (its
+        output grew by that plus one; ``req.kv_len`` is updated)."""
+
+    def release(self, rid: str) -> None:  # noqa: B027 - optional hook
+        """Request ``rid`` finished, was aborted or retracted: drop its state (a retracted
+        request comes back with no KV and is proposed for afresh)."""
 
 
 class KVConnector(ABC):

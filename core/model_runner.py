@@ -24,6 +24,7 @@ from radixserve.core.plugins import PluginError, PluginHost, parse_plugin_select
 from radixserve.core.request import token_slice
 from radixserve.core.sampling import SampleResult, mask_until_min_tokens, sample, sample_ids
 from radixserve.core.scheduler import SampledToken, ScheduledBatch
+from radixserve.core.speculative import Speculator, verify
 from radixserve.core.weights import count_parameters, iter_weights
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class ModelRunner:
             self.model, self.attention, self.kv_pool, self.req_to_token, config
         )
         self.grammar_masker: GrammarMasker | None = None  # set by EngineCore
+        self.speculator: Speculator | None = None  # set by EngineCore when speculating
 
     def _select_model(self, host: PluginHost, requested: str | None) -> Any:
         arch = self.model_config.architecture
@@ -161,7 +163,7 @@ class ModelRunner:
         input_ids: list[int] = []
         pool_rows: list[int] = []
         seq_lens: list[int] = []
-        for req, n in zip(batch.reqs, batch.extend_lens, strict=True):
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens, strict=True)):
             assert req.req_pool_idx is not None
             start = req.kv_len
             if n == 1 and req.logprob_start_len < 0:  # a plain decode: the hot path
@@ -184,14 +186,22 @@ class ModelRunner:
                 )
                 continue
             assert not req.num_pending, "only plain decodes have pending tokens"
-            input_ids += token_slice(req.input_ids, req.output_ids, start, n)
+            draft = batch.drafts.get(i)
+            if draft is not None:  # verify: the last token, then the draft
+                input_ids += token_slice(req.input_ids, req.output_ids, start, 1) + draft.tokens
+            else:
+                input_ids += token_slice(req.input_ids, req.output_ids, start, n)
             positions += range(start, start + n)
             rows += [req.req_pool_idx] * n
             pool_rows.append(req.req_pool_idx)
             seq_lens.append(start + n)
             offset = len(positions) - n - start  # flattened row of sequence position 0
-            scored = scored_positions(req, start, n)
             first = len(logits_rows)
+            if draft is not None:  # every new token's logits: row j verifies draft token j
+                logits_rows += range(offset + start, offset + start + n)
+                plans.append(LogitsPlan(_NOTHING_SCORED, first, len(logits_rows) - 1))
+                continue
+            scored = scored_positions(req, start, n)
             logits_rows += [offset + p for p in scored]
             logits_rows.append(offset + start + n - 1)
             plans.append(LogitsPlan(scored, first, len(logits_rows) - 1))
@@ -249,6 +259,9 @@ class ModelRunner:
                 record_input_logprobs(req, plan.scored, rows)
         if not sample_rows:
             return LaunchedStep(None, True, dict)
+        if batch.drafts:
+            verified = self._verify_now(logits, batch, plans, sample_rows, eos_ids)
+            return LaunchedStep(None, False, lambda: verified)
         reqs = [batch.reqs[i] for i in sample_rows]
         last_rows = [plans[i].sample_row for i in sample_rows]
         if all(r.overlappable for r in reqs):
@@ -270,6 +283,35 @@ class ModelRunner:
         """Forward ``batch``; sample the rows in ``sample_rows``.
         Returns {batch index: (token id, its logprob or None, top logprobs or None)}."""
         return self.launch(batch, sample_rows, eos_ids).result()
+
+    def _verify_now(
+        self,
+        logits: torch.Tensor,
+        batch: ScheduledBatch,
+        plans: list[LogitsPlan],
+        sample_rows: list[int],
+        eos_ids: tuple[int, ...],
+    ) -> dict[int, Any]:
+        """Sample a step with verify entries: each sampled entry's rows (one for a plain
+        entry, 1 + len(draft) for a verify entry) go through ``speculative.verify``; a verify
+        entry gets the list of tokens it emits, a plain entry its one token."""
+        assert self.speculator is not None
+        reqs, drafts, probs, rows = [], [], [], []
+        for i in sample_rows:
+            draft = batch.drafts.get(i)
+            tokens = draft.tokens if draft is not None else []
+            last = plans[i].sample_row
+            rows += range(last - len(tokens), last + 1)
+            reqs.append(batch.reqs[i])
+            drafts.append(tokens)
+            probs.append(draft.probs if draft is not None else None)
+        emitted = verify(
+            logits[rows], reqs, drafts, probs, eos_ids, self.grammar_masker, self.speculator
+        )
+        return {
+            i: tokens if i in batch.drafts else tokens[0]
+            for i, tokens in zip(sample_rows, emitted, strict=True)
+        }
 
     def _sample_now(
         self,

@@ -253,6 +253,11 @@ class Req:
         # and the row of the newest one in its step's sampled ids (the next step's input).
         self.num_pending = 0
         self.pending_row = -1
+        # Speculative decoding: verify steps this request took part in with a draft, and the
+        # draft tokens the target accepted over them (meta_info's spec_verify_ct and
+        # spec_accepted_tokens).
+        self.spec_verify_ct = 0
+        self.spec_accepted_tokens = 0
         # outputs
         self.logprob_start_len = -1  # >= 0: also score prompt tokens from this position
         self.input_token_logprobs: list[float] = []  # for prompt positions max(start, 1)..

@@ -66,10 +66,9 @@ def _sample(
     raw: torch.Tensor | None = None,
 ) -> SampleResult:
     raw = logits if raw is None else raw
-    logits = _apply_penalties(logits, reqs)
-    logits = mask_until_min_tokens(logits, reqs, eos_ids)
+    logits = adjusted_logits(logits, reqs, eos_ids)
     next_ids = sample_ids(logits, reqs)
-    result = _with_logprobs(raw, next_ids, reqs)
+    result = token_logprobs(raw, next_ids, reqs)
     if any(r.grammar is not None for r in reqs):
         mark_dead_rows(logits, result.next_ids, reqs)
     return result
@@ -151,13 +150,27 @@ def mask_until_min_tokens(
     return logits
 
 
-def _sample_rows(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
+def adjusted_logits(
+    logits: torch.Tensor, reqs: Sequence[Req], eos_ids: Sequence[int]
+) -> torch.Tensor:
+    """``logits`` after the penalties and the min-tokens mask (a copy where either applies)."""
+    return mask_until_min_tokens(_apply_penalties(logits, reqs), reqs, eos_ids)
+
+
+def target_probs(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
+    """The distribution each row samples from: softmax(logits / T) inside its top-k, top-p
+    nucleus and min-p floor (unnormalized after filtering; draws treat it as weights)."""
     temps = to_device(
         torch.tensor([max(r.sampling.temperature, 1e-6) for r in reqs]), logits.device
     ).unsqueeze(1)
     probs = torch.softmax(logits / temps, dim=-1)
     if any(r.sampling.top_k > 0 or r.sampling.top_p < 1.0 or r.sampling.min_p > 0 for r in reqs):
         probs = _filter_probs(probs, reqs)
+    return probs
+
+
+def _sample_rows(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
+    probs = target_probs(logits, reqs)
     noise = torch.empty_like(probs).exponential_()
     for i, r in enumerate(reqs):
         if r.sampling.seed is not None:
@@ -196,7 +209,8 @@ def _filter_probs(probs: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
-def _with_logprobs(raw: torch.Tensor, next_ids: torch.Tensor, reqs: Sequence[Req]) -> SampleResult:
+def token_logprobs(raw: torch.Tensor, next_ids: torch.Tensor, reqs: Sequence[Req]) -> SampleResult:
+    """``next_ids`` with, for the rows that ask, their logprobs under ``raw`` and the top ones."""
     rows = [i for i, r in enumerate(reqs) if r.sampling.logprobs]
     if not rows:
         return SampleResult(next_ids.tolist(), None, None)

@@ -18,11 +18,13 @@ from typing import Any
 import torch
 
 from radixserve.core.grammar import GrammarStepper
+from radixserve.core.interfaces import Draft
 from radixserve.core.logprobs import first_scored_position
 from radixserve.core.memory import ReqToTokenPool, TokenAllocator
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
 from radixserve.core.request import FinishReason, Req, ReqState, token_slice
 from radixserve.core.schedule_policy import order_waiting
+from radixserve.core.speculative import Speculator, speculating
 from radixserve.core.stop import StopChecker, TopLogprobs
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,9 @@ class ScheduledBatch:
     reqs: list[Req]
     extend_lens: list[int]
     num_decode: int
+    # Speculating decodes: batch index -> draft; such an entry extends over its last token and
+    # the draft (1 + len(draft.tokens) new tokens) and its step emits 1 or more tokens.
+    drafts: dict[int, Draft] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -85,6 +90,7 @@ class Scheduler:
         cache: RadixCache | NoPrefixCache,
         stop_checker: StopChecker,
         grammar: GrammarStepper | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         self.config = config
         self.allocator = allocator
@@ -92,6 +98,7 @@ class Scheduler:
         self.cache = cache
         self.stop_checker = stop_checker
         self.grammar = grammar or GrammarStepper(stop_checker.tokenizer, jump_forward=False)
+        self.speculator = speculator
         self.waiting: deque[Req] = deque()
         # Requests ended outside any batch (the KV pool cannot hold them); see pop_ended().
         self.ended: list[Req] = []
@@ -149,6 +156,8 @@ class Scheduler:
             decodes = self._schedule_decodes(allow_retract)
             budget = self.config.chunked_prefill_size
             budget = (budget if budget > 0 else 1 << 62) - len(decodes)
+            drafts = self._draft(decodes) if decodes and self.speculator is not None else {}
+            budget -= sum(len(d.tokens) for d in drafts.values())
             prefills: list[tuple[Req, int]] = []
             for req in [r for r in self.running if r.state == ReqState.PREFILL]:
                 chunk = self._extend_running(req, budget)
@@ -171,12 +180,23 @@ class Scheduler:
             )
         if not decodes and not prefills:
             return None
-        # Single-token extends attend like decodes, so they join the batched decode path.
-        entries = [(r, 1) for r in decodes] + sorted(prefills, key=lambda e: e[1] != 1)
+        # Single-token extends attend like decodes, so they join the batched decode path;
+        # verify entries (a decode with a draft) go with the extends.
+        decode_entries = [
+            (r, 1 + len(drafts[r.rid].tokens) if r.rid in drafts else 1) for r in decodes
+        ]
+        entries = sorted(decode_entries + prefills, key=lambda e: e[1] != 1)
         num_decode = sum(1 for _, n in entries if n == 1)
         if self.trace_steps:
             self.stats.step_trace.append((len(decodes), sum(n for _, n in prefills)))
-        return ScheduledBatch([r for r, _ in entries], [n for _, n in entries], num_decode)
+        by_index = {
+            i: drafts[r.rid]
+            for i, (r, _) in enumerate(entries)
+            if r.rid in drafts and r.state == ReqState.DECODE
+        }
+        return ScheduledBatch(
+            [r for r, _ in entries], [n for _, n in entries], num_decode, by_index
+        )
 
     def _stalled(self) -> bool:
         """Requests run, yet none could get KV for its next tokens (only prefills remain)."""
@@ -206,8 +226,13 @@ class Scheduler:
         so the next step can be scheduled while the device still computes this one."""
         self.stats.steps += 1
         sample_row = 0  # rows of the step's sampled ids, in batch order
-        for req, n in zip(batch.reqs, batch.extend_lens, strict=True):
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens, strict=True)):
             req.kv_len += n
+            if i in batch.drafts:  # commit keeps the accepted positions, frees the rest
+                req.num_pending += 1
+                req.pending_row = sample_row
+                sample_row += 1
+                continue
             if req.kv_len < req.seq_len:
                 self.cache.cache_unfinished_req(req)  # chunked prefill continues next step
                 continue
@@ -225,11 +250,16 @@ class Scheduler:
         skipped: their token for this step is discarded.
         Returns the requests that produced a token or finished."""
         changed: list[Req] = []
+        verified: list[tuple[Req, int, int]] = []
         for i, req in enumerate(batch.reqs):
             if req.finished:
                 continue
             token = sampled.get(i)
-            if token is not None:
+            if i in batch.drafts:
+                assert isinstance(token, list), "a verify entry samples a list of tokens"
+                self._commit_verified(req, batch.extend_lens[i], token)
+                verified.append((req, batch.extend_lens[i] - 1, len(token) - 1))
+            elif token is not None:
                 req.num_pending -= 1
                 self._append_sampled(req, *token)
             elif req.sampling.max_new_tokens == 0 and req.kv_len >= req.seq_len:
@@ -240,7 +270,24 @@ class Scheduler:
             if req.finished:
                 self._release(req)
             changed.append(req)
+        if verified and self.speculator is not None:
+            reqs, drafted, accepted = zip(*verified, strict=True)
+            self.speculator.verified(reqs, drafted, accepted)
         return changed
+
+    def _commit_verified(self, req: Req, n: int, tokens: list[SampledToken]) -> None:
+        """Append a verify entry's emitted tokens in order, up to a stop (or a grammar's
+        jump-forward), keep the KV of the positions they follow and free the rest."""
+        start = req.kv_len - n  # the position of the step's first input (the last token)
+        req.num_pending -= 1
+        committed = 0
+        for token in tokens:
+            self._append_sampled(req, *token)
+            committed += 1
+            if req.finished or req.state == ReqState.PREFILL:
+                break
+        req.kv_len = start + committed
+        self._free_positions(req, req.kv_len, start + n)
 
     def _append_sampled(
         self, req: Req, token: int, lp: float | None, top: TopLogprobs | None
@@ -262,8 +309,61 @@ class Scheduler:
         return [
             i
             for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens, strict=True))
-            if req.kv_len + n == req.seq_len and req.sampling.max_new_tokens > 0
+            if (req.kv_len + n == req.seq_len or i in batch.drafts)
+            and req.sampling.max_new_tokens > 0
         ]
+
+    # -- speculation -----------------------------------------------------------------------
+
+    def _draft(self, decodes: list[Req]) -> dict[str, Draft]:
+        """Drafts for the decodes that speculate this step, with KV slots for their positions
+        (allocated here, before proposing, so a draft model can write its own KV there)."""
+        assert self.speculator is not None
+        k = self.speculator.draft_length(len(decodes))
+        if not k:
+            return {}
+        reqs: list[Req] = []
+        limits: list[int] = []
+        for req in decodes:
+            left = min(
+                req.sampling.max_new_tokens - req.num_output_tokens,
+                self.config.max_context - req.seq_len,
+            )
+            limit = min(k, left - 1)
+            if limit <= 0 or not speculating(req):
+                continue
+            assert req.req_pool_idx is not None
+            row = self.req_to_token.table[req.req_pool_idx]
+            start = req.kv_len + 1  # the decode slot of position kv_len is already allocated
+            slots = self.allocator.alloc_extend(row, start, limit)
+            if slots is None:
+                continue  # no room for drafts: this request decodes normally
+            self.req_to_token.write(req.req_pool_idx, start, slots)
+            reqs.append(req)
+            limits.append(limit)
+        if not reqs:
+            return {}
+        try:
+            drafts = self.speculator.propose(reqs, limits)
+        except Exception:  # noqa: BLE001 - a failing drafter must not take the engine down
+            logger.exception("speculative plugin '%s' failed to propose", self.speculator.name)
+            drafts = [Draft([]) for _ in reqs]
+        out = {}
+        for req, limit, draft in zip(reqs, limits, drafts, strict=True):
+            m = len(draft.tokens)
+            self._free_positions(req, req.kv_len + 1 + m, req.kv_len + 1 + limit)
+            if m:
+                out[req.rid] = draft
+        return out
+
+    def _free_positions(self, req: Req, keep: int, end: int) -> None:
+        """Give back the slots of positions [keep, end) of ``req``'s row, except those in the
+        page that also holds position keep - 1 (the request keeps writing into it)."""
+        assert req.req_pool_idx is not None
+        p = self.allocator.page_size
+        first = -(-keep // p) * p
+        if first < end:
+            self.allocator.free(self.req_to_token.table[req.req_pool_idx, first:end].clone())
 
     # -- decodes and KV pressure -----------------------------------------------------------
 
@@ -359,6 +459,8 @@ class Scheduler:
             req.req_pool_idx = None
         req.kv_len = 0
         req.num_pending = 0
+        if self.speculator is not None:
+            self.speculator.algorithm.release(req.rid)
         if req in self.running:
             self.running.remove(req)
 

@@ -1,0 +1,311 @@
+"""Speculative decoding in the core: who speculates and how far, checking drafts, and verifying
+them against the target's logits. No algorithm lives here; drafts come from the plugin.
+
+One verify step per speculating request: the target runs over [last token, d1 .. dm] (m + 1
+new tokens, like a prefill chunk) and its logits row j is what the target would sample after
+d1 .. dj. Row j is sampled exactly as a plain decode at that output position would be (the same
+penalties, min-tokens mask, grammar mask and per-position seed), giving t0 .. tm:
+
+- drafts without probabilities (greedy drafts, n-gram lookups): d(j+1) is accepted while it
+  equals tj. Every emitted token is then the token the target itself samples at its position,
+  so greedy output, and seeded sampled output, equal speculation off token for token.
+- drafts drawn from a distribution q (a draft model sampling): rejection sampling, accepting
+  d(j+1) with probability min(1, p(d) / q(d)) and otherwise drawing from norm(max(p - q, 0)),
+  which keeps the target's distribution and accepts more than exact matching.
+
+The request emits the accepted drafts plus one target token (a + 1 tokens, 1 <= a + 1 <= m + 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixserve.core.interfaces import Draft, SpeculativeAlgorithm
+from radixserve.core.request import Req, ReqState
+from radixserve.core.sampling import adjusted_logits, row_seed, sample, target_probs, token_logprobs
+from radixserve.core.stop import TopLogprobs
+
+logger = logging.getLogger(__name__)
+
+SampledToken = tuple[int, float | None, TopLogprobs | None]
+
+#: Batch size up to which every request drafts the full length; beyond it the length shrinks.
+FULL_DRAFT_BATCH = 8
+
+
+@dataclass(slots=True)
+class SpecStats:
+    verify_steps: int = 0  # steps in which at least one request verified a draft
+    verified: int = 0  # (request, step) pairs that verified a draft
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def avg_accept_length(self) -> float:
+        """Tokens a request gained per verify step: accepted drafts + the target's one."""
+        return (self.verified + self.accepted_tokens) / self.verified if self.verified else 0.0
+
+    def to_json(self) -> dict[str, float | int]:
+        return {
+            "verify_steps": self.verify_steps,
+            "verified_requests": self.verified,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "avg_accept_length": round(self.avg_accept_length, 4),
+        }
+
+
+class Speculator:
+    """The core's side of speculation: policy, draft checking, accept statistics."""
+
+    def __init__(
+        self,
+        algorithm: SpeculativeAlgorithm,
+        name: str,
+        num_draft: int,
+        disable_batch_size: int,
+        vocab_size: int,
+        simulate_accept_len: float | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.algorithm = algorithm
+        self.name = name
+        self.num_draft = num_draft
+        self.disable_batch_size = disable_batch_size
+        self.vocab_size = vocab_size
+        env = os.environ.get("RADIXSERVE_SIMULATE_ACC_LEN")
+        if simulate_accept_len is None and env:
+            simulate_accept_len = float(env)
+        self.simulate_accept_len = simulate_accept_len
+        if simulate_accept_len is not None:
+            logger.warning(
+                "speculation simulates an accept length of %.2f: outputs are meaningless",
+                simulate_accept_len,
+            )
+        self._rng = random.Random(seed)
+        self.stats = SpecStats()
+
+    def draft_length(self, batch_size: int) -> int:
+        """Draft tokens per request for a step of ``batch_size`` decodes (0: do not speculate)."""
+        if batch_size > self.disable_batch_size:
+            return 0
+        if batch_size <= FULL_DRAFT_BATCH:
+            return self.num_draft
+        return max(1, self.num_draft * FULL_DRAFT_BATCH // batch_size)
+
+    def propose(self, reqs: Sequence[Req], limits: Sequence[int]) -> list[Draft]:
+        """Each request's checked draft: at most its limit, token ids in the vocabulary, and,
+        for a constrained request, only tokens its grammar accepts (stopping before one that
+        would end the grammar, which the target samples itself)."""
+        drafts = self.algorithm.propose(reqs, limits)
+        if len(drafts) != len(reqs):
+            raise RuntimeError(
+                f"speculative plugin '{self.name}' returned {len(drafts)} drafts for "
+                f"{len(reqs)} requests"
+            )
+        out = []
+        for req, limit, draft in zip(reqs, limits, drafts, strict=True):
+            tokens = _valid_prefix(draft, limit, self.vocab_size)
+            if tokens and req.grammar is not None:
+                tokens = _grammar_prefix(req.grammar, tokens)
+            probs = draft.probs[: len(tokens)] if draft.probs is not None and tokens else None
+            out.append(Draft(tokens, probs))
+        return out
+
+    def verified(
+        self, reqs: Sequence[Req], drafted: Sequence[int], accepted: Sequence[int]
+    ) -> None:
+        self.stats.verify_steps += 1
+        for req, m, a in zip(reqs, drafted, accepted, strict=True):
+            self.stats.verified += 1
+            self.stats.draft_tokens += m
+            self.stats.accepted_tokens += a
+            req.spec_verify_ct += 1
+            req.spec_accepted_tokens += a
+        self.algorithm.verified(reqs, accepted)
+
+    def simulated(self, num_drafted: int) -> int:
+        """A drawn count of accepted drafts whose mean, over steps, is the simulated accept
+        length minus one (the target's token), capped by what was drafted."""
+        assert self.simulate_accept_len is not None
+        mean = self.simulate_accept_len - 1.0
+        low = int(mean)
+        count = low + (self._rng.random() < mean - low)
+        return min(count, num_drafted)
+
+
+def _valid_prefix(draft: Draft, limit: int, vocab_size: int) -> list[int]:
+    tokens = []
+    for t in draft.tokens[:limit]:
+        if not isinstance(t, int) or not 0 <= t < vocab_size:
+            break
+        tokens.append(t)
+    return tokens
+
+
+def _grammar_prefix(grammar: Any, tokens: list[int]) -> list[int]:
+    kept = 0
+    for t in tokens:
+        if not grammar.accept_token(t):
+            break
+        kept += 1
+        if grammar.is_terminated():
+            kept -= 1  # the target samples the ending token itself
+            grammar.rollback(1)
+            break
+    grammar.rollback(kept)
+    return tokens[:kept]
+
+
+class DraftPosition:
+    """``req`` as the sampler sees it at verify row ``j``: its outputs followed by the first
+    ``j`` draft tokens (for penalties, the min-tokens mask and per-position seeds)."""
+
+    __slots__ = ("req", "draft", "j")
+
+    def __init__(self, req: Req, draft: list[int], j: int) -> None:
+        self.req, self.draft, self.j = req, draft, j
+
+    @property
+    def sampling(self) -> Any:
+        return self.req.sampling
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.req.input_ids
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.req.output_ids + self.draft[: self.j] if self.j else self.req.output_ids
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.req.num_output_tokens + self.j
+
+    @property
+    def grammar(self) -> Any:
+        return self.req.grammar
+
+    @property
+    def failed(self) -> str | None:
+        return self.req.failed
+
+    @failed.setter
+    def failed(self, message: str | None) -> None:
+        self.req.failed = message
+
+
+def verify(
+    logits: torch.Tensor,
+    reqs: Sequence[Req],
+    drafts: Sequence[list[int]],
+    draft_probs: Sequence[torch.Tensor | None],
+    eos_ids: Sequence[int],
+    masker: Any,
+    speculator: Speculator,
+) -> list[list[SampledToken]]:
+    """The tokens each request emits this step. ``logits`` holds len(drafts[i]) + 1 rows per
+    request, in order; ``masker`` (core.grammar.GrammarMasker) masks constrained rows."""
+    views: list[DraftPosition] = []
+    firsts: list[int] = []
+    for req, draft in zip(reqs, drafts, strict=True):
+        firsts.append(len(views))
+        views += [DraftPosition(req, draft, j) for j in range(len(draft) + 1)]
+    raw = None
+    constrained = any(r.grammar is not None for r in reqs)
+    if constrained:
+        if any(r.sampling.logprobs for r in reqs):
+            raw = logits.clone()  # logprobs report the model's belief, not the mask
+        masker.apply_chains(
+            logits, [(f, r.grammar, d) for f, r, d in zip(firsts, reqs, drafts, strict=True)]
+        )
+    rejection = [
+        i
+        for i, (r, q) in enumerate(zip(reqs, draft_probs, strict=True))
+        if q is not None and drafts[i] and not r.sampling.is_greedy and r.grammar is None
+    ]
+    result = sample(logits, views, eos_ids, raw)
+    ids = list(result.next_ids)
+    if rejection:
+        _rejection_sample(logits, views, firsts, drafts, draft_probs, rejection, eos_ids, ids)
+    changed = bool(rejection) or speculator.simulate_accept_len is not None
+    accepted_counts = []
+    for i, draft in enumerate(drafts):
+        first = firsts[i]
+        accepted = 0
+        if speculator.simulate_accept_len is not None and draft:
+            accepted = speculator.simulated(len(draft))
+            ids[first : first + accepted] = draft[:accepted]
+        else:
+            while accepted < len(draft) and ids[first + accepted] == draft[accepted]:
+                accepted += 1
+        accepted_counts.append(accepted)
+    logprobs = result
+    if changed and result.logprobs is not None:  # the chosen ids moved: score them again
+        chosen = torch.tensor(ids, device=logits.device)
+        logprobs = token_logprobs(raw if raw is not None else logits, chosen, views)
+    out: list[list[SampledToken]] = []
+    for first, accepted in zip(firsts, accepted_counts, strict=True):
+        rows = range(first, first + accepted + 1)
+        if logprobs.logprobs is None:
+            out.append([(ids[r], None, None) for r in rows])
+        else:
+            tops = logprobs.top_logprobs
+            out.append([(ids[r], logprobs.logprobs[r], tops[r] if tops else None) for r in rows])
+    return out
+
+
+def _rejection_sample(
+    logits: torch.Tensor,
+    views: list[DraftPosition],
+    firsts: list[int],
+    drafts: Sequence[list[int]],
+    draft_probs: Sequence[torch.Tensor | None],
+    entries: list[int],
+    eos_ids: Sequence[int],
+    ids: list[int],
+) -> None:
+    """Rewrite ``ids`` rows of the ``entries`` requests by rejection sampling: row j keeps
+    d(j+1) when accepted; the first rejected row gets a draw from the residual, and a fully
+    accepted chain's last row keeps its draw from the target."""
+    for i in entries:
+        draft, first = drafts[i], firsts[i]
+        rows = views[first : first + len(draft) + 1]
+        p = target_probs(adjusted_logits(logits[first : first + len(rows)], rows, eos_ids), rows)
+        q = draft_probs[i]
+        assert q is not None
+        q = q.to(p.device, torch.float32)
+        gen = _generator(rows[0], p.device)
+        uniform = torch.rand(len(draft), generator=gen, device=p.device).tolist()
+        p_draft = p[torch.arange(len(draft)), torch.tensor(draft, device=p.device)].tolist()
+        q_draft = q[torch.arange(len(draft)), torch.tensor(draft, device=q.device)].tolist()
+        for j, d in enumerate(draft):
+            if uniform[j] * q_draft[j] < p_draft[j]:
+                ids[first + j] = d
+                continue
+            residual = (p[j] - q[j]).clamp_min(0.0)
+            if float(residual.sum()) <= 0.0:
+                residual = p[j]
+            ids[first + j] = int(torch.multinomial(residual, 1, generator=gen))
+            break
+
+
+def _generator(view: DraftPosition, device: torch.device) -> torch.Generator | None:
+    seed = view.sampling.seed
+    if seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(row_seed(seed ^ 0x5BEC, view.num_output_tokens))
+    return gen
+
+
+def speculating(req: Req) -> bool:
+    """Whether ``req`` may draft this step: decoding, with its last token on the host."""
+    return req.state == ReqState.DECODE and not req.num_pending and req.logprob_start_len < 0
