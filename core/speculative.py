@@ -279,9 +279,11 @@ def _rejection_sample(
         draft, first = drafts[i], firsts[i]
         rows = views[first : first + len(draft) + 1]
         p = target_probs(adjusted_logits(logits[first : first + len(rows)], rows, eos_ids), rows)
+        p = p / p.sum(dim=-1, keepdim=True)
         q = draft_probs[i]
         assert q is not None
         q = q.to(p.device, torch.float32)
+        q = q / q.sum(dim=-1, keepdim=True)
         gen = _generator(rows[0], p.device)
         uniform = torch.rand(len(draft), generator=gen, device=p.device).tolist()
         p_draft = p[torch.arange(len(draft)), torch.tensor(draft, device=p.device)].tolist()
