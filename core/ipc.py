@@ -73,6 +73,10 @@ class ReqDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     input_logprobs: list[float] | None = None
     input_top_logprobs: list[list[tuple[float, int]]] | None = None
     cached_tokens: int = 0
+    # speculation so far (cumulative, like cached_tokens): verify steps in which the request
+    # verified a draft, and the draft tokens accepted over them (0 and omitted when off)
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
     finish: FinishReason | None = None
     # 400: the engine refused the request (it never ran); 500: the engine failed.
     error_status: int = 0
@@ -94,6 +98,8 @@ class EngineReady(msgspec.Struct, tag="ready", kw_only=True):
     max_running_requests: int
     # {setting: {"value": ..., "from": "flag" | "<platform> default" | "default" | why lowered}}
     settings: dict[str, dict[str, Any]] = {}
+    # EngineCore.spec_stats() at start (its settings, zero counts); None: speculation is off
+    speculative: dict[str, Any] | None = None
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):
@@ -115,6 +121,8 @@ class EngineState(msgspec.Struct, tag="state_reply", kw_only=True):
     cache_hit_rate: float
     retractions: int
     steps: int
+    # EngineCore.spec_stats() now: settings and accept statistics; None when speculation is off
+    speculative: dict[str, Any] | None = None
 
 
 EngineOutbound = Union[  # noqa: UP007 - msgspec needs a runtime union object

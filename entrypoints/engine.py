@@ -27,6 +27,7 @@ from radixserve.core.plugins import PluginHost, default_host
 from radixserve.core.request import FinishReason, InvalidRequest, Req, SamplingParams
 from radixserve.core.stop import streamable_text
 from radixserve.entrypoints.fanout import choice_params, per_item
+from radixserve.entrypoints.spec_meta import spec_meta_info
 
 logger = logging.getLogger(__name__)
 _STOP = object()
@@ -190,17 +191,23 @@ class Engine:
                 if event is _FINISHED:
                     yield self._result(req)
                     return
-                tokens, text = event
+                tokens, text, spec = event
                 if tokens > sent:
                     sent = tokens
-                    yield self._result(req, upto=tokens, text=text)
+                    yield self._result(req, upto=tokens, text=text, spec=spec)
         finally:
             if not req.finished:
                 self.abort(req.rid)
 
-    def _result(self, req: Req, upto: int | None = None, text: str | None = None) -> dict[str, Any]:
-        """The SGLang-shaped result: the final one, or (``upto`` tokens, ``text``) a progress
-        snapshot the engine thread took."""
+    def _result(
+        self,
+        req: Req,
+        upto: int | None = None,
+        text: str | None = None,
+        spec: tuple[int, int] | None = None,
+    ) -> dict[str, Any]:
+        """The SGLang-shaped result: the final one, or (``upto`` tokens, ``text``, ``spec``:
+        verify steps and accepted drafts) a progress snapshot the engine thread took."""
         if req.state.value == "aborted" and req.finish_reason and self._error is not None:
             raise EngineDeadError(f"the engine loop failed: {self._error}")
         finished = req.finished and upto is None
@@ -218,6 +225,10 @@ class Engine:
         }
         if finished and req.finish_time is not None:
             meta["e2e_latency"] = req.finish_time - req.arrival_time
+        speculator = self.core.speculator
+        if speculator is not None:  # SGLang adds these only while speculation is on
+            verify_ct, accepted = spec or (req.spec_verify_ct, req.spec_accepted_tokens)
+            meta.update(spec_meta_info(verify_ct, accepted, speculator.num_draft))
         if req.sampling.logprobs:
             n = len(ids)
             decode = self._token_text if req.return_text_in_logprobs else None
@@ -296,7 +307,8 @@ class Engine:
             # the next step is changing (a stop string appended, then cut). A tail that could
             # still become a stop string is held back, as the server holds it back.
             text = req.detok.text if req.detok is not None else ""
-            box.put((len(req.output_ids), streamable_text(text, req.sampling.stop)))
+            spec = (req.spec_verify_ct, req.spec_accepted_tokens)
+            box.put((len(req.output_ids), streamable_text(text, req.sampling.stop), spec))
 
     def _fail_all(self, live: dict[str, Req], message: str) -> None:
         for req in list(live.values()):

@@ -112,6 +112,7 @@ def _ready(core: EngineCore) -> ipc.EngineReady:
         plugins=dict(core.runner.plugins.names),
         max_running_requests=core.runner.settings.max_running_requests,
         settings=core.runner.settings.describe(),
+        speculative=core.spec_stats(),
     )
 
 
@@ -268,6 +269,8 @@ class EngineLoop:
             text_start=start,
             text_delta=text[start:],
             cached_tokens=req.cached_tokens,
+            spec_verify_ct=req.spec_verify_ct,
+            spec_accepted_tokens=req.spec_accepted_tokens,
             finish=req.finish_reason if req.finished else None,
             error_status=error_status or (400 if req.refused else 500 if req.failed else 0),
         )
@@ -300,4 +303,5 @@ class EngineLoop:
             cache_hit_rate=sched.stats.cache_hit_rate,
             retractions=sched.stats.retractions,
             steps=sched.stats.steps,
+            speculative=self.core.spec_stats(),
         )

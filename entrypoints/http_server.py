@@ -151,6 +151,8 @@ def create_app(
             "cache_hit_rate": state.cache_hit_rate,
             "num_retractions": state.retractions,
             "num_steps": state.steps,
+            # EngineCore.spec_stats(), live: settings and accept statistics (None: off)
+            "speculative": state.speculative,
             "num_live_requests": len(tm.reqs),
             "draining": tm.draining,
         }

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -59,6 +62,9 @@ class ServerMetrics:
         self.kv_used_tokens = gauge("kv_used_tokens", "KV slots held by running requests")
         self.kv_cached_tokens = gauge("kv_cached_tokens", "KV slots held by the prefix cache")
         self.kv_size = gauge("kv_size_tokens", "KV pool size in tokens")
+        self._gauge = gauge
+        self._counter = counter
+        self._spec: _SpecMetrics | None = None  # made on the first state with speculation on
 
     def on_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -86,4 +92,51 @@ class ServerMetrics:
             self.kv_used_tokens.set(kv["in_use"])
             self.kv_cached_tokens.set(kv["evictable"] + kv["locked"])
             self.kv_usage.set((kv["in_use"] + kv["locked"]) / kv["size"] if kv["size"] else 0.0)
+            if state.speculative is not None:
+                if self._spec is None:
+                    self._spec = _SpecMetrics(self._gauge, self._counter, self._labels)
+                self._spec.update(state.speculative)
         return generate_latest(self.registry)
+
+
+class _SpecMetrics:
+    """Speculative decoding, from the engine's cumulative ``spec_stats()``: SGLang's gauges
+    (``sglang:spec_accept_length``, ``sglang:spec_accept_rate``) under our prefix, and counters
+    of the counts behind them. Registered only while speculation is on."""
+
+    # spec_stats() key -> (counter name, help)
+    COUNTS = {
+        "verify_steps": ("spec_verify_steps", "Engine steps that verified drafts"),
+        "verified_requests": (
+            "spec_verify_ct",
+            "Verify steps summed over requests (each request's spec_verify_ct)",
+        ),
+        "draft_tokens": ("spec_draft_tokens", "Draft tokens proposed and verified"),
+        "accepted_tokens": ("spec_accepted_tokens", "Draft tokens accepted"),
+    }
+
+    def __init__(
+        self,
+        gauge: Callable[[str, str], Any],
+        counter: Callable[[str, str], Counter],
+        labels: dict[str, str],
+    ) -> None:
+        self.accept_length = gauge(
+            "spec_accept_length",
+            "Average tokens a request gains per verify step (accepted drafts + 1)",
+        )
+        self.accept_rate = gauge("spec_accept_rate", "Accepted draft tokens / draft tokens")
+        self.counters = {
+            key: counter(name, doc).labels(**labels) for key, (name, doc) in self.COUNTS.items()
+        }
+        self.seen = dict.fromkeys(self.COUNTS, 0)
+
+    def update(self, stats: dict[str, Any]) -> None:
+        self.accept_length.set(stats["avg_accept_length"])
+        drafts = stats["draft_tokens"]
+        self.accept_rate.set(stats["accepted_tokens"] / drafts if drafts else 0.0)
+        for key, child in self.counters.items():
+            value = int(stats[key])
+            if value > self.seen[key]:  # the engine's counts only grow
+                child.inc(value - self.seen[key])
+                self.seen[key] = value

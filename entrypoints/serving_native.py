@@ -22,6 +22,7 @@ from radixserve.core.request import INT64_MAX, InvalidRequest, SamplingParams
 from radixserve.entrypoints.fanout import choice_params
 from radixserve.entrypoints.fanout import per_item as _per_item
 from radixserve.entrypoints.serving_openai import error_event, raise_if_failed
+from radixserve.entrypoints.spec_meta import spec_meta_info
 from radixserve.entrypoints.streaming import SSE_DONE, follow, json_response, sse
 from radixserve.entrypoints.tokenizer_manager import ServerReq, TokenizerManager
 
@@ -157,6 +158,9 @@ class NativeServing:
         }
         if r.finished:
             meta["e2e_latency"] = r.e2e_latency
+        k = self.tm.spec_num_draft_tokens
+        if k is not None:
+            meta.update(spec_meta_info(r.spec_verify_ct, r.spec_accepted_tokens, k))
         if opts.return_logprob or opts.top_n:
             decode = self.tm.token_text if opts.with_text else None
             n = min(len(r.logprobs), len(r.output_ids))

@@ -22,6 +22,7 @@ from radixserve.core.tokenizer import Tokenizer
 from radixserve.entrypoints.admission import Limits
 from radixserve.entrypoints.engine_client import EngineClient, EngineDied
 from radixserve.entrypoints.metrics import ServerMetrics
+from radixserve.entrypoints.spec_meta import num_draft_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,8 @@ class ServerReq:
         "rid", "prompt_ids", "sampling", "event", "output_ids", "text", "logprobs",
         "top_logprobs", "cached_tokens", "finish", "error_status", "created",
         "logprob_start_len", "input_logprobs", "input_top_logprobs",
-        "first_token_time", "last_token_time", "finish_time", "timer",
+        "first_token_time", "last_token_time", "finish_time", "timer", "spec_verify_ct",
+        "spec_accepted_tokens",
     )  # fmt: skip
 
     def __init__(
@@ -58,6 +60,8 @@ class ServerReq:
         self.input_logprobs: list[float] = []
         self.input_top_logprobs: list[list[tuple[float, int]]] = []
         self.cached_tokens = 0
+        self.spec_verify_ct = 0  # speculation so far (spec_meta.py)
+        self.spec_accepted_tokens = 0
         self.finish: FinishReason | None = None
         self.error_status = 0
         self.created = time.perf_counter()
@@ -108,6 +112,11 @@ class TokenizerManager:
     @property
     def dead(self) -> str | None:
         return self.client.dead
+
+    @property
+    def spec_num_draft_tokens(self) -> int | None:
+        """Draft tokens per request and step; None when speculation is off."""
+        return num_draft_tokens(self.info.speculative)
 
     # -- prompt side -----------------------------------------------------------------------
 
@@ -259,6 +268,8 @@ class TokenizerManager:
                 r.input_logprobs = d.input_logprobs
                 r.input_top_logprobs = d.input_top_logprobs or []
             r.cached_tokens = d.cached_tokens
+            r.spec_verify_ct = d.spec_verify_ct
+            r.spec_accepted_tokens = d.spec_accepted_tokens
             if d.finish is not None:
                 self._finish(r, d.finish, d.error_status, now)
             r.event.set()

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 import requests
+from model_gate import install_plugin
+from radixserve_test_drafters import DRAFT_TOKENS
+from radixserve_test_drafters import NAME as TEST_DRAFTER
 from server_process import (
     TINY_API_KEY,
     TINY_CONTEXT,
@@ -57,3 +60,21 @@ def overlap_server(
 def any_server(request: pytest.FixtureRequest) -> RunningServer:
     """The shared server, then the same with overlap scheduling."""
     return request.getfixturevalue("server" if request.param == "sync" else "overlap_server")
+
+
+@pytest.fixture(scope="session")
+def spec_server(
+    tiny_long_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    """The shared server's settings with speculative decoding on: the test drafter
+    (tests/support/radixserve_test_drafters.py) installed as a third-party plugin and chosen
+    with SGLang's flags."""
+    tmp = tmp_path_factory.mktemp("spec-server")
+    env = install_plugin(tmp / "site", "radixserve_test_drafters")
+    args = [*tiny_server_args(tiny_long_llama_dir), "--speculative-algorithm", TEST_DRAFTER]
+    # SGLang's --speculative-num-draft-tokens counts the verified token too
+    args += ["--speculative-num-draft-tokens", str(DRAFT_TOKENS + 1)]
+    running = start_server(args, tmp / "server.log", TINY_API_KEY, timeout=300, env=env)
+    yield running
+    code = stop_server(running)
+    assert code == 0, f"server exited with {code}:\n{running.log()[-4000:]}"
