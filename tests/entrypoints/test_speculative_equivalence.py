@@ -1,0 +1,193 @@
+"""Greedy outputs with speculation on equal speculation off, token for token, on SmolLM2 in
+float32: 200+ requests mixing plain text, stop strings and stop tokens, JSON-schema and regex
+constraints, logprobs, n > 1 and streaming, for each built-in speculative plugin.
+
+The n-gram plugin drafts from each request's own text (prompts that ask to copy text make it
+accept); the standalone plugin uses SmolLM2 itself as the draft, so nearly every draft is
+accepted and stops and grammars meet long accepted runs. Batches stay at 8 requests, where
+every request drafts the full length.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from radixserve import Engine
+
+pytestmark = pytest.mark.slow
+
+TOPICS = [
+    "the sea", "a red fox", "coffee", "the moon", "a library", "winter", "a bicycle", "bread",
+    "rain", "a robot", "the desert", "music", "a garden", "trains", "mountains", "a cat",
+    "chess", "the city at night", "an old clock", "honey",
+]  # fmt: skip
+FORMS = [
+    "Write one sentence about {}.",
+    "Give three facts about {}.",
+    "Repeat exactly: '{} is here. {} is here. {} is here.'",
+    "Describe {} to a child.",
+    "Copy this list: 1. {} 2. {} 3. {} 4. {}",
+]
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+}
+
+
+def _chat(engine: Engine, text: str) -> list[int]:
+    return engine.tokenizer.encode_chat([{"role": "user", "content": text}])
+
+
+def _requests() -> list[tuple[str, dict[str, Any]]]:
+    """(prompt text, sampling params): 200 requests of several kinds, greedy."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    for i, topic in enumerate(TOPICS):
+        for j, form in enumerate(FORMS):
+            text = form.format(*[topic] * form.count("{}"))
+            params: dict[str, Any] = {"temperature": 0, "max_new_tokens": 20 + (i + j) % 3 * 6}
+            kind = (i * len(FORMS) + j) % 10
+            if kind == 1:
+                params["stop"] = [" is", "."]
+            elif kind == 2:
+                params["stop"] = ["\n", "the"]
+                params["no_stop_trim"] = True
+            elif kind == 3:
+                params["json_schema"] = json.dumps(PERSON)
+                params["max_new_tokens"] = 40
+            elif kind == 4:
+                params["regex"] = r"(yes|no), because [a-z ]{5,30}\."
+                params["max_new_tokens"] = 30
+            elif kind == 5:
+                params["n"] = 2
+            elif kind == 6:
+                params["stop_token_ids"] = [30]  # "." in SmolLM2's vocabulary
+            elif kind == 7:
+                params["frequency_penalty"] = 0.5
+                params["repetition_penalty"] = 1.1
+            elif kind == 8:
+                params["min_new_tokens"] = 12
+            out.append((text, params))
+    for k in range(100):
+        topic = TOPICS[k % len(TOPICS)]
+        out.append((f"Tell me about {topic} (#{k}).", {"temperature": 0, "max_new_tokens": 24}))
+    return out
+
+
+LOGPROB_PROMPTS = [f"Say something about {t}." for t in TOPICS]
+STREAM_PROMPTS = [f"Repeat three times: {t} and {t}." for t in TOPICS[:8]]
+
+
+def _run_all(engine: Engine) -> dict[str, Any]:
+    reqs = _requests()
+    ids = [_chat(engine, text) for text, _ in reqs]
+    plain = engine.generate(input_ids=ids, sampling_params=[p for _, p in reqs])
+    lp_ids = [_chat(engine, t) for t in LOGPROB_PROMPTS]
+    lp = engine.generate(
+        input_ids=lp_ids,
+        sampling_params={"temperature": 0, "max_new_tokens": 16},
+        return_logprob=True,
+        top_logprobs_num=3,
+    )
+    streams = []
+    for text in STREAM_PROMPTS:
+        chunks = list(
+            engine.generate(
+                input_ids=_chat(engine, text),
+                sampling_params={"temperature": 0, "max_new_tokens": 24},
+                stream=True,
+            )
+        )
+        streams.append(chunks)
+    return {"plain": plain, "logprobs": lp, "streams": streams, "stats": engine.core.spec_stats()}
+
+
+def _engine(smollm2_dir: Path, **kw: Any) -> Engine:
+    return Engine(str(smollm2_dir), dtype="float32", max_running_requests=8, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir: Path) -> dict[str, Any]:
+    with _engine(smollm2_dir) as engine:
+        return _run_all(engine)
+
+
+@pytest.fixture(
+    scope="module",
+    params=["ngram", "standalone"],
+)
+def speculative(request: pytest.FixtureRequest, smollm2_dir: Path) -> Iterator[dict[str, Any]]:
+    kw: dict[str, Any] = {"speculative_algorithm": request.param.upper()}
+    if request.param == "standalone":
+        kw["speculative_draft_model_path"] = str(smollm2_dir)
+    with _engine(smollm2_dir, **kw) as engine:
+        yield _run_all(engine)
+
+
+def test_greedy_outputs_equal_speculation_off(
+    reference: dict[str, Any], speculative: dict[str, Any]
+) -> None:
+    ref, spec = reference["plain"], speculative["plain"]
+    assert len(ref) == len(spec) >= 200
+    differ = [
+        i
+        for i, (a, b) in enumerate(zip(ref, spec, strict=True))
+        if a["output_ids"] != b["output_ids"]
+    ]
+    assert not differ, f"{len(differ)} outputs differ, first at {differ[:5]}"
+    for a, b in zip(ref, spec, strict=True):
+        assert a["text"] == b["text"]
+        assert a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"]
+    # The mix really exercised what it claims to.
+    finishes = [r["meta_info"]["finish_reason"] for r in ref]
+    assert any(f["type"] == "stop" and isinstance(f.get("matched"), str) for f in finishes)
+    assert any(f["type"] == "length" for f in finishes)
+    stats = speculative["stats"]
+    assert stats["verified_requests"] > 100 and stats["accepted_tokens"] > 50, stats
+
+
+def test_constrained_outputs_stay_valid_under_speculation(speculative: dict[str, Any]) -> None:
+    # Results come prompt-major, then choice.
+    reqs = [(t, p) for t, p in _requests() for _ in range(p.get("n", 1))]
+    checked = 0
+    for (_, params), out in zip(reqs, speculative["plain"], strict=True):
+        if "json_schema" in params and out["meta_info"]["finish_reason"]["type"] == "stop":
+            value = json.loads(out["text"])
+            assert set(value) == {"name", "age"}
+            checked += 1
+        if "regex" in params and out["meta_info"]["finish_reason"]["type"] == "stop":
+            assert re.fullmatch(params["regex"], out["text"]), out["text"]
+            checked += 1
+    assert checked >= 10
+
+
+def test_logprobs_equal_speculation_off(
+    reference: dict[str, Any], speculative: dict[str, Any]
+) -> None:
+    for a, b in zip(reference["logprobs"], speculative["logprobs"], strict=True):
+        assert a["output_ids"] == b["output_ids"]
+        lp_a = [e[0] for e in a["meta_info"]["output_token_logprobs"]]
+        lp_b = [e[0] for e in b["meta_info"]["output_token_logprobs"]]
+        assert lp_b == pytest.approx(lp_a, abs=1e-3)
+        top_a = [[e[1] for e in top] for top in a["meta_info"]["output_top_logprobs"]]
+        top_b = [[e[1] for e in top] for top in b["meta_info"]["output_top_logprobs"]]
+        assert top_a == top_b
+
+
+def test_streamed_text_equals_speculation_off(
+    reference: dict[str, Any], speculative: dict[str, Any]
+) -> None:
+    for a, b in zip(reference["streams"], speculative["streams"], strict=True):
+        assert a[-1]["text"] == b[-1]["text"]
+        texts = [c["text"] for c in b]
+        # Each chunk extends the last; a verify step may add several tokens at once.
+        assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))
