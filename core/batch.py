@@ -31,6 +31,10 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # rows of the flattened sequence whose logits are needed
     kv_pool: object  # radixserve.core.memory.KVPool
     req_to_token_pool: ReqToTokenPool  # owns the table and its device mirror
+    # Layers whose output (the residual stream after the layer, HF's hidden_states[i + 1]) the
+    # model keeps for every new token in ``hidden_states`` (draft heads read them).
+    capture_hidden_layers: tuple[int, ...] = ()
+    hidden_states: dict[int, torch.Tensor] | None = None
 
     @property
     def batch_size(self) -> int:

@@ -104,7 +104,29 @@ class CudaPlatform(HardwarePlatform):
         from radixserve.plugins.hardware.cuda_graph import CudaGraphRunner
 
         max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
-        return CudaGraphRunner(model, attention, kv_pool, req_to_token, max_bs, self.device)
+        return CudaGraphRunner(
+            model, attention, kv_pool, req_to_token, max_bs, self.device,
+            verify_shapes=verify_graph_shapes(config, max_bs),
+        )  # fmt: skip
+
+
+def verify_graph_shapes(config: Any, max_bs: int) -> dict[int, int]:
+    """{batch size: tokens per request} of the verify steps speculation will run with full
+    drafts (the draft shrinks past 8 requests: core.speculative.Speculator.draft_length)."""
+    from radixserve.core.speculative import FULL_DRAFT_BATCH
+    from radixserve.plugins.hardware.cuda_graph import capture_sizes
+
+    speculating = any(
+        p.startswith("speculative=") and not p.endswith("=none") for p in config.plugins
+    )
+    if not speculating:
+        return {}
+    k = config.num_draft_tokens
+    limit = min(config.speculative_disable_batch_size, max_bs)
+    shapes = {}
+    for bs in capture_sizes(limit):
+        shapes[bs] = 1 + (k if bs <= FULL_DRAFT_BATCH else max(1, k * FULL_DRAFT_BATCH // bs))
+    return shapes
 
 
 def cuda_unavailable_reason() -> str | None:

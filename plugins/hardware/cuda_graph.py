@@ -7,7 +7,11 @@ mirror, a tensor allocated once; the model runner brings it up to date before ea
 ``bs`` decodes replays the graph of the smallest captured size >= bs; padding rows read the
 mirror's padding row (all slot 0, the KV pool's padding slot) and write their K/V to slot 0,
 which no request owns.
-Other batches (prefill chunks, larger batches, input logprobs) run eagerly.
+
+Speculative decoding adds verify graphs: a batch of ``bs`` requests that each verify the same
+number ``q`` of tokens (the last one plus q - 1 drafts) replays the graph captured for
+(padded bs, q); padding requests verify q tokens at positions 0..q-1 of the padding row.
+Other batches (prefill chunks, larger batches, input logprobs, uneven drafts) run eagerly.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ class GraphableAttention(Protocol):
 
     def prepare_decode_graph(self, req_rows: torch.Tensor, seq_lens: torch.Tensor) -> None: ...
 
+    def prepare_verify_graph(
+        self, req_rows: torch.Tensor, seq_lens: torch.Tensor, q_len: int
+    ) -> None: ...
+
 
 def capture_sizes(max_bs: int) -> list[int]:
     """1, 2, 4, 8, then every 8 to 64, every 16 to 256, every 32 beyond, and max_bs itself."""
@@ -48,6 +56,7 @@ class CudaGraphRunner:
         req_to_token: ReqToTokenPool,
         max_bs: int,
         device: str,
+        verify_shapes: dict[int, int] | None = None,
     ) -> None:
         self.model, self.attention = model, attention
         self.max_bs = max_bs
@@ -66,9 +75,24 @@ class CudaGraphRunner:
         self._kv_pool = kv_pool
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
+        # Verify graphs: {padded batch size: tokens per request}.
+        self.verify_shapes = dict(verify_shapes or {})
+        if self.verify_shapes and not hasattr(attention, "prepare_verify_graph"):
+            logger.info("no verify graphs: attention %s cannot prepare them", type(attention))
+            self.verify_shapes = {}
+        most = max((b * q for b, q in self.verify_shapes.items()), default=0)
+        self.v_input_ids = torch.zeros(most, **long)  # type: ignore[arg-type]
+        self.v_positions = torch.zeros(most, **long)  # type: ignore[arg-type]
+        self.v_out_cache_loc = torch.zeros(most, **long)  # type: ignore[arg-type]
+        self.v_logits_indices = torch.arange(most, **long)  # type: ignore[arg-type]
+        self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        for bs in sorted(self.verify_shapes, reverse=True):
+            self.verify_graphs[bs] = self._capture_verify(bs, self.verify_shapes[bs], pool)
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
             self.graphs[bs] = self._capture(bs, pool)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+        if self.verify_shapes:
+            logger.info("captured verify graphs (batch size: tokens) %s", self.verify_shapes)
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         return ForwardBatch(
@@ -103,8 +127,74 @@ class CudaGraphRunner:
             logits = self._run_static(bs, batch)
         return graph, logits
 
+    def _capture_verify(
+        self, bs: int, q: int, pool: Any
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        n = bs * q
+        batch = ForwardBatch(
+            input_ids=self.v_input_ids[:n],
+            positions=self.v_positions[:n],
+            out_cache_loc=self.v_out_cache_loc[:n],
+            req_pool_indices=torch.full((bs,), self.pad_row, dtype=torch.int64),
+            req_to_token=self._req_to_token.table,
+            seq_lens=[q] * bs,
+            extend_lens=[q] * bs,
+            num_decode=0,
+            logits_indices=self.v_logits_indices[:n],
+            kv_pool=self._kv_pool,
+            req_to_token_pool=self._req_to_token,
+        )
+        meta = self.meta[:, :bs]
+        meta[1, :bs].fill_(q)
+
+        def run() -> torch.Tensor:
+            self.attention.prepare_verify_graph(meta[0], meta[1], q)  # type: ignore[attr-defined]
+            return self.model.forward(batch)
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = run()
+        self.meta[1].fill_(1)
+        return graph, logits
+
+    def _replay_verify(self, batch: ForwardBatch, q: int) -> torch.Tensor | None:
+        bs = batch.batch_size
+        fits = [b for b, bq in self.verify_shapes.items() if b >= bs and bq == q]
+        if not fits or batch.logits_indices.numel() != bs * q:
+            return None
+        padded = min(fits)
+        fill = self.max_bs - bs
+        rows = batch.req_pool_indices.tolist() + [self.pad_row] * fill
+        host = torch.tensor([rows, batch.seq_lens + [q] * fill], dtype=torch.int32)
+        self.meta.copy_(host.pin_memory(), non_blocking=True)
+        n, total = bs * q, padded * q
+        self.v_input_ids[:n].copy_(batch.input_ids)
+        self.v_out_cache_loc[:n].copy_(batch.out_cache_loc)
+        self.v_positions[:n].copy_(batch.positions)
+        if total > n:  # padding requests: positions 0..q-1 of the padding row, slot 0
+            self.v_input_ids[n:total].zero_()
+            self.v_out_cache_loc[n:total].zero_()
+            self.v_positions[n:total].copy_(
+                torch.arange(q, device=self.v_positions.device).repeat(padded - bs)
+            )
+        graph, logits = self.verify_graphs[padded]
+        graph.replay()
+        return logits[:n]
+
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         bs = batch.batch_size
+        if batch.num_decode == 0 and self.verify_shapes:
+            q = batch.extend_lens[0]
+            if q > 1 and all(n == q for n in batch.extend_lens):
+                logits = self._replay_verify(batch, q)
+                if logits is not None:
+                    return logits
         if batch.num_decode != bs or bs > self.max_bs or batch.logits_indices.numel() != bs:
             self.attention.prepare(batch)
             return self.model.forward(batch)

@@ -172,8 +172,13 @@ class LlamaForCausalLM(nn.Module, CausalLM):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         h, residual = self.embed_tokens(batch.input_ids), None
-        for layer in self.layers:
+        capture = batch.capture_hidden_layers
+        if capture:
+            batch.hidden_states = {}
+        for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, self.rope, batch)
+            if i in capture:
+                batch.hidden_states[i] = h + residual  # type: ignore[index]
         rows = batch.logits_indices
         if residual is None:  # a model without layers
             h = self.norm(h[rows])

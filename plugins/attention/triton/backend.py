@@ -81,6 +81,16 @@ class TritonAttention(AttentionBackend):
         dev = torch.stack([req_rows, seq_lens, ones, torch.cumsum(ones, 0) - 1])
         self._meta = self._step_meta(bs, dev, 0)
 
+    def prepare_verify_graph(
+        self, req_rows: torch.Tensor, seq_lens: torch.Tensor, q_len: int
+    ) -> None:
+        """``prepare`` for a verify step (every request extends by ``q_len`` tokens) from
+        device tensors alone, for capture in a CUDA graph."""
+        ext = torch.full_like(seq_lens, q_len)
+        starts = torch.arange(seq_lens.shape[0], device=seq_lens.device, dtype=seq_lens.dtype)
+        dev = torch.stack([req_rows, seq_lens, ext, starts * q_len])
+        self._meta = self._step_meta(0, dev, q_len)
+
     def _step_meta(self, nd: int, dev: torch.Tensor, max_ext_len: int) -> StepMeta:
         splits = num_decode_splits(nd, self.num_kv_heads, self.num_sms)
         shape = (nd, self.num_heads, splits)
