@@ -86,6 +86,7 @@ class CudaGraphRunner:
         self.v_out_cache_loc = torch.zeros(most, **long)  # type: ignore[arg-type]
         self.v_logits_indices = torch.arange(most, **long)  # type: ignore[arg-type]
         self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.verify_replays = 0  # verify steps served from a graph (tests read it)
         for bs in sorted(self.verify_shapes, reverse=True):
             self.verify_graphs[bs] = self._capture_verify(bs, self.verify_shapes[bs], pool)
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
@@ -185,6 +186,7 @@ class CudaGraphRunner:
             )
         graph, logits = self.verify_graphs[padded]
         graph.replay()
+        self.verify_replays += 1
         return logits[:n]
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:

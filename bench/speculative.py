@@ -1,0 +1,200 @@
+"""Speculative decoding against speculation off, in the same run.
+
+``cpu`` (the default model, greedy, one request at a time): each workload group of
+bench/spec_workloads.py runs with speculation off, then with the n-gram drafter, on engines
+given no tuning flags. Prints output tokens per second, the ratio and the accept length per
+group (tokens a request gains per verify step).
+
+``gpu`` (a random-weight model of a real shape on CUDA, --simulate): throughput at several batch
+sizes with speculation off, then with a drafter whose acceptance is simulated
+(--speculative-simulate-accept-len): the real draft and verify work runs, the number of
+accepted drafts is drawn around the chosen mean, so the cost of the verify path is visible.
+
+    python bench/speculative.py cpu [--groups code_edit json_repeat ...]
+    python bench/speculative.py gpu --shape llama3-8b --accept 1.5 2.5 3.5 --batches 1 8 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import format_table, machine_info, write_json  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from radixserve import Engine  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="mode", required=True)
+    cpu = sub.add_parser("cpu", help="the default model on this CPU, n-gram vs off")
+    cpu.add_argument("--groups", nargs="*", default=None, help="workload groups (default: all)")
+    cpu.add_argument("--algorithm", default="NGRAM")
+    cpu.add_argument("--json-out", default=None)
+    gpu = sub.add_parser("gpu", help="random weights on CUDA, simulated acceptance")
+    gpu.add_argument("--shape", default="llama3-8b")
+    gpu.add_argument("--draft-shape", default="draft-1layer", help="the standalone draft's shape")
+    gpu.add_argument("--accept", type=float, nargs="+", default=[1.5, 2.5, 3.5])
+    gpu.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    gpu.add_argument("--num-draft", type=int, default=4)
+    gpu.add_argument("--input-len", type=int, default=512)
+    gpu.add_argument("--output-len", type=int, default=256)
+    gpu.add_argument("--workdir", default="/tmp/models")
+    gpu.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
+    gpu.add_argument("--json-out", default=None)
+    return p.parse_args()
+
+
+# -- CPU: the default model, real acceptance -------------------------------------------------
+
+
+def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from spec_workloads import all_workloads
+
+    groups = all_workloads()
+    names = args.groups or list(groups)
+    results: dict[str, Any] = {"machine": machine_info(), "groups": {}}
+    modes = {"off": {}, "spec": {"speculative_algorithm": args.algorithm}}
+    timings: dict[str, dict[str, tuple[int, float, Any]]] = {n: {} for n in names}
+    for mode, flags in modes.items():
+        with Engine(**flags) as engine:  # the default model, no tuning flags
+            warm = engine.tokenizer.encode_chat([{"role": "user", "content": "Hi there!"}])
+            engine.generate(input_ids=warm, sampling_params={"max_new_tokens": 8})
+            for name in names:
+                tokens, seconds, verify, accepted = 0, 0.0, 0, 0
+                for w in tqdm(groups[name], desc=f"{mode} {name}", leave=False):
+                    ids = engine.tokenizer.encode_chat(w.messages)
+                    params = {"temperature": 0, "max_new_tokens": w.max_new_tokens}
+                    start = time.perf_counter()
+                    out = engine.generate(input_ids=ids, sampling_params=params)
+                    seconds += time.perf_counter() - start
+                    tokens += len(out["output_ids"])
+                    verify += out["meta_info"].get("spec_verify_ct", 0)
+                    accepted += out["meta_info"].get("spec_accepted_tokens", 0)
+                timings[name][mode] = (tokens, seconds, (verify, accepted))
+    rows = []
+    for name in names:
+        (t_off, s_off, _), (t_on, s_on, (verify, accepted)) = (
+            timings[name]["off"],
+            timings[name]["spec"],
+        )
+        off, on = t_off / s_off, t_on / s_on
+        accept_len = (verify + accepted) / verify if verify else 1.0
+        results["groups"][name] = {
+            "off_tok_s": round(off, 2),
+            "spec_tok_s": round(on, 2),
+            "ratio": round(on / off, 3),
+            "accept_length": round(accept_len, 3),
+            "verify_steps": verify,
+            "output_tokens": [t_off, t_on],
+        }
+        rows.append([name, f"{off:.1f}", f"{on:.1f}", f"{on / off:.2f}x", f"{accept_len:.2f}"])
+    print(
+        format_table(["group", "off tok/s", f"{args.algorithm} tok/s", "ratio", "accept len"], rows)
+    )
+    return results
+
+
+# -- GPU: random weights, simulated acceptance ------------------------------------------------
+
+
+DRAFT_SHAPES = {
+    # An EAGLE-sized drafter: one decoder layer at a reduced width, the target's vocabulary.
+    "draft-1layer": dict(
+        hidden_size=1024, intermediate_size=2816, num_hidden_layers=1, num_attention_heads=8,
+        num_key_value_heads=8,
+    ),
+    "draft-tiny": dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2,
+    ),
+}  # fmt: skip
+
+
+def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
+    import random
+
+    from gpu_model import SHAPES, write_random_llama
+
+    import radixserve.core.speculative as speculative
+
+    work = Path(args.workdir)
+    target = work / args.shape
+    if not (target / "config.json").exists():
+        write_random_llama(target, args.shape, args.device)
+    draft = work / f"{args.shape}-{args.draft_shape}"
+    if not (draft / "config.json").exists():
+        SHAPES[f"{args.shape}-{args.draft_shape}"] = {
+            **SHAPES[args.shape],
+            **DRAFT_SHAPES[args.draft_shape],
+        }
+        write_random_llama(draft, f"{args.shape}-{args.draft_shape}", args.device, seed=1)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    # Full drafts at every batch size measured (the default shrinks them past 8 requests).
+    speculative.FULL_DRAFT_BATCH = max(args.batches)
+    results: dict[str, Any] = {"machine": machine_info(), "shape": args.shape, "runs": {}}
+    base: dict[str, Any] = dict(
+        dtype="bfloat16" if args.device == "cuda" else "float32",
+        max_running_requests=max(args.batches),
+        plugins=[f"hardware={args.device}"],
+    )
+
+    def prompts(n: int) -> list[list[int]]:
+        rng = random.Random(n)
+        return [[rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(n)]
+
+    def throughput(engine: Engine, bs: int) -> float:
+        params = {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True}
+        batch = prompts(bs)
+        engine.generate(input_ids=batch[:1], sampling_params={**params, "max_new_tokens": 8})
+        start = time.perf_counter()
+        engine.generate(input_ids=batch, sampling_params=params)
+        return bs * args.output_len / (time.perf_counter() - start)
+
+    off: dict[int, float] = {}
+    with Engine(str(target), **base) as engine:
+        for bs in args.batches:
+            off[bs] = throughput(engine, bs)
+            print(f"off bs={bs}: {off[bs]:.1f} tok/s", flush=True)
+    rows = []
+    for accept in args.accept:
+        spec = dict(
+            speculative_algorithm="STANDALONE",
+            speculative_draft_model_path=str(draft),
+            speculative_num_steps=args.num_draft,
+            speculative_simulate_accept_len=accept,
+            speculative_disable_batch_size=max(args.batches),
+        )
+        with Engine(str(target), **base, **spec) as engine:
+            for bs in args.batches:
+                on = throughput(engine, bs)
+                stats = engine.core.spec_stats() or {}
+                key = f"accept{accept}-bs{bs}"
+                results["runs"][key] = {
+                    "off_tok_s": round(off[bs], 1),
+                    "spec_tok_s": round(on, 1),
+                    "ratio": round(on / off[bs], 3),
+                    "measured_accept_length": stats.get("avg_accept_length"),
+                }
+                rows.append([accept, bs, f"{off[bs]:.0f}", f"{on:.0f}", f"{on / off[bs]:.2f}x"])
+                print(rows[-1], flush=True)
+    print(format_table(["sim. accept len", "batch", "off tok/s", "spec tok/s", "ratio"], rows))
+    return results
+
+
+def main() -> None:
+    args = parse_args()
+    results = run_cpu(args) if args.mode == "cpu" else run_gpu(args)
+    if args.json_out:
+        write_json(args.json_out, results)
+
+
+if __name__ == "__main__":
+    main()
