@@ -69,8 +69,10 @@ class StandaloneDraft(SpeculativeAlgorithm):
             context.kv_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, context.dtype,
             context.device, page_size=context.page_size,
         )  # fmt: skip
-        attention = host.registries["attention"].get(context.attention).factory(
-            self.kv_pool, mc, context.device
+        attention = (
+            host.registries["attention"]
+            .get(context.attention)
+            .factory(self.kv_pool, mc, context.device)
         )
         factory = host.select("model", None, mc.architecture).factory
         self.model = factory(mc, attention, context.dtype, context.device)

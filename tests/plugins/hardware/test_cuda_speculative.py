@@ -56,6 +56,7 @@ def _traffic(engine: Engine) -> list[list[int]]:
 
 
 def _run(target: Path, attention: str, **kw: Any) -> tuple[list[list[int]], Any]:
+    kw.setdefault("max_total_tokens", 16384)
     with Engine(
         str(target), plugins=[f"attention={attention}", "hardware=cuda"], dtype="float32",
         max_running_requests=8, debug_leak_check=True, **kw,
