@@ -98,7 +98,7 @@ class EngineCore:
         if name == "none":
             return None
         runner, config = self.runner, self.config
-        algorithm = host.registries["speculative"].get(name).factory()
+        algorithm = runner.speculative_algorithm
         algorithm.setup(
             SpeculativeContext(
                 config=config,

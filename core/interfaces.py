@@ -292,6 +292,12 @@ class SpeculativeAlgorithm(ABC):
     it wrote are still the row's before it trusts them.
     """
 
+    def memory_needs(self, config: EngineConfig, host: Any, dtype: torch.dtype) -> tuple[int, int]:
+        """(bytes of weights, KV bytes per KV-pool slot) that ``setup`` will allocate on the
+        device, asked before the target's KV pool is sized so the pool leaves room for them
+        (e.g. a draft model and its own pool with one slot per target slot)."""
+        return 0, 0
+
     def setup(self, context: SpeculativeContext) -> None:  # noqa: B027 - optional hook
         """Called once before the first step (build a draft model here)."""
 

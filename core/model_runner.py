@@ -74,6 +74,13 @@ class ModelRunner:
         )
         mc = self.model_config
         weight_bytes = count_parameters(model_dir) * self.dtype.itemsize
+        # A speculative algorithm is built here, so its device memory (a draft model and its
+        # KV) is set aside before the KV pool is sized; EngineCore sets it up later.
+        spec_factory = host.registries["speculative"].get(chosen["speculative"]).factory
+        self.speculative_algorithm = spec_factory()
+        self._spec_weight_bytes, self._spec_kv_bytes = self.speculative_algorithm.memory_needs(
+            config, host, self.dtype
+        )
         config, self.settings = config.with_platform_defaults(
             hw.name, self.platform.engine_defaults(mc, weight_bytes)
         )
@@ -115,9 +122,11 @@ class ModelRunner:
     def _kv_pool_size(self, weight_bytes: int, config: EngineConfig) -> int:
         mc = self.model_config
         per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        per_token += self._spec_kv_bytes
         if config.max_total_tokens is not None:
             return config.max_total_tokens
         fraction = self.settings.mem_fraction_static
+        weight_bytes += self._spec_weight_bytes
         size = self.platform.kv_cache_bytes(weight_bytes, fraction) // per_token
         if self.platform.max_kv_tokens is not None:
             size = min(size, self.platform.max_kv_tokens)

@@ -32,7 +32,7 @@ from radixserve.core.memory import KVPool
 from radixserve.core.request import Req, token_slice
 from radixserve.core.sampling import adjusted_logits, target_probs
 from radixserve.core.speculative import DraftPosition
-from radixserve.core.weights import iter_weights
+from radixserve.core.weights import count_parameters, iter_weights
 
 
 @dataclass(slots=True)
@@ -45,16 +45,14 @@ class StandaloneDraft(SpeculativeAlgorithm):
     def __init__(self) -> None:
         self._kv: dict[str, _DraftKV] = {}
 
+    def memory_needs(self, config: Any, host: Any, dtype: torch.dtype) -> tuple[int, int]:
+        resolved = _draft_dir(config, host)
+        mc = ModelConfig.from_dir(resolved)
+        weights = count_parameters(resolved) * dtype.itemsize
+        return weights, KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+
     def setup(self, context: SpeculativeContext) -> None:
-        path = context.config.speculative_draft_model_path
-        if not path:
-            raise ConfigError(
-                "speculative algorithm 'standalone' needs --speculative-draft-model-path (a "
-                "small model sharing the target's vocabulary)"
-            )
-        resolved = context.host.hook.resolve_model_dir(model_path=path) or path
-        if not Path(resolved).is_dir():
-            raise ConfigError(f"draft model path '{path}' is not a model directory or a .gguf")
+        resolved = _draft_dir(context.config, context.host)
         mc = ModelConfig.from_dir(resolved)
         target_vocab = context.model_config.vocab_size
         if mc.vocab_size != target_vocab:
@@ -192,6 +190,19 @@ class StandaloneDraft(SpeculativeAlgorithm):
                 probs[i].append(q[j])
         for i, t in enumerate(greedy):
             tokens[i].append(t)
+
+
+def _draft_dir(config: Any, host: Any) -> str:
+    path = config.speculative_draft_model_path
+    if not path:
+        raise ConfigError(
+            "speculative algorithm 'standalone' needs --speculative-draft-model-path (a "
+            "small model sharing the target's vocabulary)"
+        )
+    resolved = host.hook.resolve_model_dir(model_path=path) or path
+    if not Path(resolved).is_dir():
+        raise ConfigError(f"draft model path '{path}' is not a model directory or a .gguf")
+    return str(resolved)
 
 
 def _decodes_first(batch: list[tuple[int, int, list[int]]]) -> list[tuple[int, int, list[int]]]:
