@@ -161,8 +161,10 @@ class LlamaForCausalLM(nn.Module, CausalLM):
             self.norm = RMSNorm(config.hidden_size, float(config.raw.get("rms_norm_eps", 1e-6)))
             if not self.tie_word_embeddings:
                 self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.to_empty(device=device)
+        # NOTE: cast on the meta device first: allocating in float32 and casting after would
+        # need twice a bfloat16 model's memory at start-up (the KV pool already holds the rest).
         self.to(dtype)
+        self.to_empty(device=device)
         self.rope = RotaryEmbedding(config, device, dtype)
         fused = fused_ops_for(device)
         for part in (self.rope, *self.modules()):
