@@ -221,6 +221,11 @@ class EngineCore:
             changed += self._commit_in_flight()
         if any(r.failed for r in batch.reqs):  # the sampler could not serve these alone
             changed += self._end_failed(batch)
+        if self.speculator is not None and len(batch.reqs) == batch.num_decode + len(batch.drafts):
+            # only decodes (and verifies): what speculation costs against plain decoding
+            self.speculator.observe_step(
+                bool(batch.drafts), len(batch.reqs), time.perf_counter() - start
+            )
         self.host.hook.step_finished(
             stats={
                 "num_decode": batch.num_decode,

@@ -272,7 +272,7 @@ class Scheduler:
             changed.append(req)
         if verified and self.speculator is not None:
             reqs, drafted, accepted = zip(*verified, strict=True)
-            self.speculator.verified(reqs, drafted, accepted)
+            self.speculator.verified(reqs, drafted, accepted, len(batch.reqs))
         return changed
 
     def _commit_verified(self, req: Req, n: int, tokens: list[SampledToken]) -> None:
@@ -330,7 +330,7 @@ class Scheduler:
                 self.config.max_context - req.seq_len,
             )
             limit = min(k, left - 1)
-            if limit <= 0 or not speculating(req):
+            if limit <= 0 or not speculating(req) or not self.speculator.wants(req):
                 continue
             assert req.req_pool_idx is not None
             row = self.req_to_token.table[req.req_pool_idx]
@@ -461,6 +461,7 @@ class Scheduler:
         req.num_pending = 0
         if self.speculator is not None:
             self.speculator.algorithm.release(req.rid)
+            self.speculator.forget(req.rid)
         if req in self.running:
             self.running.remove(req)
 

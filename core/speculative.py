@@ -38,6 +38,21 @@ SampledToken = tuple[int, float | None, TopLogprobs | None]
 
 #: Batch size up to which every request drafts the full length; beyond it the length shrinks.
 FULL_DRAFT_BATCH = 8
+#: Smoothing of the per-request gain and of step times (weight of the newest observation).
+_EMA = 0.3
+#: A request whose speculation does not pay is paused this many steps at first, doubling up to
+#: the maximum while it keeps not paying.
+_FIRST_PAUSE, _MAX_PAUSE = 4, 64
+
+
+@dataclass(slots=True)
+class _Payoff:
+    """Whether speculation pays for one request: its smoothed tokens per verify step, and how
+    long it is paused after it did not pay."""
+
+    gain: float
+    paused: int = 0
+    pause: int = _FIRST_PAUSE
 
 
 @dataclass(slots=True)
@@ -91,6 +106,48 @@ class Speculator:
             )
         self._rng = random.Random(seed)
         self.stats = SpecStats()
+        self._payoff: dict[str, _Payoff] = {}
+        # Smoothed seconds of pure decode and pure verify steps, per batch size: their ratio
+        # is what a verify step must gain to pay (measured, as it differs by device: a CPU
+        # verifies 5 tokens at ~1.8x a decode, a GPU at ~1.0x).
+        self._step_time: dict[tuple[bool, int], float] = {}
+
+    def wants(self, req: Req) -> bool:
+        """Whether ``req`` should draft this step: not while it is paused for not paying."""
+        payoff = self._payoff.get(req.rid)
+        if payoff is None or payoff.paused <= 0:
+            return True
+        payoff.paused -= 1
+        return False
+
+    def forget(self, rid: str) -> None:
+        self._payoff.pop(rid, None)
+
+    def observe_step(self, verify: bool, batch_size: int, seconds: float) -> None:
+        """A step with only decodes (or only decodes and verifies, ``verify``) took this long."""
+        key = (verify, batch_size)
+        old = self._step_time.get(key)
+        self._step_time[key] = seconds if old is None else old + _EMA * (seconds - old)
+
+    def _break_even(self, batch_size: int) -> float | None:
+        """Tokens a verify step must yield to beat decoding, once both were measured."""
+        verify = self._step_time.get((True, batch_size))
+        decode = self._step_time.get((False, batch_size))
+        return None if verify is None or decode is None else verify / decode
+
+    def _judge(self, req: Req, gained: int, batch_size: int) -> None:
+        payoff = self._payoff.get(req.rid)
+        if payoff is None:
+            payoff = self._payoff[req.rid] = _Payoff(float(gained))
+        else:
+            payoff.gain += _EMA * (gained - payoff.gain)
+        # With no decode step measured yet, a pause is what measures one.
+        needed = self._break_even(batch_size) or 1.0 + 1e-9
+        if payoff.gain < needed:
+            payoff.paused = payoff.pause
+            payoff.pause = min(2 * payoff.pause, _MAX_PAUSE)
+        else:
+            payoff.pause = _FIRST_PAUSE
 
     def draft_length(self, batch_size: int) -> int:
         """Draft tokens per request for a step of ``batch_size`` decodes (0: do not speculate)."""
@@ -120,7 +177,11 @@ class Speculator:
         return out
 
     def verified(
-        self, reqs: Sequence[Req], drafted: Sequence[int], accepted: Sequence[int]
+        self,
+        reqs: Sequence[Req],
+        drafted: Sequence[int],
+        accepted: Sequence[int],
+        batch_size: int,
     ) -> None:
         self.stats.verify_steps += 1
         for req, m, a in zip(reqs, drafted, accepted, strict=True):
@@ -129,6 +190,8 @@ class Speculator:
             self.stats.accepted_tokens += a
             req.spec_verify_ct += 1
             req.spec_accepted_tokens += a
+            if self.simulate_accept_len is None:
+                self._judge(req, a + 1, batch_size)
         self.algorithm.verified(reqs, accepted)
 
     def simulated(self, num_drafted: int) -> int:

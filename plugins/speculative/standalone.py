@@ -84,32 +84,42 @@ class StandaloneDraft(SpeculativeAlgorithm):
         self._kv.pop(rid, None)
 
     def propose(self, reqs: Sequence[Req], max_drafts: Sequence[int]) -> list[Draft]:
+        """Draft autoregressively. Draft tokens stay on the device from one draft step to the
+        next (one host sync at the end), unless a request has penalties, which read them."""
         table = self.req_to_token.table
-        tokens: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        # Step 1: catch up each request's draft KV to its last token, which drafts token 1.
-        starts = [self._trusted_length(r) for r in reqs]
-        entries = [
-            (i, s, token_slice(r.input_ids, r.output_ids, s, r.seq_len - s))
-            for i, (r, s) in enumerate(zip(reqs, starts, strict=True))
-        ]
-        active = list(range(len(reqs)))
+        on_host: list[list[int]] | None = None
+        if any(_penalized(r) for r in reqs):
+            on_host = [[] for _ in reqs]
+        # Step 0 catches each request's draft KV up to its last token, which drafts token 1.
+        first = _decodes_first(
+            [
+                (i, s, token_slice(r.input_ids, r.output_ids, s, r.seq_len - s))
+                for i, (r, s) in enumerate(zip(reqs, map(self._trusted_length, reqs), strict=True))
+            ]
+        )
+        steps: list[tuple[list[int], torch.Tensor]] = []  # (request indices, their tokens)
         for step in range(max(max_drafts)):
             if step == 0:
-                batch = [(i, s, ids) for i, s, ids in entries]
+                batch, input_ids = first, None
             else:
-                active = [i for i in active if len(tokens[i]) < max_drafts[i]]
+                prev_order, prev_ids = steps[-1]
+                active = [j for j, i in enumerate(prev_order) if max_drafts[i] > step]
                 if not active:
                     break
-                batch = [(i, reqs[i].kv_len + step, [tokens[i][-1]]) for i in active]
-            logits = self._forward(reqs, batch)
-            order = [i for i, _, _ in _decodes_first(batch)]
-            self._choose(
-                logits,
-                [reqs[i] for i in order],
-                [tokens[i] for i in order],
-                [probs[i] for i in order],
-            )
+                batch = [(prev_order[j], reqs[prev_order[j]].kv_len + step, None) for j in active]
+                input_ids = prev_ids[to_device(torch.tensor(active), self.device)]
+            order = [i for i, _, _ in batch]
+            logits = self._forward(reqs, batch, input_ids)
+            ids = self._choose(logits, [reqs[i] for i in order], step, order, probs, on_host)
+            steps.append((order, ids))
+        flat = torch.cat([ids for _, ids in steps]).tolist()  # the one host sync
+        tokens: list[list[int]] = [[] for _ in reqs]
+        at = 0
+        for order, _ in steps:
+            for i in order:
+                tokens[i].append(flat[at])
+                at += 1
         for i, req in enumerate(reqs):
             written = req.kv_len + max_drafts[i]  # positions kv_len .. kv_len + m - 1 drafted
             assert req.req_pool_idx is not None
@@ -130,39 +140,47 @@ class StandaloneDraft(SpeculativeAlgorithm):
         return n if bool(same.all()) else int((~same).nonzero()[0, 0])
 
     def _forward(
-        self, reqs: Sequence[Req], batch: list[tuple[int, int, list[int]]]
+        self,
+        reqs: Sequence[Req],
+        batch: list[tuple[int, int, list[int] | None]],
+        input_ids: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Run the draft over ``batch`` entries (request index, first position, tokens) and
-        return the logits of each entry's last token, decodes first."""
-        batch = _decodes_first(batch)
+        """Run the draft over ``batch`` entries (request index, first position, its tokens, or
+        None for one token taken from ``input_ids`` on the device), decodes first; return the
+        logits of each entry's last token."""
         table = self.req_to_token.table
-        input_ids: list[int] = []
+        host_ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
         pool_rows: list[int] = []
         seq_lens: list[int] = []
+        extend_lens: list[int] = []
         logits_rows: list[int] = []
         for i, start, ids in batch:
             row = reqs[i].req_pool_idx
             assert row is not None
-            input_ids += ids
-            positions += range(start, start + len(ids))
-            rows += [row] * len(ids)
+            n = 1 if ids is None else len(ids)
+            host_ids += ids or []
+            positions += range(start, start + n)
+            rows += [row] * n
             pool_rows.append(row)
-            seq_lens.append(start + len(ids))
+            seq_lens.append(start + n)
+            extend_lens.append(n)
             logits_rows.append(len(positions) - 1)
         positions_t = torch.tensor(positions, dtype=torch.int64)
         out_cache_loc = table[torch.tensor(rows), positions_t]
+        if input_ids is None:
+            input_ids = to_device(torch.tensor(host_ids, dtype=torch.int64), self.device)
         self.req_to_token.sync()
         fb = ForwardBatch(
-            input_ids=to_device(torch.tensor(input_ids, dtype=torch.int64), self.device),
+            input_ids=input_ids,
             positions=to_device(positions_t, self.device),
             out_cache_loc=to_device(out_cache_loc, self.device),
             req_pool_indices=torch.tensor(pool_rows, dtype=torch.int64),
             req_to_token=table,
             seq_lens=seq_lens,
-            extend_lens=[len(ids) for _, _, ids in batch],
-            num_decode=sum(1 for _, _, ids in batch if len(ids) == 1),
+            extend_lens=extend_lens,
+            num_decode=sum(1 for n in extend_lens if n == 1),
             logits_indices=to_device(torch.tensor(logits_rows, dtype=torch.int64), self.device),
             kv_pool=self.kv_pool,
             req_to_token_pool=self.req_to_token,
@@ -173,23 +191,35 @@ class StandaloneDraft(SpeculativeAlgorithm):
         self,
         logits: torch.Tensor,
         reqs: list[Req],
-        tokens: list[list[int]],
+        step: int,
+        order: list[int],
         probs: list[list[torch.Tensor]],
-    ) -> None:
-        """Append each request's next draft token (and, when sampled, its distribution)."""
-        views = [DraftPosition(r, t, len(t)) for r, t in zip(reqs, tokens, strict=True)]
+        on_host: list[list[int]] | None,
+    ) -> torch.Tensor:
+        """Each row's next draft token on the device (argmax, or a draw from the draft's
+        distribution for sampled requests, whose distribution is kept in ``probs``)."""
+        views = [
+            DraftPosition(r, on_host[i] if on_host is not None else [], step)
+            for r, i in zip(reqs, order, strict=True)
+        ]
         logits = adjusted_logits(logits, views, self.eos_ids)  # type: ignore[arg-type]
-        greedy = logits.argmax(dim=-1).tolist()
-        sampled = [i for i, r in enumerate(reqs) if not r.sampling.is_greedy]
+        ids = logits.argmax(dim=-1)
+        sampled = [j for j, r in enumerate(reqs) if not r.sampling.is_greedy]
         if sampled:
-            q = target_probs(logits[sampled], [views[i] for i in sampled])  # type: ignore[misc]
+            q = target_probs(logits[sampled], [views[j] for j in sampled])  # type: ignore[misc]
             q = q / q.sum(dim=-1, keepdim=True)
-            draws = torch.multinomial(q, 1).squeeze(1).tolist()
-            for j, i in enumerate(sampled):
-                greedy[i] = draws[j]
-                probs[i].append(q[j])
-        for i, t in enumerate(greedy):
-            tokens[i].append(t)
+            ids[to_device(torch.tensor(sampled), ids.device)] = torch.multinomial(q, 1).squeeze(1)
+            for k, j in enumerate(sampled):
+                probs[order[j]].append(q[k])
+        if on_host is not None:
+            for i, t in zip(order, ids.tolist(), strict=True):
+                on_host[i].append(t)
+        return ids
+
+
+def _penalized(req: Req) -> bool:
+    s = req.sampling
+    return bool(s.frequency_penalty or s.presence_penalty or s.repetition_penalty != 1.0)
 
 
 def _draft_dir(config: Any, host: Any) -> str:
