@@ -85,11 +85,18 @@ class TritonAttention(AttentionBackend):
         self, req_rows: torch.Tensor, seq_lens: torch.Tensor, q_len: int
     ) -> None:
         """``prepare`` for a verify step (every request extends by ``q_len`` tokens) from
-        device tensors alone, for capture in a CUDA graph."""
-        ext = torch.full_like(seq_lens, q_len)
-        starts = torch.arange(seq_lens.shape[0], device=seq_lens.device, dtype=seq_lens.dtype)
-        dev = torch.stack([req_rows, seq_lens, ext, starts * q_len])
-        self._meta = self._step_meta(0, dev, q_len)
+        device tensors alone, for capture in a CUDA graph.
+
+        Each verify token attends as a decode whose sequence ends at itself (its K/V and those
+        of the tokens before it are stored first): the split-K decode kernel spreads a small
+        batch over the whole GPU, where the extend kernel would run one program per (request,
+        head)."""
+        offsets = torch.arange(q_len, device=seq_lens.device, dtype=seq_lens.dtype) - (q_len - 1)
+        rows = req_rows.repeat_interleave(q_len)
+        lens = (seq_lens[:, None] + offsets[None, :]).flatten()
+        ones = torch.ones_like(lens)
+        dev = torch.stack([rows, lens, ones, torch.cumsum(ones, 0) - 1])
+        self._meta = self._step_meta(rows.shape[0], dev, 0)
 
     def _step_meta(self, nd: int, dev: torch.Tensor, max_ext_len: int) -> StepMeta:
         splits = num_decode_splits(nd, self.num_kv_heads, self.num_sms)
