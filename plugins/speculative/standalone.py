@@ -79,6 +79,7 @@ class StandaloneDraft(SpeculativeAlgorithm):
             self.model, attention, self.kv_pool, context.req_to_token, context.config
         )
         self.eos_ids = context.eos_token_ids
+        self.chain = _chain_graphs(context, self.model, attention, self.kv_pool)
 
     def release(self, rid: str) -> None:
         self._kv.pop(rid, None)
@@ -87,6 +88,14 @@ class StandaloneDraft(SpeculativeAlgorithm):
         """Draft autoregressively. Draft tokens stay on the device from one draft step to the
         next (one host sync at the end), unless a request has penalties, which read them."""
         table = self.req_to_token.table
+        if self._chainable(reqs, max_drafts):
+            assert self.chain is not None
+            tokens = self.chain.run(reqs)
+            for req, limit in zip(reqs, max_drafts, strict=True):
+                written = req.kv_len + limit
+                assert req.req_pool_idx is not None
+                self._kv[req.rid] = _DraftKV(written, table[req.req_pool_idx, :written].clone())
+            return [Draft(t) for t in tokens]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         on_host: list[list[int]] | None = None
         if any(_penalized(r) for r in reqs):
@@ -128,6 +137,23 @@ class StandaloneDraft(SpeculativeAlgorithm):
             Draft(t, torch.stack(p) if p and len(p) == len(t) else None)
             for t, p in zip(tokens, probs, strict=True)
         ]
+
+    def _chainable(self, reqs: Sequence[Req], max_drafts: Sequence[int]) -> bool:
+        """Whether one replay of the chain graph drafts for all of ``reqs``: full greedy
+        drafts, no penalties or min-tokens mask, and only the last token to feed each."""
+        chain = self.chain
+        return (
+            chain is not None
+            and chain.fits(len(reqs))
+            and all(m == chain.k for m in max_drafts)
+            and all(
+                r.sampling.is_greedy
+                and not _penalized(r)
+                and r.num_output_tokens >= r.sampling.min_new_tokens
+                and self._trusted_length(r) == r.kv_len
+                for r in reqs
+            )
+        )
 
     def _trusted_length(self, req: Req) -> int:
         """How many leading positions of ``req`` hold draft KV it can still use."""
@@ -215,6 +241,27 @@ class StandaloneDraft(SpeculativeAlgorithm):
             for i, t in zip(order, ids.tolist(), strict=True):
                 on_host[i].append(t)
         return ids
+
+
+def _chain_graphs(context: SpeculativeContext, model: Any, attention: Any, kv_pool: KVPool) -> Any:
+    """The draft's k steps as one CUDA graph per batch size up to FULL_DRAFT_BATCH (where
+    drafts are full), where the platform and attention backend can capture them."""
+    config = context.config
+    if (
+        not context.device.startswith("cuda")
+        or config.disable_cuda_graph
+        or not hasattr(attention, "prepare_decode_graph")
+    ):
+        return None
+    from radixserve.core.speculative import FULL_DRAFT_BATCH
+    from radixserve.plugins.hardware.cuda_graph import capture_sizes
+    from radixserve.plugins.speculative.draft_chain import DraftChainGraphs
+
+    limit = min(FULL_DRAFT_BATCH, config.speculative_disable_batch_size)
+    return DraftChainGraphs(
+        model, attention, kv_pool, context.req_to_token, config.num_draft_tokens,
+        capture_sizes(limit), context.device,
+    )  # fmt: skip
 
 
 def _penalized(req: Req) -> bool:

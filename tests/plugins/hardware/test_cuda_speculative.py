@@ -63,7 +63,9 @@ def _run(target: Path, attention: str, **kw: Any) -> tuple[list[list[int]], Any]
     ) as engine:  # fmt: skip
         outputs = _traffic(engine)
         runner = engine.core.runner.step
-        return outputs, (engine.core.spec_stats(), getattr(runner, "verify_replays", 0))
+        chain = getattr(engine.core.speculator.algorithm, "chain", None)  # type: ignore[union-attr]
+        replays = (getattr(runner, "verify_replays", 0), chain.replays if chain else 0)
+        return outputs, (engine.core.spec_stats(), replays)
 
 
 @pytest.fixture(scope="module")
@@ -94,4 +96,6 @@ def test_triton_graphs_speculation_equals_torch_native(
     assert stats["verified_requests"] > 0
     if case.startswith("self-draft"):
         assert stats["accepted_tokens"] >= 0.9 * stats["draft_tokens"], stats
-        assert replays > 0, "no verify step was replayed from a CUDA graph"
+        verify_replays, chain_replays = replays
+        assert verify_replays > 0, "no verify step was replayed from a CUDA graph"
+        assert chain_replays > 0, "no draft chain was replayed from a CUDA graph"

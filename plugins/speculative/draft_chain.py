@@ -1,0 +1,120 @@
+"""The standalone drafter's k greedy draft steps in one CUDA graph.
+
+On a GPU a draft model is small, so its steps cost mostly host time: building each step's batch
+and launching it. When every request of a proposal feeds only its last token (its draft KV is
+current) and drafts greedily, the k steps are a fixed chain of device work: feed the token,
+run the draft model, take the argmax, feed it to the next position. It is captured once per
+padded batch size and replayed with one host-to-device copy and one read of the k tokens.
+
+Padding rows read the slot table's padding row and write their K/V to slot 0, as the decode
+graphs do (plugins/hardware/cuda_graph.py).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from radixserve.core.batch import ForwardBatch
+from radixserve.core.memory import ReqToTokenPool
+from radixserve.core.request import Req
+
+
+class DraftChainGraphs:
+    def __init__(
+        self,
+        model: Any,
+        attention: Any,
+        kv_pool: Any,
+        req_to_token: ReqToTokenPool,
+        num_steps: int,
+        sizes: Sequence[int],
+        device: str,
+    ) -> None:
+        self.model, self.attention, self.kv_pool = model, attention, kv_pool
+        self.req_to_token = req_to_token
+        self.k = num_steps
+        self.sizes = sorted(sizes)
+        self.max_bs = self.sizes[-1]
+        self.pad_row = attention.bind_table(req_to_token)
+        self.replays = 0  # proposals served by a graph (tests read it)
+        # [first tokens | positions | k slots] per row, and [table rows | sequence lengths]
+        self.inputs = torch.zeros(2 + num_steps, self.max_bs, dtype=torch.int64, device=device)
+        self.meta = torch.zeros(2, self.max_bs, dtype=torch.int32, device=device)
+        self.meta[0].fill_(self.pad_row)
+        self.meta[1].fill_(1)
+        self.logits_indices = torch.arange(self.max_bs, dtype=torch.int64, device=device)
+        self.out = torch.zeros(num_steps, self.max_bs, dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        pool = torch.cuda.graph_pool_handle()
+        for bs in reversed(self.sizes):
+            self.graphs[bs] = self._capture(bs, pool)
+
+    def _chain(self, bs: int) -> None:
+        ids = self.inputs[0, :bs]
+        for step in range(self.k):
+            batch = ForwardBatch(
+                input_ids=ids,
+                positions=self.inputs[1, :bs] + step,
+                out_cache_loc=self.inputs[2 + step, :bs],
+                req_pool_indices=torch.full((bs,), self.pad_row, dtype=torch.int64),
+                req_to_token=self.req_to_token.table,
+                seq_lens=[1] * bs,
+                extend_lens=[1] * bs,
+                num_decode=bs,
+                logits_indices=self.logits_indices[:bs],
+                kv_pool=self.kv_pool,
+                req_to_token_pool=self.req_to_token,
+            )
+            self.attention.prepare_decode_graph(self.meta[0, :bs], self.meta[1, :bs] + step)
+            ids = self.model.forward(batch).argmax(dim=-1)
+            self.out[step, :bs].copy_(ids)
+
+    def _capture(self, bs: int, pool: Any) -> torch.cuda.CUDAGraph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up: compiles kernels, settles the allocator
+            for _ in range(2):
+                self._chain(bs)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self._chain(bs)
+        return graph
+
+    def fits(self, num_reqs: int) -> bool:
+        return num_reqs <= self.max_bs
+
+    def run(self, reqs: Sequence[Req]) -> list[list[int]]:
+        """k greedy draft tokens per request, each request feeding its last token (at
+        position ``req.kv_len``); the slots of positions kv_len .. kv_len + k - 1 must be
+        allocated."""
+        bs = len(reqs)
+        padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
+        table = self.req_to_token.table
+        rows = [r.req_pool_idx for r in reqs]
+        lens = [r.kv_len for r in reqs]
+        last = [r.output_ids[-1] if r.output_ids else r.input_ids[-1] for r in reqs]
+        rows_t = torch.tensor(rows, dtype=torch.int64)
+        cols = torch.tensor(lens, dtype=torch.int64)[:, None] + torch.arange(self.k)
+        slots = table[rows_t[:, None], cols].T  # [k, bs]
+        host = torch.zeros(2 + self.k, self.max_bs, dtype=torch.int64)
+        host[0, :bs] = torch.tensor(last)
+        host[1, :bs] = cols[:, 0]
+        host[2:, :bs] = slots
+        meta = torch.tensor(
+            [
+                rows + [self.pad_row] * (self.max_bs - bs),
+                [n + 1 for n in lens] + [1] * (self.max_bs - bs),
+            ],
+            dtype=torch.int32,
+        )
+        self.req_to_token.sync()
+        self.inputs.copy_(host.pin_memory(), non_blocking=True)
+        self.meta.copy_(meta.pin_memory(), non_blocking=True)
+        self.graphs[padded].replay()
+        self.replays += 1
+        return self.out[:, :bs].T.tolist()
