@@ -63,7 +63,7 @@ def _run(target: Path, attention: str, **kw: Any) -> tuple[list[list[int]], Any]
     ) as engine:  # fmt: skip
         outputs = _traffic(engine)
         runner = engine.core.runner.step
-        chain = getattr(engine.core.speculator.algorithm, "chain", None)  # type: ignore[union-attr]
+        chain = getattr(getattr(engine.core.speculator, "algorithm", None), "chain", None)
         replays = (getattr(runner, "verify_replays", 0), chain.replays if chain else 0)
         return outputs, (engine.core.spec_stats(), replays)
 
