@@ -6,6 +6,10 @@ current) and drafts greedily, the k steps are a fixed chain of device work: feed
 run the draft model, take the argmax, feed it to the next position. It is captured once per
 padded batch size and replayed with one host-to-device copy and one read of the k tokens.
 
+The chain starts one position early, at the token before the last: after a verify step that
+accepted the whole draft, the draft's KV lacks exactly that position, and recomputing it where
+it is already there writes the same values. So one graph serves both cases.
+
 Padding rows read the slot table's padding row and write their K/V to slot 0, as the decode
 graphs do (plugins/hardware/cuda_graph.py).
 """
@@ -20,7 +24,7 @@ import torch
 
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.memory import ReqToTokenPool
-from radixserve.core.request import Req
+from radixserve.core.request import Req, token_slice
 
 
 class DraftChainGraphs:
@@ -41,8 +45,9 @@ class DraftChainGraphs:
         self.max_bs = self.sizes[-1]
         self.pad_row = attention.bind_table(req_to_token)
         self.replays = 0  # proposals served by a graph (tests read it)
-        # [first tokens | positions | k slots] per row, and [table rows | sequence lengths]
-        self.inputs = torch.zeros(2 + num_steps, self.max_bs, dtype=torch.int64, device=device)
+        # [the two last tokens | first positions | k + 1 slots] per row, and [table rows |
+        # sequence lengths at the first step]
+        self.inputs = torch.zeros(4 + num_steps, self.max_bs, dtype=torch.int64, device=device)
         self.meta = torch.zeros(2, self.max_bs, dtype=torch.int32, device=device)
         self.meta[0].fill_(self.pad_row)
         self.meta[1].fill_(1)
@@ -55,11 +60,13 @@ class DraftChainGraphs:
 
     def _chain(self, bs: int) -> None:
         ids = self.inputs[0, :bs]
-        for step in range(self.k):
+        for step in range(self.k + 1):
+            if step == 1:
+                ids = self.inputs[1, :bs]  # the last token; step 0 only refreshed the KV
             batch = ForwardBatch(
                 input_ids=ids,
-                positions=self.inputs[1, :bs] + step,
-                out_cache_loc=self.inputs[2 + step, :bs],
+                positions=self.inputs[2, :bs] + step,
+                out_cache_loc=self.inputs[3 + step, :bs],
                 req_pool_indices=torch.full((bs,), self.pad_row, dtype=torch.int64),
                 req_to_token=self.req_to_token.table,
                 seq_lens=[1] * bs,
@@ -71,7 +78,8 @@ class DraftChainGraphs:
             )
             self.attention.prepare_decode_graph(self.meta[0, :bs], self.meta[1, :bs] + step)
             ids = self.model.forward(batch).argmax(dim=-1)
-            self.out[step, :bs].copy_(ids)
+            if step:
+                self.out[step - 1, :bs].copy_(ids)
 
     def _capture(self, bs: int, pool: Any) -> torch.cuda.CUDAGraph:
         stream = torch.cuda.Stream()
@@ -89,26 +97,26 @@ class DraftChainGraphs:
         return num_reqs <= self.max_bs
 
     def run(self, reqs: Sequence[Req]) -> list[list[int]]:
-        """k greedy draft tokens per request, each request feeding its last token (at
-        position ``req.kv_len``); the slots of positions kv_len .. kv_len + k - 1 must be
-        allocated."""
+        """k greedy draft tokens per request, feeding its two last tokens (at positions
+        ``req.kv_len - 1`` and ``req.kv_len``; the draft KV must hold every position before
+        them); the slots of positions kv_len .. kv_len + k - 1 must be allocated."""
         bs = len(reqs)
         padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
         table = self.req_to_token.table
         rows = [r.req_pool_idx for r in reqs]
         lens = [r.kv_len for r in reqs]
-        last = [r.output_ids[-1] if r.output_ids else r.input_ids[-1] for r in reqs]
+        tails = [token_slice(r.input_ids, r.output_ids, r.kv_len - 1, 2) for r in reqs]
         rows_t = torch.tensor(rows, dtype=torch.int64)
-        cols = torch.tensor(lens, dtype=torch.int64)[:, None] + torch.arange(self.k)
-        slots = table[rows_t[:, None], cols].T  # [k, bs]
-        host = torch.zeros(2 + self.k, self.max_bs, dtype=torch.int64)
-        host[0, :bs] = torch.tensor(last)
-        host[1, :bs] = cols[:, 0]
-        host[2:, :bs] = slots
+        cols = torch.tensor(lens, dtype=torch.int64)[:, None] - 1 + torch.arange(self.k + 1)
+        slots = table[rows_t[:, None], cols].T  # [k + 1, bs]
+        host = torch.zeros(4 + self.k, self.max_bs, dtype=torch.int64)
+        host[:2, :bs] = torch.tensor(tails).T
+        host[2, :bs] = cols[:, 0]
+        host[3:, :bs] = slots
         meta = torch.tensor(
             [
                 rows + [self.pad_row] * (self.max_bs - bs),
-                [n + 1 for n in lens] + [1] * (self.max_bs - bs),
+                lens + [1] * (self.max_bs - bs),
             ],
             dtype=torch.int32,
         )

@@ -140,7 +140,7 @@ class StandaloneDraft(SpeculativeAlgorithm):
 
     def _chainable(self, reqs: Sequence[Req], max_drafts: Sequence[int]) -> bool:
         """Whether one replay of the chain graph drafts for all of ``reqs``: full greedy
-        drafts, no penalties or min-tokens mask, and only the last token to feed each."""
+        drafts, no penalties or min-tokens mask, and at most the two last tokens to feed."""
         chain = self.chain
         return (
             chain is not None
@@ -150,7 +150,7 @@ class StandaloneDraft(SpeculativeAlgorithm):
                 r.sampling.is_greedy
                 and not _penalized(r)
                 and r.num_output_tokens >= r.sampling.min_new_tokens
-                and self._trusted_length(r) == r.kv_len
+                and self._trusted_length(r) >= r.kv_len - 1
                 for r in reqs
             )
         )
