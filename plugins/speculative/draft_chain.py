@@ -121,8 +121,9 @@ class DraftChainGraphs:
             dtype=torch.int32,
         )
         self.req_to_token.sync()
-        self.inputs.copy_(host.pin_memory(), non_blocking=True)
-        self.meta.copy_(meta.pin_memory(), non_blocking=True)
+        pinned = self.inputs.device.type != "cpu"  # pinned: the copy does not wait on the GPU
+        self.inputs.copy_(host.pin_memory() if pinned else host, non_blocking=True)
+        self.meta.copy_(meta.pin_memory() if pinned else meta, non_blocking=True)
         self.graphs[padded].replay()
         self.replays += 1
         return self.out[:, :bs].T.tolist()
