@@ -243,9 +243,15 @@ class StandaloneDraft(SpeculativeAlgorithm):
         return ids
 
 
+#: Largest batch drafted by the chain graph. Measured on an H200 (8B target, one-layer draft,
+#: docs/BENCHMARKS.md): at batch 1 it lifted speculation from 2.18x to 2.28x; at batch 8 the
+#: same run fell from 1.72x to 1.03x, not yet explained, so larger batches keep the step loop.
+CHAIN_MAX_BATCH = 1
+
+
 def _chain_graphs(context: SpeculativeContext, model: Any, attention: Any, kv_pool: KVPool) -> Any:
-    """The draft's k steps as one CUDA graph per batch size up to FULL_DRAFT_BATCH (where
-    drafts are full), where the platform and attention backend can capture them."""
+    """The draft's k steps as one CUDA graph per batch size up to CHAIN_MAX_BATCH, where the
+    platform and attention backend can capture them."""
     config = context.config
     if (
         not context.device.startswith("cuda")
@@ -257,7 +263,7 @@ def _chain_graphs(context: SpeculativeContext, model: Any, attention: Any, kv_po
     from radixserve.plugins.hardware.cuda_graph import capture_sizes
     from radixserve.plugins.speculative.draft_chain import DraftChainGraphs
 
-    limit = min(FULL_DRAFT_BATCH, config.speculative_disable_batch_size)
+    limit = min(CHAIN_MAX_BATCH, FULL_DRAFT_BATCH, config.speculative_disable_batch_size)
     return DraftChainGraphs(
         model, attention, kv_pool, context.req_to_token, config.num_draft_tokens,
         capture_sizes(limit), context.device,
