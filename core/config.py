@@ -175,6 +175,12 @@ class EngineConfig:
         "Speculation turns itself off while more requests than this decode at once (above 8, "
         "the draft length also shrinks as the batch grows)",
     )
+    speculative_disable_pause: bool = _opt(
+        False,
+        "Keep drafting for every request; by default a request whose drafts gain fewer tokens "
+        "than a verify step costs (measured against plain decode steps) pauses its drafting "
+        "for a while",
+    )
     speculative_ngram_min_match_window_size: int = _opt(
         1, "NGRAM: fewest trailing tokens a match must cover"
     )

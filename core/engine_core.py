@@ -123,6 +123,7 @@ class EngineCore:
             runner.model_config.vocab_size,
             config.speculative_simulate_accept_len,
             config.random_seed,
+            pause_unprofitable=not config.speculative_disable_pause,
         )
 
     def spec_stats(self) -> dict[str, object] | None:

@@ -89,6 +89,7 @@ class Speculator:
         vocab_size: int,
         simulate_accept_len: float | None = None,
         seed: int = 0,
+        pause_unprofitable: bool = True,
     ) -> None:
         self.algorithm = algorithm
         self.name = name
@@ -107,6 +108,7 @@ class Speculator:
         self._rng = random.Random(seed)
         self.stats = SpecStats()
         self._payoff: dict[str, _Payoff] = {}
+        self.pause_unprofitable = pause_unprofitable
         # Smoothed seconds of pure decode and pure verify steps, per batch size: their ratio
         # is what a verify step must gain to pay (measured, as it differs by device: a CPU
         # verifies 5 tokens at ~1.8x a decode, a GPU at ~1.0x).
@@ -190,7 +192,7 @@ class Speculator:
             self.stats.accepted_tokens += a
             req.spec_verify_ct += 1
             req.spec_accepted_tokens += a
-            if self.simulate_accept_len is None:
+            if self.pause_unprofitable and self.simulate_accept_len is None:
                 self._judge(req, a + 1, batch_size)
         self.algorithm.verified(reqs, accepted)
 

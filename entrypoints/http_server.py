@@ -153,6 +153,12 @@ def create_app(
             "num_steps": state.steps,
             # EngineCore.spec_stats(), live: settings and accept statistics (None: off)
             "speculative": state.speculative,
+            # where SGLang's own scripts read the accept length (bench_serving, tests)
+            "internal_states": [
+                {"avg_spec_accept_length": state.speculative["avg_accept_length"]}
+                if state.speculative
+                else {}
+            ],
             "num_live_requests": len(tm.reqs),
             "draining": tm.draining,
         }

@@ -1,7 +1,8 @@
 """Speculative decoding statistics where SGLang users read them: ``meta_info`` of /generate
 (streamed events too) and of the offline Engine, the ``speculative`` block of /server_info,
 and /metrics. The HTTP tests share one speculating server (``spec_server``: the test drafter,
-which always proposes a full draft); the speculation-off checks use the shared ``server``.
+which always proposes a full draft, with pausing off so every step drafts); the
+speculation-off checks use the shared ``server``.
 
 Token accounting of one greedy request with ``ignore_eos`` and no stop (so nothing it emits
 is cut): its first token comes from the prefill; each verify step emits the accepted drafts
@@ -158,6 +159,8 @@ def test_server_info_speculative_block_is_live(spec_server: RunningServer) -> No
         v, a = after["verified_requests"], after["accepted_tokens"]
         assert after["avg_accept_length"] == pytest.approx((v + a) / v, abs=1e-4)
         assert after["simulated_accept_len"] is None
+        states = server_info(spec_server, path)["internal_states"]
+        assert states[0]["avg_spec_accept_length"] >= 1.0
 
 
 def test_metrics_follow_the_engine(spec_server: RunningServer) -> None:
@@ -208,6 +211,7 @@ def spec_engine(tiny_llama_dir: Path) -> Iterator[Engine]:
         host=host,
         speculative_algorithm=NAME,
         speculative_num_draft_tokens=K + 1,
+        speculative_disable_pause=True,
         max_total_tokens=4096,
     ) as engine:
         yield engine

@@ -1,0 +1,117 @@
+"""The Speculator's policy, without a model: how far requests draft by batch size, pausing the
+drafting of requests whose drafts do not pay for their verify steps, checking drafts against
+the vocabulary, the budget and the grammar, and the simulated accept count for benchmarks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from radixserve.core.interfaces import Draft, SpeculativeAlgorithm
+from radixserve.core.request import Req, SamplingParams
+from radixserve.core.speculative import FULL_DRAFT_BATCH, Speculator
+
+
+class Fixed(SpeculativeAlgorithm):
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self.released: list[str] = []
+
+    def propose(self, reqs: Sequence[Any], max_drafts: Sequence[int]) -> list[Draft]:
+        return [Draft(list(self.tokens)) for _ in reqs]
+
+
+def _speculator(k: int = 4, **kw: Any) -> Speculator:
+    return Speculator(Fixed([5, 6, 7, 8, 9]), "fixed", k, 32, vocab_size=100, **kw)
+
+
+def _req(rid: str = "r") -> Req:
+    return Req(rid, [1, 2, 3], SamplingParams(temperature=0))
+
+
+def test_draft_length_shrinks_with_batch_and_stops_past_the_limit() -> None:
+    spec = _speculator(k=4)
+    assert spec.draft_length(1) == spec.draft_length(FULL_DRAFT_BATCH) == 4
+    assert spec.draft_length(16) == 4 * FULL_DRAFT_BATCH // 16 == 2
+    assert spec.draft_length(32) == 1
+    assert spec.draft_length(33) == 0
+
+
+def _pauses(spec: Speculator, req: Req, steps: int) -> list[bool]:
+    return [spec.wants(req) for _ in range(steps)]
+
+
+def test_a_request_whose_drafts_do_not_pay_pauses_with_doubling_pauses() -> None:
+    spec = _speculator()
+    spec.observe_step(False, 1, 0.010)  # a decode step
+    spec.observe_step(True, 1, 0.020)  # a verify step costs two decodes
+    poor, rich = _req("poor"), _req("rich")
+    spec.verified([poor, rich], [4, 4], [0, 3], batch_size=1)  # gains 1 and 4 tokens
+    assert _pauses(spec, rich, 3) == [True] * 3
+    assert _pauses(spec, poor, 5) == [False] * 4 + [True]
+    spec.verified([poor], [4], [0], batch_size=1)
+    assert _pauses(spec, poor, 9) == [False] * 8 + [True]  # the pause doubled
+    spec.verified([poor], [4], [4], batch_size=1)  # pays now (smoothed gain 1.5 -> 2.55)
+    spec.verified([poor], [4], [4], batch_size=1)
+    assert spec.wants(poor)
+    spec.forget("poor")
+    assert spec.wants(poor)
+
+
+def test_pausing_can_be_turned_off() -> None:
+    spec = _speculator(pause_unprofitable=False)
+    spec.observe_step(False, 1, 0.010)
+    spec.observe_step(True, 1, 0.020)
+    req = _req()
+    for _ in range(3):
+        spec.verified([req], [4], [0], batch_size=1)
+    assert _pauses(spec, req, 10) == [True] * 10
+    assert req.spec_verify_ct == 3 and req.spec_accepted_tokens == 0
+
+
+def test_drafts_are_cut_at_the_limit_and_the_vocabulary() -> None:
+    spec = Speculator(Fixed([5, 6, 700, 8]), "fixed", 4, 32, vocab_size=100)
+    drafts = spec.propose([_req("a"), _req("b")], [4, 1])
+    assert [d.tokens for d in drafts] == [[5, 6], [5]]
+
+
+class _Grammar:
+    """Accepts tokens below 50; accepting 7 ends the grammar."""
+
+    def __init__(self) -> None:
+        self.accepted: list[int] = []
+
+    def accept_token(self, token: int) -> bool:
+        if token >= 50:
+            return False
+        self.accepted.append(token)
+        return True
+
+    def is_terminated(self) -> bool:
+        return bool(self.accepted) and self.accepted[-1] == 7
+
+    def rollback(self, n: int) -> None:
+        del self.accepted[len(self.accepted) - n :]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "kept"), [([5, 6, 60, 8], [5, 6]), ([5, 7, 8], [5]), ([9, 9], [9, 9])]
+)
+def test_constrained_drafts_stop_where_the_grammar_would(
+    tokens: list[int], kept: list[int]
+) -> None:
+    spec = Speculator(Fixed(tokens), "fixed", 4, 32, vocab_size=100)
+    req = _req()
+    req.grammar = _Grammar()
+    assert spec.propose([req], [4])[0].tokens == kept
+    assert req.grammar.accepted == []  # the matcher is left as it was
+
+
+def test_simulated_accept_counts_have_the_chosen_mean() -> None:
+    spec = _speculator(simulate_accept_len=2.5)
+    draws = [spec.simulated(4) for _ in range(4000)]
+    assert set(draws) == {1, 2}
+    assert sum(draws) / len(draws) == pytest.approx(1.5, abs=0.05)
+    assert max(spec.simulated(1) for _ in range(50)) == 1  # never past the draft
