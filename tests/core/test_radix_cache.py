@@ -4,13 +4,14 @@ matching with pages of 16 tokens, and a property-based model check against a nai
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from radixserve.core.memory import ReqToTokenPool, TokenAllocator
-from radixserve.core.radix_cache import NoPrefixCache, RadixCache, TreeNode
+from radixserve.core.radix_cache import NoPrefixCache, RadixCache, TreeNode, _common_prefix_len
 from radixserve.core.request import Req, SamplingParams
 
 
@@ -575,3 +576,241 @@ def test_peek_prefix_is_page_aligned() -> None:
     assert cache.peek_prefix([1, 2, 3, 4, 5, 6])[0] == 6
     assert cache.peek_prefix([1, 2, 3, 4, 5])[0] == 4
     assert cache.peek_prefix([1, 2, 3, 9, 5, 6])[0] == 2
+
+
+# -- exact behaviour of the helpers, the roots, locks and requests (mutation survivors) ------
+
+
+def test_common_prefix_len_matches_a_token_by_token_loop() -> None:
+    def naive(a: list[int], b: list[int]) -> int:
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    words = [[]] + [[int(c) for c in format(i, f"0{n}b")] for n in range(1, 6) for i in range(2**n)]
+    for a in words:
+        for b in words:
+            assert _common_prefix_len(a, b) == naive(a, b), (a, b)
+    assert _common_prefix_len([1], [2]) == 0
+    assert _common_prefix_len([5, 1, 2], [6, 1, 2]) == 0
+    long = list(range(1000))
+    assert _common_prefix_len(long, long[:617] + [-1] + long[618:]) == 617
+
+
+def test_tree_nodes_order_strictly_by_last_access() -> None:
+    a, b = TreeNode([1], _slots(1), None), TreeNode([2], _slots(2), None)
+    a.last_access, b.last_access = 3, 5
+    assert a < b and not b < a
+    b.last_access = 3
+    assert not a < b and not b < a, "equal stamps: neither is older"
+    fresh = TreeNode([], _slots(), None)
+    assert (fresh.children, fresh.lock_ref, fresh.parent) == ({}, 0, None)
+
+
+def _slots(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _assert_empty_root(node: TreeNode) -> None:
+    assert node.parent is None and node.key == [] and node.value.numel() == 0
+
+
+def test_a_match_that_ends_at_the_root_returns_the_empty_root() -> None:
+    cache, _ = make_cache()
+    kv, node = cache.match_prefix([1, 2])
+    _assert_empty_root(node)
+    insert_fresh(cache, [1, 2])
+    kv, node = cache.match_prefix([3, 1, 2])
+    assert kv.numel() == 0 and node is cache._root(None) and list(node.children) == [1]
+    _assert_empty_root(node)
+    _assert_empty_root(cache.match_prefix([1, 2], "ns").last_node)
+    n, node = cache.peek_prefix([1, 2], "other")
+    assert n == 0
+    _assert_empty_root(node)
+
+
+def test_dec_lock_ref_on_an_unlocked_node_fails() -> None:
+    cache, _ = make_cache()
+    insert_fresh(cache, [1, 2, 3])
+    node = cache.match_prefix([1, 2, 3]).last_node
+    with pytest.raises(AssertionError, match="^dec_lock_ref on an unlocked node$"):
+        cache.dec_lock_ref(node)
+    cache.inc_lock_ref(node)
+    cache.dec_lock_ref(node)
+    with pytest.raises(AssertionError, match="^dec_lock_ref on an unlocked node$"):
+        cache.dec_lock_ref(node)
+
+
+def test_lock_accounting_along_a_three_node_path() -> None:
+    cache, alloc = make_cache()
+    insert_fresh(cache, [1, 2, 3, 4, 5, 6])
+    insert_fresh(cache, [1, 2, 3, 4, 9])  # splits: [1, 2, 3, 4] -> {[5, 6], [9]}
+    insert_fresh(cache, [1, 2, 7])  # splits: [1, 2] -> {[3, 4] -> ..., [7]}
+    assert (cache.locked_size, cache.evictable_size, cache.total_size()) == (0, 8, 8)
+    deep = cache.match_prefix([1, 2, 3, 4, 5, 6]).last_node
+    mid = deep.parent
+    assert deep.key == [5, 6] and mid is not None and mid.key == [3, 4]
+    top = mid.parent
+    assert top is not None and top.key == [1, 2]
+    cache.inc_lock_ref(deep)
+    assert (cache.locked_size, cache.evictable_size) == (6, 2)
+    assert (top.lock_ref, mid.lock_ref, deep.lock_ref) == (1, 1, 1)
+    seven = cache.match_prefix([1, 2, 7]).last_node
+    cache.inc_lock_ref(seven)  # shares [1, 2]
+    assert (cache.locked_size, cache.evictable_size) == (7, 1)
+    assert (top.lock_ref, mid.lock_ref, seven.lock_ref) == (2, 1, 1)
+    cache.dec_lock_ref(deep)
+    assert (cache.locked_size, cache.evictable_size) == (3, 5)
+    assert (top.lock_ref, mid.lock_ref, deep.lock_ref) == (1, 0, 0)
+    assert cache.evict(100) == 5  # [5, 6], [9], then [3, 4]: never [1, 2] or [7]
+    assert cache.match_prefix([1, 2, 7]).kv_indices.numel() == 3
+    assert cache.match_prefix([1, 2, 3]).kv_indices.numel() == 2
+    cache.dec_lock_ref(seven)
+    assert (cache.locked_size, cache.evictable_size) == (0, 3)
+    assert_accounted(cache, alloc)
+
+
+def test_evict_pops_leaves_in_last_access_order_and_stops_when_enough_is_freed() -> None:
+    cache, alloc = make_cache()
+    a = insert_fresh(cache, [1, 1])
+    b = insert_fresh(cache, [2, 2, 2])
+    c = insert_fresh(cache, [3])
+    cache.match_prefix([1, 1])  # order by last access now: b, c, a
+    log = len(alloc.freed_log)
+    assert cache.evict(3) == 3
+    assert alloc.freed_log[log:] == b.tolist()
+    assert cache.evict(1) == 1
+    assert alloc.freed_log[log + 3 :] == c.tolist()
+    assert cache.evict(0) == 0
+    assert cache.evict(5) == 2 and alloc.freed_log[log + 4 :] == a.tolist()
+    assert cache.evict(5) == 0
+    assert (cache.total_size(), cache.evictable_size, alloc.available()) == (0, 0, alloc.size)
+
+
+def test_reset_forgets_every_namespace_and_the_sizes() -> None:
+    cache, _ = make_cache()
+    insert_fresh(cache, [1, 2])
+    insert_fresh(cache, [1, 2], extra_key="ns")
+    cache.inc_lock_ref(cache.match_prefix([1, 2]).last_node)
+    cache.reset()
+    assert (cache.total_size(), cache.evictable_size, cache.locked_size) == (0, 0, 0)
+    assert cache.match_prefix([1, 2]).kv_indices.numel() == 0
+    assert cache.match_prefix([1, 2], "ns").kv_indices.numel() == 0
+
+
+def test_page_size_2_inserts_only_whole_pages() -> None:
+    cache, alloc = make_cache(page_size=2)
+    slots = alloc.alloc(5)
+    assert slots is not None
+    assert cache.insert([1, 2, 3, 4, 5], slots) == 0
+    alloc.free(slots[4:])
+    assert (cache.total_size(), cache.evictable_size) == (4, 4)
+    assert [n.key for n in cache._all_nodes()] == [[1, 2, 3, 4]]
+    assert cache.match_prefix([1, 2, 3, 4, 5]).kv_indices.tolist() == slots[:4].tolist()
+    assert cache.match_prefix([1, 2, 3]).kv_indices.tolist() == slots[:2].tolist()
+    mine = alloc.alloc(3)
+    assert mine is not None
+    assert cache.insert([1, 2, 3], mine) == 2  # only [1, 2] was compared: [3] is no page
+    alloc.free(mine)
+    assert cache.total_size() == 4
+    assert_accounted(cache, alloc)
+
+
+def test_requests_with_an_extra_key_cache_in_their_namespace_only() -> None:
+    cache, alloc = make_cache()
+    pool = cache.req_to_token
+    shared = insert_fresh(cache, [1, 2, 3], extra_key="ns")
+    insert_fresh(cache, [1, 2, 3, 4])  # the same tokens outside the namespace
+    before = alloc.available()
+    req = Req("r", [1, 2, 3, 4, 5], SamplingParams(), extra_key="ns")
+    req.req_pool_idx = pool.alloc()
+    mine = alloc.alloc(5)
+    assert req.req_pool_idx is not None and mine is not None
+    pool.table[req.req_pool_idx, :5] = mine
+    req.kv_len = 5
+    cache.cache_unfinished_req(req)
+    assert alloc.available() == before - 2, "the 3 duplicates of the namespace's prefix freed"
+    assert req.prefix_len == 5 and req.cache_node.key == [4, 5]
+    row = pool.table[req.req_pool_idx, :5].tolist()
+    assert row == shared.tolist() + mine[3:].tolist()
+    assert cache.match_prefix([1, 2, 3, 4, 5], "ns").kv_indices.tolist() == row
+    assert cache.match_prefix([1, 2, 3, 4, 5]).kv_indices.numel() == 4
+    assert (cache.locked_size, cache.evictable_size) == (5, 4)
+    cache.cache_finished_req(req)
+    assert alloc.available() == before - 2 and req.prefix_len == 0 and req.cache_node is None
+    assert (cache.locked_size, cache.evictable_size) == (0, 9)
+    assert cache.match_prefix([1, 2, 3, 4, 5], "ns").kv_indices.tolist() == row
+    assert_accounted(cache, alloc)
+
+
+def test_finished_request_with_an_extra_key_inserts_into_its_namespace() -> None:
+    cache, alloc = make_cache()
+    pool = cache.req_to_token
+    req = Req("r", [1, 2, 3], SamplingParams(), extra_key="ns")
+    req.req_pool_idx = pool.alloc()
+    mine = alloc.alloc(3)
+    assert req.req_pool_idx is not None and mine is not None
+    pool.table[req.req_pool_idx, :3] = mine
+    req.kv_len = 3
+    cache.cache_finished_req(req)
+    assert cache.match_prefix([1, 2, 3], "ns").kv_indices.tolist() == mine.tolist()
+    assert cache.match_prefix([1, 2, 3]).kv_indices.numel() == 0
+    assert (cache.total_size(), cache.evictable_size, alloc.available()) == (3, 3, alloc.size - 3)
+
+
+def test_chunked_prefill_moves_the_lock_to_the_newest_node() -> None:
+    cache, alloc = make_cache()
+    pool = cache.req_to_token
+    ids = [1, 2, 3, 4, 5, 6, 7, 8]
+    req = Req("r", ids, SamplingParams())
+    req.req_pool_idx = pool.alloc()
+    first = alloc.alloc(4)
+    assert req.req_pool_idx is not None and first is not None
+    pool.table[req.req_pool_idx, :4] = first
+    req.kv_len = 4
+    cache.cache_unfinished_req(req)  # chunk 1
+    node1 = req.cache_node
+    assert req.prefix_len == 4 and node1.key == [1, 2, 3, 4] and node1.lock_ref == 1
+    assert (cache.locked_size, cache.evictable_size) == (4, 0)
+    second = alloc.alloc(4)
+    assert second is not None
+    pool.table[req.req_pool_idx, 4:8] = second
+    req.kv_len = 8
+    cache.cache_unfinished_req(req)  # chunk 2: lock the new node, release the old lock
+    node2 = req.cache_node
+    assert req.prefix_len == 8 and node2.key == [5, 6, 7, 8] and node2.parent is node1
+    assert (node1.lock_ref, node2.lock_ref) == (1, 1)
+    assert (cache.locked_size, cache.evictable_size) == (8, 0)
+    assert alloc.available() == alloc.size - 8
+    assert pool.table[req.req_pool_idx, :8].tolist() == first.tolist() + second.tolist()
+    cache.cache_finished_req(req)
+    assert (node1.lock_ref, node2.lock_ref) == (0, 0)
+    assert (cache.locked_size, cache.evictable_size) == (0, 8)
+    assert alloc.available() == alloc.size - 8
+    assert_accounted(cache, alloc)
+
+
+def test_no_prefix_cache_returns_empty_roots_and_frees_exactly_the_request() -> None:
+    alloc = TrackingAllocator(16)
+    pool = ReqToTokenPool(2, 16)
+    cache = NoPrefixCache(alloc, pool)
+    kv, node = cache.match_prefix([1, 2, 3], "ns")
+    assert kv.numel() == 0
+    _assert_empty_root(node)
+    n, node = cache.peek_prefix([1, 2, 3], "ns")
+    assert n == 0
+    _assert_empty_root(node)
+    req = _running_req(pool, alloc, [1, 2, 3, 4])
+    other = _running_req(pool, alloc, [5, 6])
+    req.prefix_len, req.cache_node = 3, node
+    cache.cache_unfinished_req(req)
+    cache.inc_lock_ref(node)
+    cache.dec_lock_ref(node)
+    assert alloc.available() == 10 and cache.total_size() == 0 and cache.evict(10) == 0
+    assert (cache.evictable_size, cache.locked_size) == (0, 0)
+    cache.cache_finished_req(req)
+    assert alloc.available() == 14 and req.prefix_len == 0 and req.cache_node is None
+    assert not set(pool.table[other.req_pool_idx, :2].tolist()) & set(alloc.freed_log)
+    cache.reset()
+    assert cache.total_size() == 0
