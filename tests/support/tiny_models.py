@@ -68,6 +68,59 @@ def make_tiny_llama_dir(
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.2)
+    _save(model, out, architecture)
+    return out
+
+
+#: a small GQA shape with odd head counts (6 query heads over 3 KV heads, head_dim 16)
+TINY_FAMILY_SETTINGS: dict[str, Any] = dict(
+    hidden_size=96,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=3,
+    head_dim=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=None,
+    eos_token_id=0,
+)
+
+
+def make_tiny_model_dir(
+    out: Path, model_type: str, architecture: str, seed: int = 0, **overrides: Any
+) -> Path:
+    """``make_tiny_llama_dir`` for any transformers architecture: ``model_type`` names the
+    transformers config (``AutoConfig.for_model``), ``architecture`` the class written to
+    config.json; ``overrides`` change ``TINY_FAMILY_SETTINGS``. Matrices are drawn like the
+    Llama's (std 0.2) and every 1-D parameter (norm weights, biases) gets noise of std 0.1, so
+    biases and norm weights are exercised too."""
+    import torch
+    import transformers
+    from transformers import AutoConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    make_tokenizer_json(out / "tokenizer.json")
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size()
+    settings: dict[str, Any] = dict(TINY_FAMILY_SETTINGS, vocab_size=vocab)
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, **settings)
+    model = getattr(transformers, architecture)(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+            else:
+                p.add_(torch.randn_like(p) * 0.1)
+    _save(model, out, architecture)
+    return out
+
+
+def _save(model: Any, out: Path, architecture: str) -> None:
     model.save_pretrained(out, safe_serialization=True)
     config = json.loads((out / "config.json").read_text())
     config["architectures"] = [architecture]
@@ -75,4 +128,3 @@ def make_tiny_llama_dir(
     (out / "tokenizer_config.json").write_text(
         json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|endoftext|>"})
     )
-    return out

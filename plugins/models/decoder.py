@@ -1,0 +1,390 @@
+"""One decoder skeleton for the built-in model families (Llama, Qwen2/3, Gemma2, MoE).
+
+A family is a ``DecoderForCausalLM`` subclass naming its ``DecoderLayer`` subclass; each overrides
+only the pieces it changes. The extension points:
+
+``DecoderLayer`` (class attributes and methods)
+    ``norm_cls``          RMSNorm (``weight * x``) or GemmaRMSNorm (``(1 + weight) * x``)
+    ``attention_biases``  (qkv bias, o_proj bias) from the config; Llama: ``attention_bias``
+    ``qk_norm``           per-head RMSNorm of q and k before RoPE (Qwen3)
+    ``attention_options`` per-layer keywords for the attention backend: ``sliding_window``,
+                          ``logit_softcap``, ``scale`` (only non-default ones are passed)
+    ``build_mlp`` / ``mlp``  the feed-forward block (dense gated MLP here, a MoE in ``moe.py``)
+    ``mlp_input``         how the attention output joins the residual stream before the MLP
+    ``mlp_output``        what happens to the MLP output (Gemma2: a post-feedforward norm)
+
+``DecoderForCausalLM`` (class attributes and methods)
+    ``layer_cls``                   the layer class
+    ``default_tie_word_embeddings`` when ``config.json`` does not say
+    ``embed``                       token embeddings (Gemma2 scales them by sqrt(hidden))
+    ``logits``                      the LM head (Gemma2 soft-caps the final logits)
+    ``weight_target``               HF weight name -> (our parameter, expert, row offset)
+
+Projections are fused (qkv, gate_up) to cut per-step kernel launches; attention goes through the
+selected attention plugin, which owns the paged KV access. The residual stream is carried beside
+each layer's output so the residual add and the next RMSNorm can be one kernel: on CUDA/ROCm
+devices add+RMSNorm, RoPE and SiLU-mul run as single Triton kernels (``fused_ops.py``), elsewhere
+as the eager torch code below (same rounding steps).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+from collections.abc import Callable, Iterable
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.core.batch import ForwardBatch
+from radixserve.core.config import ModelConfig
+from radixserve.core.interfaces import AttentionBackend, CausalLM
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+        self.fused: ModuleType | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused.rms_norm(x, self.weight, self.eps)
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual)."""
+        if self.fused is not None:
+            return self.fused.add_rms_norm(x, residual, self.weight, self.eps)
+        total = x + residual
+        return self(total), total
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: ``x * (1 + weight)`` in float32, then cast (the stored weight is HF's,
+    centred on 0). Always eager: the fused kernels multiply by ``weight`` itself."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.float()
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).to(x.dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        total = x + residual
+        return self(total), total
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies, with Llama-3 style scaling when the config asks for it. Reads both
+    the classic ``rope_theta``/``rope_scaling`` fields and transformers 5's ``rope_parameters``."""
+    raw = config.raw
+    params = raw.get("rope_parameters") or {}
+    base = float(raw.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    dim = config.head_dim
+    inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    scaling = raw.get("rope_scaling") or params
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        inv_freq = torch.where(is_mid, mid, scaled)
+    elif kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind not in (None, "default"):
+        raise NotImplementedError(f"rope_scaling type '{kind}' is not supported")
+    return inv_freq.float()
+
+
+class RotaryEmbedding:
+    """cos/sin tables indexed by position; HF's non-interleaved (rotate-half) layout."""
+
+    def __init__(self, config: ModelConfig, device: str, dtype: torch.dtype) -> None:
+        inv_freq = rope_inv_freq(config)
+        t = torch.arange(config.max_context, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        self.cos = freqs.cos().to(device=device, dtype=dtype)
+        self.sin = freqs.sin().to(device=device, dtype=dtype)
+        self.fused: ModuleType | None = None
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim]."""
+        if self.fused is not None:
+            return self.fused.rope(x, positions, self.cos, self.sin)
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An HF ``hidden_act`` name as a function."""
+    if name in ("silu", "swish"):
+        return F.silu
+    if name in ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast"):
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu
+    raise NotImplementedError(f"activation '{name}' is not supported")
+
+
+def layer_window(raw: dict[str, Any], layer_id: int) -> int:
+    """The sliding window of one layer from ``layer_types`` (transformers' per-layer list), 0 for
+    full attention."""
+    types = raw.get("layer_types")
+    window = raw.get("sliding_window")
+    if not types or not window or types[layer_id] != "sliding_attention":
+        return 0
+    return int(window)
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm decoder layer: RMSNorm -> attention -> residual -> RMSNorm -> MLP."""
+
+    norm_cls: type[RMSNorm] = RMSNorm
+    #: per-head RMSNorm of q and k (over head_dim) before RoPE, as Qwen3 does
+    qk_norm: bool = False
+
+    def __init__(self, config: ModelConfig, layer_id: int, attention: AttentionBackend) -> None:
+        super().__init__()
+        raw = config.raw
+        self.config = config
+        self.layer_id = layer_id
+        self.attention = attention
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        eps = float(raw.get("rms_norm_eps", 1e-6))
+        qkv_bias, o_bias = self.attention_biases(raw)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        if self.qk_norm:
+            self.q_norm = self.norm_cls(self.head_dim, eps)
+            self.k_norm = self.norm_cls(self.head_dim, eps)
+        self.build_mlp(config)
+        self.input_layernorm = self.norm_cls(config.hidden_size, eps)
+        self.post_attention_layernorm = self.norm_cls(config.hidden_size, eps)
+        self.attn_options = self.attention_options(config)
+        self.fused: ModuleType | None = None
+
+    # ---- extension points ----
+
+    def attention_biases(self, raw: dict[str, Any]) -> tuple[bool, bool]:
+        bias = bool(raw.get("attention_bias", False))
+        return bias, bias
+
+    def attention_options(self, config: ModelConfig) -> dict[str, Any]:
+        """Keywords for ``attention.forward`` (none: the plain AttentionBackend call)."""
+        window = layer_window(config.raw, self.layer_id)
+        return {"sliding_window": window} if window else {}
+
+    def build_mlp(self, config: ModelConfig) -> None:
+        inter = int(config.raw["intermediate_size"])
+        self.intermediate_size = inter
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
+        act = config.raw.get("hidden_act") or config.raw.get("hidden_activation") or "silu"
+        self.act_name = act
+        self.act = activation(act)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.fused is not None and self.act_name in ("silu", "swish"):
+            return self.down_proj(self.fused.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+    def mlp_input(
+        self, attn: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP's input, the residual stream) from the attention block's output."""
+        return self.post_attention_layernorm.add_forward(attn, residual)
+
+    def mlp_output(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
+    # ---- the fixed part ----
+
+    def self_attention(
+        self, x: torch.Tensor, rope: RotaryEmbedding, batch: ForwardBatch
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        t, qk_size = x.shape[0], self.q_size + self.kv_size
+        # q and k heads rotate alike: one RoPE over both (one kernel launch on a GPU)
+        qk = qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(qk[:, : self.num_heads].reshape(-1, self.head_dim))
+            k = self.k_norm(qk[:, self.num_heads :].reshape(-1, self.head_dim))
+            qk = torch.cat((q.view(t, -1, self.head_dim), k.view(t, -1, self.head_dim)), dim=1)
+        qk = rope.apply(qk, batch.positions)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
+        out = self.attention.forward(q, k, v, self.layer_id, batch, **self.attn_options)
+        return self.o_proj(out)
+
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, rope: RotaryEmbedding,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """h: the previous layer's output (the embeddings for layer 0), residual: the stream it
+        adds to (None for layer 0). Returns (this layer's MLP output, the stream before it)."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm.add_forward(h, residual)
+        attn = self.self_attention(x, rope, batch)
+        x, residual = self.mlp_input(attn, residual)
+        return self.mlp_output(self.mlp(x)), residual
+
+
+#: (HF leaf, our fused leaf, which third/half) for the fused projections
+_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+_GATE_UP = {"gate_proj": 0, "up_proj": 1}
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+#: where one HF tensor goes: (our parameter name, expert index or None, row offset or None)
+Target = tuple[str, int | None, int | None]
+
+
+class DecoderForCausalLM(nn.Module, CausalLM):
+    layer_cls: type[DecoderLayer] = DecoderLayer
+    default_tie_word_embeddings: bool = False
+
+    def __init__(
+        self, config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: str
+    ) -> None:
+        super().__init__()
+        self.config = config
+        raw = config.raw
+        self.tie_word_embeddings = bool(
+            raw.get("tie_word_embeddings", self.default_tie_word_embeddings)
+        )
+        norm_cls = self.layer_cls.norm_cls
+        with torch.device("meta"):
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.layers = nn.ModuleList(
+                self.layer_cls(config, i, attention) for i in range(config.num_layers)
+            )
+            self.norm = norm_cls(config.hidden_size, float(raw.get("rms_norm_eps", 1e-6)))
+            if not self.tie_word_embeddings:
+                self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # NOTE: cast on the meta device first: allocating in float32 and casting after would
+        # need twice a bfloat16 model's memory at start-up (the KV pool already holds the rest).
+        self.to(dtype)
+        self.to_empty(device=device)
+        self.rope = RotaryEmbedding(config, device, dtype)
+        fused = fused_ops_for(device)
+        for part in (self.rope, *self.modules()):
+            if hasattr(part, "fused"):
+                part.fused = fused
+
+    # ---- extension points ----
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits from the final-normed hidden states of the rows that need them."""
+        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(h, weight).float()
+
+    def weight_target(self, name: str) -> Target | None:
+        """Where the HF tensor ``name`` (without the ``model.`` prefix) goes; None skips it."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return None
+        m = _LAYER.match(name)
+        if m is None:
+            return name, None, None
+        layer = self.layers[int(m.group(1))]
+        prefix, rest = m.group(0), name[m.end() :]
+        block, _, leaf = rest.partition(".")
+        proj, _, kind = leaf.partition(".")
+        if block == "self_attn":
+            if proj in _QKV:
+                offset = (0, layer.q_size, layer.q_size + layer.kv_size)[_QKV[proj]]
+                return f"{prefix}qkv_proj.{kind}", None, offset
+            return f"{prefix}{leaf}", None, None
+        if block == "mlp" and proj in _GATE_UP:
+            return f"{prefix}gate_up_proj.{kind}", None, _GATE_UP[proj] * layer.intermediate_size
+        if block == "mlp" and proj == "down_proj":
+            return f"{prefix}down_proj.{kind}", None, None
+        return name, None, None
+
+    # ---- the fixed part ----
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        h, residual = self.embed(batch.input_ids), None
+        capture = batch.capture_hidden_layers
+        if capture:
+            batch.hidden_states = {}
+        for i, layer in enumerate(self.layers):
+            h, residual = layer(h, residual, self.rope, batch)
+            if i in capture:
+                batch.hidden_states[i] = h + residual  # type: ignore[index]
+        rows = batch.logits_indices
+        if residual is None:  # a model without layers
+            h = self.norm(h[rows])
+        else:
+            h = self.norm.add_forward(h[rows], residual[rows])[0]
+        return self.logits(h)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        filled: dict[str, int] = {}  # parameter -> elements written
+        seen: set[Target] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            target = self.weight_target(name)
+            if target is None:
+                continue
+            pname, expert, offset = target
+            if pname not in params:
+                raise ValueError(f"unexpected weight '{hf_name}' for {self.config.architecture}")
+            dst = params[pname].data
+            if expert is not None:
+                dst = dst[expert]
+            if offset is not None:
+                dst = dst[offset : offset + tensor.shape[0]]
+            if dst.shape != tensor.shape:
+                raise ValueError(
+                    f"weight '{hf_name}' has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dst.shape)}"
+                )
+            with torch.no_grad():
+                dst.copy_(tensor)
+            if target not in seen:
+                seen.add(target)
+                filled[pname] = filled.get(pname, 0) + dst.numel()
+        missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
+        if missing:
+            raise ValueError(f"checkpoint lacks weights: {', '.join(sorted(missing)[:5])} ...")
+
+
+def fused_ops_for(device: str) -> ModuleType | None:
+    """The Triton ops module on a CUDA/ROCm device with Triton installed, else None."""
+    if torch.device(device).type != "cuda" or importlib.util.find_spec("triton") is None:
+        return None
+    from radixserve.plugins.models import fused_ops
+
+    return fused_ops
