@@ -5,6 +5,12 @@ prefill chunks run one SDPA call per request with a causal mask offset by the ca
 Index tensors are built once per step in ``prepare`` and reused by every layer. KV is gathered
 with ``index_select`` (about 3x faster than advanced indexing on CPU) and query heads are grouped
 by their KV head, so GQA never repeats K/V in memory.
+
+Per-layer options (keywords of ``forward``, all off by default): ``sliding_window`` W (a token at
+position p sees keys at positions p - W + 1 .. p, transformers' convention), ``logit_softcap`` c
+(scores become c * tanh(s / c) before the softmax, as Gemma 2) and ``scale`` (instead of
+head_dim ** -0.5). Window masks are built once per step and window size; soft-capping runs the
+attention as explicit matmuls (SDPA has no hook for it).
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ class _Extend:
     end: int
     kv_slots: torch.Tensor  # [seq_len]
     mask: torch.Tensor | None  # [new, seq_len] bool, None when there is no cached prefix
+    prefix: int
+    windowed: dict[int, torch.Tensor]  # window -> [new, seq_len] bool mask, built on first use
 
 
 class TorchNativeAttention(AttentionBackend):
@@ -38,12 +46,15 @@ class TorchNativeAttention(AttentionBackend):
         self.group = model_config.num_heads // model_config.num_kv_heads
         self._decode_slots: torch.Tensor | None = None
         self._decode_mask: torch.Tensor | None = None
+        self._decode_lens: torch.Tensor | None = None
+        self._decode_windowed: dict[int, torch.Tensor] = {}
         self._extends: list[_Extend] = []
 
     def prepare(self, batch: ForwardBatch) -> None:
         nd = batch.num_decode
         rows = batch.req_pool_indices
-        self._decode_slots = self._decode_mask = None
+        self._decode_slots = self._decode_mask = self._decode_lens = None
+        self._decode_windowed = {}
         if nd:
             lens = batch.seq_lens[:nd]
             max_len = max(lens)
@@ -51,6 +62,7 @@ class TorchNativeAttention(AttentionBackend):
             lens_t = torch.tensor(lens, device=self.device)
             mask = torch.arange(max_len, device=self.device)[None, :] < lens_t[:, None]
             self._decode_mask = mask[:, None, None, :]
+            self._decode_lens = lens_t
         self._extends = []
         start = nd
         for i in range(nd, batch.batch_size):
@@ -61,8 +73,34 @@ class TorchNativeAttention(AttentionBackend):
                 q_pos = torch.arange(prefix, total, device=self.device)[:, None]
                 mask = torch.arange(total, device=self.device)[None, :] <= q_pos
             slots = batch.req_to_token[rows[i], :total].to(self.device)
-            self._extends.append(_Extend(start, start + new, slots, mask))
+            self._extends.append(_Extend(start, start + new, slots, mask, prefix, {}))
             start += new
+
+    def _decode_mask_for(self, window: int) -> torch.Tensor:
+        """[nd, 1, 1, max_len]: keys inside each decode's sequence and its last ``window``."""
+        mask = self._decode_windowed.get(window)
+        if mask is None:
+            assert self._decode_mask is not None and self._decode_lens is not None
+            pos = torch.arange(self._decode_mask.shape[-1], device=self.device)
+            recent = pos[None, :] >= (self._decode_lens - window)[:, None]
+            mask = self._decode_mask & recent[:, None, None, :]
+            self._decode_windowed[window] = mask
+        return mask
+
+    @staticmethod
+    def _extend_mask_for(ext: _Extend, window: int) -> torch.Tensor:
+        """[new, seq_len]: causal, and within ``window`` of the query (window 0: no limit)."""
+        mask = ext.windowed.get(window)
+        if mask is None:
+            total = ext.kv_slots.shape[0]
+            device = ext.kv_slots.device
+            q_pos = torch.arange(ext.prefix, total, device=device)[:, None]
+            k_pos = torch.arange(total, device=device)[None, :]
+            mask = k_pos <= q_pos
+            if window:
+                mask = mask & (k_pos > q_pos - window)
+            ext.windowed[window] = mask
+        return mask
 
     def forward(
         self,
@@ -71,11 +109,16 @@ class TorchNativeAttention(AttentionBackend):
         v: torch.Tensor,
         layer_id: int,
         batch: ForwardBatch,
+        *,
+        sliding_window: int = 0,
+        logit_softcap: float = 0.0,
+        scale: float | None = None,
     ) -> torch.Tensor:
         pool = self.kv_pool
         pool.store(layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.k[layer_id], pool.v[layer_id]
         out = torch.empty_like(q)
+        scale = self.scale if scale is None else scale
         nd = batch.num_decode
         if nd:
             assert self._decode_slots is not None
@@ -84,25 +127,51 @@ class TorchNativeAttention(AttentionBackend):
             vd = v_buf.index_select(0, self._decode_slots).view(nd, -1, kvh, d).transpose(1, 2)
             # [B, H, d] -> [B, kvh, group, d]: HF's GQA maps query head h to KV head h // group
             qd = q[:nd].view(nd, kvh, self.group, d)
-            od = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=self._decode_mask, scale=self.scale
-            )
+            mask = self._decode_mask_for(sliding_window) if sliding_window else self._decode_mask
+            if logit_softcap:
+                od = _softcapped_attention(qd, kd, vd, mask, scale, logit_softcap)
+            else:
+                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
             out[:nd] = od.reshape(nd, -1, d)
         for ext in self._extends:
             qe = q[ext.start : ext.end].transpose(0, 1)  # [H, n, d]
             ke = k_buf.index_select(0, ext.kv_slots).transpose(0, 1)  # [kvh, L, d]
             ve = v_buf.index_select(0, ext.kv_slots).transpose(0, 1)
-            oe = F.scaled_dot_product_attention(
-                qe,
-                ke,
-                ve,
-                attn_mask=ext.mask,
-                is_causal=ext.mask is None,
-                scale=self.scale,
-                enable_gqa=True,
-            )
+            if logit_softcap:
+                kvh, n, d = ke.shape[0], qe.shape[1], qe.shape[2]
+                oe = _softcapped_attention(
+                    qe.reshape(kvh, self.group, n, d), ke[:, None], ve[:, None],
+                    self._extend_mask_for(ext, sliding_window), scale, logit_softcap,
+                ).reshape(-1, n, d)  # fmt: skip
+            else:
+                mask = ext.mask
+                if sliding_window:
+                    mask = self._extend_mask_for(ext, sliding_window)
+                oe = F.scaled_dot_product_attention(
+                    qe,
+                    ke,
+                    ve,
+                    attn_mask=mask,
+                    is_causal=mask is None,
+                    scale=scale,
+                    enable_gqa=True,
+                )
             out[ext.start : ext.end] = oe.transpose(0, 1)
         return out.flatten(1)
+
+
+def _softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+    scale: float, cap: float,
+) -> torch.Tensor:  # fmt: skip
+    """softmax(cap * tanh(q k^T * scale / cap), masked) v; q [..., n, d], k and v [..., L, d]
+    broadcastable, mask broadcastable to [..., n, L] (True: attend)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    return torch.matmul(probs, v)
 
 
 @hookimpl

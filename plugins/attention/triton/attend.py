@@ -4,6 +4,10 @@ loop over blocks of BLOCK_N keys.
 Paging: with page size P the positions ``[k * P, (k + 1) * P)`` of a request live in one page,
 in consecutive slots, so a block needs one table entry per page (or a single one when the block
 lies inside one page) instead of one per position.
+
+Per-layer options, each behind a constexpr switch so the plain kernels are unchanged: SLIDING
+(query row i sees keys at positions > q_pos[i] - window) and SOFTCAP (scores s become
+cap * tanh(s / cap) before the softmax; Gemma 2).
 """
 
 from __future__ import annotations
@@ -33,16 +37,26 @@ def kv_slots(TableRow, n0, hi, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def softcap_scores(qk, softcap_log2):
+    """cap * tanh(s / cap) of base-2 scores (``softcap_log2`` = cap * log2(e), so the result is
+    the natural soft-capped score in base 2); tanh from exp2, which saturates to +-1."""
+    e = tl.exp2(qk / softcap_log2 * (2.0 * LOG2E))
+    return softcap_log2 * (1.0 - 2.0 / (e + 1.0))
+
+
+@triton.jit
 def attend_blocks(
     q, q_pos, K, V, TableRow, lo, hi, kvh,
-    sm_scale_log2,
+    sm_scale_log2, window, softcap_log2,
     stride_kt, stride_kh, stride_vt, stride_vh,
     BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):  # fmt: skip
     """Attend the BLOCK_Q query rows ``q`` (scaled by ``sm_scale_log2`` in base 2) to keys
-    ``[lo, hi)`` of KV head ``kvh``; with CAUSAL, row i sees keys at positions <= q_pos[i].
+    ``[lo, hi)`` of KV head ``kvh``; with CAUSAL, row i sees keys at positions <= q_pos[i];
+    with SLIDING, only keys at positions > q_pos[i] - window; with SOFTCAP, scores are capped.
     Returns the running max, the softmax denominator and the unnormalised output (float32)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -63,16 +77,26 @@ def attend_blocks(
         if UPCAST:
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
+        if SOFTCAP:
+            qk = softcap_scores(qk, softcap_log2)
         if CAUSAL:
             # NOTE: a row is fully masked in a block only before its first key (never: key 0
             # is visible to every query), so m_new is finite after the first block.
             keep = mask_n[None, :] & (pos[None, :] <= q_pos[:, None])
         else:
             keep = mask_n[None, :]
+        if SLIDING:
+            keep = keep & (pos[None, :] > q_pos[:, None] - window)
         qk = tl.where(keep, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
+        if SLIDING:
+            # A row may have seen no key yet (all before its window): shift by 0 there, not
+            # by -inf (which would give nan); its max stays -inf.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],

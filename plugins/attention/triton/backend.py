@@ -119,8 +119,17 @@ class TritonAttention(AttentionBackend):
         v: torch.Tensor,
         layer_id: int,
         batch: ForwardBatch,
+        *,
+        sliding_window: int = 0,
+        logit_softcap: float = 0.0,
+        scale: float | None = None,
     ) -> torch.Tensor:
+        """The AttentionBackend call; the keywords are per-layer options (Gemma 2 style models):
+        a sliding window of W keys (0: none), score soft-capping c * tanh(s / c) (0: none) and
+        the score scale (None: head_dim ** -0.5)."""
         meta, table = self._meta, self.table
+        scale = self.scale if scale is None else scale
+        options = {"sliding_window": sliding_window, "logit_softcap": logit_softcap}
         assert meta is not None and table is not None, "prepare() must run before forward()"
         k_buf, v_buf = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
         store_kv(k, v, k_buf, v_buf, batch.out_cache_loc)
@@ -129,12 +138,13 @@ class TritonAttention(AttentionBackend):
         if nd:
             decode_attention(
                 q[:nd], k_buf, v_buf, table, meta.req_rows[:nd], meta.seq_lens[:nd],
-                out[:nd], meta.part_out, meta.part_lse, self.scale, page_size=self.page_size,
+                out[:nd], meta.part_out, meta.part_lse, scale, page_size=self.page_size,
+                **options,
             )  # fmt: skip
         if meta.max_ext_len:
             extend_attention(
                 q, k_buf, v_buf, out, table, meta.req_rows[nd:], meta.seq_lens[nd:],
-                meta.ext_lens[nd:], meta.q_starts[nd:], meta.max_ext_len, self.scale,
-                page_size=self.page_size,
+                meta.ext_lens[nd:], meta.q_starts[nd:], meta.max_ext_len, scale,
+                page_size=self.page_size, **options,
             )  # fmt: skip
         return out.flatten(1)

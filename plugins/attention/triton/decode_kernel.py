@@ -23,7 +23,7 @@ GPU_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm"
 @triton.jit
 def _decode_partial_kernel(
     Q, K, V, Table, ReqRows, SeqLens, PartOut, PartLse,
-    sm_scale_log2,
+    sm_scale_log2, window, softcap_log2,
     stride_qt, stride_qh,
     stride_kt, stride_kh,
     stride_vt, stride_vh,
@@ -33,15 +33,21 @@ def _decode_partial_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
     row = tl.load(ReqRows + b).to(tl.int64)
+    if SLIDING:
+        # Only the last `window` keys: split from the block holding the first of them.
+        base = tl.maximum(seq_len - window, 0) // BLOCK_N * BLOCK_N
+    else:
+        base = 0
     # NOTE: splits are whole BLOCK_N blocks, so trailing splits of short sequences are empty.
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    split_len = tl.cdiv(tl.cdiv(seq_len - base, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = base + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -56,11 +62,14 @@ def _decode_partial_kernel(
     )
     if UPCAST:
         q = q.to(tl.float32)
+    # every query row of a decode sits at position seq_len - 1 (read only with SLIDING)
+    q_pos = tl.zeros([BLOCK_G], dtype=tl.int32) + (seq_len - 1)
     m_i, l_i, acc = attend_blocks(
-        q, offs_g, K, V, Table + row * stride_table, start, end, kvh,
-        sm_scale_log2,
+        q, q_pos, K, V, Table + row * stride_table, start, end, kvh,
+        sm_scale_log2, window, softcap_log2,
         stride_kt, stride_kh, stride_vt, stride_vh,
         BLOCK_G, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, UPCAST, PRECISION,
+        SLIDING, SOFTCAP,
     )  # fmt: skip
     has = l_i > 0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
@@ -121,11 +130,14 @@ def decode_attention(
     scale: float,
     block_n: int | None = None,
     page_size: int = 1,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
 ) -> None:
     """q, out: [B, H, D]; k_buf, v_buf: [slots, KVH, D]; table: [rows, max_context] int32 KV slots;
     req_rows, seq_lens: [B] int32 on the device; part_out: [B, H, S, D] and part_lse: [B, H, S]
     float32 scratch, S = the number of splits. With ``page_size`` P > 1 the table's positions
-    [k * P, (k + 1) * P) must map to consecutive slots (one page)."""
+    [k * P, (k + 1) * P) must map to consecutive slots (one page). ``sliding_window`` W > 0:
+    each decode sees its last W keys only; ``logit_softcap`` c > 0: scores s -> c tanh(s / c)."""
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     group = num_heads // num_kv_heads
@@ -135,7 +147,7 @@ def decode_attention(
     precise = on_cpu or q.dtype == torch.float32
     _decode_partial_kernel[(bs, num_kv_heads, num_splits)](
         q, k_buf, v_buf, table, req_rows, seq_lens, part_out, part_lse,
-        scale * LOG2E,
+        scale * LOG2E, sliding_window, logit_softcap * LOG2E,
         q.stride(0), q.stride(1),
         k_buf.stride(0), k_buf.stride(1),
         v_buf.stride(0), v_buf.stride(1),
@@ -146,6 +158,7 @@ def decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=block_n, NUM_SPLITS=num_splits, PAGE_SIZE=page_size,
         UPCAST=on_cpu, PRECISION="ieee" if precise else "tf32",
+        SLIDING=sliding_window > 0, SOFTCAP=logit_softcap > 0,
         num_warps=GPU_CONFIG["num_warps"], num_stages=GPU_CONFIG["num_stages"],
     )  # fmt: skip
     _decode_reduce_kernel[(bs, num_heads)](

@@ -18,7 +18,7 @@ from radixserve.plugins.attention.triton.attend import LOG2E, attend_blocks
 @triton.jit
 def _extend_kernel(
     Q, K, V, Out, Table, ReqRows, SeqLens, ExtLens, QStarts,
-    sm_scale_log2,
+    sm_scale_log2, window, softcap_log2,
     stride_qt, stride_qh,
     stride_kt, stride_kh,
     stride_vt, stride_vh,
@@ -27,6 +27,7 @@ def _extend_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):  # fmt: skip
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -52,11 +53,17 @@ def _extend_kernel(
         q = q.to(tl.float32)
     # Blocks past this request's new tokens (the grid fits the longest one) do no work.
     hi = tl.where(mblk * BLOCK_M < ext_len, tl.minimum(seq_len, prefix + (mblk + 1) * BLOCK_M), 0)
+    if SLIDING:
+        # from the block holding the first key the block's first query row can see
+        lo = tl.maximum(prefix + mblk * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    else:
+        lo = 0
     m_i, l_i, acc = attend_blocks(
-        q, q_pos, K, V, Table + row * stride_table, 0, hi, kvh,
-        sm_scale_log2,
+        q, q_pos, K, V, Table + row * stride_table, lo, hi, kvh,
+        sm_scale_log2, window, softcap_log2,
         stride_kt, stride_kh, stride_vt, stride_vh,
         BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, UPCAST, PRECISION,
+        SLIDING, SOFTCAP,
     )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -80,11 +87,15 @@ def extend_attention(
     scale: float,
     block: int | None = None,
     page_size: int = 1,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
 ) -> None:
     """q, out: [T, H, D] (all new tokens of the step); request r's new tokens are rows
     ``q_starts[r] : q_starts[r] + ext_lens[r]``; req_rows, seq_lens, ext_lens, q_starts: [R]
     int32 on the device; ``max_ext_len`` (a host int) sizes the grid. With ``page_size`` P > 1
-    the table's positions [k * P, (k + 1) * P) must map to consecutive slots (one page)."""
+    the table's positions [k * P, (k + 1) * P) must map to consecutive slots (one page).
+    ``sliding_window`` W > 0: a token at position p sees keys p - W + 1 .. p only;
+    ``logit_softcap`` c > 0: scores s -> c tanh(s / c)."""
     num_reqs = req_rows.shape[0]
     _, num_heads, head_dim = q.shape
     group = num_heads // k_buf.shape[1]
@@ -94,7 +105,7 @@ def extend_attention(
     grid = (num_reqs, num_heads, triton.cdiv(max_ext_len, block))
     _extend_kernel[grid](
         q, k_buf, v_buf, out, table, req_rows, seq_lens, ext_lens, q_starts,
-        scale * LOG2E,
+        scale * LOG2E, sliding_window, logit_softcap * LOG2E,
         q.stride(0), q.stride(1),
         k_buf.stride(0), k_buf.stride(1),
         v_buf.stride(0), v_buf.stride(1),
@@ -103,5 +114,6 @@ def extend_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=block, BLOCK_N=block, PAGE_SIZE=page_size,
         UPCAST=on_cpu, PRECISION="ieee" if precise else "tf32",
+        SLIDING=sliding_window > 0, SOFTCAP=logit_softcap > 0,
         num_warps=4, num_stages=2,
     )  # fmt: skip
