@@ -1,0 +1,211 @@
+"""Mixture-of-Experts decoders: ``Qwen3MoeForCausalLM`` and ``MixtralForCausalLM``.
+
+Both are the decoder skeleton (``decoder.py``) whose MLP is a sparse MoE block: a linear router,
+softmax over the experts in float32, the top-k experts per token, their weights renormalised to
+sum to 1 (Mixtral always, Qwen3 when ``norm_topk_prob``), and each expert a gated SiLU MLP.
+Qwen3-MoE's attention is Qwen3's (q/k RMSNorm); Mixtral's is Llama's.
+
+Expert weights live stacked: ``w13`` [E, 2 * I, H] (gate rows then up rows) and ``w2`` [E, H, I].
+They load from per-expert HF tensors (``mlp.experts.{e}.gate_proj`` etc.; Mixtral's
+``block_sparse_moe.experts.{e}.w1/w3/w2``) or from transformers 5's stacked
+``mlp.experts.gate_up_proj``/``down_proj``.
+
+The experts run as a reference implementation: tokens grouped by expert, one gated MLP per
+expert that received tokens, outputs weighted and summed in expert order (as transformers does,
+so float32 results match it closely). While a CUDA graph is being captured (where data-dependent
+shapes are not allowed) every expert runs on every token with zero weights for the unchosen
+ones: the same sums, at E times the FLOPs. A fused grouped-GEMM GPU path is not part of this
+module.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.core.config import ModelConfig
+from radixserve.core.hookspecs import hookimpl
+from radixserve.core.interfaces import AttentionBackend
+from radixserve.plugins.models.decoder import (
+    DecoderForCausalLM,
+    DecoderLayer,
+    Target,
+    activation,
+)
+
+
+class SparseMoE(nn.Module):
+    def __init__(
+        self, hidden: int, inter: int, num_experts: int, top_k: int, renormalize: bool, act: str
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.intermediate_size = inter
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.act = activation(act)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top-k weights [T, k] in x's dtype, expert ids [T, k])."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.w13[e]).chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, self.w2[e])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        out = torch.zeros_like(x)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            dense = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
+            dense.scatter_(1, ids, weights)
+            for e in range(self.num_experts):
+                out += self.expert(e, x) * dense[:, e : e + 1]
+            return out
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order // self.top_k
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            picked = order[start : start + n]
+            rows = tokens[start : start + n]
+            start += n
+            y = self.expert(e, x[rows]) * weights.flatten()[picked, None]
+            out.index_add_(0, rows, y)
+        return out
+
+
+class MoELayer(DecoderLayer):
+    """A decoder layer whose MLP is a ``SparseMoE`` (or dense, where the config says so)."""
+
+    def is_sparse(self, raw: dict[str, Any]) -> bool:
+        return True
+
+    def moe_settings(self, raw: dict[str, Any]) -> tuple[int, int, int, bool]:
+        """(experts, top_k, expert intermediate size, renormalise top-k weights)."""
+        raise NotImplementedError
+
+    def build_mlp(self, config: ModelConfig) -> None:
+        raw = config.raw
+        self.moe: SparseMoE | None = None
+        if not self.is_sparse(raw):
+            super().build_mlp(config)
+            return
+        experts, top_k, inter, renorm = self.moe_settings(raw)
+        act = raw.get("hidden_act") or "silu"
+        self.moe = SparseMoE(config.hidden_size, inter, experts, top_k, renorm, act)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.moe is None:
+            return super().mlp(x)
+        return self.moe(x)
+
+
+def _num_experts(raw: dict[str, Any]) -> int:
+    """Qwen3-MoE checkpoints say ``num_experts``; transformers 5 writes ``num_local_experts``."""
+    return int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+
+
+class Qwen3MoeLayer(MoELayer):
+    qk_norm = True
+
+    def is_sparse(self, raw: dict[str, Any]) -> bool:
+        step = int(raw.get("decoder_sparse_step", 1) or 1)
+        return (
+            self.layer_id not in (raw.get("mlp_only_layers") or [])
+            and _num_experts(raw) > 0
+            and (self.layer_id + 1) % step == 0
+        )
+
+    def moe_settings(self, raw: dict[str, Any]) -> tuple[int, int, int, bool]:
+        return (
+            _num_experts(raw),
+            int(raw["num_experts_per_tok"]),
+            int(raw["moe_intermediate_size"]),
+            bool(raw.get("norm_topk_prob", False)),
+        )
+
+
+class MixtralLayer(MoELayer):
+    def attention_options(self, config: ModelConfig) -> dict[str, Any]:
+        window = config.raw.get("sliding_window")
+        return {"sliding_window": int(window)} if window else {}
+
+    def moe_settings(self, raw: dict[str, Any]) -> tuple[int, int, int, bool]:
+        return (
+            int(raw["num_local_experts"]),
+            int(raw["num_experts_per_tok"]),
+            int(raw["intermediate_size"]),
+            True,
+        )
+
+
+_EXPERT = re.compile(r"^layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_STACKED = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_ROUTER = re.compile(r"^layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate\.weight$")
+#: per-expert HF leaf -> (our stacked parameter, 0 gate / 1 up / None)
+_EXPERT_LEAVES = {
+    "gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None),
+    "w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", None),
+}  # fmt: skip
+
+
+class MoEForCausalLM(DecoderForCausalLM):
+    def weight_target(self, name: str) -> Target | None:
+        m = _EXPERT.match(name)
+        if m:
+            layer, e, leaf = int(m.group(1)), int(m.group(2)), m.group(3)
+            if leaf not in _EXPERT_LEAVES:
+                return name, None, None  # reported as unexpected
+            param, half = _EXPERT_LEAVES[leaf]
+            moe = self.layers[layer].moe
+            offset = None if half is None or moe is None else half * moe.intermediate_size
+            return f"layers.{layer}.moe.{param}", e, offset
+        m = _STACKED.match(name)
+        if m:
+            param = "w13" if m.group(2) == "gate_up_proj" else "w2"
+            return f"layers.{m.group(1)}.moe.{param}", None, None
+        m = _ROUTER.match(name)
+        if m:
+            return f"layers.{m.group(1)}.moe.gate.weight", None, None
+        return super().weight_target(name)
+
+
+class Qwen3MoeForCausalLM(MoEForCausalLM):
+    layer_cls = Qwen3MoeLayer
+
+
+class MixtralForCausalLM(MoEForCausalLM):
+    layer_cls = MixtralLayer
+
+
+def build_qwen3_moe(
+    config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: str
+) -> Qwen3MoeForCausalLM:
+    return Qwen3MoeForCausalLM(config, attention, dtype, device)
+
+
+def build_mixtral(
+    config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: str
+) -> MixtralForCausalLM:
+    return MixtralForCausalLM(config, attention, dtype, device)
+
+
+@hookimpl
+def register_models(register) -> None:  # type: ignore[no-untyped-def]
+    register(
+        "Qwen3MoeForCausalLM", build_qwen3_moe, description="Qwen3 MoE (top-k router, experts)"
+    )
+    register("MixtralForCausalLM", build_mixtral, description="Mixtral MoE (top-2 router)")

@@ -1,0 +1,37 @@
+"""Qwen2 (``Qwen2ForCausalLM``): the Llama decoder with biases on the q, k and v projections.
+
+The whole family difference is one extension point of the decoder skeleton (``decoder.py``):
+``attention_biases``. Sliding-window layers, when a config enables them (``layer_types``), come
+from the skeleton.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from radixserve.core.config import ModelConfig
+from radixserve.core.hookspecs import hookimpl
+from radixserve.core.interfaces import AttentionBackend
+from radixserve.plugins.models.decoder import DecoderForCausalLM, DecoderLayer
+
+
+class Qwen2Layer(DecoderLayer):
+    def attention_biases(self, raw: dict[str, Any]) -> tuple[bool, bool]:
+        return True, False  # q/k/v carry a bias, o_proj does not
+
+
+class Qwen2ForCausalLM(DecoderForCausalLM):
+    layer_cls = Qwen2Layer
+
+
+def build_qwen2(
+    config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: str
+) -> Qwen2ForCausalLM:
+    return Qwen2ForCausalLM(config, attention, dtype, device)
+
+
+@hookimpl
+def register_models(register) -> None:  # type: ignore[no-untyped-def]
+    register("Qwen2ForCausalLM", build_qwen2, description="Qwen2 / Qwen2.5 (QKV bias)")
