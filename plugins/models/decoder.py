@@ -30,6 +30,7 @@ as the eager torch code below (same rounding steps).
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import math
 import re
 from collections.abc import Callable, Iterable
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.core.batch import ForwardBatch
-from radixserve.core.config import ModelConfig
+from radixserve.core.config import ConfigError, ModelConfig
 from radixserve.core.interfaces import AttentionBackend, CausalLM
 
 
@@ -201,7 +202,7 @@ class DecoderLayer(nn.Module):
         self.intermediate_size = inter
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
-        act = config.raw.get("hidden_act") or config.raw.get("hidden_activation") or "silu"
+        act = config.raw.get("hidden_activation") or config.raw.get("hidden_act") or "silu"
         self.act_name = act
         self.act = activation(act)
 
@@ -288,6 +289,7 @@ class DecoderForCausalLM(nn.Module, CausalLM):
                 self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # NOTE: cast on the meta device first: allocating in float32 and casting after would
         # need twice a bfloat16 model's memory at start-up (the KV pool already holds the rest).
+        check_attention_options(attention, [layer.attn_options for layer in self.layers])
         self.to(dtype)
         self.to_empty(device=device)
         self.rope = RotaryEmbedding(config, device, dtype)
@@ -379,6 +381,24 @@ class DecoderForCausalLM(nn.Module, CausalLM):
         missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
         if missing:
             raise ValueError(f"checkpoint lacks weights: {', '.join(sorted(missing)[:5])} ...")
+
+
+def check_attention_options(attention: AttentionBackend, options: list[dict[str, Any]]) -> None:
+    """Stop at build time, naming the backend, when it lacks a per-layer keyword the model
+    needs (e.g. a third-party backend without ``sliding_window``)."""
+    needed = {key for layer in options for key in layer}
+    if not needed:
+        return
+    params = inspect.signature(attention.forward).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    missing = sorted(needed - set(params))
+    if missing:
+        raise ConfigError(
+            f"attention backend {type(attention).__name__} does not support "
+            f"{', '.join(missing)}, which this model needs; use --plugin attention=torch_native "
+            "or attention=triton"
+        )
 
 
 def fused_ops_for(device: str) -> ModuleType | None:

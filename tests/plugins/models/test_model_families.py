@@ -264,3 +264,25 @@ def test_engine_greedy_32_tokens_equal_hf_generate(
             expected = [logprobs[len(ids) + j - 1, t].item() for j, t in enumerate(ref)]
             got = [e[0] for e in out["meta_info"]["output_token_logprobs"]]
             assert got == pytest.approx(expected, abs=ATOL)
+
+
+def test_a_backend_without_the_options_serves_plain_families_and_refuses_gemma2(
+    family_dirs: dict[str, Path],
+) -> None:
+    """A third-party backend with the bare ``forward(q, k, v, layer_id, batch)`` still builds
+    every family whose layers need no option; Gemma 2 stops at build time, naming them."""
+    from radixserve.core.config import ConfigError, ModelConfig
+    from radixserve.core.interfaces import AttentionBackend
+    from radixserve.plugins.models.gemma2 import Gemma2ForCausalLM
+    from radixserve.plugins.models.qwen2 import Qwen2ForCausalLM
+
+    class Bare(AttentionBackend):
+        def prepare(self, batch: Any) -> None: ...
+
+        def forward(self, q: Any, k: Any, v: Any, layer_id: int, batch: Any) -> Any: ...
+
+    qwen2 = ModelConfig.from_dir(family_dirs["qwen2"])
+    Qwen2ForCausalLM(qwen2, Bare(), torch.float32, "cpu")
+    gemma2 = ModelConfig.from_dir(family_dirs["gemma2"])
+    with pytest.raises(ConfigError, match="Bare does not support logit_softcap, scale"):
+        Gemma2ForCausalLM(gemma2, Bare(), torch.float32, "cpu")
