@@ -279,7 +279,10 @@ def run_core(
     host: PluginHost | None = None,
     **settings: Any,
 ) -> tuple[list[Req], dict[str, Any] | None]:
-    """Add every request, then step ``EngineCore`` in this thread until all finish."""
+    """Add every request, then step ``EngineCore`` in this thread until all finish. Every
+    step drafts (no pausing of requests whose drafts do not pay): the acceptance rule is what
+    is under test."""
+    settings.setdefault("speculative_disable_pause", True)
     config = EngineConfig(
         model_path=str(model_dir), dtype="float32", random_seed=0, plugin_allow=(), **settings
     )
@@ -451,7 +454,12 @@ def test_self_draft_accepts_everything_and_random_draft_nothing(
     tiny_llama_dir: Path, random_384_dir: Path
 ) -> None:
     off, _ = _greedy(tiny_llama_dir)
-    spec = {"speculative_algorithm": "STANDALONE", "speculative_num_steps": K}
+    # Every step drafts (a random draft would otherwise pause): exact per-step counts.
+    spec = {
+        "speculative_algorithm": "STANDALONE",
+        "speculative_num_steps": K,
+        "speculative_disable_pause": True,
+    }
     selfd, self_stats = _greedy(
         tiny_llama_dir, speculative_draft_model_path=str(tiny_llama_dir), **spec
     )
