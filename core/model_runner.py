@@ -305,7 +305,10 @@ class ModelRunner:
         entry, 1 + len(draft) for a verify entry) go through ``speculative.verify``; a verify
         entry gets the list of tokens it emits, a plain entry its one token."""
         assert self.speculator is not None
-        reqs, drafts, probs, rows = [], [], [], []
+        reqs: list[Any] = []
+        drafts: list[list[int]] = []
+        probs: list[torch.Tensor | None] = []
+        rows: list[int] = []
         for i in sample_rows:
             draft = batch.drafts.get(i)
             tokens = draft.tokens if draft is not None else []

@@ -23,7 +23,7 @@ import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -278,11 +278,13 @@ def verify(
 ) -> list[list[SampledToken]]:
     """The tokens each request emits this step. ``logits`` holds len(drafts[i]) + 1 rows per
     request, in order; ``masker`` (core.grammar.GrammarMasker) masks constrained rows."""
-    views: list[DraftPosition] = []
+    positions: list[DraftPosition] = []
     firsts: list[int] = []
     for req, draft in zip(reqs, drafts, strict=True):
-        firsts.append(len(views))
-        views += [DraftPosition(req, draft, j) for j in range(len(draft) + 1)]
+        firsts.append(len(positions))
+        positions += [DraftPosition(req, draft, j) for j in range(len(draft) + 1)]
+    # A DraftPosition has every attribute of a Req that the sampler reads.
+    views = cast("list[Req]", positions)
     raw = None
     constrained = any(r.grammar is not None for r in reqs)
     if constrained:
@@ -329,7 +331,7 @@ def verify(
 
 def _rejection_sample(
     logits: torch.Tensor,
-    views: list[DraftPosition],
+    views: list[Req],
     firsts: list[int],
     drafts: Sequence[list[int]],
     draft_probs: Sequence[torch.Tensor | None],
@@ -364,7 +366,7 @@ def _rejection_sample(
             break
 
 
-def _generator(view: DraftPosition, device: torch.device) -> torch.Generator | None:
+def _generator(view: Req, device: torch.device) -> torch.Generator | None:
     seed = view.sampling.seed
     if seed is None:
         return None
