@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -26,6 +27,7 @@ from radixserve.core.batch import ForwardBatch
 from radixserve.core.memory import ReqToTokenPool
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class GraphableAttention(Protocol):
@@ -38,6 +40,22 @@ class GraphableAttention(Protocol):
     def prepare_verify_graph(
         self, req_rows: torch.Tensor, seq_lens: torch.Tensor, q_len: int
     ) -> None: ...
+
+
+def capture_graph(run: Callable[[], T], pool: Any) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Capture ``run`` into a CUDA graph in the memory ``pool``, after two warm-up calls on a
+    side stream (they compile the kernels and settle the allocator). Returns the graph and
+    what the captured call returned (static outputs the replays rewrite)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
 
 
 def capture_sizes(max_bs: int) -> list[int]:
@@ -117,16 +135,7 @@ class CudaGraphRunner:
 
     def _capture(self, bs: int, pool: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         batch = self._static_batch(bs)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up: compiles kernels, settles the allocator
-            for _ in range(2):
-                self._run_static(bs, batch)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            logits = self._run_static(bs, batch)
-        return graph, logits
+        return capture_graph(lambda: self._run_static(bs, batch), pool)
 
     def _capture_verify(
         self, bs: int, q: int, pool: Any
@@ -152,17 +161,9 @@ class CudaGraphRunner:
             self.attention.prepare_verify_graph(meta[0], meta[1], q)  # type: ignore[attr-defined]
             return self.model.forward(batch)
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            logits = run()
+        captured = capture_graph(run, pool)
         self.meta[1].fill_(1)
-        return graph, logits
+        return captured
 
     def _replay_verify(self, batch: ForwardBatch, q: int) -> torch.Tensor | None:
         bs = batch.batch_size

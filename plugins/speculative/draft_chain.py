@@ -82,16 +82,9 @@ class DraftChainGraphs:
                 self.out[step - 1, :bs].copy_(ids)
 
     def _capture(self, bs: int, pool: Any) -> torch.cuda.CUDAGraph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up: compiles kernels, settles the allocator
-            for _ in range(2):
-                self._chain(bs)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self._chain(bs)
-        return graph
+        from radixserve.plugins.hardware.cuda_graph import capture_graph
+
+        return capture_graph(lambda: self._chain(bs), pool)[0]
 
     def fits(self, num_reqs: int) -> bool:
         return num_reqs <= self.max_bs
