@@ -1,0 +1,54 @@
+"""Where a speculative step's time goes at batch 1 (a cProfile of the engine loop), for the
+8B shape on CUDA with simulated acceptance. A diagnostic, not a benchmark."""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from radixserve.core.config import EngineConfig  # noqa: E402
+from radixserve.core.engine_core import EngineCore  # noqa: E402
+from radixserve.core.plugins import default_host  # noqa: E402
+from radixserve.core.request import Req, SamplingParams  # noqa: E402
+
+target, draft = Path(sys.argv[1]), sys.argv[2]
+spec = dict(
+    speculative_algorithm="STANDALONE",
+    speculative_draft_model_path=draft,
+    speculative_simulate_accept_len=3.5,
+)
+for name, kw in (("off", {}), ("spec", spec)):
+    core = EngineCore(target, EngineConfig(model_path=str(target), **kw), default_host())
+    rng = random.Random(0)
+
+    def run(n: int, core: EngineCore = core, rng: random.Random = rng) -> int:
+        ids = [rng.randrange(3, 128000) for _ in range(512)]
+        core.add_request(
+            Req(
+                str(rng.random()),
+                ids,
+                SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True),
+            )
+        )
+        steps = 0
+        while core.has_work():
+            core.step()
+            steps += 1
+        return steps
+
+    run(64)
+    prof = cProfile.Profile()
+    prof.enable()
+    start = time.perf_counter()
+    steps = run(256)
+    seconds = time.perf_counter() - start
+    prof.disable()
+    print(f"{name}: {steps} steps, {seconds / steps * 1e3:.2f} ms/step, {256 / seconds:.1f} tok/s")
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(28)
+    core.shutdown()
