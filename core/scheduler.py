@@ -24,12 +24,10 @@ from radixserve.core.memory import ReqToTokenPool, TokenAllocator
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
 from radixserve.core.request import FinishReason, Req, ReqState, token_slice
 from radixserve.core.schedule_policy import order_waiting
-from radixserve.core.speculative import Speculator, speculating
+from radixserve.core.speculative import SampledToken, Speculator, speculating
 from radixserve.core.stop import StopChecker, TopLogprobs
 
 logger = logging.getLogger(__name__)
-
-SampledToken = tuple[int, float | None, TopLogprobs | None]
 
 
 class RetractionNeeded(Exception):
