@@ -92,8 +92,9 @@ def create_app(
     install_error_handlers(app)
     name = args.model_name
     aliases = [a for a in (args.engine.model_path, tm.info.model_dir) if a]
-    chat = ChatServing(tm, name, aliases)
-    completions = CompletionServing(tm, name, aliases)
+    strict = args.strict_model_name
+    chat = ChatServing(tm, name, aliases, strict)
+    completions = CompletionServing(tm, name, aliases, strict)
     native = NativeServing(tm, incremental=args.incremental_streaming_output)
 
     # -- OpenAI --------------------------------------------------------------------------------

@@ -49,6 +49,11 @@ class ServerArgs:
     api_key: str | None = _opt(None, "Require 'Authorization: Bearer KEY'")
     chat_template: str | None = _opt(None, "Chat template: a Jinja file or template text")
     enable_metrics: bool = _opt(False, "Serve Prometheus /metrics")
+    strict_model_name: bool = _opt(
+        False,
+        "OpenAI routes answer 404 for a 'model' other than the served name, 'default' or the "
+        "model's path; default: any name is accepted, as SGLang does",
+    )
     incremental_streaming_output: bool = _opt(
         False,
         "Native /generate streams send only what is new in each event (text, output_ids, "

@@ -22,19 +22,39 @@ from radixserve.entrypoints.tokenizer_manager import ServerReq, TokenizerManager
 
 
 class OpenAIServing:
-    def __init__(self, tm: TokenizerManager, model_name: str, aliases: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        tm: TokenizerManager,
+        model_name: str,
+        aliases: Sequence[str] = (),
+        strict_model_name: bool = False,
+    ) -> None:
         self.tm = tm
         self.model_name = model_name
         # SGLang clients often send "default"; the model's path names it too.
         self.accepted = {model_name, "default", *aliases}
+        self.strict = strict_model_name
 
     def check_model(self, model: str | None) -> str:
-        if model is not None and model not in self.accepted:
+        """The served model's name, which every response reports. Any requested name is
+        accepted by default, as SGLang does (its bench client sends the tokenizer path);
+        ``--strict-model-name`` answers 404 for names this server does not know."""
+        if model is None or model in self.accepted:
+            return self.model_name
+        if self.strict:
             raise ApiError(
                 404,
                 f"the model '{model}' does not exist; this server serves '{self.model_name}'",
                 param="model",
                 code="model_not_found",
+            )
+        _, _, adapter = model.partition(":")
+        if adapter.strip():  # SGLang reads "base:adapter" as a LoRA request
+            raise ApiError(
+                400,
+                f"the model '{model}' names the LoRA adapter '{adapter.strip()}', but this "
+                f"server serves no adapters; use '{self.model_name}'",
+                param="model",
             )
         return self.model_name
 

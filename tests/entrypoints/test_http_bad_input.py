@@ -1,7 +1,8 @@
 """Bad input the other HTTP modules leave out, so each case below is covered on every route.
 
 Already covered elsewhere (not repeated): test_http_openai.py - chat: negative temperature,
-top_p 0 / 1.5, n 0, max_tokens beyond the context, empty messages, unknown model (404),
+top_p 0 / 1.5, n 0, max_tokens beyond the context, empty messages, a LoRA adapter in the model
+name (400; other names are accepted; strict mode's 404 is in test_openai_fields.py),
 completions: prompt beyond the context; raw: invalid JSON and missing ``messages`` on chat, an
 unknown /v1 route (404), an oversized body with a Content-Length (413), a wrong key on GET
 /v1/models (401). test_http_native.py - /generate: invalid JSON, negative temperature,
@@ -85,10 +86,10 @@ def test_completion_invalid_json_and_missing_prompt_are_400(server: RunningServe
     assert r.status_code == 400 and "prompt" in error_of(r)["message"], r.text
 
 
-def test_completion_unknown_model_is_404(server: RunningServer) -> None:
-    r = post(server, "/v1/completions", completion(model="gpt-17"))
-    assert r.status_code == 404, r.text
-    assert "does not exist" in error_of(r)["message"]
+def test_completion_lora_adapter_model_name_is_400(server: RunningServer) -> None:
+    r = post(server, "/v1/completions", completion(model="gpt-17:adapter"))
+    assert r.status_code == 400, r.text
+    assert error_of(r)["param"] == "model" and "LoRA adapter 'adapter'" in error_of(r)["message"]
 
 
 # -- /v1/chat/completions -------------------------------------------------------------------------

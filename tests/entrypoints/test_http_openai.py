@@ -201,9 +201,19 @@ def test_prompt_longer_than_context_is_400(client: openai.OpenAI) -> None:
         complete(client, prompt=[5] * (TINY_CONTEXT + 1), max_tokens=1)
 
 
-def test_unknown_model_is_404(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.NotFoundError, match="does not exist"):
-        chat(client, model="gpt-17")
+def test_any_model_name_is_served_by_default(client: openai.OpenAI) -> None:
+    # As SGLang: its bench client sends the tokenizer path as "model". Strict mode (404) is
+    # tested in test_openai_fields.py.
+    r = chat(client, model="gpt-17")
+    assert r.model == TINY_MODEL_NAME and r.choices[0].message.content
+    assert complete(client, model="/some/tokenizer/path").model == TINY_MODEL_NAME
+
+
+def test_a_lora_adapter_in_the_model_name_is_400(client: openai.OpenAI) -> None:
+    # SGLang reads "base:adapter" as a LoRA request; this server has no adapters.
+    with pytest.raises(openai.BadRequestError, match="LoRA adapter 'my-adapter'") as e:
+        chat(client, model=f"{TINY_MODEL_NAME}:my-adapter")
+    assert e.value.body["param"] == "model"
 
 
 def test_wrong_api_key_is_401(server: RunningServer) -> None:
