@@ -35,6 +35,10 @@ class ForwardBatch:
     # model keeps for every new token in ``hidden_states`` (draft heads read them).
     capture_hidden_layers: tuple[int, ...] = ()
     hidden_states: dict[int, torch.Tensor] | None = None
+    # Rows whose final hidden state (after the model's last norm) the model keeps in
+    # ``final_hidden`` (embedding requests pool them; see core/pooling.py).
+    hidden_rows: torch.Tensor | None = None
+    final_hidden: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

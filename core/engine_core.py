@@ -10,12 +10,13 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from radixserve.core.config import EngineConfig
+from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.core.grammar import GrammarMasker, GrammarStepper
 from radixserve.core.grammar_queue import GrammarQueue
 from radixserve.core.interfaces import SpeculativeContext
 from radixserve.core.model_runner import LaunchedStep, ModelRunner
 from radixserve.core.plugins import PluginHost
+from radixserve.core.pooling import POOLING_METHODS
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
 from radixserve.core.request import InvalidRequest, Req
 from radixserve.core.scheduler import (
@@ -163,6 +164,11 @@ class EngineCore:
         if n >= usable:
             raise InvalidRequest(f"the prompt has {n} tokens; the KV pool holds {usable}")
         req.sampling.validate(vocab)
+        if req.pooling is not None and req.pooling not in POOLING_METHODS:
+            raise InvalidRequest(f"pooling must be one of {POOLING_METHODS}, got {req.pooling!r}")
+        labels = req.label_token_ids
+        if labels is not None and (not labels or any(not 0 <= t < vocab for t in labels)):
+            raise InvalidRequest(f"label_token_ids must be token ids in [0, {vocab})")
 
     def add_request(self, req: Req) -> None:
         """Queue ``req``; one with a grammar first waits for it to compile (off this thread)."""
@@ -304,11 +310,39 @@ class EngineCore:
 
     def _fail_unschedulable(self) -> list[Req]:
         """Nothing could run although requests wait: the head can never fit; end it."""
-        if not self.scheduler.waiting or self.scheduler.running:
+        if not self.scheduler.waiting or self.scheduler.running or self.scheduler.paused:
             return []
         req = self.scheduler.waiting[0]
         self.scheduler.abort(req.rid, "the request does not fit in the KV pool")
         return [req]
+
+    def pause_admission(self, paused: bool) -> None:
+        """Stop (or resume) admitting waiting requests; running ones go on to the end."""
+        self.scheduler.paused = paused
+
+    def drained(self) -> bool:
+        """No request runs and no step is on the device (waiting ones may be queued)."""
+        if self.scheduler.running:
+            return False
+        self._sync()
+        return not self.scheduler.running
+
+    def update_weights(self, model_path: str) -> tuple[bool, str]:
+        """Load new weights in place once drained; every cached prefix is dropped (its KV came
+        from the old weights). On failure the old weights keep serving.
+        Returns (success, message)."""
+        assert self.drained(), "update the weights only when no request runs"
+        try:
+            resolved = self.host.hook.resolve_model_dir(model_path=model_path) or model_path
+            if not Path(resolved).is_dir():
+                raise ConfigError(f"'{model_path}' is not a model directory or a .gguf file")
+            self.runner.reload_weights(Path(resolved))
+        except Exception as e:  # noqa: BLE001 - any failure leaves the old weights; it is reported
+            logger.warning("weights from %s not loaded: %s", model_path, e)
+            return False, f"weights not loaded, the old ones still serve: {e}"
+        self.cache.evict(1 << 62)
+        logger.info("loaded weights from %s", model_path)
+        return True, f"loaded weights from '{model_path}'"
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix; only allowed while no request runs."""

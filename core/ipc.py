@@ -27,6 +27,10 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
     sampling: SamplingParams
     extra_key: str | None = None
     logprob_start_len: int = -1  # >= 0: also score prompt tokens from this position
+    # prefill-only requests (max_new_tokens 0; core/pooling.py): an embedding pooled "last"
+    # or "mean", or the logprobs of these tokens after the prompt
+    pooling: str | None = None
+    label_token_ids: list[int] | None = None
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):
@@ -45,12 +49,25 @@ class StateRequest(msgspec.Struct, tag="state"):
     call_id: int
 
 
+class UpdateWeightsRequest(msgspec.Struct, tag="update_weights", kw_only=True):
+    """Load the weights of ``model_path`` in place: admission pauses, running requests finish,
+    the weights load, the prefix cache is flushed, admission resumes; then the reply."""
+
+    call_id: int
+    model_path: str
+
+
 class ShutdownRequest(msgspec.Struct, tag="shutdown"):
     pass
 
 
 EngineInbound = Union[  # noqa: UP007 - msgspec needs a runtime union object
-    GenerateRequest, AbortRequest, FlushCacheRequest, StateRequest, ShutdownRequest
+    GenerateRequest,
+    AbortRequest,
+    FlushCacheRequest,
+    StateRequest,
+    ShutdownRequest,
+    UpdateWeightsRequest,
 ]
 
 # -- engine -> server ------------------------------------------------------------------------
@@ -77,6 +94,9 @@ class ReqDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     # verified a draft, and the draft tokens accepted over them (0 and omitted when off)
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0
+    # prefill-only results, in the finishing delta
+    embedding: list[float] | None = None
+    label_logprobs: list[float] | None = None
     finish: FinishReason | None = None
     # 400: the engine refused the request (it never ran); 500: the engine failed.
     error_status: int = 0
@@ -113,6 +133,13 @@ class FlushCacheReply(msgspec.Struct, tag="flush_cache_reply"):
     ok: bool
 
 
+class UpdateWeightsReply(msgspec.Struct, tag="update_weights_reply", kw_only=True):
+    call_id: int
+    success: bool
+    message: str
+    num_paused_requests: int  # requests held back (waiting) while the weights loaded
+
+
 class EngineState(msgspec.Struct, tag="state_reply", kw_only=True):
     call_id: int
     num_running: int
@@ -126,7 +153,12 @@ class EngineState(msgspec.Struct, tag="state_reply", kw_only=True):
 
 
 EngineOutbound = Union[  # noqa: UP007 - msgspec needs a runtime union object
-    StepOutput, EngineReady, EngineFailed, FlushCacheReply, EngineState
+    StepOutput,
+    EngineReady,
+    EngineFailed,
+    FlushCacheReply,
+    EngineState,
+    UpdateWeightsReply,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

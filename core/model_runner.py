@@ -21,11 +21,12 @@ from radixserve.core.interfaces import PLUGIN_KINDS, AttentionBackend, CausalLM,
 from radixserve.core.logprobs import record_input_logprobs, scored_positions
 from radixserve.core.memory import KVPool, ReqToTokenPool, TokenAllocator
 from radixserve.core.plugins import PluginError, PluginHost, parse_plugin_selections
+from radixserve.core.pooling import finish_pooling, plan_pooling, record_label_logprobs
 from radixserve.core.request import token_slice
 from radixserve.core.sampling import SampleResult, mask_until_min_tokens, sample, sample_ids
 from radixserve.core.scheduler import SampledToken, ScheduledBatch
 from radixserve.core.speculative import Speculator, verify
-from radixserve.core.weights import count_parameters, iter_weights
+from radixserve.core.weights import count_parameters, iter_weights, reload_in_place
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,22 @@ class ModelRunner:
         )
         self.grammar_masker: GrammarMasker | None = None  # set by EngineCore
         self.speculator: Speculator | None = None  # set by EngineCore when speculating
+
+    def reload_weights(self, model_dir: Path) -> None:
+        """Load the weights of ``model_dir`` into the running model in place. Raise
+        ConfigError (or the model's ValueError) naming the problem, with the old weights still
+        loaded, when the checkpoint is not one of this model's shape."""
+        new = ModelConfig.from_dir(model_dir)
+        old = self.model_config
+        for name in ("architecture", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "vocab_size"):  # fmt: skip
+            if getattr(new, name) != getattr(old, name):
+                raise ConfigError(
+                    f"'{model_dir}' has {name}={getattr(new, name)!r}; the running model has "
+                    f"{getattr(old, name)!r} (only weights of the same shape can be loaded)"
+                )
+        weights = iter_weights(model_dir, self.dtype)
+        reload_in_place(self.model, lambda: self.model.load_weights(weights))  # type: ignore[arg-type]
 
     def _select_model(self, host: PluginHost, requested: str | None) -> Any:
         arch = self.model_config.architecture
@@ -260,12 +277,24 @@ class ModelRunner:
         token take their input from there. When every sampled request is ``overlappable`` no
         host sync happens here; ``result()`` waits for the ids."""
         fb, plans = self.build_batch(batch, prev_ids)
+        pooling = plan_pooling(batch.reqs, batch.extend_lens)
+        if pooling is not None:
+            fb.hidden_rows = to_device(torch.tensor(pooling.rows, dtype=torch.int64), self.device)
         self.req_to_token.sync()  # the device mirror of the slot table, before any kernel
         logits = self.step(fb)
-        for req, plan in zip(batch.reqs, plans, strict=True):
+        for req, n, plan in zip(batch.reqs, batch.extend_lens, plans, strict=True):
             if plan.scored:
                 rows = logits[plan.first_row : plan.first_row + len(plan.scored)]
                 record_input_logprobs(req, plan.scored, rows)
+            if req.label_token_ids is not None and req.kv_len + n == req.seq_len:
+                record_label_logprobs(req, logits[plan.sample_row])
+        if pooling is not None:
+            if fb.final_hidden is None:
+                raise RuntimeError(
+                    f"model plugin '{self.plugins.names['model']}' keeps no final hidden "
+                    "states (ForwardBatch.hidden_rows), so it cannot serve embeddings"
+                )
+            finish_pooling(pooling, fb.final_hidden)
         if not sample_rows:
             return LaunchedStep(None, True, dict)
         if batch.drafts:

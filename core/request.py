@@ -268,6 +268,14 @@ class Req:
         self.detok: Any = None  # IncrementalDetokenizer, created at the first output token
         self.grammar: Any = None  # the request's Grammar matcher (core.interfaces), once compiled
         self.refused = False  # ended before running because its input was bad (grammar compile)
+        # Prefill-only outputs (max_new_tokens 0, see core/pooling.py): an embedding pooled
+        # ("last" or "mean") from the final hidden states, or the logprobs of given label
+        # tokens at the position after the prompt (/v1/score).
+        self.pooling: str | None = None
+        self.label_token_ids: list[int] | None = None
+        self.embedding: list[float] | None = None
+        self.label_logprobs: list[float] | None = None
+        self.pooled_sum: Any = None  # mean pooling: the sum over the chunks prefilled so far
         # Why the engine failed this request (the server answers 500), once it has.
         self.failed: str | None = None
         # timing

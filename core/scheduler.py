@@ -94,6 +94,10 @@ class Scheduler:
         self.allocator = allocator
         self.req_to_token = req_to_token
         self.cache = cache
+        # Embedding requests neither read nor fill the prefix cache (core/pooling.py).
+        self._uncached = NoPrefixCache(allocator, req_to_token)
+        # While paused (a weight update waits for the running requests), nothing is admitted.
+        self.paused = False
         self.stop_checker = stop_checker
         self.grammar = grammar or GrammarStepper(stop_checker.tokenizer, jump_forward=False)
         self.speculator = speculator
@@ -170,7 +174,7 @@ class Scheduler:
                 raise RetractionNeeded
             self._unstall()
         # A request retracted this step would only be re-admitted into the same shortage.
-        if budget > 0 and self.waiting and not self._retracted_this_step:
+        if budget > 0 and self.waiting and not self._retracted_this_step and not self.paused:
             prefills += self._admit(budget)
         if not self._retracted_this_step:
             self.new_token_ratio = max(
@@ -232,10 +236,10 @@ class Scheduler:
                 sample_row += 1
                 continue
             if req.kv_len < req.seq_len:
-                self.cache.cache_unfinished_req(req)  # chunked prefill continues next step
+                self._cache_of(req).cache_unfinished_req(req)  # chunked prefill goes on
                 continue
             if req.state == ReqState.PREFILL:
-                self.cache.cache_unfinished_req(req)  # share the prompt while it decodes
+                self._cache_of(req).cache_unfinished_req(req)  # share the prompt while it decodes
             if req.sampling.max_new_tokens > 0:
                 req.state = ReqState.DECODE
                 req.num_pending += 1
@@ -452,7 +456,7 @@ class Scheduler:
     def _release(self, req: Req) -> None:
         """Give back ``req``'s KV (computed tokens go to the cache) and its table row."""
         if req.req_pool_idx is not None:
-            self.cache.cache_finished_req(req)
+            self._cache_of(req).cache_finished_req(req)
             self.req_to_token.free(req.req_pool_idx)
             req.req_pool_idx = None
         req.kv_len = 0
@@ -462,6 +466,9 @@ class Scheduler:
             self.speculator.forget(req.rid)
         if req in self.running:
             self.running.remove(req)
+
+    def _cache_of(self, req: Req) -> RadixCache | NoPrefixCache:
+        return self.cache if req.pooling is None else self._uncached
 
     # -- prefill ---------------------------------------------------------------------------
 
@@ -505,7 +512,9 @@ class Scheduler:
         is admitted from the cache once that prefill has put the shared tokens there.
         ``peek(req)`` says how much of it the cache holds now."""
         prefilling = [
-            r for r in self.running if r.state == ReqState.PREFILL and r.extra_key == req.extra_key
+            r
+            for r in self.running
+            if r.state == ReqState.PREFILL and r.extra_key == req.extra_key and r.pooling is None
         ]
         if not prefilling:
             return False
@@ -521,19 +530,20 @@ class Scheduler:
 
     def _admit_one(self, req: Req, budget: int) -> int:
         fill = req.fill_ids()
-        prefix, node = self.cache.match_prefix(fill[: _match_limit(req)], req.extra_key)
+        cache = self._cache_of(req)
+        prefix, node = cache.match_prefix(fill[: _match_limit(req)], req.extra_key)
         chunk = min(len(fill) - len(prefix), budget)
         row = self.req_to_token.alloc()
         if row is None:
             return 0
-        self.cache.inc_lock_ref(node)  # protect the matched prefix from our own eviction
+        cache.inc_lock_ref(node)  # protect the matched prefix from our own eviction
         if self.running and not self._fits_with_reserve(req, len(fill) - len(prefix)):
-            self.cache.dec_lock_ref(node)
+            cache.dec_lock_ref(node)
             self.req_to_token.free(row)
             return 0
         self.req_to_token.write(row, 0, prefix)
         if not self._alloc_extend(row, len(prefix), chunk):
-            self.cache.dec_lock_ref(node)
+            cache.dec_lock_ref(node)
             self.req_to_token.free(row)
             return 0
         req.req_pool_idx, req.cache_node = row, node
@@ -599,6 +609,8 @@ _RETRACT_MARGIN_STEPS = 20
 def _match_limit(req: Req) -> int:
     """How many leading tokens may come from the cache: never the last one (its logits are
     needed), and none whose logits input-logprob scoring still needs."""
+    if req.pooling is not None:
+        return 0  # embeddings use no cached prefix (core/pooling.py)
     limit = req.seq_len - 1
     scored_from = first_scored_position(req)
     return limit if scored_from is None else min(limit, scored_from)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -35,3 +35,18 @@ def count_parameters(model_dir: str | Path) -> int:
             for name in f.keys():  # noqa: SIM118
                 total += math.prod(f.get_slice(name).get_shape())
     return total
+
+
+def reload_in_place(model: torch.nn.Module, load: Callable[[], None]) -> None:
+    """Run ``load()`` (which copies new weights into ``model``'s parameters); if it raises, put
+    the old weights back before re-raising, so a bad checkpoint leaves the model serving as
+    before. NOTE: the old weights wait on the host (not the device, which is full of KV pool)
+    while loading; tensors are copied in place so CUDA graphs stay valid."""
+    backup = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
+    try:
+        load()
+    except BaseException:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(backup[name])
+        raise

@@ -25,6 +25,10 @@ from radixserve.core import ipc
 logger = logging.getLogger(__name__)
 
 
+# Replies to ``call``, matched to their caller by call_id.
+_REPLIES = (ipc.EngineState, ipc.FlushCacheReply, ipc.UpdateWeightsReply)
+
+
 class EngineDied(RuntimeError):
     """The engine process failed or exited; the message says why."""
 
@@ -110,7 +114,7 @@ class EngineClient:
             msg = ipc.decode_outbound(await self.pull.recv())
             if isinstance(msg, ipc.StepOutput):
                 self.on_step(msg)
-            elif isinstance(msg, (ipc.EngineState, ipc.FlushCacheReply)):
+            elif isinstance(msg, _REPLIES):
                 fut = self._calls.get(msg.call_id)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)

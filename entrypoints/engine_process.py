@@ -133,6 +133,8 @@ class EngineLoop:
             self.poller.register(self.parent_sentinel, zmq.POLLIN)
         self.step_started: float | None = None  # read by the watchdog thread
         self.failed_steps = 0  # in a row
+        # /update_weights_from_disk: waits (admission paused) until no request runs
+        self.weight_update: ipc.UpdateWeightsRequest | None = None
         watchdog = threading.Thread(target=self._watchdog, name="engine-watchdog", daemon=True)
         watchdog.start()
 
@@ -161,6 +163,8 @@ class EngineLoop:
                 if self.core.has_work():
                     self._step()
                 self._flush()
+                if self.weight_update is not None and self.core.drained():
+                    self._update_weights(self.weight_update)
         except Exception as e:  # noqa: BLE001 - reported to the server, which fails its requests
             logger.exception("engine loop failed")
             self.push.send(ipc.encode(ipc.EngineFailed(f"engine loop failed: {e}")))
@@ -235,6 +239,7 @@ class EngineLoop:
         if isinstance(msg, ipc.GenerateRequest):
             req = Req(msg.rid, msg.input_ids, msg.sampling, msg.extra_key)
             req.logprob_start_len = msg.logprob_start_len
+            req.pooling, req.label_token_ids = msg.pooling, msg.label_token_ids
             try:
                 core.add_request(req)
             except InvalidRequest as e:
@@ -255,9 +260,30 @@ class EngineLoop:
         elif isinstance(msg, ipc.FlushCacheRequest):
             self._flush()
             self.push.send(ipc.encode(ipc.FlushCacheReply(msg.call_id, core.flush_cache())))
+        elif isinstance(msg, ipc.UpdateWeightsRequest):
+            if self.weight_update is not None:  # one at a time: the server serializes them
+                reply = ipc.UpdateWeightsReply(
+                    call_id=msg.call_id, success=False, num_paused_requests=0,
+                    message="another weight update is in progress; retry when it has finished",
+                )  # fmt: skip
+                self.push.send(ipc.encode(reply))
+            else:
+                self.weight_update = msg
+                core.pause_admission(True)
         elif isinstance(msg, ipc.ShutdownRequest):
             return False
         return True
+
+    def _update_weights(self, msg: ipc.UpdateWeightsRequest) -> None:
+        """Load the new weights now that no request runs, then let the waiting ones in."""
+        held = len(self.core.scheduler.waiting)
+        success, message = self.core.update_weights(msg.model_path)
+        self.weight_update = None
+        self.core.pause_admission(False)
+        reply = ipc.UpdateWeightsReply(
+            call_id=msg.call_id, success=success, message=message, num_paused_requests=held
+        )
+        self.push.send(ipc.encode(reply))
 
     def _delta(self, req: Req, error_status: int = 0) -> ipc.ReqDelta:
         n_sent, text_sent = self.sent.get(req.rid, (0, 0))
@@ -274,6 +300,8 @@ class EngineLoop:
             finish=req.finish_reason if req.finished else None,
             error_status=error_status or (400 if req.refused else 500 if req.failed else 0),
         )
+        if req.finished:
+            delta.embedding, delta.label_logprobs = req.embedding, req.label_logprobs
         if req.sampling.logprobs:
             delta.logprobs = req.output_logprobs[n_sent:]
             if req.sampling.top_logprobs_num:

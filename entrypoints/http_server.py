@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 import radixserve
+from radixserve.core.config import ModelConfig
 from radixserve.core.request import InvalidRequest, SamplingParams
 from radixserve.entrypoints.http_errors import (
     ApiError,
@@ -32,7 +33,10 @@ from radixserve.entrypoints.openai_protocol import (
 from radixserve.entrypoints.server_args import ServerArgs
 from radixserve.entrypoints.serving_chat import ChatServing
 from radixserve.entrypoints.serving_completions import CompletionServing
+from radixserve.entrypoints.serving_embedding import EmbeddingServing, add_embedding_routes
 from radixserve.entrypoints.serving_native import NativeServing
+from radixserve.entrypoints.serving_score import ScoreServing, add_score_routes
+from radixserve.entrypoints.serving_weights import add_weight_routes
 from radixserve.entrypoints.streaming import json_response
 from radixserve.entrypoints.tokenizer_manager import TokenizerManager
 
@@ -96,6 +100,11 @@ def create_app(
     chat = ChatServing(tm, name, aliases, strict)
     completions = CompletionServing(tm, name, aliases, strict)
     native = NativeServing(tm, incremental=args.incremental_streaming_output)
+    hidden_size = ModelConfig.from_dir(tm.info.model_dir).hidden_size
+    embedding = EmbeddingServing(tm, name, aliases, strict, args.embedding_pooling, hidden_size)
+    add_embedding_routes(app, embedding, read_json)
+    add_score_routes(app, ScoreServing(tm, name, aliases, strict))
+    add_weight_routes(app, tm)
 
     # -- OpenAI --------------------------------------------------------------------------------
 
@@ -124,7 +133,7 @@ def create_app(
         return {
             "model_path": name,
             "tokenizer_path": name,
-            "is_generation": True,
+            "is_generation": not args.is_embedding,
             "served_model_name": name,
             "context_length": tm.info.max_context,
             "vocab_size": tm.info.vocab_size,

@@ -18,10 +18,12 @@ from radixserve.core.config import (
     EngineConfig,
 )
 from radixserve.core.ipc import EngineReady
+from radixserve.core.pooling import POOLING_METHODS
 from radixserve.entrypoints.admission import Limits
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _CHOICES = {"schedule_policy": SCHEDULE_POLICIES, "dtype": DTYPES, "log_level": LOG_LEVELS}
+_CHOICES["embedding_pooling"] = POOLING_METHODS
 _FLAG_NAMES = {"plugins": "--plugin"}  # a repeatable flag reads better in the singular
 _ALIASES = {"model_path": ("--model",)}
 
@@ -49,6 +51,18 @@ class ServerArgs:
     api_key: str | None = _opt(None, "Require 'Authorization: Bearer KEY'")
     chat_template: str | None = _opt(None, "Chat template: a Jinja file or template text")
     enable_metrics: bool = _opt(False, "Serve Prometheus /metrics")
+    is_embedding: bool = _opt(
+        False,
+        "SGLang's flag for embedding models: /get_model_info reports is_generation false. "
+        "/v1/embeddings and /encode are served with or without it (from the causal model's "
+        "final hidden states), and so is generation",
+    )
+    embedding_pooling: str = _opt(
+        "last",
+        "How /v1/embeddings and /encode pool the final hidden states: 'last' (the last "
+        "token's, SGLang's pooling for causal models) or 'mean' (over every prompt token); "
+        "the result is L2-normalised",
+    )
     strict_model_name: bool = _opt(
         False,
         "OpenAI routes answer 404 for a 'model' other than the served name, 'default' or the "
@@ -208,4 +222,9 @@ def parse_server_args(argv: Sequence[str] | None = None) -> ServerArgs:
     for name in ("request_timeout", "shutdown_timeout", "max_stop_length", "request_read_timeout"):
         if values[name] is not None and not values[name] > 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {values[name]}")
+    if values["embedding_pooling"] not in POOLING_METHODS:
+        parser.error(
+            f"--embedding-pooling must be one of {', '.join(POOLING_METHODS)}, "
+            f"got '{values['embedding_pooling']}'"
+        )
     return ServerArgs(engine=engine, **values)

@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 # How often a non-streaming handler checks whether its client is still connected.
 DISCONNECT_CHECK_S = 1.0
+# A weight update waits for the running requests to finish, then loads the checkpoint.
+WEIGHT_UPDATE_TIMEOUT_S = 1800.0
 
 
 class ClientGone(Exception):
@@ -42,7 +44,7 @@ class ServerReq:
         "top_logprobs", "cached_tokens", "finish", "error_status", "created",
         "logprob_start_len", "input_logprobs", "input_top_logprobs",
         "first_token_time", "last_token_time", "finish_time", "timer", "spec_verify_ct",
-        "spec_accepted_tokens",
+        "spec_accepted_tokens", "embedding", "label_logprobs",
     )  # fmt: skip
 
     def __init__(
@@ -62,6 +64,9 @@ class ServerReq:
         self.cached_tokens = 0
         self.spec_verify_ct = 0  # speculation so far (spec_meta.py)
         self.spec_accepted_tokens = 0
+        # prefill-only results (serving_embedding.py, serving_score.py)
+        self.embedding: list[float] | None = None
+        self.label_logprobs: list[float] | None = None
         self.finish: FinishReason | None = None
         self.error_status = 0
         self.created = time.perf_counter()
@@ -105,6 +110,7 @@ class TokenizerManager:
         self.metrics = metrics
         self.reqs: dict[str, ServerReq] = {}
         self._token_texts: dict[int, str] = {}
+        self._weights_lock = asyncio.Lock()
         self.on_engine_death: Callable[[str], None] | None = None
         client.on_step = self._on_step
         client.on_death = self._on_death
@@ -174,6 +180,8 @@ class TokenizerManager:
         event: asyncio.Event,
         rid: str | None = None,
         logprob_start_len: int = -1,
+        pooling: str | None = None,
+        label_token_ids: list[int] | None = None,
     ) -> ServerReq:
         """Queue a checked request in the engine. It counts as live (in ``reqs``, against the
         admission limit) only once the engine has it: a request that fails before that leaves
@@ -185,7 +193,12 @@ class TokenizerManager:
         elif rid in self.reqs:
             raise InvalidRequest(f"rid '{rid}' is already in use by a running request")
         message = ipc.GenerateRequest(
-            rid=rid, input_ids=ids, sampling=params, logprob_start_len=logprob_start_len
+            rid=rid,
+            input_ids=ids,
+            sampling=params,
+            logprob_start_len=logprob_start_len,
+            pooling=pooling,
+            label_token_ids=label_token_ids,
         )
         try:
             data = ipc.encode(message)
@@ -235,6 +248,15 @@ class TokenizerManager:
         reply = await self.client.call(ipc.FlushCacheRequest)
         return bool(reply.ok)
 
+    async def update_weights(self, model_path: str) -> ipc.UpdateWeightsReply:
+        """Have the engine load ``model_path``'s weights once its running requests finish
+        (those arriving meanwhile wait). One update at a time."""
+        async with self._weights_lock:
+            return await self.client.call(
+                lambda call_id: ipc.UpdateWeightsRequest(call_id=call_id, model_path=model_path),
+                timeout=WEIGHT_UPDATE_TIMEOUT_S,
+            )
+
     async def engine_state(self) -> ipc.EngineState:
         return await self.client.call(ipc.StateRequest)
 
@@ -268,6 +290,10 @@ class TokenizerManager:
                 r.input_logprobs = d.input_logprobs
                 r.input_top_logprobs = d.input_top_logprobs or []
             r.cached_tokens = d.cached_tokens
+            if d.embedding is not None:
+                r.embedding = d.embedding
+            if d.label_logprobs is not None:
+                r.label_logprobs = d.label_logprobs
             r.spec_verify_ct = d.spec_verify_ct
             r.spec_accepted_tokens = d.spec_accepted_tokens
             if d.finish is not None:

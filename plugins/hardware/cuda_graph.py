@@ -192,6 +192,9 @@ class CudaGraphRunner:
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         bs = batch.batch_size
+        if batch.hidden_rows is not None:  # a graph keeps no final hidden states: run eagerly
+            self.attention.prepare(batch)
+            return self.model.forward(batch)
         if batch.num_decode == 0 and self.verify_shapes:
             q = batch.extend_lens[0]
             if q > 1 and all(n == q for n in batch.extend_lens):

@@ -344,12 +344,16 @@ class DecoderForCausalLM(nn.Module, CausalLM):
             h, residual = layer(h, residual, self.rope, batch)
             if i in capture:
                 batch.hidden_states[i] = h + residual  # type: ignore[index]
-        rows = batch.logits_indices
+        if batch.hidden_rows is not None:
+            batch.final_hidden = self._final_norm(h, residual, batch.hidden_rows)
+        return self.logits(self._final_norm(h, residual, batch.logits_indices))
+
+    def _final_norm(
+        self, h: torch.Tensor, residual: torch.Tensor | None, rows: torch.Tensor
+    ) -> torch.Tensor:
         if residual is None:  # a model without layers
-            h = self.norm(h[rows])
-        else:
-            h = self.norm.add_forward(h[rows], residual[rows])[0]
-        return self.logits(h)
+            return self.norm(h[rows])
+        return self.norm.add_forward(h[rows], residual[rows])[0]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())

@@ -1,0 +1,51 @@
+"""POST /update_weights_from_disk: SGLang's in-place weight reload.
+
+The engine stops admitting requests, lets the running ones finish on the old weights, loads
+the new checkpoint into the model, flushes the prefix cache (its KV came from the old weights)
+and admits again; requests that arrived meanwhile wait and then run on the new weights. A bad
+path or a checkpoint of another shape leaves the old weights serving and answers
+``success: false`` (status 400, as SGLang) with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from radixserve.core.request import InvalidRequest
+from radixserve.entrypoints.openai_protocol import STRICT
+from radixserve.entrypoints.tokenizer_manager import TokenizerManager
+
+# What this server reads: HF-layout safetensors (or what a resolve_model_dir plugin converts).
+LOAD_FORMATS = (None, "auto", "safetensors")
+
+
+class UpdateWeightsRequest(BaseModel):
+    model_config = STRICT
+    model_path: str
+    load_format: str | None = None
+    # abort the running and waiting requests first instead of letting them finish
+    abort_all_requests: bool = False
+
+
+def add_weight_routes(app: FastAPI, tm: TokenizerManager) -> None:
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateWeightsRequest, raw: Request) -> Any:
+        if not body.model_path.strip():
+            raise InvalidRequest("model_path must name a model directory")
+        if body.load_format not in LOAD_FORMATS:
+            raise InvalidRequest(
+                f"load_format '{body.load_format}' is not supported; use 'auto' or 'safetensors'"
+            )
+        if body.abort_all_requests:
+            tm.abort_all("aborted for a weight update")
+        reply = await tm.update_weights(body.model_path)
+        content = {
+            "success": reply.success,
+            "message": reply.message,
+            "num_paused_requests": reply.num_paused_requests,
+        }
+        return JSONResponse(content, status_code=200 if reply.success else 400)
