@@ -61,12 +61,30 @@ class ShutdownRequest(msgspec.Struct, tag="shutdown"):
     pass
 
 
+PROFILE_ACTIVITIES = ("CPU", "GPU")  # what ProfileRequest.activities may name
+
+
+class ProfileRequest(msgspec.Struct, tag="profile", kw_only=True):
+    """Start or stop torch.profiler in the engine (core/profiler.py); the server has checked
+    the fields. ``num_steps``: stop by itself after that many engine steps."""
+
+    call_id: int
+    action: str  # "start" | "stop"
+    output_dir: str = ""
+    file_name: str = ""
+    activities: list[str] = []  # of PROFILE_ACTIVITIES
+    num_steps: int | None = None
+    record_shapes: bool = False
+    with_stack: bool = False
+
+
 EngineInbound = Union[  # noqa: UP007 - msgspec needs a runtime union object
     GenerateRequest,
     AbortRequest,
     FlushCacheRequest,
     StateRequest,
     ShutdownRequest,
+    ProfileRequest,
     UpdateWeightsRequest,
 ]
 
@@ -150,6 +168,19 @@ class EngineState(msgspec.Struct, tag="state_reply", kw_only=True):
     steps: int
     # EngineCore.spec_stats() now: settings and accept statistics; None when speculation is off
     speculative: dict[str, Any] | None = None
+    # output tokens per second over the last few seconds of steps (core/gen_rate.py)
+    gen_throughput: float = 0.0
+    num_grammar_queue: int = 0  # requests waiting for their grammar to compile
+
+
+class ProfileReply(msgspec.Struct, tag="profile_reply", kw_only=True):
+    """``ok`` False: refused (``message`` says why, the server answers 400). ``trace_path``:
+    where the trace is (stop) or will be (start) written."""
+
+    call_id: int
+    ok: bool
+    message: str
+    trace_path: str = ""
 
 
 EngineOutbound = Union[  # noqa: UP007 - msgspec needs a runtime union object
@@ -158,6 +189,7 @@ EngineOutbound = Union[  # noqa: UP007 - msgspec needs a runtime union object
     EngineFailed,
     FlushCacheReply,
     EngineState,
+    ProfileReply,
     UpdateWeightsReply,
 ]
 

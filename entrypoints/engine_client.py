@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 
 # Replies to ``call``, matched to their caller by call_id.
-_REPLIES = (ipc.EngineState, ipc.FlushCacheReply, ipc.UpdateWeightsReply)
+_REPLIES = (ipc.EngineState, ipc.FlushCacheReply, ipc.ProfileReply, ipc.UpdateWeightsReply)
 
 
 class EngineDied(RuntimeError):

@@ -23,8 +23,10 @@ import zmq
 from radixserve.core import ipc
 from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.core.engine_core import EngineCore
+from radixserve.core.gen_rate import GenRate
 from radixserve.core.grammar_sandbox import SandboxSpec
 from radixserve.core.plugins import PluginError, default_host
+from radixserve.core.profiler import EngineProfiler, ProfilerError
 from radixserve.core.request import FinishReason, InvalidRequest, Req, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -133,6 +135,8 @@ class EngineLoop:
             self.poller.register(self.parent_sentinel, zmq.POLLIN)
         self.step_started: float | None = None  # read by the watchdog thread
         self.failed_steps = 0  # in a row
+        self.gen_rate = GenRate()  # EngineState.gen_throughput
+        self.profiler = EngineProfiler()  # /start_profile, /stop_profile
         # /update_weights_from_disk: waits (admission paused) until no request runs
         self.weight_update: ipc.UpdateWeightsRequest | None = None
         watchdog = threading.Thread(target=self._watchdog, name="engine-watchdog", daemon=True)
@@ -175,6 +179,7 @@ class EngineLoop:
         it cannot recover from (KV still held afterwards, or steps failing with nothing to
         end) ends it."""
         self.step_started = time.monotonic()
+        begin = time.perf_counter()
         try:
             changed = self.core.step()
             self.failed_steps = 0
@@ -184,8 +189,14 @@ class EngineLoop:
             changed = self._recover(e)
         finally:
             self.step_started = None
+        tokens = 0
         for req in changed:
-            self.outbox.append(self._delta(req))
+            delta = self._delta(req)
+            tokens += len(delta.token_ids)
+            self.outbox.append(delta)
+        self.gen_rate.add_step(begin, time.perf_counter(), tokens)
+        if self.profiler.active:
+            self._profile_step()
 
     def _recover(self, error: Exception) -> list[Req]:
         logger.exception("an engine step failed; aborting the running requests")
@@ -260,6 +271,9 @@ class EngineLoop:
         elif isinstance(msg, ipc.FlushCacheRequest):
             self._flush()
             self.push.send(ipc.encode(ipc.FlushCacheReply(msg.call_id, core.flush_cache())))
+        elif isinstance(msg, ipc.ProfileRequest):
+            self._flush()
+            self.push.send(ipc.encode(self._profile(msg)))
         elif isinstance(msg, ipc.UpdateWeightsRequest):
             if self.weight_update is not None:  # one at a time: the server serializes them
                 reply = ipc.UpdateWeightsReply(
@@ -271,6 +285,8 @@ class EngineLoop:
                 self.weight_update = msg
                 core.pause_admission(True)
         elif isinstance(msg, ipc.ShutdownRequest):
+            if self.profiler.active:
+                self.profiler.stop()  # the trace so far is written, not lost
             return False
         return True
 
@@ -284,6 +300,30 @@ class EngineLoop:
             call_id=msg.call_id, success=success, message=message, num_paused_requests=held
         )
         self.push.send(ipc.encode(reply))
+
+    def _profile(self, msg: ipc.ProfileRequest) -> ipc.ProfileReply:
+        profiler, reply = self.profiler, ipc.ProfileReply
+        try:
+            if msg.action == "start":
+                path = profiler.start(
+                    msg.output_dir, msg.file_name, msg.activities, msg.num_steps,
+                    msg.record_shapes, msg.with_stack,
+                )  # fmt: skip
+                what = f"profiling {', '.join(profiler.activities)}"
+                return reply(call_id=msg.call_id, ok=True, message=what, trace_path=path)
+            path = profiler.stop()
+            return reply(call_id=msg.call_id, ok=True, message="trace written", trace_path=path)
+        except ProfilerError as e:
+            return reply(call_id=msg.call_id, ok=False, message=str(e))
+        except OSError as e:  # writing the trace failed; the profile has ended
+            return reply(call_id=msg.call_id, ok=False, message=f"cannot write the trace: {e}")
+
+    def _profile_step(self) -> None:
+        """Count a profiled step; the last of ``num_steps`` writes the trace."""
+        try:
+            self.profiler.after_step()
+        except OSError:
+            logger.exception("cannot write the profile trace")
 
     def _delta(self, req: Req, error_status: int = 0) -> ipc.ReqDelta:
         n_sent, text_sent = self.sent.get(req.rid, (0, 0))
@@ -332,4 +372,6 @@ class EngineLoop:
             retractions=sched.stats.retractions,
             steps=sched.stats.steps,
             speculative=self.core.spec_stats(),
+            gen_throughput=self.gen_rate.per_second(),
+            num_grammar_queue=len(self.core.grammars),
         )

@@ -19,6 +19,7 @@ from radixserve.core.request import InvalidRequest, SamplingParams
 from radixserve.entrypoints.http_errors import (
     ApiError,
     GuardMiddleware,
+    error_body,
     error_response,
     install_error_handlers,
 )
@@ -30,6 +31,7 @@ from radixserve.entrypoints.openai_protocol import (
     ModelCard,
     ModelList,
 )
+from radixserve.entrypoints.profiling import start_profile, stop_profile
 from radixserve.entrypoints.server_args import ServerArgs
 from radixserve.entrypoints.serving_chat import ChatServing
 from radixserve.entrypoints.serving_completions import CompletionServing
@@ -120,6 +122,15 @@ def create_app(
     async def models() -> Any:
         card = ModelCard(id=name, root=name, max_model_len=tm.info.max_context)
         return json_response(ModelList(data=[card]))
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> Any:
+        # the served name and its aliases; SGLang and OpenAI answer 404 for any other id
+        if model not in chat.accepted:
+            body = error_body(404, f"The model '{model}' does not exist", "model")
+            body["error"].update(type="invalid_request_error", code="model_not_found")
+            return json_response(body, 404)
+        return json_response(ModelCard(id=model, root=name, max_model_len=tm.info.max_context))
 
     # -- native ------------------------------------------------------------------------------
 
@@ -242,15 +253,18 @@ def create_app(
         return {"text": tm.tokenizer.decode(tokens, skip_special_tokens=skip)}
 
     @app.api_route("/start_profile", methods=GET_POST)
+    async def start_profile_route(raw: Request) -> Any:
+        return await start_profile(tm, await read_object(raw))
+
     @app.api_route("/stop_profile", methods=GET_POST)
-    async def profile() -> Any:
-        return {"success": True, "message": "profiling is not implemented yet; nothing recorded"}
+    async def stop_profile_route() -> Any:
+        return await stop_profile(tm)
 
-    if metrics is not None:
-
-        @app.get("/metrics")
-        async def metrics_route() -> Response:
-            state = await tm.engine_state() if tm.dead is None else None
-            return Response(metrics.render(state), media_type=METRICS_CONTENT_TYPE)
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        if metrics is None:  # SGLang serves no /metrics without the flag either
+            return error_response(404, "metrics are off; start the server with --enable-metrics")
+        state = await tm.engine_state() if tm.dead is None else None
+        return Response(metrics.render(state), media_type=METRICS_CONTENT_TYPE)
 
     return app

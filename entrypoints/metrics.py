@@ -1,8 +1,17 @@
-"""Prometheus metrics of the server process (one registry per server, not the global one)."""
+"""Prometheus metrics of the server process under SGLang's names, types, labels and buckets, so
+SGLang's Grafana dashboard and alerts read our server unchanged.
+
+The source is SGLang 0.5.23, python/sglang/srt/observability/metrics_collector.py: per-request
+metrics of its TokenizerMetricsCollector (labels model_name, engine_type, and is_streaming where
+SGLang has it) and engine gauges of its SchedulerMetricsCollector (labels model_name,
+engine_type, tp_rank, pp_rank, moe_ep_rank; one engine: rank 0, engine_type "unified"). The
+engine gauges are read from the engine's state at scrape time. One registry per server, not the
+global one. Served only with --enable-metrics, as in SGLang.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -19,124 +28,251 @@ from radixserve.core import ipc
 # The exposition format generate_latest writes, as prometheus_client names it.
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-PREFIX = "radixserve"
-_LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
-    1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0, 120.0,
+PREFIX = "sglang:"
+ENGINE_TYPE = "unified"  # SGLang's value without prefill/decode disaggregation
+TOKENIZER_LABELS = ("model_name", "engine_type")
+SCHEDULER_LABELS = ("model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank")
+
+# SGLang's default buckets (TokenizerMetricsCollector).
+TTFT_BUCKETS = (
+    0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400,
+)  # fmt: skip
+E2E_BUCKETS = (
+    0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200,
+    1800, 2400,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060,
+    0.080, 0.100, 0.200, 0.400, 0.600, 0.800, 1.000, 2.000, 4.000, 6.000, 8.000,
+)  # fmt: skip
+TOKEN_BUCKETS = (
+    100, 300, 500, 700, 1000, 1500, 2000, 3000, 4000, 5000, 6000, 7000, 8000, 9000, 10000,
+    12500, 15000, 17500, 20000, 22500, 25000, 27500, 30000, 35000, 40000, 60000, 80000,
+    100000, 200000, 300000, 400000, 600000, 800000, 1000000, 1100000,
 )  # fmt: skip
 
 
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        labels = {"model_name": model_name}
+        self._req_labels = {"model_name": model_name, "engine_type": ENGINE_TYPE}
+        rank = {"tp_rank": "0", "pp_rank": "0", "moe_ep_rank": "0"}
+        self._engine_labels = {**self._req_labels, **rank}
         r = self.registry
 
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            c = Counter(f"{PREFIX}_{name}", doc, ["model_name", *extra], registry=r)
-            return c
+        def counter(name: str, doc: str, extra: Sequence[str] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, [*TOKENIZER_LABELS, *extra], registry=r)
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"{PREFIX}_{name}", doc, ["model_name"], registry=r).labels(**labels)
+        def histogram(name: str, doc: str, buckets: Sequence[float], extra: Sequence[str] = ()):
+            labels = [*TOKENIZER_LABELS, *extra]
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r)
 
-        def histogram(name: str, doc: str) -> Histogram:
-            h = Histogram(
-                f"{PREFIX}_{name}", doc, ["model_name"], buckets=_LATENCY_BUCKETS, registry=r
-            )
-            return h.labels(**labels)
-
-        self._labels = labels
-        self.requests = counter(
-            "requests", "Finished requests by finish reason", ("finish_reason",)
+        stream = ("is_streaming",)
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.", stream)
+        self.generation_tokens = counter(
+            "generation_tokens", "Number of generation tokens processed.", stream
         )
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
-        self.generation_tokens = counter("generation_tokens", "Generated tokens")
-        self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the prefix cache")
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
-        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens")
-        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to finish")
-        self.num_running = gauge("num_running_reqs", "Requests in the running batch")
-        self.num_waiting = gauge("num_waiting_reqs", "Requests waiting for admission")
-        self.cache_hit_rate = gauge("cache_hit_rate", "Prompt tokens matched in the cache / all")
-        self.kv_usage = gauge("kv_usage", "KV pool fraction held by running requests and locks")
-        self.kv_used_tokens = gauge("kv_used_tokens", "KV slots held by running requests")
-        self.kv_cached_tokens = gauge("kv_cached_tokens", "KV slots held by the prefix cache")
-        self.kv_size = gauge("kv_size_tokens", "KV pool size in tokens")
-        self._gauge = gauge
-        self._counter = counter
-        self._spec: _SpecMetrics | None = None  # made on the first state with speculation on
-
-    def on_first_token(self, seconds: float) -> None:
-        self.ttft.observe(seconds)
+        self.num_requests = counter("num_requests", "Number of requests processed.", stream)
+        self.num_aborted = counter("num_aborted_requests", "Number of requests aborted.")
+        self.num_so = counter("num_so_requests", "Number of structured output requests processed.")
+        self.cached_tokens = counter(
+            "cached_tokens",
+            "Number of cached prompt tokens by source (device/host/storage).",
+            ("cache_source",),
+        )
+        self.spec_verify_calls = counter(
+            "spec_verify_calls", "Number of speculative decoding verification calls."
+        )
+        self.prompt_len = histogram(
+            "prompt_tokens_histogram", "Histogram of prompt token length.", TOKEN_BUCKETS
+        )
+        self.uncached_len = histogram(
+            "uncached_prompt_tokens_histogram",
+            "Histogram of uncached (compute) prompt token length.",
+            TOKEN_BUCKETS,
+        )
+        self.generation_len = histogram(
+            "generation_tokens_histogram", "Histogram of generation token length.", TOKEN_BUCKETS
+        )
+        self.ttft = histogram(
+            "time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS,
+            stream,
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            ITL_BUCKETS,
+        ).labels(**self._req_labels)  # fmt: skip
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Per-request TPOT in seconds: (finished_time - first_token_time) / "
+            "(completion_tokens - 1).",
+            ITL_BUCKETS,
+            stream,
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds",
+            "Histogram of End-to-end request latency in seconds",
+            E2E_BUCKETS,
+            stream,
+        )
+        self.engine = _EngineMetrics(r, self._engine_labels)
 
     def on_tokens(self, seconds_each: float, count: int) -> None:
+        """``count`` output tokens arrived together, ``seconds_each`` apart on average."""
         for _ in range(count):
             self.itl.observe(seconds_each)
 
     def on_finish(
-        self, reason: str, prompt_tokens: int, output_tokens: int, cached: int, e2e: float
+        self,
+        *,
+        aborted: bool,
+        streaming: bool,
+        structured: bool,
+        prompt_tokens: int,
+        output_tokens: int,
+        cached_tokens: int,
+        spec_verify_ct: int,
+        e2e: float,
+        ttft: float | None,
+        decode_seconds: float | None,
     ) -> None:
-        self.requests.labels(finish_reason=reason, **self._labels).inc()
-        self.prompt_tokens.labels(**self._labels).inc(prompt_tokens)
-        self.generation_tokens.labels(**self._labels).inc(output_tokens)
-        self.cached_tokens.labels(**self._labels).inc(cached)
-        self.e2e.observe(e2e)
+        """One finished request. ``ttft``: None when no token came; ``decode_seconds``: first
+        token to finish. TTFT is observed here, when the label is_streaming is known for sure
+        (a stream is marked once its handler starts following it)."""
+        labels = self._req_labels
+        stream = {**labels, "is_streaming": "true" if streaming else "false"}
+        self.prompt_tokens.labels(**stream).inc(prompt_tokens)
+        self.generation_tokens.labels(**stream).inc(output_tokens)
+        self.num_requests.labels(**stream).inc()
+        if aborted:
+            self.num_aborted.labels(**labels).inc()
+        if structured:
+            self.num_so.labels(**labels).inc()
+        if cached_tokens > 0:
+            self.cached_tokens.labels(**labels, cache_source="device").inc(cached_tokens)
+        if spec_verify_ct > 0:
+            self.spec_verify_calls.labels(**labels).inc(spec_verify_ct)
+        self.prompt_len.labels(**labels).observe(prompt_tokens)
+        self.uncached_len.labels(**labels).observe(prompt_tokens - cached_tokens)
+        self.generation_len.labels(**labels).observe(output_tokens)
+        self.e2e.labels(**stream).observe(e2e)
+        if ttft is not None:
+            self.ttft.labels(**stream).observe(ttft)
+        if decode_seconds is not None and output_tokens > 1:
+            self.tpot.labels(**stream).observe(decode_seconds / (output_tokens - 1))
 
     def render(self, state: ipc.EngineState | None) -> bytes:
         if state is not None:
-            kv = state.kv
-            self.num_running.set(state.num_running)
-            self.num_waiting.set(state.num_waiting)
-            self.cache_hit_rate.set(state.cache_hit_rate)
-            self.kv_size.set(kv["size"])
-            self.kv_used_tokens.set(kv["in_use"])
-            self.kv_cached_tokens.set(kv["evictable"] + kv["locked"])
-            self.kv_usage.set((kv["in_use"] + kv["locked"]) / kv["size"] if kv["size"] else 0.0)
-            if state.speculative is not None:
-                if self._spec is None:
-                    self._spec = _SpecMetrics(self._gauge, self._counter, self._labels)
-                self._spec.update(state.speculative)
+            self.engine.update(state)
         return generate_latest(self.registry)
 
 
-class _SpecMetrics:
-    """Speculative decoding, from the engine's cumulative ``spec_stats()``: SGLang's gauges
-    (``sglang:spec_accept_length``, ``sglang:spec_accept_rate``) under our prefix, and counters
-    of the counts behind them. Registered only while speculation is on."""
+class _EngineMetrics:
+    """SGLang's SchedulerMetricsCollector gauges (and its retraction counter), set from the
+    engine's state at scrape time; the speculative ones only while speculation is on."""
 
-    # spec_stats() key -> (counter name, help)
-    COUNTS = {
-        "verify_steps": ("spec_verify_steps", "Engine steps that verified drafts"),
+    GAUGES = {
+        "num_running_reqs": "The number of running requests.",
+        "num_queue_reqs": "The number of requests in the waiting queue.",
+        "num_grammar_queue_reqs": "The number of requests in the grammar waiting queue.",
+        "gen_throughput": "The generation throughput (token/s).",
+        "cache_hit_rate": "The prefix cache hit rate.",
+        "token_usage": "The token usage.",
+        "num_used_tokens": "The number of used tokens.",
+        "kv_available_tokens": "Number of free token slots in the KV cache pool.",
+        "kv_evictable_tokens": "Number of evictable (radix-cached) token slots in the KV cache "
+        "pool.",
+        "kv_used_tokens": "Number of actively used token slots in the KV cache pool.",
+    }
+    SPEC_GAUGES = {
+        "spec_accept_length": "Mean acceptance length of speculative decoding (accepted drafts "
+        "+ bonus token per forward).",
+        "spec_accept_rate": "Speculative acceptance rate (`accepted drafts / proposed drafts` "
+        "in batch).",
+        "spec_num_draft_tokens": "Currently active speculative_num_draft_tokens.",
+    }
+    # Ours, no SGLang equivalent: the counts behind the accept gauges (spec_stats() key ->
+    # counter name, help).
+    SPEC_COUNTS = {
+        "verify_steps": ("radixserve_spec_verify_steps", "Engine steps that verified drafts"),
         "verified_requests": (
-            "spec_verify_ct",
+            "radixserve_spec_verify_ct",
             "Verify steps summed over requests (each request's spec_verify_ct)",
         ),
-        "draft_tokens": ("spec_draft_tokens", "Draft tokens proposed and verified"),
-        "accepted_tokens": ("spec_accepted_tokens", "Draft tokens accepted"),
+        "draft_tokens": ("radixserve_spec_draft_tokens", "Draft tokens proposed and verified"),
+        "accepted_tokens": ("radixserve_spec_accepted_tokens", "Draft tokens accepted"),
     }
 
-    def __init__(
-        self,
-        gauge: Callable[[str, str], Any],
-        counter: Callable[[str, str], Counter],
-        labels: dict[str, str],
-    ) -> None:
-        self.accept_length = gauge(
-            "spec_accept_length",
-            "Average tokens a request gains per verify step (accepted drafts + 1)",
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        self.registry = registry
+        self.labels = labels
+        self.gauges = {name: self._gauge(name, doc) for name, doc in self.GAUGES.items()}
+        self.retractions = _GrowingCounter(
+            Counter(
+                PREFIX + "num_retracted_requests",
+                "Total number of retracted requests.",
+                list(labels),
+                registry=registry,
+            ).labels(**labels)
         )
-        self.accept_rate = gauge("spec_accept_rate", "Accepted draft tokens / draft tokens")
-        self.counters = {
-            key: counter(name, doc).labels(**labels) for key, (name, doc) in self.COUNTS.items()
-        }
-        self.seen = dict.fromkeys(self.COUNTS, 0)
+        self.spec: dict[str, Any] | None = None  # made on the first state with speculation on
 
-    def update(self, stats: dict[str, Any]) -> None:
-        self.accept_length.set(stats["avg_accept_length"])
+    def _gauge(self, name: str, doc: str) -> Any:
+        gauge = Gauge(PREFIX + name, doc, list(self.labels), registry=self.registry)
+        return gauge.labels(**self.labels)
+
+    def update(self, state: ipc.EngineState) -> None:
+        kv = state.kv
+        used = kv["in_use"] + kv["locked"]  # held by requests; what eviction cannot free
+        values = {
+            "num_running_reqs": state.num_running,
+            "num_queue_reqs": state.num_waiting,
+            "num_grammar_queue_reqs": state.num_grammar_queue,
+            "gen_throughput": state.gen_throughput,
+            "cache_hit_rate": state.cache_hit_rate,
+            "token_usage": used / kv["size"] if kv["size"] else 0.0,
+            "num_used_tokens": used,
+            "kv_available_tokens": kv["free"],
+            "kv_evictable_tokens": kv["evictable"],
+            "kv_used_tokens": used,
+        }
+        for name, value in values.items():
+            self.gauges[name].set(value)
+        self.retractions.advance(state.retractions)
+        if state.speculative is not None:
+            self._update_spec(state.speculative)
+
+    def _update_spec(self, stats: dict[str, Any]) -> None:
+        if self.spec is None:
+            gauges = {name: self._gauge(name, doc) for name, doc in self.SPEC_GAUGES.items()}
+            counters = {
+                key: _GrowingCounter(
+                    Counter(name, doc, list(self.labels), registry=self.registry).labels(
+                        **self.labels
+                    )
+                )
+                for key, (name, doc) in self.SPEC_COUNTS.items()
+            }
+            self.spec = {"gauges": gauges, "counters": counters}
         drafts = stats["draft_tokens"]
-        self.accept_rate.set(stats["accepted_tokens"] / drafts if drafts else 0.0)
-        for key, child in self.counters.items():
-            value = int(stats[key])
-            if value > self.seen[key]:  # the engine's counts only grow
-                child.inc(value - self.seen[key])
-                self.seen[key] = value
+        gauges = self.spec["gauges"]
+        gauges["spec_accept_length"].set(stats["avg_accept_length"])
+        gauges["spec_accept_rate"].set(stats["accepted_tokens"] / drafts if drafts else 0.0)
+        gauges["spec_num_draft_tokens"].set(stats["num_draft_tokens"])
+        for key, counter in self.spec["counters"].items():
+            counter.advance(int(stats[key]))
+
+
+class _GrowingCounter:
+    """A counter that follows one of the engine's cumulative counts."""
+
+    def __init__(self, child: Any) -> None:
+        self.child = child
+        self.seen = 0
+
+    def advance(self, value: int) -> None:
+        if value > self.seen:  # the engine's counts only grow
+            self.child.inc(value - self.seen)
+            self.seen = value

@@ -50,7 +50,11 @@ class ServerArgs:
     port: int = _opt(30000, "Port to listen on")
     api_key: str | None = _opt(None, "Require 'Authorization: Bearer KEY'")
     chat_template: str | None = _opt(None, "Chat template: a Jinja file or template text")
-    enable_metrics: bool = _opt(False, "Serve Prometheus /metrics")
+    enable_metrics: bool = _opt(
+        False,
+        "Serve Prometheus /metrics under SGLang's names (sglang:*, docs/metrics.md); without it "
+        "/metrics answers 404, as in SGLang",
+    )
     is_embedding: bool = _opt(
         False,
         "SGLang's flag for embedding models: /get_model_info reports is_generation false. "

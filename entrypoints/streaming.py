@@ -46,6 +46,8 @@ async def follow(tm: TokenizerManager, reqs: Sequence[ServerReq]) -> AsyncIterat
     Leaving early (the client disconnected, the generator was closed or cancelled) aborts every
     unfinished request, so its KV is freed."""
     n = len(reqs)
+    for r in reqs:
+        r.streaming = True
     sent_text, sent_tokens, done = [0] * n, [0] * n, [False] * n
     event = reqs[0].event
     try:

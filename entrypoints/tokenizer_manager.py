@@ -44,7 +44,7 @@ class ServerReq:
         "top_logprobs", "cached_tokens", "finish", "error_status", "created",
         "logprob_start_len", "input_logprobs", "input_top_logprobs",
         "first_token_time", "last_token_time", "finish_time", "timer", "spec_verify_ct",
-        "spec_accepted_tokens", "embedding", "label_logprobs",
+        "spec_accepted_tokens", "streaming", "embedding", "label_logprobs",
     )  # fmt: skip
 
     def __init__(
@@ -74,6 +74,7 @@ class ServerReq:
         self.last_token_time: float | None = None
         self.finish_time: float | None = None
         self.timer: asyncio.TimerHandle | None = None  # --request-timeout
+        self.streaming = False  # its handler streams it (metrics label is_streaming)
 
     @property
     def finished(self) -> bool:
@@ -273,8 +274,6 @@ class TokenizerManager:
                 k = len(d.token_ids)
                 if r.first_token_time is None:
                     r.first_token_time = now
-                    if metrics is not None:
-                        metrics.on_first_token(now - r.created)
                     k -= 1
                 if metrics is not None and k > 0 and r.last_token_time is not None:
                     metrics.on_tokens((now - r.last_token_time) / k, k)
@@ -311,8 +310,18 @@ class TokenizerManager:
             now - r.created,
         )  # fmt: skip
         if self.metrics is not None:
+            first = r.first_token_time
             self.metrics.on_finish(
-                reason.type, len(r.prompt_ids), len(r.output_ids), r.cached_tokens, now - r.created
+                aborted=reason.type == "abort",
+                streaming=r.streaming,
+                structured=r.sampling.grammar is not None,
+                prompt_tokens=len(r.prompt_ids),
+                output_tokens=len(r.output_ids),
+                cached_tokens=r.cached_tokens,
+                spec_verify_ct=r.spec_verify_ct,
+                e2e=now - r.created,
+                ttft=None if first is None else first - r.created,
+                decode_seconds=None if first is None else now - first,
             )
 
     def _on_death(self, reason: str) -> None:

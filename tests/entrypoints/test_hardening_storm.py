@@ -44,7 +44,7 @@ def _client(server: RunningServer, seed: int, closed: list[int], errors: list[st
 
 def test_disconnect_storm_frees_all_kv(any_server: RunningServer) -> None:
     server = any_server
-    aborted_before = metric(server, "radixserve_requests_total", finish_reason="abort")
+    aborted_before = metric(server, "sglang:num_aborted_requests_total")
     closed: list[int] = []
     errors: list[str] = []
     threads = [
@@ -64,7 +64,7 @@ def test_disconnect_storm_frees_all_kv(any_server: RunningServer) -> None:
     assert state["num_live_requests"] == 0, state
     # Hang-ups abort their requests: had the server let every one run to its max_new_tokens
     # (up to 1,500 tokens after the first event), none would have ended with an abort.
-    assert metric(server, "radixserve_requests_total", finish_reason="abort") > aborted_before
+    assert metric(server, "sglang:num_aborted_requests_total") > aborted_before
     # The engine idled with --debug-leak-check: a leak would have killed it.
     assert server.proc.poll() is None, server.log()[-3000:]
     ok = server_state(server)

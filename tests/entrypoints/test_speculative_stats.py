@@ -171,8 +171,9 @@ def test_metrics_follow_the_engine(spec_server: RunningServer) -> None:
         "radixserve_spec_verify_ct_total": stats["verified_requests"],
         "radixserve_spec_draft_tokens_total": stats["draft_tokens"],
         "radixserve_spec_accepted_tokens_total": stats["accepted_tokens"],
-        "radixserve_spec_accept_length": pytest.approx(stats["avg_accept_length"], abs=1e-4),
-        "radixserve_spec_accept_rate": pytest.approx(
+        # SGLang's gauges (sglang:spec_*), and ours: the counts behind them
+        "sglang:spec_accept_length": pytest.approx(stats["avg_accept_length"], abs=1e-4),
+        "sglang:spec_accept_rate": pytest.approx(
             stats["accepted_tokens"] / stats["draft_tokens"]
         ),
     }
@@ -197,7 +198,8 @@ def test_speculation_off_adds_nothing(server: RunningServer) -> None:
         meta = json.loads(line.removeprefix("data: "))["meta_info"]
         assert not [k for k in meta if k.startswith("spec_")]
     assert server_info(server)["speculative"] is None
-    assert "radixserve_spec_" not in requests.get(server.url + "/metrics", timeout=TIMEOUT).text
+    text = requests.get(server.url + "/metrics", timeout=TIMEOUT).text
+    assert not [s for s in text.splitlines() if s.startswith(("radixserve_spec_", "sglang:spec_"))]
 
 
 # -- the offline Engine --------------------------------------------------------------------

@@ -1,0 +1,97 @@
+"""/start_profile and /stop_profile as SGLang has them: its body fields are checked here, and
+torch.profiler runs in the engine process, where the model runs (core/profiler.py). The trace
+goes to ``output_dir``, by default $SGLANG_TORCH_PROFILER_DIR (or our alias
+$RADIXSERVE_TORCH_PROFILER_DIR), else /tmp, named ``<profile_id>-TP-0.trace.json.gz`` as
+SGLang names it."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from radixserve.core import ipc
+from radixserve.core.ipc import PROFILE_ACTIVITIES as ACTIVITIES
+from radixserve.core.request import InvalidRequest
+from radixserve.entrypoints.http_errors import ApiError
+from radixserve.entrypoints.tokenizer_manager import TokenizerManager
+
+DIR_ENV = "SGLANG_TORCH_PROFILER_DIR"
+DIR_ENV_ALIAS = "RADIXSERVE_TORCH_PROFILER_DIR"  # wins when both are set
+# Writing a long trace takes the engine a while; a start answers at once.
+STOP_TIMEOUT_S = 600.0
+
+
+def default_output_dir() -> str:
+    return os.environ.get(DIR_ENV_ALIAS) or os.environ.get(DIR_ENV) or "/tmp"
+
+
+async def start_profile(tm: TokenizerManager, body: dict[str, Any]) -> dict[str, Any]:
+    """Start the engine's profiler; 400 when it runs already or a field is bad."""
+    fields = _start_fields(body)
+    reply = await tm.client.call(lambda call_id: ipc.ProfileRequest(call_id=call_id, **fields))
+    return _answer(reply, "profiling started; the trace will be written to")
+
+
+async def stop_profile(tm: TokenizerManager) -> dict[str, Any]:
+    """Stop the profiler and write the trace; 400 when none runs."""
+    reply = await tm.client.call(
+        lambda call_id: ipc.ProfileRequest(call_id=call_id, action="stop"), STOP_TIMEOUT_S
+    )
+    return _answer(reply, "profiling stopped; the trace was written to")
+
+
+def _answer(reply: ipc.ProfileReply, done: str) -> dict[str, Any]:
+    if not reply.ok:
+        raise ApiError(400, reply.message)
+    return {
+        "success": True,
+        "message": f"{done} {reply.trace_path} ({reply.message})",
+        "trace_path": reply.trace_path,
+    }
+
+
+def _start_fields(body: dict[str, Any]) -> dict[str, Any]:
+    output_dir = _optional(body, "output_dir", str) or default_output_dir()
+    activities = _optional(body, "activities", list) or list(ACTIVITIES)
+    bad = [a for a in activities if a not in ACTIVITIES]
+    if bad:
+        raise InvalidRequest(f"activities {bad!r:.200} are not supported; use {list(ACTIVITIES)}")
+    num_steps = _count(body, "num_steps")
+    if _count(body, "start_step") is not None:
+        raise InvalidRequest("start_step is not supported; start the profile when it should run")
+    if _optional(body, "profile_by_stage", bool):
+        raise InvalidRequest("profile_by_stage is not supported; profile without it")
+    prefix = _optional(body, "profile_prefix", str)
+    profile_id = str(body.get("profile_id") or time.time())
+    name = f"{prefix + '-' if prefix else ''}{profile_id}-TP-0.trace.json.gz"
+    if "/" in name or name.startswith("."):
+        raise InvalidRequest(f"profile_prefix and profile_id must not form a path: {name!r:.200}")
+    return {
+        "action": "start",
+        "output_dir": output_dir,
+        "file_name": name,
+        "activities": activities,
+        "num_steps": num_steps,
+        "record_shapes": bool(_optional(body, "record_shapes", bool)),
+        "with_stack": bool(_optional(body, "with_stack", bool)),
+    }
+
+
+def _optional(body: dict[str, Any], key: str, kind: type) -> Any:
+    value = body.get(key)
+    if value is not None and not isinstance(value, kind):
+        raise InvalidRequest(f"{key} must be a {kind.__name__}, got {value!r:.200}")
+    return value
+
+
+def _count(body: dict[str, Any], key: str) -> int | None:
+    """A positive step count; SGLang's bench client sends it as a string."""
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidRequest(f"{key} must be a positive integer, got {value!r:.200}")
+    return value
