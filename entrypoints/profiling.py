@@ -73,8 +73,9 @@ def _start_fields(body: dict[str, Any]) -> dict[str, Any]:
         "file_name": name,
         "activities": activities,
         "num_steps": num_steps,
-        "record_shapes": bool(_optional(body, "record_shapes", bool)),
-        "with_stack": bool(_optional(body, "with_stack", bool)),
+        # on unless turned off, as SGLang has them
+        "record_shapes": _optional(body, "record_shapes", bool) is not False,
+        "with_stack": _optional(body, "with_stack", bool) is not False,
     }
 
 
