@@ -99,7 +99,14 @@ def create_app(
     name = args.model_name
     aliases = [a for a in (args.engine.model_path, tm.info.model_dir) if a]
     strict = args.strict_model_name
-    chat = ChatServing(tm, name, aliases, strict)
+    chat = ChatServing(
+        tm,
+        name,
+        aliases,
+        strict,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+    )
     completions = CompletionServing(tm, name, aliases, strict)
     native = NativeServing(tm, incremental=args.incremental_streaming_output)
     hidden_size = ModelConfig.from_dir(tm.info.model_dir).hidden_size

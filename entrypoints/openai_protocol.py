@@ -179,6 +179,11 @@ class ChatCompletionRequest(SamplingRequest):
     # SGLang accept the same two fields).
     documents: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    parallel_tool_calls: bool = True  # false: at most one tool call is returned
+    # SGLang: with --reasoning-parser, split reasoning_content from content, and stream it as
+    # it comes (false: in one piece when the reasoning ends)
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
 
 class TopLogprob(BaseModel):
@@ -198,6 +203,7 @@ class ChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser
     tool_calls: list[ToolCall] | None = None
 
 
@@ -220,6 +226,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

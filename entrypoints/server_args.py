@@ -20,6 +20,8 @@ from radixserve.core.config import (
 from radixserve.core.ipc import EngineReady
 from radixserve.core.pooling import POOLING_METHODS
 from radixserve.entrypoints.admission import Limits
+from radixserve.entrypoints.reasoning import REASONING_PARSERS
+from radixserve.entrypoints.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _CHOICES = {"schedule_policy": SCHEDULE_POLICIES, "dtype": DTYPES, "log_level": LOG_LEVELS}
@@ -71,6 +73,16 @@ class ServerArgs:
         False,
         "OpenAI routes answer 404 for a 'model' other than the served name, 'default' or the "
         "model's path; default: any name is accepted, as SGLang does",
+    )
+    tool_call_parser: str | None = _opt(
+        None,
+        f"How tool calls are read from the model's output: {', '.join(sorted(TOOL_PARSERS))} "
+        f"(default: {DEFAULT_TOOL_PARSER})",
+    )
+    reasoning_parser: str | None = _opt(
+        None,
+        "Split <think> blocks into reasoning_content: "
+        f"{', '.join(sorted(REASONING_PARSERS))} (default: none, the text stays in content)",
     )
     incremental_streaming_output: bool = _opt(
         False,
@@ -231,4 +243,13 @@ def parse_server_args(argv: Sequence[str] | None = None) -> ServerArgs:
             f"--embedding-pooling must be one of {', '.join(POOLING_METHODS)}, "
             f"got '{values['embedding_pooling']}'"
         )
+    for name, known in (
+        ("tool_call_parser", TOOL_PARSERS),
+        ("reasoning_parser", REASONING_PARSERS),
+    ):
+        if values[name] is not None and values[name] not in known:
+            flag = "--" + name.replace("_", "-")
+            parser.error(
+                f"{flag} '{values[name]}' is unknown; available: {', '.join(sorted(known))}"
+            )
     return ServerArgs(engine=engine, **values)

@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
+from radixserve.entrypoints.chat_output import ChatOutput
 from radixserve.entrypoints.http_errors import ApiError
 from radixserve.entrypoints.openai_protocol import (
     AssistantMessage,
@@ -22,7 +23,6 @@ from radixserve.entrypoints.openai_protocol import (
     ChatStreamChoice,
     ChoiceLogprobs,
     DeltaMessage,
-    DeltaToolCall,
     TokenLogprob,
     TopLogprob,
     UsageInfo,
@@ -31,13 +31,31 @@ from radixserve.entrypoints.serving_openai import OpenAIServing
 from radixserve.entrypoints.streaming import Update, finish_reason, json_response, sse
 from radixserve.entrypoints.structured_output import chat_grammar
 from radixserve.entrypoints.tokenizer_manager import ServerReq
-from radixserve.entrypoints.tool_calls import ToolPlan, ToolStream, plan_tools
+from radixserve.entrypoints.tool_calls import plan_tools
+from radixserve.entrypoints.tool_parsers import get_tool_parser
 
 
 class ChatServing(OpenAIServing):
+    def __init__(
+        self,
+        *args: Any,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """``tool_call_parser``/``reasoning_parser``: the server's --tool-call-parser and
+        --reasoning-parser (names checked at start-up)."""
+        super().__init__(*args, **kwargs)
+        self.tool_parser = get_tool_parser(tool_call_parser)
+        self.reasoning_parser = reasoning_parser
+
     async def create(self, body: ChatCompletionRequest, raw: Request) -> Any:
         model = self.check_model(body.model)
-        plan = plan_tools(body)
+        plan = plan_tools(body, self.tool_parser)
+        output = ChatOutput(plan, self.reasoning_parser, body)
+        if plan.active and plan.parser.keeps_special_tokens and body.skip_special_tokens is None:
+            # the format's markers are special tokens: the parser must see them
+            body = body.model_copy(update={"skip_special_tokens": False})
         grammar = chat_grammar(body, plan)
         messages = [_message_dict(i, m) for i, m in enumerate(body.messages)]
         extra = _template_kwargs(body)
@@ -58,16 +76,19 @@ class ChatServing(OpenAIServing):
         reqs = self.submit_all([ids], params, body.n, max_field)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
-            stream = self._stream(body, reqs, rid, model, plan)
+            stream = self._stream(body, reqs, rid, model, output)
             return StreamingResponse(stream, media_type="text/event-stream")
         await self.wait(reqs, raw.is_disconnected)
         choices = []
         for i, r in enumerate(reqs):
-            content, calls = plan.parse(r.text) if plan.active else (r.text, [])
+            reasoning, content, calls = output.parse(r.text)
+            message = AssistantMessage(
+                content=content, reasoning_content=reasoning, tool_calls=calls or None
+            )
             choices.append(
                 ChatCompletionChoice(
                     index=i,
-                    message=AssistantMessage(content=content, tool_calls=calls or None),
+                    message=message,
                     logprobs=self._logprobs(r, 0, len(r.output_ids)) if body.logprobs else None,
                     finish_reason=_finish_reason(r, bool(calls)),
                 )
@@ -83,7 +104,7 @@ class ChatServing(OpenAIServing):
         reqs: list[ServerReq],
         rid: str,
         model: str,
-        plan: ToolPlan,
+        output: ChatOutput,
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -97,25 +118,21 @@ class ChatServing(OpenAIServing):
             logprobs = None
             if body.logprobs and u.token_end > u.token_start:
                 logprobs = self._logprobs(u.req, u.token_start, u.token_end)
-            text, calls = u.text, []
-            if plan.active:
-                text, calls = tool_streams[u.index].feed(u.text, u.finished)
-            if not (text or calls or logprobs is not None or u.finished):
+            stream = streams[u.index]
+            reasoning, text, calls = stream.feed(u.text, u.finished)
+            if not (reasoning or text or calls or logprobs is not None or u.finished):
                 return None
-            deltas = [
-                DeltaToolCall(index=called[u.index] + j, id=c.id, type=c.type, function=c.function)
-                for j, c in enumerate(calls)
-            ]
-            called[u.index] += len(calls)
+            delta = DeltaMessage(
+                content=text or None, reasoning_content=reasoning or None, tool_calls=calls or None
+            )
             return ChatStreamChoice(
                 index=u.index,
-                delta=DeltaMessage(content=text or None, tool_calls=deltas or None),
+                delta=delta,
                 logprobs=logprobs,
-                finish_reason=_finish_reason(u.req, called[u.index] > 0) if u.finished else None,
+                finish_reason=_finish_reason(u.req, stream.calls_sent > 0) if u.finished else None,
             )
 
-        tool_streams = [ToolStream(plan) for _ in reqs]
-        called = [0] * len(reqs)  # tool calls sent per choice
+        streams = [output.stream() for _ in reqs]
         for i in range(len(reqs)):
             role = DeltaMessage(role="assistant", content="")
             yield sse(chunk([ChatStreamChoice(index=i, delta=role)], None))

@@ -80,3 +80,29 @@ def spec_server(
     yield running
     code = stop_server(running)
     assert code == 0, f"server exited with {code}:\n{running.log()[-4000:]}"
+
+
+# A Qwen3-like template: enable_thinking=false closes an empty think block in the prompt.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def parser_server(
+    tiny_long_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    """The shared server's settings with SGLang's --tool-call-parser llama3 and
+    --reasoning-parser qwen3, and a template that renders chat_template_kwargs' enable_thinking
+    (tests force the model's output with a regex)."""
+    tmp = tmp_path_factory.mktemp("parser-server")
+    (tmp / "template.jinja").write_text(THINKING_TEMPLATE)
+    args = [*tiny_server_args(tiny_long_llama_dir), "--chat-template", str(tmp / "template.jinja")]
+    args += ["--tool-call-parser", "llama3", "--reasoning-parser", "qwen3"]
+    running = start_server(args, tmp / "server.log", TINY_API_KEY, timeout=300)
+    yield running
+    code = stop_server(running)
+    assert code == 0, f"server exited with {code}:\n{running.log()[-4000:]}"
