@@ -23,7 +23,7 @@ from radixserve.core.memory import KVPool, ReqToTokenPool, TokenAllocator
 from radixserve.core.plugins import PluginError, PluginHost, parse_plugin_selections
 from radixserve.core.pooling import finish_pooling, plan_pooling, record_label_logprobs
 from radixserve.core.request import token_slice
-from radixserve.core.sampling import SampleResult, mask_until_min_tokens, sample, sample_ids
+from radixserve.core.sampling import SampleResult, presample_logits, sample, sample_ids
 from radixserve.core.scheduler import SampledToken, ScheduledBatch
 from radixserve.core.speculative import Speculator, verify
 from radixserve.core.weights import count_parameters, iter_weights, reload_in_place
@@ -305,7 +305,7 @@ class ModelRunner:
         if all(r.overlappable for r in reqs):
             # The model returns only the rows asked for; when all are sampled, read them as is.
             rows = logits if len(last_rows) == logits.shape[0] else logits[last_rows]
-            ids = sample_ids(mask_until_min_tokens(rows, reqs, eos_ids), reqs)
+            ids = sample_ids(presample_logits(rows, reqs, eos_ids), reqs)
             fetch = self.platform.copy_to_host_async(ids)
 
             def wait() -> dict[int, SampledToken]:

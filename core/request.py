@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,12 @@ _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "no_stop_trim", "logprobs")
 
 
 class InvalidRequest(ValueError):
-    """A request the engine refuses; the message names the field and the bad value."""
+    """A request the engine refuses; the message names the field and the bad value, ``param``
+    (when set) the field, for the OpenAI error object."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ReqState(enum.Enum):
@@ -68,6 +74,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # Regexes (Python ``re`` syntax): generation stops once the output text matches one; the
+    # match is kept in the output, as SGLang's server does.
+    stop_regex: list[str] = field(default_factory=list)
+    # Token id (a decimal string, as JSON keys are) -> bias in [-100, 100], added to the logits
+    # before temperature, top-k/top-p and greedy choice.
+    logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
@@ -102,6 +114,8 @@ class SamplingParams:
             setattr(params, key, value)
         if isinstance(params.stop, str):
             params.stop = [params.stop]
+        if isinstance(params.stop_regex, str):
+            params.stop_regex = [params.stop_regex]
         params.validate()
         return params
 
@@ -153,6 +167,9 @@ class SamplingParams:
             raise InvalidRequest("stop_token_ids must be a list of non-negative token ids")
         if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be < vocab size {vocab_size}")
+        _check_stop_regex(self.stop_regex)
+        if self.logit_bias is not None:
+            self.logit_bias = _check_logit_bias(self.logit_bias, vocab_size)
         if self.seed is not None:
             if not isinstance(self.seed, int) or isinstance(self.seed, bool):
                 raise InvalidRequest(f"seed must be an integer, got {self.seed!r:.200}")
@@ -215,6 +232,54 @@ def _check_float(name: str, value: Any, lo: float, hi: float) -> float:
     return number
 
 
+def _check_stop_regex(patterns: Any) -> None:
+    if not isinstance(patterns, list) or not all(isinstance(p, str) and p for p in patterns):
+        raise InvalidRequest(
+            "stop_regex must be a non-empty string or a list of non-empty strings",
+            param="stop_regex",
+        )
+    for pattern in patterns:
+        _check_text("stop_regex", pattern)
+        try:
+            re.compile(pattern)
+        except (re.error, RecursionError, OverflowError) as e:
+            raise InvalidRequest(
+                f"stop_regex {pattern[:80]!r} is not a valid regular expression: {e}",
+                param="stop_regex",
+            ) from None
+
+
+def _check_logit_bias(bias: Any, vocab_size: int | None) -> dict[str, float]:
+    """``bias`` with canonical keys ("01" -> "1"; on a clash the later entry wins) and float
+    values, once every key is a token id in the vocabulary and every value in [-100, 100]."""
+    if not isinstance(bias, dict):
+        raise InvalidRequest(
+            f"logit_bias must be an object mapping token ids to biases, got {bias!r:.100}",
+            param="logit_bias",
+        )
+    out: dict[str, float] = {}
+    for key, value in bias.items():
+        token = _token_id_key(key)
+        if token is None or token < 0 or (vocab_size is not None and token >= vocab_size):
+            where = f"[0, {vocab_size})" if vocab_size is not None else "non-negative"
+            raise InvalidRequest(
+                f"logit_bias keys must be token ids {where}, got {key!r:.50}", param="logit_bias"
+            )
+        try:
+            out[str(token)] = _check_float(f"logit_bias[{token}]", value, -100.0, 100.0)
+        except InvalidRequest as e:
+            raise InvalidRequest(str(e), param="logit_bias") from None
+    return out
+
+
+def _token_id_key(key: Any) -> int | None:
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str) and re.fullmatch(r"-?[0-9]{1,19}", key):
+        return int(key)
+    return None
+
+
 def _check_text(name: str, value: str) -> None:
     """Text the engine receives must be valid UTF-8: no lone surrogates."""
     try:
@@ -266,6 +331,8 @@ class Req:
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
         self.detok: Any = None  # IncrementalDetokenizer, created at the first output token
+        # sampling.logit_bias as (token ids, biases), parsed at its first step (core/sampling.py)
+        self.bias_entries: tuple[list[int], list[float]] | None = None
         self.grammar: Any = None  # the request's Grammar matcher (core.interfaces), once compiled
         self.refused = False  # ended before running because its input was bad (grammar compile)
         # Prefill-only outputs (max_new_tokens 0, see core/pooling.py): an embedding pooled

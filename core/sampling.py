@@ -1,5 +1,5 @@
-"""Batched sampling: penalties, min-tokens masking, temperature / top-k / top-p / min-p, seeds
-and logprobs, for all requests of a step at once.
+"""Batched sampling: penalties, logit bias, min-tokens masking, temperature / top-k / top-p /
+min-p, seeds and logprobs, for all requests of a step at once.
 
 Seeded rows draw their noise from a generator keyed by (seed, output position), so a seeded
 request gives the same output whatever else shares its batch. A seed is any unsigned 64-bit
@@ -150,11 +150,45 @@ def mask_until_min_tokens(
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
+    """``logits`` plus each request's ``logit_bias`` (a copy where any row has one): one
+    sparse add for the whole batch, from (row, token, bias) triples parsed once per request.
+    No request with a bias: no work beyond one scan of ``reqs``."""
+    rows = [i for i, r in enumerate(reqs) if r.sampling.logit_bias]
+    if not rows:
+        return logits
+    row_idx: list[int] = []
+    tokens: list[int] = []
+    biases: list[float] = []
+    for i in rows:
+        req = reqs[i]
+        if req.bias_entries is None:
+            bias = req.sampling.logit_bias or {}
+            req.bias_entries = ([int(k) for k in bias], list(bias.values()))
+        ids, values = req.bias_entries
+        row_idx += [i] * len(ids)
+        tokens += ids
+        biases += values
+    device = logits.device
+    index = to_device(torch.tensor([row_idx, tokens]), device)
+    values_t = to_device(torch.tensor(biases, dtype=logits.dtype), device)
+    return logits.index_put((index[0], index[1]), values_t, accumulate=True)
+
+
+def presample_logits(
+    logits: torch.Tensor, reqs: Sequence[Req], eos_ids: Sequence[int]
+) -> torch.Tensor:
+    """What every sampling path applies: ``logit_bias``, then the min-tokens mask. (The
+    overlap path calls this alone: penalties make a request non-overlappable.)"""
+    return mask_until_min_tokens(apply_logit_bias(logits, reqs), reqs, eos_ids)
+
+
 def adjusted_logits(
     logits: torch.Tensor, reqs: Sequence[Req], eos_ids: Sequence[int]
 ) -> torch.Tensor:
-    """``logits`` after the penalties and the min-tokens mask (a copy where either applies)."""
-    return mask_until_min_tokens(_apply_penalties(logits, reqs), reqs, eos_ids)
+    """``logits`` after the penalties, ``logit_bias`` and the min-tokens mask (a copy where any
+    applies), as SGLang orders them; temperature and filtering come after."""
+    return presample_logits(_apply_penalties(logits, reqs), reqs, eos_ids)
 
 
 def target_probs(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:

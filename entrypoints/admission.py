@@ -59,6 +59,20 @@ class Limits:
                 f"a stop string has {len(long)} characters ({long[:20]!r}...); the limit is "
                 f"{self.max_stop_length} (--max-stop-length)"
             )
+        regexes = params.stop_regex if isinstance(params.stop_regex, list) else []
+        if len(regexes) > self.max_stop_strings:
+            raise InvalidRequest(
+                f"stop_regex has {len(regexes)} patterns; the limit is {self.max_stop_strings} "
+                "(--max-stop-strings)",
+                param="stop_regex",
+            )
+        too_long = (s for s in regexes if isinstance(s, str) and len(s) > self.max_stop_length)
+        if long := next(too_long, ""):
+            raise InvalidRequest(
+                f"a stop_regex has {len(long)} characters ({long[:20]!r}...); the limit is "
+                f"{self.max_stop_length} (--max-stop-length)",
+                param="stop_regex",
+            )
         if params.top_logprobs_num > self.max_top_logprobs:
             raise InvalidRequest(
                 f"top_logprobs_num={params.top_logprobs_num} exceeds this server's limit of "

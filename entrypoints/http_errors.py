@@ -94,7 +94,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(_: Request, exc: InvalidRequest) -> JSONResponse:
-        return error_response(400, str(exc))
+        return error_response(400, str(exc), exc.param)
 
     @app.exception_handler(EngineDied)
     async def _dead(_: Request, exc: EngineDied) -> JSONResponse:

@@ -76,7 +76,9 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Accepted only to refuse it with a clear 400: the sampler has no per-token bias.
+    # OpenAI's newer name for the output budget; it wins over max_tokens when both are set.
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    # token id (a decimal string) -> bias in [-100, 100]; checked against the vocabulary later
     logit_bias: dict[str, float] | None = None
     # SGLang / vLLM extensions
     top_k: int | None = None
@@ -86,6 +88,7 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
     no_stop_trim: bool | None = None
     rid: str | None = None
     # Constrained decoding (SGLang extensions); chat also takes response_format and tools.
@@ -169,7 +172,6 @@ class DeltaToolCall(BaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None

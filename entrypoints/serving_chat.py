@@ -63,10 +63,7 @@ class ChatServing(OpenAIServing):
             extra["tools"] = plan.tools
         template = self.tm.tokenizer.template_for(extra.get("tools")) or ""
         ids = self.tm.encode_chat(plan.prompt_messages(messages, template), **extra)
-        if body.max_completion_tokens is not None:
-            max_tokens, field = body.max_completion_tokens, "max_completion_tokens"
-        else:
-            max_tokens, field = body.max_tokens, "max_tokens"
+        max_tokens, field = self.output_budget(body)
         top_n = body.top_logprobs or 0
         if top_n and not body.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs=true", param="top_logprobs")

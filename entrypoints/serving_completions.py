@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
+from radixserve.entrypoints.fill_in_middle import fim_prompt, find_fim_tokens
 from radixserve.entrypoints.http_errors import ApiError
 from radixserve.entrypoints.openai_protocol import (
     CompletionChoice,
@@ -31,13 +32,14 @@ class CompletionServing(OpenAIServing):
         _check_unsupported(body)
         if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int):
             self.tm.limits.check_batch(len(body.prompt) * body.n)  # before tokenizing them all
-        prompts = self._prompts(body.prompt)
+        prompts = self._prompts(body.prompt, body.suffix)
         top_n = body.logprobs or 0
+        max_tokens, field = self.output_budget(body)
         params, max_field = self.sampling(
             body,
             [len(p) for p in prompts],
-            body.max_tokens,
-            "max_tokens",
+            max_tokens,
+            field,
             body.logprobs is not None,
             top_n,
         )
@@ -65,7 +67,9 @@ class CompletionServing(OpenAIServing):
         usage = self.usage(reqs, body.n)
         return json_response(CompletionResponse(id=rid, model=model, choices=choices, usage=usage))
 
-    def _prompts(self, prompt: Any) -> list[list[int]]:
+    def _prompts(self, prompt: Any, suffix: str | None) -> list[list[int]]:
+        if suffix:  # SGLang too leaves an empty suffix out
+            return [self.tm.encode(p) for p in self._fim_prompts(prompt, suffix)]
         if isinstance(prompt, str):
             return [self.tm.encode(prompt)]
         if not prompt:
@@ -75,6 +79,19 @@ class CompletionServing(OpenAIServing):
         if isinstance(prompt[0], str):
             return [self.tm.encode(p) for p in prompt]
         return [list(p) for p in prompt]
+
+    def _fim_prompts(self, prompt: Any, suffix: str) -> list[str]:
+        tokens = find_fim_tokens(self.tm.tokenizer.token_to_id)
+        if tokens is None:
+            raise ApiError(
+                400,
+                "this model has no fill-in-the-middle tokens, so suffix cannot be served; omit it",
+                param="suffix",
+            )
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise ApiError(400, "suffix needs a text prompt (not token ids)", param="suffix")
+        return [fim_prompt(tokens, text, suffix) for text in texts]
 
     def _echo(self, body: CompletionRequest, req: ServerReq) -> str:
         return self.tm.tokenizer.decode(req.prompt_ids) if body.echo else ""
@@ -169,8 +186,6 @@ class CompletionServing(OpenAIServing):
 
 
 def _check_unsupported(body: CompletionRequest) -> None:
-    if body.suffix:
-        raise ApiError(400, "suffix is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise ApiError(400, "best_of must equal n (or be omitted)", param="best_of")
     if body.echo and body.logprobs is not None and body.stream:

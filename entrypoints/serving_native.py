@@ -26,7 +26,7 @@ from radixserve.entrypoints.spec_meta import spec_meta_info
 from radixserve.entrypoints.streaming import SSE_DONE, follow, json_response, sse
 from radixserve.entrypoints.tokenizer_manager import ServerReq, TokenizerManager
 
-# Constrained decoding needs a grammar backend; none is installed yet.
+# Keys whose "" SGLang clients send for "unset" (the constraints, and stop_regex).
 _GRAMMAR_KEYS = ("regex", "json_schema", "ebnf", "stop_regex", "structural_tag")
 _IGNORED_KEYS = ("spaces_between_special_tokens", "custom_params")
 _LIST_KEYS = ("stop", "stop_token_ids")
@@ -265,10 +265,6 @@ def _sampling(raw: Any, opts: LogprobOptions) -> SamplingParams:
             value = None  # SGLang clients send [] for unset fields
         if key in _GRAMMAR_KEYS and value == "":
             value = None  # SGLang clients send "" for an unset constraint
-        if key == "stop_regex":
-            if value is not None:
-                raise InvalidRequest("sampling_params.stop_regex is not supported yet")
-            continue
         if key not in _IGNORED_KEYS:
             values[key] = value
     if opts.return_logprob or opts.top_n:

@@ -41,6 +41,8 @@ class OpenAIServing:
         ``--strict-model-name`` answers 404 for names this server does not know."""
         if model is None or model in self.accepted:
             return self.model_name
+        if not model.isprintable():  # NUL, control characters, lone surrogates: never a name
+            raise ApiError(400, f"the model name {model!r:.100} is not printable", param="model")
         if self.strict:
             raise ApiError(
                 404,
@@ -70,10 +72,6 @@ class OpenAIServing:
     ) -> tuple[SamplingParams, str | None]:
         """The request's SamplingParams, and the name of its output budget field when the
         client set it (then prompt + budget must fit the context)."""
-        if body.logit_bias:
-            raise ApiError(
-                400, "logit_bias is not supported by this server; omit it", param="logit_bias"
-            )
         explicit = max_tokens is not None
         if max_tokens is None:
             max_tokens = min(self.tm.default_max_tokens(n) for n in prompt_lens)
@@ -89,6 +87,8 @@ class OpenAIServing:
             "min_new_tokens": body.min_tokens,
             "stop": body.stop or None,
             "stop_token_ids": body.stop_token_ids,
+            "stop_regex": body.stop_regex or None,
+            "logit_bias": body.logit_bias,
             "ignore_eos": body.ignore_eos,
             "skip_special_tokens": body.skip_special_tokens,
             "no_stop_trim": body.no_stop_trim,
@@ -101,6 +101,14 @@ class OpenAIServing:
             **(grammar or {}),  # response_format / forced tool calls (chat)
         }
         return SamplingParams.from_dict(values), (max_field if explicit else None)
+
+    @staticmethod
+    def output_budget(body: SamplingRequest) -> tuple[int | None, str]:
+        """The output token budget the client set and the field it used: OpenAI's
+        max_completion_tokens wins over the older max_tokens, as in SGLang."""
+        if body.max_completion_tokens is not None:
+            return body.max_completion_tokens, "max_completion_tokens"
+        return body.max_tokens, "max_tokens"
 
     def submit_all(
         self,

@@ -402,3 +402,64 @@ def test_a_failing_row_leaves_the_others_sampled_in_full() -> None:
     assert result.next_ids == [alone.next_ids[0], 0]
     assert result.logprobs is not None
     assert result.logprobs[0] == pytest.approx(-math.log(len(LOGITS)))
+
+
+# --- logit_bias ----------------------------------------------------------------------------------
+
+
+def test_logit_bias_adds_exact_values_to_its_own_rows_only() -> None:
+    logits = torch.tensor([LOGITS, LOGITS, LOGITS])
+    a = Req("a", [0], SamplingParams.from_dict({"logit_bias": {"0": -3.5, "06": 2.25}}))
+    b = Req("b", [0], SamplingParams())
+    c = Req("c", [0], SamplingParams.from_dict({"logit_bias": {"6": 100}}))
+    out = sampling.adjusted_logits(logits, [a, b, c], [EOS])
+    want_a = list(LOGITS)
+    want_a[0] -= 3.5
+    want_a[6] += 2.25
+    want_c = list(LOGITS)
+    want_c[6] += 100
+    assert out[0].tolist() == pytest.approx(want_a)
+    assert out[1].tolist() == pytest.approx(LOGITS)
+    assert out[2].tolist() == pytest.approx(want_c)
+    assert logits[0].tolist() == pytest.approx(LOGITS)  # not in place
+    # no request with a bias: the very same tensor, nothing copied
+    assert sampling.apply_logit_bias(logits, [b, b, b]) is logits
+
+
+def test_logit_bias_steers_greedy_and_sampled_choices_and_bans() -> None:
+    force = {"logit_bias": {"5": 100}}
+    for temperature in (0.0, 1.0):
+        reqs = reqs_for(64, temperature=temperature)
+        for r in reqs:
+            r.sampling = SamplingParams.from_dict({**force, "temperature": temperature})
+        ids = sampling.sample(torch.tensor([LOGITS] * 64), reqs, [EOS]).next_ids
+        assert ids == [5] * 64
+    ban = Req("g", [0], SamplingParams.from_dict({"temperature": 0, "logit_bias": {"0": -100}}))
+    assert sampling.sample(torch.tensor([LOGITS]), [ban], [EOS]).next_ids == [1]
+    # the overlap path (presample_logits + sample_ids) applies it too
+    fast = sampling.sample_ids(
+        sampling.presample_logits(torch.tensor([LOGITS]), [ban], [EOS]), [ban]
+    )
+    assert fast.tolist() == [1]
+
+
+@pytest.mark.parametrize(
+    ("bias", "message"),
+    [
+        ({"8": 1.0}, r"token ids \[0, 8\)"),
+        ({"-1": 1.0}, "token ids"),
+        ({"abc": 1.0}, "token ids"),
+        ({"1.5": 1.0}, "token ids"),
+        ({"1": 100.5}, r"in \[-100.0, 100.0\]"),
+        ({"1": float("nan")}, "finite"),
+        ({"1": "high"}, "must be a number"),
+        ([1, 2], "must be an object"),
+    ],
+)
+def test_bad_logit_bias_is_refused_naming_the_field(bias: object, message: str) -> None:
+    from radixserve.core.request import InvalidRequest
+
+    params = SamplingParams(logit_bias=bias)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match=message) as e:
+        params.validate(vocab_size=8)
+    assert e.value.param == "logit_bias"

@@ -329,3 +329,59 @@ def test_streamable_text_holds_back_a_possible_stop_prefix() -> None:
     assert streamable_text("", ["abc"]) == ""
     # Only a proper prefix is held back: a complete stop string is not a tail that can grow.
     assert streamable_text("xabc", ["abc"]) == "xabc"
+
+
+# --- stop_regex ----------------------------------------------------------------------------------
+
+
+def test_stop_regex_split_across_tokens_keeps_the_match_and_cuts_after(
+    tokenizer: Tokenizer,
+) -> None:
+    # "x1" + "2" + "3ab": r"\d{3}" completes inside the third token; "ab" after it is cut.
+    req, n = run(tokenizer, ["x", "1", "2", "3", "ab", "Hello"], stop_regex=[r"\d{3}"])
+    assert n == 4 and req.detok.text == "x123"
+    assert req.finish_reason is not None and req.finish_reason.matched == r"\d{3}"
+    req, n = run(tokenizer, ["Py", "abc", "Hello"], stop_regex=[r"y\w"])
+    assert n == 2 and req.detok.text == "Pya"
+
+
+def test_stop_regex_unbounded_pattern_finds_a_match_that_began_long_ago(
+    tokenizer: Tokenizer,
+) -> None:
+    # The match starts at the first token, far before the bounded window of any short pattern.
+    pieces: list[str | bytes] = ["S", *["ab"] * 30, "TO", "Hello"]
+    req, n = run(tokenizer, pieces, stop_regex=[r"S(ab)+T"])
+    assert n == 32 and req.detok.text == "S" + "ab" * 30 + "T"
+
+
+def test_stop_regex_anchors_lookarounds_and_the_earliest_of_several(
+    tokenizer: Tokenizer,
+) -> None:
+    # ^ anchors at the output's start, not at the search window's start
+    req, n = run(tokenizer, ["ab", "ab", "cde"], stop_regex=[r"^c"])
+    assert not req.finished and n == 3
+    # a lookahead whose text arrives tokens after the match's own characters
+    req, n = run(tokenizer, ["x", "y", "Hello", " world"], stop_regex=[r"y(?=Hello w)"])
+    assert n == 4 and req.detok.text == "xy"
+    # a lookbehind reading before the window
+    req, n = run(tokenizer, ["Hello", "ab", "cde"], stop_regex=[r"(?<=Helloab)c"])
+    assert n == 3 and req.detok.text == "Helloabc"
+    # two patterns: the match that ends first wins, whatever the list order
+    req, n = run(tokenizer, ["xab", "cde"], stop_regex=[r"de", r"b"])
+    assert n == 1 and req.detok.text == "xab" and req.finish_reason.matched == "b"  # type: ignore[union-attr]
+
+
+def test_stop_regex_waits_for_min_new_tokens(tokenizer: Tokenizer) -> None:
+    req, n = run(tokenizer, ["ab", "x", "ab", "Hello"], stop_regex=["ab"], min_new_tokens=2)
+    assert n == 3 and req.detok.text == "abxab"
+
+
+def test_invalid_stop_regex_is_refused_naming_the_field() -> None:
+    from radixserve.core.request import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="not a valid regular expression") as e:
+        SamplingParams.from_dict({"stop_regex": "(unclosed"})
+    assert e.value.param == "stop_regex"
+    with pytest.raises(InvalidRequest, match="non-empty string"):
+        SamplingParams.from_dict({"stop_regex": [""]})
+    assert SamplingParams.from_dict({"stop_regex": r"\d"}).stop_regex == [r"\d"]

@@ -125,7 +125,7 @@ def test_dead_end_is_an_abort_with_a_message(server: RunningServer) -> None:
         ({"regex": "(ab"}, "parenthesis"),
         ({"ebnf": 'root ::= "a" undefined_rule'}, "undefined_rule"),
         ({"regex": "a", "ebnf": 'root ::= "a"'}, "give at most one of"),
-        ({"stop_regex": "x"}, "stop_regex is not supported"),
+        ({"stop_regex": "(x"}, "not a valid regular expression"),
     ],
 )
 def test_bad_grammar_is_a_400_naming_it(

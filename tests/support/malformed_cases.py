@@ -198,13 +198,13 @@ CASES: dict[str, list[Case]] = {
         chat(tools=[5]),
         chat(tools=[{"type": "bogus"}]),
     ],
-    "logit_bias": [
-        chat(logit_bias={"1": 100}),
+    "logit_bias": [  # token ids outside the tiny vocabulary (384), biases outside [-100, 100]
+        chat(logit_bias={"1": 100.5}),
         chat(logit_bias={"50256": -100}),
         chat(logit_bias={str(i): 1 for i in range(1000)}),
         chat(logit_bias="everything"),
         chat(logit_bias=[1, 2]),
-        comp(logit_bias={"1": 100}),
+        comp(logit_bias={"1": -1e9}),
         comp(logit_bias={"x": "y"}),
         comp(logit_bias={str(i): -1 for i in range(100_000)}),
         comp(logit_bias=5),
