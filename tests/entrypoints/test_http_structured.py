@@ -86,10 +86,13 @@ def test_named_tool_choice_forces_a_valid_call(client: openai.OpenAI) -> None:
 def test_required_tool_choice_streams_the_call_as_deltas(client: openai.OpenAI) -> None:
     chunks = list(chat(client, tools=[WEATHER, TIME], tool_choice="required", stream=True))
     deltas = [tc for ch in chunks for c in ch.choices for tc in (c.delta.tool_calls or [])]
-    assert len(deltas) == 1 and deltas[0].index == 0 and deltas[0].id.startswith("call_")
-    fn = deltas[0].function
-    params = {"get_weather": SCHEMA, "get_time": TIME["function"]["parameters"]}[fn.name]
-    jsonschema.validate(json.loads(fn.arguments), params)
+    # one call: a first delta with its id and name, then argument fragments
+    assert {d.index for d in deltas} == {0} and deltas[0].id.startswith("call_")
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])
+    name = deltas[0].function.name
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    params = {"get_weather": SCHEMA, "get_time": TIME["function"]["parameters"]}[name]
+    jsonschema.validate(json.loads(arguments), params)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not any(c.delta.content for ch in chunks for c in ch.choices)
 
