@@ -34,11 +34,13 @@ class UpdateWeightsRequest(BaseModel):
 def add_weight_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsRequest, raw: Request) -> Any:
-        if not body.model_path.strip():
-            raise InvalidRequest("model_path must name a model directory")
+        # not printable: NUL, control characters and lone surrogates, which no path holds
+        if not body.model_path.strip() or not body.model_path.isprintable():
+            raise InvalidRequest("model_path must be a printable path naming a model directory")
         if body.load_format not in LOAD_FORMATS:
             raise InvalidRequest(
-                f"load_format '{body.load_format}' is not supported; use 'auto' or 'safetensors'"
+                f"load_format {body.load_format!r:.100} is not supported; use 'auto' or "
+                "'safetensors'"
             )
         if body.abort_all_requests:
             tm.abort_all("aborted for a weight update")

@@ -141,6 +141,7 @@ def test_encode_shapes(server: RunningServer) -> None:
         ("/v1/embeddings", {"input": [10**9]}, "outside the vocabulary"),
         ("/v1/embeddings", {"input": "hi", "encoding_format": "int8"}, "encoding_format"),
         ("/v1/embeddings", {"input": 5}, "input"),
+        ("/v1/embeddings", {"input": "a\ud800"}, "surrogate"),
         ("/encode", {"text": "hi", "input_ids": [1]}, "exactly one"),
         ("/encode", {"text": [1, 2]}, "text"),
         ("/encode", {"input_ids": "hi"}, "input_ids"),

@@ -88,6 +88,7 @@ def test_empty_items_give_no_scores(server: RunningServer) -> None:
     ("body", "needle"),
     [
         ({"query": QUERY, "label_token_ids": LABELS}, "items"),
+        ({"query": "a\ud800", "items": ITEMS, "label_token_ids": LABELS}, "surrogate"),
         ({"query": QUERY, "items": ITEMS}, "label_token_ids"),
         ({"query": QUERY, "items": ITEMS, "label_token_ids": []}, "label_token_ids"),
         ({"query": QUERY, "items": ITEMS, "label_token_ids": [10**9]}, "label_token_ids"),
