@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+# Kernels may only read globals declared constexpr (the interpreter does not check this).
+_TWO_LOG2E = tl.constexpr(2.0 * LOG2E)
 
 
 @triton.jit
@@ -40,7 +42,7 @@ def kv_slots(TableRow, n0, hi, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
 def softcap_scores(qk, softcap_log2):
     """cap * tanh(s / cap) of base-2 scores (``softcap_log2`` = cap * log2(e), so the result is
     the natural soft-capped score in base 2); tanh from exp2, which saturates to +-1."""
-    e = tl.exp2(qk / softcap_log2 * (2.0 * LOG2E))
+    e = tl.exp2(qk / softcap_log2 * _TWO_LOG2E)
     return softcap_log2 * (1.0 - 2.0 / (e + 1.0))
 
 

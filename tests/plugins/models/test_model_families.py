@@ -127,7 +127,7 @@ def _forward(runner: ModelRunner, reqs: list[Req], lens: list[int]) -> torch.Ten
     logits = runner.model.forward(fb)
     for req, n in zip(reqs, lens, strict=True):
         req.kv_len += n
-    return logits
+    return logits.cpu()  # the HF reference runs on the CPU
 
 
 #: the interpreted Triton kernels are slow: they run the family whose attention has options
@@ -140,7 +140,9 @@ def test_step_logits_match_hf(family_dirs: dict[str, Path], name: str, attention
     and decodes sharing steps: every row's logits equal HF's on the same tokens. The prompts
     (11 and 30 tokens) are longer than Gemma's window (8) from the first step."""
     model_dir = family_dirs[name]
-    config = EngineConfig(max_total_tokens=1024, plugins=(f"attention={attention}",))
+    config = EngineConfig(
+        max_total_tokens=1024, dtype="float32", plugins=(f"attention={attention}",)
+    )
     runner = ModelRunner(model_dir, config, default_host())
     hf = _hf(model_dir)
     a, b, c = (Req(r, _prompt(n, i), SamplingParams()) for i, (r, n) in enumerate(

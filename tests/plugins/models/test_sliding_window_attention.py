@@ -82,8 +82,8 @@ def _reference(q: torch.Tensor, kv: KVPool, batch: ForwardBatch, window: int, ca
         s = torch.einsum("nhd,lhd->hnl", qi, k) * scale
         if cap:
             s = cap * torch.tanh(s / cap)
-        q_pos = torch.arange(total - new, total)[:, None]
-        k_pos = torch.arange(total)[None, :]
+        q_pos = torch.arange(total - new, total, device=q.device)[:, None]
+        k_pos = torch.arange(total, device=q.device)[None, :]
         keep = k_pos <= q_pos
         if window:
             keep &= k_pos > q_pos - window
@@ -111,8 +111,12 @@ def test_options_match_dense_reference(page_size: int, options: dict) -> None:
     pool.write(4, 0, prefix)
     cached = pool.table[4, :21].to(DEVICE)
     for p in pools:
-        p.k[0][cached] = torch.randn(21, KV_HEADS, DIM, generator=torch.Generator().manual_seed(1))
-        p.v[0][cached] = torch.randn(21, KV_HEADS, DIM, generator=torch.Generator().manual_seed(2))
+        p.k[0][cached] = torch.randn(
+            21, KV_HEADS, DIM, generator=torch.Generator().manual_seed(1)
+        ).to(DEVICE)
+        p.v[0][cached] = torch.randn(
+            21, KV_HEADS, DIM, generator=torch.Generator().manual_seed(2)
+        ).to(DEVICE)
     steps = [  # (rows, cached, new, num_decode): prefills, then decodes mixed with chunks
         ([1, 3], [0, 0], [18, 5], 0),
         ([1, 3, 4, 0], [18, 5, 21, 0], [1, 1, 12, 40], 2),
@@ -135,4 +139,4 @@ def test_options_match_dense_reference(page_size: int, options: dict) -> None:
         window, cap = options.get("sliding_window", 0), options.get("logit_softcap", 0.0)
         ref = _reference(q, pools[1], batch, window, cap, scale)
         for out in outs:
-            torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-5)
+            torch.testing.assert_close(out.double().cpu(), ref.cpu(), rtol=0, atol=2e-5)
