@@ -92,19 +92,13 @@ class ToolParser:
         m = _HEAD.match(body)
         if m is None:
             return None
-        try:
-            name = json.loads(f'"{m.group(1)}"')
-        except json.JSONDecodeError:
-            return None
-        return Head(name, m.end())
+        name = loads_or_none(f'"{m.group(1)}"')
+        return Head(name, m.end()) if isinstance(name, str) else None
 
     def call(self, body: str) -> Call | None:
         """The call a complete body holds, or None when it is not a valid call (its text then
         stays in the content)."""
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError:
-            return None
+        obj = loads_or_none(body)
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
         args = obj.get("arguments", obj.get("parameters", {}))
@@ -141,9 +135,10 @@ def _as_object(args: Any) -> dict[str, Any] | None:
 
 
 def loads_or_none(text: str) -> Any:
+    """The JSON value of ``text``, or None when it is not JSON (or nests too deep to read)."""
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
 
 

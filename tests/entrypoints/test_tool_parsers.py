@@ -148,6 +148,16 @@ def test_malformed_call_stays_in_the_content(parser: str, text: str) -> None:
         assert content == text.strip()  # streamed: the text still arrives, nothing crashes
 
 
+def test_deeply_nested_arguments_do_not_crash() -> None:
+    text = (
+        '<tool_call>{"name": "f", "arguments": ' + "[" * 100_000 + "]" * 100_000 + "}</tool_call>"
+    )
+    assert get_tool_parser("hermes").parse(text) == (text, [])
+    third = len(text) // 3
+    content, calls, _ = stream("hermes", [text[:third], text[third : 2 * third], text[2 * third :]])
+    assert (content, calls) == (text, [])
+
+
 def test_content_stops_before_a_call_and_holds_back_a_partial_marker() -> None:
     s = ToolStream(get_tool_parser("mistral"))
     assert s.feed("Checking ", False) == ("Checking", [])  # trailing space held: may be cut
