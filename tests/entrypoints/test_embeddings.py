@@ -157,22 +157,28 @@ def test_bad_embedding_requests_are_400(
     assert needle in r.text
 
 
-def test_concurrent_embeddings_leave_no_kv(server: RunningServer) -> None:
-    """Many embedding requests at once all answer; the server (--debug-leak-check) would exit
-    on a leak at idle, and its state shows nothing held."""
-    results: list[int] = []
+def test_concurrent_embeddings_leave_no_kv(any_server: RunningServer, hf_model) -> None:  # type: ignore[no-untyped-def]
+    """Many embedding requests at once all answer (with and without overlap scheduling) with
+    the right vectors; the server (--debug-leak-check) would exit on a leak at idle, and its
+    state shows nothing held."""
+    server = any_server
+    ids = tokenize(server, [t * 3 for t in TEXTS])
+    results: list[tuple[int, int, list[float] | None]] = []
 
     def one(i: int) -> None:
         r = requests.post(
             server.url + "/encode", json={"text": TEXTS[i % 3] * 3}, headers=server.headers
         )
-        results.append(r.status_code)
+        results.append((i, r.status_code, r.json().get("embedding")))
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert results == [200] * 8
+    assert sorted(status for _, status, _ in results) == [200] * 8
+    for i, _, embedding in results:  # asserted here: a failure in a thread would go unseen
+        assert embedding is not None
+        assert_close(embedding, reference(hf_model, ids[i % 3], "last"))
     info = requests.get(server.url + "/get_server_info", headers=server.headers).json()
     assert info["kv"]["in_use"] == 0 and info["kv"]["locked"] == 0
