@@ -21,8 +21,8 @@ $(STAMP): pyproject.toml examples/radixserve-example-plugin/pyproject.toml
 	@# SGLang's own frontend and benchmark client, for tests/lang/test_stream_logprobs.py and
 	@# test_sglang_clients.py: without its (GPU) dependencies; the few they import are in the
 	@# dev extra. The client also imports torchvision, whose x86-64 wheel is the CUDA build: it
-	@# goes beside the venv, not in it (tests/support/sglang_bench.py says why). torchvision
-	@# 0.28.0 is the release paired with torch 2.13.0.
+	@# goes to .venv/sglang-bench, outside site-packages (tests/support/sglang_bench.py says
+	@# why). torchvision 0.28.0 is the release paired with torch 2.13.0.
 	$(BIN)/pip install -q --no-deps sglang==0.5.23
 	$(BIN)/pip install -q --no-deps --upgrade --target $(VENV)/sglang-bench torchvision==0.28.0
 	$(BIN)/pip install -q -e examples/radixserve-example-plugin

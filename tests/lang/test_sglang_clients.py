@@ -34,9 +34,8 @@ pytestmark = [
     ),
 ]
 
+# Runs the bench client with torchvision from .venv/sglang-bench (make setup; it says why).
 BENCH_SCRIPT = Path(__file__).resolve().parents[1] / "support" / "sglang_bench.py"
-# torchvision for the bench client, beside the venv (make setup; sglang_bench.py says why).
-BENCH_PATH = Path(sys.prefix) / "sglang-bench"
 OUTPUT_LEN = 8
 DATASETS = {
     # dataset name -> (its size arguments, number of requests they make)
@@ -73,7 +72,6 @@ def bench_results(
         runs.append(argv)
     env = {
         **os.environ,
-        "PYTHONPATH": str(BENCH_PATH),
         # generated-shared-prefix caches its prompts under ~/.cache/sglang: a fresh one per run.
         "HOME": str(out),
         "HF_HUB_OFFLINE": "1",

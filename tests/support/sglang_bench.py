@@ -7,12 +7,12 @@ each argument list in turn. One interpreter for all runs because importing the c
 
 The one thing added to SGLang's environment: its import chain reaches ``torchvision``
 (sglang/srt/multimodal/internvl_utils.py), whose only x86-64 wheel on PyPI is the CUDA build.
-``make setup`` installs that wheel beside the venv (never into it: an importable torchvision
-that cannot load its kernels would break transformers for every other test) and this script
-runs with it on PYTHONPATH. Its compiled ops cannot load against the CPU torch, and its import
-then registers fake kernels for two of them (``torchvision::nms``, ``qnms``), which fails for
-operators that do not exist; declaring their schemas first lets the real package import. The
-benchmark never calls them.
+``make setup`` installs that wheel in ``.venv/sglang-bench``, outside the venv's site-packages
+(an importable torchvision that cannot load its kernels would break transformers for every
+other test); this script puts that folder at the end of ``sys.path``. Against the CPU torch
+the wheel's compiled ops do not load, and its import then registers fake kernels for two of
+them (``torchvision::nms``, ``qnms``), which fails for operators that do not exist; declaring
+the two first lets the real package import. The benchmark never calls them.
 """
 
 from __future__ import annotations
@@ -20,12 +20,16 @@ from __future__ import annotations
 import json
 import sys
 import traceback
+from pathlib import Path
 
 import torch
 
+BENCH_PATH = Path(sys.prefix) / "sglang-bench"
+
 
 def declare_torchvision_ops() -> None:
-    # Schemas as torchvision's C++ registers them (torchvision/csrc/ops/nms.cpp, qnms.cpp).
+    # The signatures of torchvision.ops' Python callers (boxes.py); a fake kernel only needs
+    # the operator to exist.
     lib = torch.library.Library("torchvision", "DEF")
     lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
     lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
@@ -34,6 +38,7 @@ def declare_torchvision_ops() -> None:
 
 
 def main(runs: list[list[str]]) -> int:
+    sys.path.append(str(BENCH_PATH))
     declare_torchvision_ops()
     from sglang.benchmark.serving import cli_main
 
