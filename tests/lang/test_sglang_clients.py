@@ -67,7 +67,8 @@ def bench_results(
         argv += ["--tokenizer", str(smollm2_dir), "--dataset-name", dataset, *DATASETS[dataset][0]]
         argv += ["--output-file", str(out / f"{backend}-{dataset}.jsonl"), "--output-details"]
         if backend != "sglang":
-            # sglang lets the client take the model from /v1/models, as in SGLang's docs.
+            # The sglang runs take the model name from /v1/models, as SGLang's docs run the
+            # client; these send the path, as `--model PATH` does (issue 21's 404).
             argv += ["--model", str(smollm2_dir)]
         runs.append(argv)
     env = {
