@@ -18,17 +18,24 @@ from radixserve.core.tokenizer import IncrementalDetokenizer, Tokenizer
 TopLogprobs = list[tuple[float, int]]
 
 
+def partial_marker(text: str, markers: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of one of ``markers``:
+    a tail that may still grow into a marker (a stop string, a tool-call or think tag)."""
+    longest = 0
+    for marker in markers:
+        for k in range(min(len(marker) - 1, len(text)), longest, -1):
+            if text.endswith(marker[:k]):
+                longest = k
+                break
+    return longest
+
+
 def streamable_text(text: str, stop: Sequence[str]) -> str:
     """The part of a running request's ``text`` that is safe to stream: a tail that could still
     grow into one of the ``stop`` strings is held back, because a matched stop string is cut
     from the output and streamed text is never taken back. A finished request's text is final.
     """
-    hold = 0
-    for s in stop:
-        for k in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:k]):
-                hold = k
-                break
+    hold = partial_marker(text, stop)
     return text[: len(text) - hold] if hold else text
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.entrypoints.tool_parsers.base import partial_marker
+from radixserve.core.stop import partial_marker
 
 
 @dataclass(frozen=True, slots=True)

@@ -140,14 +140,3 @@ def loads_or_none(text: str) -> Any:
         return json.loads(text)
     except (json.JSONDecodeError, RecursionError):
         return None
-
-
-def partial_marker(text: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a marker."""
-    longest = 0
-    for marker in markers:
-        for k in range(min(len(marker) - 1, len(text)), longest, -1):
-            if text.endswith(marker[:k]):
-                longest = k
-                break
-    return longest

@@ -15,8 +15,9 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from radixserve.core.stop import partial_marker
 from radixserve.entrypoints.openai_protocol import DeltaToolCall, FunctionCall
-from radixserve.entrypoints.tool_parsers.base import ToolParser, json_end, partial_marker
+from radixserve.entrypoints.tool_parsers.base import ToolParser, json_end
 
 
 def call_id() -> str:
