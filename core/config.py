@@ -194,7 +194,30 @@ class EngineConfig:
         "meaningless. Also read from RADIXSERVE_SIMULATE_ACC_LEN",
     )
 
+    disaggregation_mode: str = _opt(
+        "null",
+        "Prefill/decode disaggregation (docs/disaggregation.md): 'null' serves whole requests; "
+        "'prefill' computes prompts and the first token and sends their KV to the decode "
+        "server; 'decode' receives the KV and generates the rest",
+    )
+    disaggregation_transfer_backend: str = _opt(
+        "mooncake",
+        "KV connector moving KV from prefill to decode: mooncake, nixl, tcp (alias of --plugin "
+        "kv_transfer=NAME; used only when --disaggregation-mode is prefill or decode)",
+    )
+    disaggregation_bootstrap_port: int = _opt(
+        8998,
+        "Prefill: the port of its bootstrap server, where decode servers fetch KV (the port "
+        "given to sglang-router's --prefill URL PORT)",
+    )
+    disaggregation_transfer_timeout: float = _opt(
+        300.0,
+        "Seconds a decode waits for a request's KV, and a prefill keeps KV that no decode has "
+        "asked for; past it the request ends with an error and its slots are freed",
+    )
+
     def __post_init__(self) -> None:
+        self._check_disaggregation()
         if self.grammar_backend is not None:
             self._merge_grammar_backend(self.grammar_backend)
         if self.speculative_algorithm is not None:
@@ -249,6 +272,26 @@ class EngineConfig:
             raise ConfigError(
                 f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}"
             )
+
+    def _check_disaggregation(self) -> None:
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            raise ConfigError(
+                f"unknown disaggregation mode '{self.disaggregation_mode}'; "
+                f"choose one of {', '.join(DISAGGREGATION_MODES)}"
+            )
+        if not 1 <= self.disaggregation_bootstrap_port <= 65535:
+            raise ConfigError(
+                "disaggregation_bootstrap_port must be a TCP port (1-65535), got "
+                f"{self.disaggregation_bootstrap_port}"
+            )
+        if not self.disaggregation_transfer_timeout > 0:
+            raise ConfigError(
+                "disaggregation_transfer_timeout must be > 0 seconds, got "
+                f"{self.disaggregation_transfer_timeout}"
+            )
+        if self.disaggregation_mode != "null":
+            backend = self.disaggregation_transfer_backend.lower()
+            self._merge_plugin_alias("kv_transfer", "disaggregation_transfer_backend", backend)
 
     def _merge_grammar_backend(self, name: str) -> None:
         self._merge_plugin_alias("grammar", "grammar_backend", name)
@@ -358,3 +401,4 @@ PAGE_SIZES = tuple(1 << i for i in range(9))  # 1 .. 256
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from radixserve.core.config import ConfigError, EngineConfig
+from radixserve.core.disaggregation import DecodeSide, PrefillSide, transfers
 from radixserve.core.grammar import GrammarMasker, GrammarStepper
 from radixserve.core.grammar_queue import GrammarQueue
 from radixserve.core.interfaces import SpeculativeContext
@@ -84,6 +85,7 @@ class EngineCore:
             self.grammar_stepper,
             self.speculator,
         )
+        self.disagg = self._disaggregation(host)
         info = {
             "model_path": str(model_dir),
             "plugins": dict(self.runner.plugins.names),
@@ -93,6 +95,23 @@ class EngineCore:
         }
         logger.info("engine ready: %s", info)
         host.hook.engine_started(info=info)
+
+    def _disaggregation(self, host: PluginHost) -> PrefillSide | DecodeSide | None:
+        """The prefill or decode side of disaggregation, with its started KV connector."""
+        config = self.config
+        if config.disaggregation_mode == "null":
+            return None
+        name = self.runner.plugins.names["kv_transfer"]
+        connector = host.registries["kv_transfer"].get(name).factory()
+        connector.start(
+            config.disaggregation_mode,
+            self.runner.kv_pool,
+            config.disaggregation_bootstrap_port,
+            config.disaggregation_transfer_timeout,
+        )
+        if config.disaggregation_mode == "prefill":
+            return PrefillSide(connector, self.scheduler, self.abort)
+        return DecodeSide(connector, self.scheduler, config.disaggregation_transfer_timeout)
 
     def _speculator(self, host: PluginHost, model_dir: Path) -> Speculator | None:
         name = self.runner.plugins.names["speculative"]
@@ -173,6 +192,12 @@ class EngineCore:
     def add_request(self, req: Req) -> None:
         """Queue ``req``; one with a grammar first waits for it to compile (off this thread)."""
         self.validate(req)
+        if req.bootstrap is not None and (self.disagg is None or not transfers(req)):
+            req.bootstrap = None  # nothing to transfer: the request runs whole here
+        if req.bootstrap is not None and self.disagg is not None:
+            self.disagg.add(req)
+            if isinstance(self.disagg, DecodeSide):
+                return  # it waits for its KV there
         if req.sampling.grammar is not None:
             self.grammars.submit(req)
         else:
@@ -180,7 +205,12 @@ class EngineCore:
 
     def abort(self, rid: str, message: str = "aborted by the client") -> Req | None:
         self._sync()
-        return self.grammars.abort(rid, message) or self.scheduler.abort(rid, message)
+        req = self.grammars.abort(rid, message) or self.scheduler.abort(rid, message)
+        if self.disagg is not None:
+            req = req or self.disagg.abort(rid, message)
+            if req is not None:
+                self.disagg.ended([req])
+        return req
 
     def has_work(self) -> bool:
         return (
@@ -188,13 +218,32 @@ class EngineCore:
             or len(self.grammars) > 0
             or self._in_flight is not None
             or bool(self._changed_outside_step)
+            or (self.disagg is not None and self.disagg.has_work())
         )
+
+    def idle_wait(self) -> float | None:
+        """Seconds the engine may sleep on its sockets (and the KV connector's wakeup_fd)
+        before stepping again, when its only work is waiting for KV transfers; None when it
+        has a step to run."""
+        if self.disagg is None or not self.disagg.has_work():
+            return None
+        if self.scheduler.has_work() or len(self.grammars) or self._in_flight is not None:
+            return None
+        return None if self._changed_outside_step else self.disagg.wait_timeout()
 
     def step(self) -> list[Req]:
         """Run one step; return the requests with new tokens or a new finish.
 
         With overlap scheduling the step is queued on the device and the previous step's
         tokens are committed while it runs, so what a step returns is one step old."""
+        if self.disagg is None:
+            return self._step()
+        changed = self.disagg.step()  # transfers done, failed or late; cancelled prefills
+        changed += self._step()
+        self.disagg.ended(changed)
+        return changed
+
+    def _step(self) -> list[Req]:
         start = time.perf_counter()
         changed, self._changed_outside_step = self._changed_outside_step, []
         if len(self.grammars):
@@ -297,6 +346,10 @@ class EngineCore:
         step executor, cached prefixes), then have the platform give cached memory back, so
         another engine can start in this process at once. The core cannot step afterwards."""
         self.grammars.shutdown()
+        disagg = getattr(self, "disagg", None)
+        if disagg is not None:
+            disagg.connector.close()
+            self.disagg = None
         if not hasattr(self, "runner"):
             return  # already shut down
         platform = self.runner.platform

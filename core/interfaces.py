@@ -316,17 +316,75 @@ class SpeculativeAlgorithm(ABC):
         request comes back with no KV and is proposed for afresh)."""
 
 
+@dataclass(frozen=True)
+class TransferEvent:
+    """What a connector reports about one room (``KVConnector.poll``).
+
+    Decode side: ``ok`` True once the room's KV is in the slots given to ``receive`` and
+    ``meta`` holds the prefill's message; ``ok`` False when the transfer failed (``error``
+    names the peer and the cause). Prefill side: ``ok`` False when the decode gave the room up
+    (aborted, timed out, disconnected) before or while it was sent.
+    """
+
+    room: int
+    ok: bool
+    meta: bytes = b""
+    error: str = ""
+
+
 class KVConnector(ABC):
-    """Moves KV pages between engines (prefill/decode disaggregation)."""
+    """Moves one request's prompt KV and a small metadata message from a prefill engine to a
+    decode engine (prefill/decode disaggregation; the request states live in
+    ``core/disaggregation.py``). Built by its registered factory with no arguments.
+
+    Rooms: a router gives both engines the same ``bootstrap_room`` (an integer) for one
+    request; it names the transfer on both sides. The decode learns the prefill's bootstrap
+    address (host, port) from the request too.
+
+    Unit of kv indices: token slots of the KV pool (row ``s`` of every layer's
+    ``KVPool.k[layer]`` and ``KVPool.v[layer]``), in position order. The decode engine
+    allocates its slots in whole pages before the transfer starts; the prefill's slots hold the
+    prompt's positions ``0 .. n-1`` in its own pool, whatever its page size.
+
+    Threads: every method is called on the engine's thread and must not block on the network;
+    a connector does its I/O on its own threads and reports through ``poll``. It must never
+    raise from ``poll``: a transfer that cannot complete is a ``TransferEvent`` with ``ok``
+    False. No pickle on any socket.
+    """
+
+    #: A file descriptor that is readable while ``poll`` has events; the engine waits on it
+    #: (with its inbound socket) when it has nothing else to do. None: the engine polls.
+    wakeup_fd: int | None = None
 
     @abstractmethod
-    def register_buffers(self, kv_pool: KVPool) -> None:
-        """Make the pool's per-layer buffers addressable for transfer."""
+    def start(self, role: str, kv_pool: KVPool, bootstrap_port: int, timeout: float) -> None:
+        """Called once before the first request. ``role`` is "prefill" or "decode". A prefill
+        serves decode engines on ``bootstrap_port`` (its bootstrap server). ``timeout``:
+        seconds a prefill keeps a room's data that no decode has asked for, and a decode waits
+        for a room's data, before the room fails."""
 
     @abstractmethod
-    def send(self, request_id: str, kv_indices: Any, peer: str) -> None:
-        """Send the KV slots ``kv_indices`` of ``request_id`` to ``peer``."""
+    def send(self, room: int, kv_slots: torch.Tensor, meta: bytes) -> None:
+        """Prefill: the KV of ``kv_slots`` (the prompt's positions) is final; deliver it and
+        ``meta`` to the decode engine that asks for ``room``. The engine may reuse the slots
+        once this returns, so the connector must have read (or copied) them by then."""
 
     @abstractmethod
-    def receive(self, request_id: str, kv_indices: Any) -> bool:
-        """Poll for ``request_id``'s KV into ``kv_indices``; True once complete."""
+    def receive(self, room: int, peer: tuple[str, int], kv_slots: torch.Tensor) -> None:
+        """Decode: fetch ``room``'s KV from the prefill's bootstrap server ``peer`` into
+        ``kv_slots`` (preallocated, one per prompt token). A size or layout that does not
+        match the prefill's fails the room. Completion or failure comes through ``poll``."""
+
+    @abstractmethod
+    def cancel(self, room: int, reason: str) -> None:
+        """Give ``room`` up on this side; the peer learns it (a decode's ``receive`` fails with
+        ``reason``; a prefill reports the room through ``poll`` and drops its data). No
+        event for ``room`` follows on this side. Unknown rooms are ignored."""
+
+    @abstractmethod
+    def poll(self) -> list[TransferEvent]:
+        """Events since the last call; on a decode, the KV of an ``ok`` room is in its slots
+        when the event is returned."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Stop the connector's threads and servers (the engine is shutting down)."""

@@ -14,6 +14,7 @@ from typing import Any, Union
 
 import msgspec
 
+from radixserve.core.disaggregation import Bootstrap
 from radixserve.core.request import FinishReason, SamplingParams
 
 # -- server -> engine ------------------------------------------------------------------------
@@ -31,6 +32,8 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
     # or "mean", or the logprobs of these tokens after the prompt
     pooling: str | None = None
     label_token_ids: list[int] | None = None
+    # prefill/decode disaggregation: the room and the prefill's bootstrap server
+    bootstrap: Bootstrap | None = None
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):
@@ -138,6 +141,7 @@ class EngineReady(msgspec.Struct, tag="ready", kw_only=True):
     settings: dict[str, dict[str, Any]] = {}
     # EngineCore.spec_stats() at start (its settings, zero counts); None: speculation is off
     speculative: dict[str, Any] | None = None
+    disaggregation_mode: str = "null"  # "prefill" or "decode": bootstrap fields are honoured
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):

@@ -343,6 +343,9 @@ class Req:
         self.embedding: list[float] | None = None
         self.label_logprobs: list[float] | None = None
         self.pooled_sum: Any = None  # mean pooling: the sum over the chunks prefilled so far
+        # Prefill/decode disaggregation: where its KV comes from or goes to
+        # (core.disaggregation.Bootstrap); None: the request runs whole here.
+        self.bootstrap: Any = None
         # Why the engine failed this request (the server answers 500), once it has.
         self.failed: str | None = None
         # timing

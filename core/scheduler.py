@@ -114,11 +114,23 @@ class Scheduler:
         )
         self._retracted_this_step = False
         self._scheduled: dict[str, int] = {}  # rid -> tokens given KV slots for this step
+        # Called with a request whose slots are about to be released (a prefill server sends
+        # their KV then; core/disaggregation.py).
+        self.on_release: Callable[[Req], None] | None = None
 
     # -- queue -----------------------------------------------------------------------------
 
     def add_request(self, req: Req) -> None:
         self.waiting.append(req)
+
+    def add_running(self, req: Req) -> None:
+        """Run ``req`` as a decode: its table row holds the KV of ``req.kv_len`` positions and
+        its last token is appended (its KV came from a prefill server). One that already
+        finished is released at once."""
+        self.running.append(req)
+        self._cache_of(req).cache_unfinished_req(req)
+        if req.finished:
+            self._release(req)
 
     def abort(self, rid: str, message: str = "aborted by the client") -> Req | None:
         """Abort ``rid`` in any state, freeing its KV; return it, or None if unknown."""
@@ -456,6 +468,8 @@ class Scheduler:
     def _release(self, req: Req) -> None:
         """Give back ``req``'s KV (computed tokens go to the cache) and its table row."""
         if req.req_pool_idx is not None:
+            if self.on_release is not None:
+                self.on_release(req)
             self._cache_of(req).cache_finished_req(req)
             self.req_to_token.free(req.req_pool_idx)
             req.req_pool_idx = None

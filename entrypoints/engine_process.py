@@ -115,6 +115,7 @@ def _ready(core: EngineCore) -> ipc.EngineReady:
         max_running_requests=core.runner.settings.max_running_requests,
         settings=core.runner.settings.describe(),
         speculative=core.spec_stats(),
+        disaggregation_mode=core.config.disaggregation_mode,
     )
 
 
@@ -133,6 +134,10 @@ class EngineLoop:
         self.parent_sentinel = parent.sentinel if parent is not None else None
         if self.parent_sentinel is not None:
             self.poller.register(self.parent_sentinel, zmq.POLLIN)
+        # disaggregation: the KV connector wakes the loop when a transfer ends
+        wakeup = core.disagg.connector.wakeup_fd if core.disagg is not None else None
+        if wakeup is not None:
+            self.poller.register(wakeup, zmq.POLLIN)
         self.step_started: float | None = None  # read by the watchdog thread
         self.failed_steps = 0  # in a row
         self.gen_rate = GenRate()  # EngineState.gen_throughput
@@ -157,8 +162,11 @@ class EngineLoop:
     def run(self) -> None:
         try:
             while True:
-                if not self.core.has_work():
-                    events = dict(self.poller.poll())  # blocks until a message or parent death
+                wait = self.core.idle_wait()  # only KV transfers to wait for: sleep on them
+                if not self.core.has_work() or wait is not None:
+                    # blocks until a message, a transfer's end, a deadline or parent death
+                    timeout = None if wait is None else int(wait * 1000) + 1
+                    events = dict(self.poller.poll(timeout))
                     if self.parent_sentinel is not None and self.parent_sentinel in events:
                         logger.warning("server process died; engine exiting")
                         return
@@ -251,6 +259,7 @@ class EngineLoop:
             req = Req(msg.rid, msg.input_ids, msg.sampling, msg.extra_key)
             req.logprob_start_len = msg.logprob_start_len
             req.pooling, req.label_token_ids = msg.pooling, msg.label_token_ids
+            req.bootstrap = msg.bootstrap
             try:
                 core.add_request(req)
             except InvalidRequest as e:

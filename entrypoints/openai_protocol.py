@@ -91,6 +91,11 @@ class SamplingRequest(BaseModel):
     stop_regex: str | list[str] | None = None
     no_stop_trim: bool | None = None
     rid: str | None = None
+    # Prefill/decode disaggregation: what a PD router (sglang-router) injects; parallel
+    # arrays for n > 1 or prompt batches (entrypoints/bootstrap.py checks them).
+    bootstrap_host: str | list[str | None] | None = None
+    bootstrap_port: int | list[int | None] | None = None
+    bootstrap_room: int | list[int] | None = None
     # Constrained decoding (SGLang extensions); chat also takes response_format and tools.
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from radixserve.core.config import (
+    DISAGGREGATION_MODES,
     DTYPES,
     LOG_LEVELS,
     SCHEDULE_POLICIES,
@@ -26,6 +27,7 @@ from radixserve.entrypoints.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSER
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _CHOICES = {"schedule_policy": SCHEDULE_POLICIES, "dtype": DTYPES, "log_level": LOG_LEVELS}
 _CHOICES["embedding_pooling"] = POOLING_METHODS
+_CHOICES["disaggregation_mode"] = DISAGGREGATION_MODES
 _FLAG_NAMES = {"plugins": "--plugin"}  # a repeatable flag reads better in the singular
 _ALIASES = {"model_path": ("--model",)}
 

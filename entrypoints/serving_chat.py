@@ -70,7 +70,7 @@ class ChatServing(OpenAIServing):
         params, max_field = self.sampling(
             body, [len(ids)], max_tokens, field, body.logprobs, top_n, grammar
         )
-        reqs = self.submit_all([ids], params, body.n, max_field)
+        reqs = self.submit_all([ids], params, body.n, max_field, body=body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             stream = self._stream(body, reqs, rid, model, output)

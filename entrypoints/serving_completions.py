@@ -46,7 +46,8 @@ class CompletionServing(OpenAIServing):
         # echo + logprobs (how scoring clients such as lm-eval read a text's likelihood): the
         # echoed prompt tokens carry their logprobs too, so score the prompt from position 0.
         score_prompt = body.echo and body.logprobs is not None
-        reqs = self.submit_all(prompts, params, body.n, max_field, 0 if score_prompt else -1)
+        start = 0 if score_prompt else -1
+        reqs = self.submit_all(prompts, params, body.n, max_field, start, body=body)
         echoes = [self._echo(body, r) for r in reqs]
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:

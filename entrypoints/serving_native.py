@@ -17,8 +17,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from radixserve.core.disaggregation import Bootstrap
 from radixserve.core.output import input_logprob_entries, logprob_triples, top_logprob_triples
 from radixserve.core.request import INT64_MAX, InvalidRequest, SamplingParams
+from radixserve.entrypoints.bootstrap import expand_bootstrap
 from radixserve.entrypoints.fanout import choice_params
 from radixserve.entrypoints.fanout import per_item as _per_item
 from radixserve.entrypoints.serving_openai import error_event, raise_if_failed
@@ -72,7 +74,13 @@ class NativeServing:
             explicit = isinstance(raw_p, dict) and raw_p.get("max_new_tokens") is not None
             self.tm.check(ids, p, "max_new_tokens" if explicit else None)
         rids = _rids(body.get("rid"), count)
-        reqs, req_options = self._submit(prompts, params, options, rids)
+        boots = expand_bootstrap(
+            body.get("bootstrap_host"),
+            body.get("bootstrap_port"),
+            body.get("bootstrap_room"),
+            [p.n for p in params],
+        )
+        reqs, req_options = self._submit(prompts, params, options, rids, boots)
         batch = batch or len(reqs) > 1
         if stream:
             stream = self._stream(reqs, req_options, batch)
@@ -113,6 +121,7 @@ class NativeServing:
         params: list[SamplingParams],
         options: list[LogprobOptions],
         rids: list[str | None],
+        boots: list[Bootstrap | None],
     ) -> tuple[list[ServerReq], list[LogprobOptions]]:
         self.tm.admit(sum(p.n for p in params))
         event = asyncio.Event()
@@ -123,7 +132,12 @@ class NativeServing:
                 for i in range(p.n):
                     choice_rid = rid if rid is None or p.n == 1 else f"{rid}-{i}"
                     start = _resolved_start(o, p)
-                    reqs.append(self.tm.submit(ids, choice_params(p, i), event, choice_rid, start))
+                    boot = boots[len(reqs)]
+                    reqs.append(
+                        self.tm.submit(
+                            ids, choice_params(p, i), event, choice_rid, start, bootstrap=boot
+                        )
+                    )
                     req_options.append(o)
         except Exception:
             for r in reqs:

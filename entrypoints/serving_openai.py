@@ -9,7 +9,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from radixserve.core.disaggregation import Bootstrap
 from radixserve.core.request import SamplingParams
+from radixserve.entrypoints.bootstrap import expand_bootstrap
 from radixserve.entrypoints.fanout import choice_params
 from radixserve.entrypoints.http_errors import ApiError, error_body
 from radixserve.entrypoints.openai_protocol import (
@@ -117,19 +119,31 @@ class OpenAIServing:
         n: int,
         max_field: str | None,
         logprob_start_len: int = -1,
+        body: SamplingRequest | None = None,
     ) -> list[ServerReq]:
-        """Check every prompt, then queue n choices of each (prompt-major order)."""
+        """Check every prompt, then queue n choices of each (prompt-major order). ``body``
+        brings a PD router's bootstrap fields."""
         self.tm.limits.check_n(n)
         for ids in prompts:
             self.tm.check(ids, params, max_field)
         self.tm.admit(len(prompts) * n)
+        boots: list[Bootstrap | None] = [None] * (len(prompts) * n)
+        if body is not None:
+            boots = expand_bootstrap(
+                body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, [n] * len(prompts)
+            )
         event = asyncio.Event()
         reqs: list[ServerReq] = []
         try:
             for ids in prompts:
                 for i in range(n):
                     params_i = choice_params(params, i)
-                    reqs.append(self.tm.submit(ids, params_i, event, None, logprob_start_len))
+                    boot = boots[len(reqs)]
+                    reqs.append(
+                        self.tm.submit(
+                            ids, params_i, event, None, logprob_start_len, bootstrap=boot
+                        )
+                    )
         except Exception:
             for r in reqs:
                 self.tm.abort(r.rid)

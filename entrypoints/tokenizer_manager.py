@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from radixserve.core import ipc
+from radixserve.core.disaggregation import Bootstrap
 from radixserve.core.request import FinishReason, InvalidRequest, SamplingParams
 from radixserve.core.stop import streamable_text
 from radixserve.core.tokenizer import Tokenizer
@@ -183,16 +184,23 @@ class TokenizerManager:
         logprob_start_len: int = -1,
         pooling: str | None = None,
         label_token_ids: list[int] | None = None,
+        bootstrap: Bootstrap | None = None,
     ) -> ServerReq:
         """Queue a checked request in the engine. It counts as live (in ``reqs``, against the
         admission limit) only once the engine has it: a request that fails before that leaves
-        nothing behind."""
+        nothing behind. ``bootstrap`` (a PD router's room) is honoured only by a prefill or
+        decode server."""
         if self.dead is not None:
             raise EngineDied(self.dead)
         if rid is None:
             rid = uuid.uuid4().hex
         elif rid in self.reqs:
             raise InvalidRequest(f"rid '{rid}' is already in use by a running request")
+        mode = self.info.disaggregation_mode
+        if mode == "null" or params.max_new_tokens == 0:
+            bootstrap = None
+        elif bootstrap is not None and mode == "decode":
+            logprob_start_len = -1  # prompt logprobs come from the prefill (the router merges)
         message = ipc.GenerateRequest(
             rid=rid,
             input_ids=ids,
@@ -200,6 +208,7 @@ class TokenizerManager:
             logprob_start_len=logprob_start_len,
             pooling=pooling,
             label_token_ids=label_token_ids,
+            bootstrap=bootstrap,
         )
         try:
             data = ipc.encode(message)

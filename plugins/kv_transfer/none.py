@@ -5,19 +5,29 @@ from __future__ import annotations
 from typing import Any
 
 from radixserve.core.hookspecs import hookimpl
-from radixserve.core.interfaces import KVConnector
-from radixserve.core.memory import KVPool
+from radixserve.core.interfaces import KVConnector, TransferEvent
+
+_OFF = (
+    "KV transfer is off (kv_transfer=none); start with --disaggregation-mode prefill|decode "
+    "and --disaggregation-transfer-backend tcp|mooncake|nixl"
+)
 
 
 class NoKVConnector(KVConnector):
-    def register_buffers(self, kv_pool: KVPool) -> None:
+    def start(self, role: str, kv_pool: Any, bootstrap_port: int, timeout: float) -> None:
+        raise RuntimeError(_OFF)
+
+    def send(self, room: int, kv_slots: Any, meta: bytes) -> None:
+        raise RuntimeError(_OFF)
+
+    def receive(self, room: int, peer: tuple[str, int], kv_slots: Any) -> None:
+        raise RuntimeError(_OFF)
+
+    def cancel(self, room: int, reason: str) -> None:
         pass
 
-    def send(self, request_id: str, kv_indices: Any, peer: str) -> None:
-        raise RuntimeError("KV transfer is off (kv_transfer=none); choose a connector plugin")
-
-    def receive(self, request_id: str, kv_indices: Any) -> bool:
-        raise RuntimeError("KV transfer is off (kv_transfer=none); choose a connector plugin")
+    def poll(self) -> list[TransferEvent]:
+        return []
 
 
 @hookimpl
