@@ -44,11 +44,7 @@ from radixserve.plugins.speculative import none as spec_none
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="llama3-8b", choices=["llama3-8b", "smollm2", "tiny"])
-    p.add_argument("--hardware", default="cuda")
-    p.add_argument("--attention", default="triton")
-    p.add_argument("--disable-cuda-graph", action="store_true")
-    p.add_argument("--disable-overlap-schedule", action="store_true")
-    p.add_argument("--page-size", type=int, default=1)
+    add_tuning_flags(p)
     p.add_argument("--repeat-tput", type=int, default=0,
                    help="rerun the batch-64 workload N more times, overlap on and off")  # fmt: skip
     p.add_argument("--skip-hf", action="store_true")
@@ -57,11 +53,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tune-decode", action="store_true", help="sweep decode launch settings first")
     p.add_argument("--skip-big", action="store_true", help="skip the 512-request offline run")
     p.add_argument("--small", action="store_true", help="tiny workloads (smoke test)")
-    p.add_argument("--max-running", type=int, default=256)
-    p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--workdir", default=None, help="where the model directory is written")
     p.add_argument("--json-out", default=None)
     return p.parse_args()
+
+
+def add_tuning_flags(p: argparse.ArgumentParser) -> None:
+    """The tuned engine's settings (``tuned_engine``); bench/gpu_serving.py shares them."""
+    p.add_argument("--hardware", default="cuda")
+    p.add_argument("--attention", default="triton")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--disable-overlap-schedule", action="store_true")
+    p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--max-running", type=int, default=256)
+    p.add_argument("--chunked-prefill-size", type=int, default=8192)
 
 
 def workloads(small: bool) -> dict[str, tuple[int, int, int]]:
@@ -168,6 +173,39 @@ def run_generate(engine: Any, batch: list[list[int]], new: int) -> float:
     return timed(lambda: engine.generate(input_ids=batch, sampling_params=params))
 
 
+def warm_and_time(engine: Any, workload: tuple[int, int, int], vocab: int, seed: int) -> float:
+    """Seconds for one workload, after a warm-up over every prefill shape of it (prompts of seed
+    ``seed - 1``, outputs cut short): fresh prompts each time, so no run is served from the
+    prefix cache of another."""
+    n, i, o = workload
+    run_generate(engine, prompts(n, i, vocab, seed - 1), max(o // 8, 2))
+    return run_generate(engine, prompts(n, i, vocab, seed), o)
+
+
+def tuned_engine(
+    model_dir: Path, args: argparse.Namespace, runs: list[tuple[int, int, int]], host: PluginHost
+) -> Any:
+    """The engine with our benchmark's tuning flags (``add_tuning_flags``), sized for ``runs``:
+    one running slot per request up to --max-running, a KV pool that holds them all."""
+    running = min(args.max_running, max(r[0] for r in runs))
+    context = max(i + o for _, i, o in runs) + 8
+    return Engine(
+        str(model_dir), host=host,
+        plugins=[f"hardware={args.hardware}", f"attention={args.attention}", "grammar=none"],
+        max_running_requests=running, max_total_tokens=running * context + 4096,
+        context_length=context, chunked_prefill_size=args.chunked_prefill_size,
+        cuda_graph_max_bs=running, disable_cuda_graph=args.disable_cuda_graph,
+        disable_overlap_schedule=args.disable_overlap_schedule, page_size=args.page_size,
+    )  # fmt: skip
+
+
+def defaults_engine(model_dir: Path) -> Any:
+    """An engine given the model path and no tuning flag: what a user gets by default (the
+    hardware platform chooses chunk size, memory, graphs, batch). The grammar plugin is named
+    only because this benchmark's host loads no grammar backend."""
+    return Engine(str(model_dir), host=bench_host(StepStats()), plugins=["grammar=none"])
+
+
 def run_ours(model_dir: Path, args: argparse.Namespace, vocab: int, res: dict[str, Any]) -> None:
     """Our engine on every workload; each number is recorded (and saved) as soon as it exists."""
 
@@ -179,18 +217,9 @@ def run_ours(model_dir: Path, args: argparse.Namespace, vocab: int, res: dict[st
 
     w = workloads(args.small)
     runs = [w["b1"], w["tput"]] + ([] if args.skip_big else [w["big"]])
-    running = min(args.max_running, max(r[0] for r in runs))
-    context = max(i + o for _, i, o in runs) + 8
     stats = StepStats()
     start = time.perf_counter()
-    engine = Engine(
-        str(model_dir), host=bench_host(stats),
-        plugins=[f"hardware={args.hardware}", f"attention={args.attention}", "grammar=none"],
-        max_running_requests=running, max_total_tokens=running * context + 4096,
-        context_length=context, chunked_prefill_size=args.chunked_prefill_size,
-        cuda_graph_max_bs=running, disable_cuda_graph=args.disable_cuda_graph,
-        disable_overlap_schedule=args.disable_overlap_schedule, page_size=args.page_size,
-    )  # fmt: skip
+    engine = tuned_engine(model_dir, args, runs, bench_host(stats))
     runner = engine.core.runner
     note("ours_start_s", time.perf_counter() - start)
     note("plugins", dict(runner.plugins.names))
@@ -212,10 +241,7 @@ def run_ours(model_dir: Path, args: argparse.Namespace, vocab: int, res: dict[st
         note("b1_eager_tok_s", n * o / run_generate(engine, prompts(n, i, vocab, 7), o))
         runner.step = graphs
     n, i, o = w["tput"]
-    # warm-up: every prefill shape of the run (its outputs cut short); fresh prompts each time,
-    # so no run is served from the prefix cache of another
-    run_generate(engine, prompts(n, i, vocab, 4), max(o // 8, 2))
-    note("tput_s", run_generate(engine, prompts(n, i, vocab, 5), o))
+    note("tput_s", warm_and_time(engine, w["tput"], vocab, 5))
     note("tput_tok_s", n * o / res["tput_s"])
     if engine.core.overlap:  # the same engine, each step finished before the next is scheduled
         engine.core.overlap = False
@@ -242,17 +268,14 @@ def run_ours(model_dir: Path, args: argparse.Namespace, vocab: int, res: dict[st
 def run_defaults(
     model_dir: Path, args: argparse.Namespace, vocab: int, res: dict[str, Any]
 ) -> None:
-    """Every workload again on an engine given the model path and no tuning flag: what a user
-    gets by default (the hardware platform chooses chunk size, memory, graphs, batch). The
-    grammar plugin is named only because this benchmark's host loads no grammar backend."""
-    engine = Engine(str(model_dir), host=bench_host(StepStats()), plugins=["grammar=none"])
+    """Every workload again on ``defaults_engine``: what a user gets with no tuning flag."""
+    engine = defaults_engine(model_dir)
     res["defaults_settings"] = engine.core.runner.settings.describe()
     print(f"  defaults: {res['defaults_settings']}", flush=True)
     w = workloads(args.small)
     for key, seed in (("b1", 31), ("tput", 33)) + (() if args.skip_big else (("big", 35),)):
         n, i, o = w[key]
-        run_generate(engine, prompts(n, i, vocab, seed - 1), max(o // 8, 2))  # warm-up
-        res[f"defaults_{key}_tok_s"] = n * o / run_generate(engine, prompts(n, i, vocab, seed), o)
+        res[f"defaults_{key}_tok_s"] = n * o / warm_and_time(engine, w[key], vocab, seed)
         print(f"  defaults_{key}_tok_s = {res[f'defaults_{key}_tok_s']}", flush=True)
     engine.shutdown()
 

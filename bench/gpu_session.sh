@@ -1,14 +1,14 @@
 #!/bin/sh
 # One call on the lent GPU machine (see docs/BENCHMARKS.md): make this checkout importable as
-# `radixserve`, install the wheels carried in .whl/ (the device image lacks `gguf`), run the GPU
+# `radixserve`, install the wheels carried in .whl/ that the device image lacks (gguf, the
+# serving stack; bench/install_wheels.py: none over the image's torch stack), run the GPU
 # tests at real sizes, then the benchmarks given as arguments, e.g.
 #   sh bench/gpu_session.sh tests "llama3-8b" "smollm2 --skip-big"
 # Results go to $OUT (gpu-<shape>.json, tests.log).
 set -e
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/pkg
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
+python3 bench/install_wheels.py .whl /tmp/site
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 # An editable install registers the built-in plugins' entry points and the `radixserve` script.
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 \

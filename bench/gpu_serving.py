@@ -1,0 +1,341 @@
+#!/usr/bin/env python
+"""Issue 24 on one GPU in one run: ``radixserve serve`` given nothing but the model path,
+measured with bench/serving.py, against the tuned offline Engine on the same prompts; then the
+batch-64 workload on engines with no tuning flags and tuned ones, alternating (A-B-A-B).
+
+In order: a random-weight SmolLM2-shape model directory (bench/gpu_model.py); the server,
+started as ``radixserve serve --model-path DIR --host 127.0.0.1 --port P`` and nothing else,
+warmed up with one serving run of the same shape (other prompts, outputs cut to 1/8), then
+measured: 512 prompts of 1,024 tokens, 256 output tokens, concurrency 256, streaming, through
+the native ``/generate`` (what SGLang's bench_serving uses for SGLang by default); the server
+stopped; the offline Engine with bench/gpu.py's tuning flags (``tuned_engine``) warmed up and
+measured on the very same two prompt sets; last, the 64 x (1,024 + 256) workload on a fresh
+tuned engine, a fresh engine with no flags (``defaults_engine``), then both once more, each
+timed twice after its warm-up (bench/gpu.py's ``warm_and_time``). Rates are output tokens over
+wall time, prefill included, EOS ignored. No grammar plugin is named anywhere: where no grammar
+package is installed (the GPU image has none) the platform's default grammar backend is none.
+
+Device command (one call, in the repo root, carrying ``.whl``: the wheels the GPU image lacks;
+bench/install_wheels.py installs only those, so none shadows the image's torch stack):
+
+    python3 bench/install_wheels.py .whl /tmp/site && export PYTHONPATH=/tmp/site \
+PYTHONUNBUFFERED=1 && python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . \
+>/dev/null 2>&1; set -o pipefail; python3 bench/gpu_serving.py --json-out $OUT/serving.json \
+2>&1 | tee $OUT/serving.log
+
+Smoke test on a CPU machine (tiny shape, a few short prompts, the cpu platform):
+
+    .venv/bin/python bench/gpu_serving.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import importlib.metadata
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import serving
+import torch
+from common import format_table, machine_info, write_json
+from gpu import (
+    StepStats,
+    add_tuning_flags,
+    bench_host,
+    defaults_engine,
+    phase,
+    prompts,
+    run_generate,
+    tuned_engine,
+    warm_and_time,
+)
+from gpu_model import SHAPES, write_random_llama
+
+# Versions worth seeing next to a number: the serving stack, most of it carried as wheels.
+STACK = ("torch", "triton", "transformers", "fastapi", "starlette", "uvicorn", "h11", "pydantic",
+         "pyzmq", "msgspec", "httpx", "anyio", "typing_extensions")  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="smollm2", choices=sorted(SHAPES))
+    p.add_argument("--num-prompts", type=int, default=512)
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--max-concurrency", type=int, default=256)
+    p.add_argument("--ab-requests", type=int, default=64, help="requests of the A-B workload")
+    p.add_argument("--ab-rounds", type=int, default=2, help="tuned, defaults: this many times")
+    p.add_argument("--target", type=float, default=0.9, help="serving / offline tuned, at least")
+    p.add_argument("--server-timeout", type=float, default=420.0, help="seconds to get ready")
+    p.add_argument("--skip-ab", action="store_true")
+    p.add_argument("--workdir", default=None, help="where the model directory is written")
+    p.add_argument("--json-out", default=None)
+    p.add_argument("--smoke", action="store_true", help="tiny shape, few short prompts, cpu")
+    add_tuning_flags(p)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.shape, args.num_prompts, args.input_len, args.output_len = "tiny", 8, 64, 16
+        args.max_concurrency, args.ab_requests = 4, 4
+        args.hardware, args.attention = "cpu", "torch_native"
+    return args
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_command() -> list[str]:
+    """The ``radixserve`` script the editable install wrote (else the same ``main`` run as a
+    module: both are the command a user types)."""
+    beside = Path(sysconfig.get_path("scripts")) / "radixserve"
+    found = str(beside) if beside.exists() else shutil.which("radixserve")
+    return [found] if found else [sys.executable, "-m", "radixserve.entrypoints.cli"]
+
+
+def check_installed() -> None:
+    """The server finds its platforms and models through entry points: without the editable
+    install it could not start. Fail here, in a second, rather than at the server's start."""
+    names = {ep.name for ep in importlib.metadata.entry_points(group="radixserve")}
+    missing = {"cpu", "cuda", "triton", "torch_native", "llama", "grammar_none"} - names
+    if missing:
+        sys.exit(f"error: radixserve's entry points {sorted(missing)} are not registered; "
+                 "run `pip install --no-deps --no-build-isolation -e .` first")  # fmt: skip
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for dist in STACK:
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def serving_args(args: argparse.Namespace, url: str, seed: int, output_len: int) -> Any:
+    vocab = SHAPES[args.shape]["vocab_size"]  # given, so the offline run can draw the same ids
+    return serving.parse_args([
+        "--base-url", url, "--backend", "native", "--num-prompts", str(args.num_prompts),
+        "--input-len", str(args.input_len), "--output-len", str(output_len),
+        "--max-concurrency", str(args.max_concurrency), "--vocab-size", str(vocab),
+        "--seed", str(seed), "--disable-tqdm",
+    ])  # fmt: skip
+
+
+def prompt_ids(args: argparse.Namespace, seed: int, output_len: int) -> list[list[int]]:
+    """The token ids bench/serving.py sends with these settings."""
+    sent = serving_args(args, "", seed, output_len)
+    return [r.input_ids for r in serving.make_requests(sent, SHAPES[args.shape]["vocab_size"])]
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path, timeout: float) -> float:
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"the server exited with {proc.returncode}:\n{tail}")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return time.perf_counter() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server was not healthy within {timeout:.0f} s (log: {log})")
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> int:
+    """SIGTERM: the server drains and stops its engine process (freeing the GPU)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+    return proc.returncode
+
+
+def run_server(model_dir: Path, args: argparse.Namespace, log: Path) -> dict[str, Any]:
+    """The server with no flag but the model path (and where to listen), measured."""
+    res: dict[str, Any] = {}
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [*server_command(), "serve", "--model-path", str(model_dir)]
+    cmd += ["--host", "127.0.0.1", "--port", str(port)]
+    res["server_command"] = " ".join(cmd)
+    print(f"  {res['server_command']}  (log: {log})", flush=True)
+    # the smoke run shares a small CPU machine: one intra-op thread (not a server flag)
+    env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if args.smoke else {})}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        res["server_ready_s"] = wait_healthy(proc, url, log, args.server_timeout)
+        print(f"  healthy after {res['server_ready_s']:.1f} s", flush=True)
+        info = httpx.get(url + "/server_info", timeout=30).json()
+        res["server_settings"] = info.get("engine_settings")
+        res["server_plugins"] = info.get("active_plugins")
+        res["server_kv_tokens"] = info.get("max_total_num_tokens")
+        print(f"  plugins {res['server_plugins']}, KV pool {res['server_kv_tokens']} tokens")
+        print(f"  settings {res['server_settings']}", flush=True)
+        warm_len = max(args.output_len // 8, 2)
+        warm = asyncio.run(serving.run(serving_args(args, url, 1, warm_len)))
+        res["serving_warmup_failed"] = warm["failed"]
+        print(f"  warm-up: {warm['completed']} requests, {warm['failed']} failed", flush=True)
+        summary = asyncio.run(serving.run(serving_args(args, url, 0, args.output_len)))
+        serving.print_summary(summary)
+        res["serving"] = summary
+        if summary["failed"] == 0:  # a rate over fewer requests would not be this workload's
+            res["serving_tok_s"] = summary["output_throughput"]
+    finally:
+        res["server_exit_code"] = stop_server(proc)
+        banner = [line for line in log.read_text(errors="replace").splitlines()
+                  if line.startswith("radixserve: ")]  # fmt: skip
+        res["server_banner"] = banner[:4]
+    return res
+
+
+def run_offline(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The tuned offline Engine on the prompts bench/serving.py sent: the same warm-up set at
+    the same cut output length, then the timed set."""
+    warm_len = max(args.output_len // 8, 2)
+    workload = (args.num_prompts, args.input_len, args.output_len)
+    start = time.perf_counter()
+    engine = tuned_engine(model_dir, args, [workload], bench_host(StepStats()))
+    try:
+        res: dict[str, Any] = {"offline_start_s": time.perf_counter() - start}
+        res["offline_settings"] = engine.core.runner.settings.describe()
+        run_generate(engine, prompt_ids(args, 1, warm_len), warm_len)
+        seconds = run_generate(engine, prompt_ids(args, 0, args.output_len), args.output_len)
+        res["offline_tuned_tok_s"] = args.num_prompts * args.output_len / seconds
+        print(f"  offline tuned: {res['offline_tuned_tok_s']:.1f} tok/s", flush=True)
+    finally:
+        engine.shutdown()
+    return res
+
+
+def run_alternating(
+    model_dir: Path, args: argparse.Namespace, res: dict[str, Any]
+) -> dict[str, Any]:
+    """Tuned, no flags, tuned, no flags ...: each a fresh engine (as bench/gpu.py builds them),
+    warmed up, then timed twice on fresh prompts; the same prompts for both in a round."""
+    workload = (args.ab_requests, args.input_len, args.output_len)
+    n, i, o = workload
+    vocab = SHAPES[args.shape]["vocab_size"]
+    runs: list[dict[str, Any]] = res.setdefault("ab_runs", [])  # kept if a later one fails
+    for rnd in range(args.ab_rounds):
+        seed = 41 + 10 * rnd
+        for mode in ("tuned", "defaults"):
+            start = time.perf_counter()
+            if mode == "tuned":
+                engine = tuned_engine(model_dir, args, [workload], bench_host(StepStats()))
+            else:
+                engine = defaults_engine(model_dir)
+            run: dict[str, Any] = {"round": rnd + 1, "mode": mode}
+            run["start_s"] = time.perf_counter() - start
+            try:
+                run["settings"] = engine.core.runner.settings.describe()
+                first = n * o / warm_and_time(engine, workload, vocab, seed)
+                second = n * o / run_generate(engine, prompts(n, i, vocab, seed + 1), o)
+                run["tok_s"] = [first, second]
+            finally:
+                engine.shutdown()
+                del engine
+                free_device_memory()
+            runs.append(run)
+            print(f"  round {rnd + 1} {mode}: {first:.1f}, {second:.1f} tok/s", flush=True)
+    rates = {m: [x for run in runs if run["mode"] == m for x in run["tok_s"]]
+             for m in ("tuned", "defaults")}  # fmt: skip
+    return {
+        "ab_workload": list(workload),
+        "ab_tuned_tok_s": rates["tuned"],
+        "ab_defaults_tok_s": rates["defaults"],
+        "ab_ratio_of_medians": statistics.median(rates["defaults"])
+        / statistics.median(rates["tuned"]),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    check_installed()
+    begin = time.perf_counter()
+    res: dict[str, Any] = {"args": vars(args), "machine": machine_info(), "versions": versions()}
+    out = args.json_out
+    if torch.cuda.is_available():
+        res["gpu"] = torch.cuda.get_device_name()
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rs-gpu-serving-"))
+    model_dir = workdir / args.shape
+    log = Path(out).with_suffix(".server.log") if out else workdir / "server.log"
+    # Written on the CPU: this process holds no GPU memory while the server sizes its KV pool.
+    write = lambda: {"weight_bytes": write_random_llama(model_dir, args.shape, "cpu")}
+    steps = [("model", write), ("serving", lambda: run_server(model_dir, args, log)),
+             ("offline", lambda: run_offline(model_dir, args))]  # fmt: skip
+    if not args.skip_ab:
+        steps.append(("alternating", lambda: run_alternating(model_dir, args, res)))
+    for name, fn in steps:
+        print(f"[{name}] at {time.perf_counter() - begin:.0f} s", flush=True)
+        phase(res, name, fn, out)
+        free_device_memory()
+    res["wall_s"] = time.perf_counter() - begin
+    report(res, args)
+    if out:
+        write_json(out, res)
+    return 0 if not [k for k in res if k.endswith("_error")] else 1
+
+
+def report(r: dict[str, Any], args: argparse.Namespace) -> None:
+    if r.get("serving_tok_s") and r.get("offline_tuned_tok_s"):
+        r["serving_over_offline"] = r["serving_tok_s"] / r["offline_tuned_tok_s"]
+        r["serving_meets_target"] = r["serving_over_offline"] >= args.target
+    shape = f"{args.num_prompts} x ({args.input_len} + {args.output_len})"
+    rows: list[list[Any]] = [
+        [f"serve, no flags: {shape}, c={args.max_concurrency}, stream, tok/s",
+         r.get("serving_tok_s"), r.get("serving_over_offline"), f">= {args.target} of offline"],
+        ["offline Engine, tuned flags, same prompts, tok/s", r.get("offline_tuned_tok_s"), None,
+         None],
+    ]  # fmt: skip
+    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_latency_ms") if r.get("serving") else ():
+        st = r["serving"][key]
+        value = " / ".join(f"{st[k]:.1f}" for k in ("median", "p90", "p99"))
+        rows.append([f"serving {key} median / p90 / p99", value, None, None])
+    ab = f"{args.ab_requests} x ({args.input_len} + {args.output_len})"
+    tuned = {run["round"]: run for run in r.get("ab_runs", []) if run["mode"] == "tuned"}
+    for run in r.get("ab_runs", []):
+        rates = " / ".join(f"{x:.1f}" for x in run.get("tok_s", []))
+        base = tuned.get(run["round"], {}).get("tok_s")
+        rel = None
+        if run["mode"] == "defaults" and base and run.get("tok_s"):
+            rel = statistics.mean(run["tok_s"]) / statistics.mean(base)
+        label = f"{ab} round {run['round']} {run['mode']}, tok/s (2 runs)"
+        rows.append([label, rates, rel, ">= 0.95 of tuned" if rel else None])
+    if r.get("ab_ratio_of_medians"):
+        rows.append(["no flags / tuned, medians of all runs", None, r["ab_ratio_of_medians"],
+                     ">= 0.95"])  # fmt: skip
+    print(f"\nshape={args.shape} gpu={r.get('gpu')} wall={r.get('wall_s', 0):.0f} s")
+    print(format_table(["measure", "value", "ratio", "target"], rows))
+    for key in [k for k in r if k.endswith("_error")]:
+        print(f"{key}: {r[key]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
