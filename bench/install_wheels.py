@@ -10,7 +10,8 @@ one is too old for a requirement of a wheel being installed (then it is named, w
 requirement). The image's own torch stack (``PROTECTED``) is never replaced: an unmet
 requirement on it is reported, not installed over. Every decision is printed. Standard library
 only, plus ``packaging`` for version checks (the image has it; without it only missing
-distributions are installed). The pyproject's runtime requirements are checked the same way.
+distributions are installed). radixserve's own runtime requirements (pyproject.toml) count as
+a wheel's: one the machine meets with too old a version is installed from a carried wheel.
 """
 
 from __future__ import annotations
@@ -77,38 +78,33 @@ def satisfied(req: object, version: str) -> bool:
     return req.specifier.contains(version, prereleases=True)  # type: ignore[attr-defined]
 
 
-def choose(wheels: dict[str, Wheel]) -> tuple[dict[str, str], list[str]]:
-    """{name: why} of the wheels to install, and warnings about requirements left unmet."""
-    chosen = {n: "not installed" for n in wheels if installed(n) is None}
-    warnings: list[str] = []
-    pending = list(chosen)
-    while pending:
-        wheel = wheels[pending.pop()]
-        for dep, req in needs(wheel.requires):
-            have = wheels[dep].version if dep in chosen else installed(dep)
-            if have is not None and satisfied(req, have):
-                continue
-            if dep in wheels and dep not in chosen and dep not in PROTECTED:
-                chosen[dep] = f"installed {have} is too old: {wheel.name} needs {req}"
-                pending.append(dep)
-            else:
-                warnings.append(f"{wheel.name} needs {req}; found {have or 'nothing'}")
-    return chosen, warnings
-
-
-def project_warnings(wheels: dict[str, Wheel], chosen: dict[str, str]) -> list[str]:
-    """radixserve's runtime requirements that neither the machine nor the wheels meet."""
+def project_requires() -> list[str]:
+    """radixserve's runtime requirements (pyproject.toml)."""
     try:
         import tomllib
     except ImportError:  # Python < 3.11: nothing to check with
         return []
-    deps = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
-    out = []
-    for dep, req in needs(deps):
-        have = wheels[dep].version if dep in chosen else installed(dep)
-        if have is None or not satisfied(req, have):
-            out.append(f"radixserve needs {req}; found {have or 'nothing'}")
-    return out
+    return list(tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"])
+
+
+def choose(wheels: dict[str, Wheel], project: list[str]) -> tuple[dict[str, str], list[str]]:
+    """{name: why} of the wheels to install, and warnings about requirements left unmet: the
+    missing ones, then any carried one that radixserve or an installed wheel needs newer."""
+    chosen = {n: "not installed" for n in wheels if installed(n) is None}
+    warnings: list[str] = []
+    pending = [("radixserve", project)] + [(n, wheels[n].requires) for n in chosen]
+    while pending:
+        who, requires = pending.pop()
+        for dep, req in needs(requires):
+            have = wheels[dep].version if dep in chosen else installed(dep)
+            if have is not None and satisfied(req, have):
+                continue
+            if dep in wheels and dep not in chosen and dep not in PROTECTED:
+                chosen[dep] = f"installed {have} is too old: {who} needs {req}"
+                pending.append((dep, wheels[dep].requires))
+            else:
+                warnings.append(f"{who} needs {req}; found {have or 'nothing'}")
+    return chosen, list(dict.fromkeys(warnings))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the decisions only")
     args = p.parse_args(argv)
     wheels = {w.name: w for w in map(read_wheel, sorted(args.wheel_dir.glob("*.whl")))}
-    chosen, warnings = choose(wheels)
+    chosen, warnings = choose(wheels, project_requires())
     for name, wheel in sorted(wheels.items()):
         why = chosen.get(name)
         have = installed(name)
@@ -126,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
               f"keep {name} {have} (carried {wheel.version} not installed)")  # fmt: skip
     if Requirement is None:
         warnings.append("no `packaging`: versions unchecked, only missing wheels installed")
-    for warning in warnings + project_warnings(wheels, chosen):
+    for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     args.target.mkdir(parents=True, exist_ok=True)
     if args.dry_run or not chosen:
