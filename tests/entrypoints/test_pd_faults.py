@@ -1,0 +1,149 @@
+"""Prefill/decode disaggregation when transfers fail: a connection dropped mid-transfer, a
+bootstrap_room the prefill never gets, a client abort while the decode waits for KV, and the
+prefill server killed while it sends. Each affected request ends with a clear error within a
+bounded time, other requests go on, and neither server holds KV afterwards.
+
+The servers use ``tcp_faults`` (tests/support/radixserve_test_kv_faults.py): the tcp connector
+with faults the test picks through the room number, and with events (a file the connector
+creates when it stalls) instead of timing. Requests go to both servers as sglang-router sends
+them (the same body and room, at the same time), without the router in between.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import requests
+from model_gate import install_plugin
+from pd_cluster import PDPair, kv_state, pd_pair
+from radixserve_test_kv_faults import DROP_ROOM, FAULT_DIR_ENV, STALL_ROOM
+
+TIMEOUT = 60
+TRANSFER_TIMEOUT_S = 3  # --disaggregation-transfer-timeout of these servers
+GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def fault_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("kv-faults")
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_long_llama_dir: Path, fault_dir: Path) -> Iterator[PDPair]:
+    env = {**install_plugin(fault_dir / "site", "radixserve_test_kv_faults")}
+    env[FAULT_DIR_ENV] = str(fault_dir)
+    extra = ["--disaggregation-transfer-timeout", str(TRANSFER_TIMEOUT_S)]
+    with pd_pair(tiny_long_llama_dir, fault_dir, "tcp_faults", extra, env) as p:
+        yield p
+
+
+def room(kind: int = 0) -> int:
+    """A fresh room; ``kind`` (room % 1000) picks the connector's fault."""
+    return random.randrange(1, 1 << 40) * 1000 + kind
+
+
+def post(url: str, body: dict[str, Any], path: str = "/generate") -> requests.Response:
+    return requests.post(url + path, json=body, timeout=TIMEOUT)
+
+
+def send_pair(pool: ThreadPoolExecutor, pair: PDPair, r: int, text: str) -> tuple[Future, Future]:
+    body = pair.body(r, text=text, sampling_params=GREEDY)
+    return pool.submit(post, pair.prefill.url, body), pool.submit(post, pair.decode.url, body)
+
+
+def assert_ok_pair(futures: tuple[Future, Future]) -> None:
+    prefill, decode = (f.result() for f in futures)
+    assert prefill.status_code == 200, prefill.text
+    assert decode.status_code == 200, decode.text
+    assert len(decode.json()["output_ids"]) == GREEDY["max_new_tokens"]
+
+
+def assert_no_kv_held(*servers: Any) -> None:
+    for srv in servers:
+        kv = kv_state(srv)
+        assert kv["in_use"] == 0 and kv["locked"] == 0, (srv.url, kv)
+
+
+def test_connection_dropped_mid_transfer(pair: PDPair) -> None:
+    with ThreadPoolExecutor(4) as pool:
+        bad = send_pair(pool, pair, room(DROP_ROOM), "a transfer that breaks halfway")
+        good = send_pair(pool, pair, room(), "a transfer that completes")
+        prefill, decode = (f.result() for f in bad)
+        assert_ok_pair(good)
+    assert prefill.status_code == 200  # the prefill did its part
+    assert decode.status_code == 500
+    message = decode.json()["error"]["message"]
+    assert "failed: the connection closed after" in message and "bytes" in message, message
+    assert_no_kv_held(pair.prefill, pair.decode)
+
+
+def test_room_that_never_arrives(pair: PDPair) -> None:
+    """The decode alone gets the room: it gives up after the transfer timeout, frees the
+    slots it preallocated, and serves other pairs meanwhile."""
+    lost = pair.body(room(), text="nobody prefills this", sampling_params=GREEDY)
+    with ThreadPoolExecutor(4) as pool:
+        waiting = pool.submit(post, pair.decode.url, lost)
+        assert_ok_pair(send_pair(pool, pair, room(), "others go on"))
+        started = time.monotonic()
+        decode = waiting.result()
+    assert time.monotonic() - started < TRANSFER_TIMEOUT_S + 10
+    assert decode.status_code == 500
+    message = decode.json()["error"]["message"]
+    assert f"timed out after {TRANSFER_TIMEOUT_S} s waiting for its KV" in message, message
+    assert_no_kv_held(pair.prefill, pair.decode)
+
+
+def test_client_abort_while_waiting_for_kv(pair: PDPair) -> None:
+    rid = f"pd-abort-{room()}"
+    body = pair.body(room(), text="aborted while it waits", sampling_params=GREEDY, rid=rid)
+    with ThreadPoolExecutor(2) as pool:
+        waiting = pool.submit(post, pair.decode.url, body)
+        deadline = time.monotonic() + TIMEOUT
+        while not _live(pair.decode.url) and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the decode holds the request
+        assert post(pair.decode.url, {"rid": rid}, "/abort_request").status_code == 200
+        decode = waiting.result()
+    finish = decode.json()["meta_info"]["finish_reason"] if decode.status_code == 200 else None
+    assert finish is not None and finish["type"] == "abort", decode.text
+    assert_no_kv_held(pair.decode)
+
+
+def test_prefill_killed_during_transfer(pair: PDPair, fault_dir: Path) -> None:
+    """The prefill dies with half of the KV sent: the decode's request fails at once with the
+    reason, and the decode goes on serving (last test: the prefill stays down)."""
+    r = room(STALL_ROOM)
+    with ThreadPoolExecutor(2) as pool:
+        futures = send_pair(pool, pair, r, "the prefill dies while sending this")
+        marker = fault_dir / f"stalled-{r}"
+        deadline = time.monotonic() + TIMEOUT
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), "the prefill never started the transfer"
+        _kill_tree(pair.prefill.proc.pid)
+        decode = futures[1].result()
+    assert decode.status_code == 500
+    message = decode.json()["error"]["message"]
+    assert "the connection to the prefill server" in message, message
+    assert_no_kv_held(pair.decode)
+    plain = post(pair.decode.url, {"text": "still serving", "sampling_params": GREEDY})
+    assert plain.status_code == 200, plain.text
+
+
+def _live(url: str) -> bool:
+    info = requests.get(url + "/server_info", timeout=10).json()
+    return info["num_live_requests"] > 0
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a server and its engine process at once, as a machine failure would."""
+    proc = psutil.Process(pid)
+    for p in [*proc.children(recursive=True), proc]:
+        p.kill()
+    psutil.wait_procs([proc], timeout=10)
