@@ -61,7 +61,9 @@ def register_speculative_algorithms(register: Any) -> None:
 
 @hookspec
 def register_kv_connectors(register: Any) -> None:
-    """Register KV-transfer connectors (``KVConnector`` factories) for disaggregation."""
+    """Register KV-transfer connectors (``KVConnector`` factories, called with no arguments)
+    for prefill/decode disaggregation; the engine process builds one only with
+    ``--disaggregation-mode prefill|decode``."""
 
 
 @hookspec(firstresult=True)
