@@ -116,6 +116,12 @@ class EngineConfig:
     )
     disable_radix_cache: bool = _opt(False, "Turn the radix prefix cache off")
     random_seed: int = _opt(0, "Seed of the engine's random generator")
+    tp_size: int = _opt(
+        1,
+        "Tensor parallelism: ranks that split every layer (attention heads, MLP, vocabulary), "
+        "one engine process and one device each (GPUs 0..N-1, or N CPU processes over gloo); "
+        "rank 0 schedules and broadcasts each step",
+    )
     cuda_graph_max_bs: int | None = _opt(
         None,
         "Largest decode batch replayed from a CUDA graph (batches are padded up to a size; "
@@ -235,6 +241,8 @@ class EngineConfig:
             )
         if not self.watchdog_timeout > 0:
             raise ConfigError(f"watchdog_timeout must be > 0 seconds, got {self.watchdog_timeout}")
+        if self.tp_size < 1:
+            raise ConfigError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ConfigError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:

@@ -16,6 +16,7 @@ from radixserve.core.grammar import GrammarMasker, GrammarStepper
 from radixserve.core.grammar_queue import GrammarQueue
 from radixserve.core.interfaces import SpeculativeContext
 from radixserve.core.model_runner import LaunchedStep, ModelRunner
+from radixserve.core.parallel import Rendezvous
 from radixserve.core.plugins import PluginHost
 from radixserve.core.pooling import POOLING_METHODS
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
@@ -40,9 +41,17 @@ class InFlightStep(NamedTuple):
 
 
 class EngineCore:
-    def __init__(self, model_dir: Path, config: EngineConfig, host: PluginHost) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        config: EngineConfig,
+        host: PluginHost,
+        rendezvous: Rendezvous | None = None,
+    ) -> None:
+        """``rendezvous``: rank 0 of a tensor-parallel group (config.tp_size > 1), whose other
+        ranks were started beside it (see ModelRunner)."""
         self.host = host
-        self.runner = ModelRunner(model_dir, config, host)
+        self.runner = ModelRunner(model_dir, config, host, rendezvous)
         # From here on, every setting a platform may default is resolved.
         self.config = config = self.runner.config
         settings = self.runner.settings
@@ -353,6 +362,7 @@ class EngineCore:
         if not hasattr(self, "runner"):
             return  # already shut down
         platform = self.runner.platform
+        self.runner.close()  # the other tensor-parallel ranks stop with this one
         self._in_flight = None
         self._changed_outside_step = []
         # NOTE: these three hold every device tensor. Some sit in reference cycles (closures

@@ -73,6 +73,17 @@ class HardwarePlatform(ABC):
         """Give cached, unused device memory back to the device, so that ``kv_cache_bytes``
         sees what a shut-down engine let go of. A no-op where nothing is cached (CPU)."""
 
+    def distributed_backend(self) -> str:
+        """The torch.distributed backend tensor parallelism uses between this platform's
+        devices ("gloo" on the host; e.g. "nccl" on CUDA). Host-side step metadata always
+        travels over a gloo group beside it."""
+        return "gloo"
+
+    def bind_rank(self, rank: int) -> None:  # noqa: B027 - optional hook
+        """Tensor parallelism: this process is rank ``rank`` and drives that rank's device
+        (e.g. ``cuda:{rank}``); set ``device`` to it. Called once, before anything is
+        allocated. The host has one device for all ranks: nothing to do."""
+
     def step_executor(
         self,
         model: CausalLM,

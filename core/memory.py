@@ -133,6 +133,8 @@ class ReqToTokenPool:
         self._mirror: torch.Tensor | None = None
         self._dirty: list[torch.Tensor] = []  # flat table positions written since the last sync
         self._flat = self.table.view(-1)
+        # Tensor parallelism: every write since the last step, for the other ranks' tables.
+        self._journal: list[torch.Tensor] | None = None
 
     def available(self) -> int:
         return len(self._free_rows)
@@ -151,15 +153,45 @@ class ReqToTokenPool:
         if not n:
             return
         self.table[row, start : start + n] = slots
-        if self._mirror is not None:
+        if self._mirror is not None or self._journal is not None:
             first = row * self.max_context + start
-            self._dirty.append(torch.arange(first, first + n, dtype=torch.int64))
+            self._log(torch.arange(first, first + n, dtype=torch.int64))
 
     def write_points(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
         """``table[rows[i], cols[i]] = slots[i]`` for every i, in one indexed write."""
         self.table[rows, cols] = slots
+        if self._mirror is not None or self._journal is not None:
+            self._log(rows * self.max_context + cols)
+
+    def _log(self, where: torch.Tensor) -> None:
         if self._mirror is not None:
-            self._dirty.append(rows * self.max_context + cols)
+            self._dirty.append(where)
+        if self._journal is not None:
+            self._journal.append(where)
+
+    # -- tensor parallelism: the leader's writes replayed on the other ranks' tables ---------
+
+    def record_writes(self) -> None:
+        """From now on, keep every write for ``take_writes``."""
+        self._journal = []
+
+    def take_writes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat positions, their values now) written since the last call. A position written
+        twice has its last value in both entries, so the order of replay does not matter."""
+        assert self._journal is not None, "record_writes() first"
+        if not self._journal:
+            return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)
+        where = self._journal[0] if len(self._journal) == 1 else torch.cat(self._journal)
+        self._journal.clear()
+        return where, self._flat[where]
+
+    def apply_writes(self, where: torch.Tensor, values: torch.Tensor) -> None:
+        """Apply another table's ``take_writes`` to this one (and to its mirror at sync)."""
+        if not where.numel():
+            return
+        self._flat[where] = values
+        if self._mirror is not None:
+            self._dirty.append(where.clone())
 
     # -- the device mirror ------------------------------------------------------------------
 

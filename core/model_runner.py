@@ -20,12 +20,16 @@ from radixserve.core.grammar import GrammarMasker
 from radixserve.core.interfaces import PLUGIN_KINDS, AttentionBackend, CausalLM, HardwarePlatform
 from radixserve.core.logprobs import record_input_logprobs, scored_positions
 from radixserve.core.memory import KVPool, ReqToTokenPool, TokenAllocator
+from radixserve.core.parallel import Rendezvous, local_model_config, shard_weights
+from radixserve.core.parallel import setup as setup_parallel
+from radixserve.core.parallel import teardown as teardown_parallel
 from radixserve.core.plugins import PluginError, PluginHost, parse_plugin_selections
 from radixserve.core.pooling import finish_pooling, plan_pooling, record_label_logprobs
 from radixserve.core.request import token_slice
 from radixserve.core.sampling import SampleResult, presample_logits, sample, sample_ids
 from radixserve.core.scheduler import SampledToken, ScheduledBatch
 from radixserve.core.speculative import Speculator, verify
+from radixserve.core.tp_step import StepBroadcaster
 from radixserve.core.weights import count_parameters, iter_weights, reload_in_place
 
 logger = logging.getLogger(__name__)
@@ -53,10 +57,19 @@ class ChosenPlugins:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: Path, config: EngineConfig, host: PluginHost) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        config: EngineConfig,
+        host: PluginHost,
+        rendezvous: Rendezvous | None = None,
+    ) -> None:
+        """``rendezvous``: this process's rank of a tensor-parallel group (config.tp_size > 1);
+        rank 0 broadcasts every step, the others run ``core.tp_step.follow_steps``."""
         selections = parse_plugin_selections(config.plugins)
         hw = host.select_hardware(selections.get("hardware"))
         self.platform: HardwarePlatform = hw.factory()
+        self.tp = setup_parallel(self.platform, config.tp_size, rendezvous)
         self.device = self.platform.device
         self.platform.seed_everything(config.random_seed)
         self.model_config = ModelConfig.from_dir(model_dir)
@@ -74,7 +87,14 @@ class ModelRunner:
             self.platform.default_dtype() if config.dtype == "auto" else _DTYPES[config.dtype]
         )
         mc = self.model_config
-        weight_bytes = count_parameters(model_dir) * self.dtype.itemsize
+        # Each rank holds its heads' share of the weights and of the KV pool.
+        self.local_config = local_model_config(mc, self.tp)
+        weight_bytes = count_parameters(model_dir) * self.dtype.itemsize // self.tp.size
+        if self.tp.size > 1 and chosen["speculative"] != "none":
+            raise ConfigError(
+                f"speculative decoding ({chosen['speculative']}) does not run with "
+                f"tp_size={self.tp.size} yet; drop one of them"
+            )
         # A speculative algorithm is built here, so its device memory (a draft model and its
         # KV) is set aside before the KV pool is sized; EngineCore sets it up later.
         spec_factory = host.registries["speculative"].get(chosen["speculative"]).factory
@@ -86,32 +106,68 @@ class ModelRunner:
             hw.name, self.platform.engine_defaults(mc, weight_bytes)
         )
         self.max_context = min(config.context_length or mc.max_context, mc.max_context)
-        self.kv_size = self._kv_pool_size(weight_bytes, config)
+        self.kv_size = self.tp.agree_min(self._kv_pool_size(weight_bytes, config))
         config, self.settings = self._fit_running_to_pool(config)
         self.config = config  # every setting resolved (see self.settings for their origins)
         self.allocator = TokenAllocator(self.kv_size, config.page_size)
         self.req_to_token = ReqToTokenPool(
             self.settings.max_running_requests + 1, self.max_context + 1
         )
+        local = self.local_config
         self.kv_pool = KVPool(
-            self.kv_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device,
+            self.kv_size, mc.num_layers, local.num_kv_heads, mc.head_dim, self.dtype, self.device,
             page_size=config.page_size,
         )  # fmt: skip
         attn_factory = host.registries["attention"].get(chosen["attention"]).factory
-        self.attention: AttentionBackend = attn_factory(self.kv_pool, mc, self.device)
+        self.attention: AttentionBackend = attn_factory(self.kv_pool, local, self.device)
         self.model: CausalLM = model_reg.factory(mc, self.attention, self.dtype, self.device)
-        self.model.load_weights(iter_weights(model_dir, self.dtype))
+        self.model.load_weights(self._weights(model_dir))
         # The platform decides how a step runs (eagerly here; e.g. CUDA graphs for decodes).
         self.step = self.platform.step_executor(
             self.model, self.attention, self.kv_pool, self.req_to_token, config
         )
+        self.broadcaster: StepBroadcaster | None = None
+        if self.tp.size > 1 and self.tp.leader:
+            self.broadcaster = StepBroadcaster(self.tp, self.req_to_token, self.device, self.step)
+            self.step = self.broadcaster
         self.grammar_masker: GrammarMasker | None = None  # set by EngineCore
         self.speculator: Speculator | None = None  # set by EngineCore when speculating
+
+    def _weights(self, model_dir: Path) -> Any:
+        """The checkpoint's tensors, cut to this rank's shard by the model's ``tp_plan``."""
+        weights = iter_weights(model_dir, self.dtype)
+        if self.tp.size == 1:
+            return weights
+        plan = getattr(self.model, "tp_plan", None)
+        if plan is None:
+            raise ConfigError(
+                f"model plugin '{self.plugins.names['model']}' declares no tp_plan, so it cannot "
+                f"run with tp_size={self.tp.size} (docs/plugins.md: tensor parallelism)"
+            )
+        return shard_weights(weights, plan, self.model_config, self.tp)
+
+    def close(self) -> None:
+        """Tensor parallelism: stop the other ranks' step loops and leave the group, so a new
+        engine can start in this process. A no-op with one rank; calling it again does
+        nothing."""
+        if self.tp.size == 1:
+            return
+        try:
+            if self.broadcaster is not None:
+                self.broadcaster.stop()
+        except RuntimeError as e:  # a rank already gone: nothing is left to stop there
+            logger.warning("could not stop the other tensor-parallel ranks: %s", e)
+        finally:
+            teardown_parallel()
 
     def reload_weights(self, model_dir: Path) -> None:
         """Load the weights of ``model_dir`` into the running model in place. Raise
         ConfigError (or the model's ValueError) naming the problem, with the old weights still
         loaded, when the checkpoint is not one of this model's shape."""
+        if self.tp.size > 1:
+            raise ConfigError(
+                f"loading new weights is not supported with tp_size={self.tp.size} yet"
+            )
         new = ModelConfig.from_dir(model_dir)
         old = self.model_config
         for name in ("architecture", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -137,7 +193,7 @@ class ModelRunner:
             ) from e
 
     def _kv_pool_size(self, weight_bytes: int, config: EngineConfig) -> int:
-        mc = self.model_config
+        mc = self.local_config  # this rank's KV heads
         per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
         per_token += self._spec_kv_bytes
         if config.max_total_tokens is not None:

@@ -10,6 +10,7 @@ own rules, from the same code.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
@@ -23,9 +24,11 @@ from typing import Any
 from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.core.engine_core import EngineCore
 from radixserve.core.output import input_logprob_entries, logprob_triples, top_logprob_triples
+from radixserve.core.parallel import teardown as teardown_parallel
 from radixserve.core.plugins import PluginHost, default_host
 from radixserve.core.request import FinishReason, InvalidRequest, Req, SamplingParams
 from radixserve.core.stop import streamable_text
+from radixserve.entrypoints import tp_workers
 from radixserve.entrypoints.fanout import choice_params, per_item
 from radixserve.entrypoints.spec_meta import spec_meta_info
 
@@ -59,11 +62,20 @@ class Engine:
             model_path=str(resolved), plugins=tuple(plugins), plugin_allow=allow, **settings
         )
         self.model_dir = Path(resolved)
-        self.core = EngineCore(self.model_dir, self.config, self.host)
+        self._error: BaseException | None = None
+        self._workers = self._start_tp_ranks()
+        try:
+            self.core = EngineCore(self.model_dir, self.config, self.host, self._rendezvous)
+        except BaseException:
+            teardown_parallel()
+            tp_workers.end_all(self._workers, 10.0)  # they fail alike, or wait for rank 0
+            raise
+        if self._workers:
+            ranks = [(i + 1, p) for i, p in enumerate(self._workers)]
+            tp_workers.watch(ranks, self._rank_died)
         self.tokenizer = self.core.tokenizer
         self._inbox: queue.Queue[Any] = queue.Queue()
         self._outboxes: dict[str, queue.Queue[Any]] = {}
-        self._error: BaseException | None = None
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="radixserve-engine", daemon=True)
         self._thread.start()
@@ -132,7 +144,8 @@ class Engine:
         if self._thread.is_alive():
             self._inbox.put(_STOP)
             self._thread.join()
-        self.core.shutdown()
+        self.core.shutdown()  # rank 0 tells the other tensor-parallel ranks to stop
+        tp_workers.end_all(self._workers, 10.0)
 
     def __enter__(self) -> Engine:
         return self
@@ -141,6 +154,22 @@ class Engine:
         self.shutdown()
 
     # -- internals -------------------------------------------------------------------------
+
+    def _start_tp_ranks(self) -> list[Any]:
+        """With tp_size > 1, spawn ranks 1..N-1 (this process is rank 0). They build their
+        plugins from the installed entry points: a ``host`` given to Engine is not theirs."""
+        self._rendezvous = None
+        size = self.config.tp_size
+        if size == 1:
+            return []
+        ranks = tp_workers.rendezvous(size, self.config.watchdog_timeout)
+        self._rendezvous = ranks[0]
+        return tp_workers.start_workers(dataclasses.asdict(self.config), ranks[1:])
+
+    def _rank_died(self, reason: str) -> None:
+        # The engine thread fails too if it was in a step (the collective errors out).
+        logger.error("engine stopped: %s", reason)
+        self._error = self._error or RuntimeError(reason)
 
     def _prompts(self, prompt: Any, input_ids: Any) -> list[list[int]]:
         if (prompt is None) == (input_ids is None):
@@ -273,7 +302,7 @@ class Engine:
                     self._deliver(req, live)
             except Exception as e:  # noqa: BLE001 - surfaced to every waiting caller
                 logger.exception("engine loop failed")
-                self._error = e
+                self._error = self._error or e  # a dead rank, if that was the cause
                 self._fail_all(live, f"engine error: {e}")
                 return
 

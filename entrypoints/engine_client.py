@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from radixserve.core import ipc
+from radixserve.entrypoints import tp_workers
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class EngineClient:
         self.pull.setsockopt(zmq.RCVHWM, 0)
         self.pull.bind(f"ipc://{self.ipc_dir}/engine_out")
         self.process: BaseProcess | None = None
+        self.workers: list[BaseProcess] = []  # tensor-parallel ranks 1..N-1
         self.dead: str | None = None
         self.on_step: Callable[[ipc.StepOutput], None] = lambda _: None
         self.on_death: Callable[[str], None] = lambda _: None
@@ -59,13 +61,24 @@ class EngineClient:
         from radixserve.entrypoints.engine_process import run_engine
 
         ctx = multiprocessing.get_context("spawn")
+        size = int(settings.get("tp_size") or 1)
+        ranks = tp_workers.rendezvous(size, float(settings.get("watchdog_timeout") or 300))
         self.process = ctx.Process(
             target=run_engine,
-            args=(settings, f"ipc://{self.ipc_dir}/engine_in", f"ipc://{self.ipc_dir}/engine_out"),
+            args=(
+                settings, f"ipc://{self.ipc_dir}/engine_in", f"ipc://{self.ipc_dir}/engine_out",
+                ranks[0] if size > 1 else None,
+            ),
             name="radixserve-engine",
             daemon=True,
-        )
+        )  # fmt: skip
         self.process.start()
+        if size > 1:
+            self.workers = tp_workers.start_workers(settings, ranks[1:])
+
+    def _ranks(self) -> list[tuple[int, BaseProcess]]:
+        procs = [] if self.process is None else [self.process, *self.workers]
+        return list(enumerate(procs))
 
     async def wait_ready(self) -> ipc.EngineReady:
         """Wait (as long as the engine lives) for its ready message; EngineDied otherwise."""
@@ -78,10 +91,13 @@ class EngineClient:
                     raise EngineDied(msg.message)
                 raise EngineDied(f"unexpected first message from the engine: {type(msg).__name__}")
             if not self._alive():
-                raise EngineDied(f"the engine process exited with code {self._exitcode()}")
+                raise EngineDied(self._why_dead())
 
     def start_receiving(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._receive_loop())
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._receive_loop())
+        if self.workers:  # one rank's death ends the engine now, not at the next poll
+            tp_workers.watch(self._ranks(), lambda why: loop.call_soon_threadsafe(self._die, why))
 
     def send(self, message: Any) -> None:
         self.send_encoded(ipc.encode(message))
@@ -109,7 +125,7 @@ class EngineClient:
             # The timeout only serves to notice an engine that vanished without a word.
             if not await self.pull.poll(2000):
                 if not self._alive():
-                    self._die(f"the engine process exited with code {self._exitcode()}")
+                    self._die(self._why_dead())
                 continue
             msg = ipc.decode_outbound(await self.pull.recv())
             if isinstance(msg, ipc.StepOutput):
@@ -119,16 +135,19 @@ class EngineClient:
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
             elif isinstance(msg, ipc.EngineFailed):
-                self._die(msg.message)
+                # rank 0 fails when another rank died under it: name the cause
+                self._die(tp_workers.first_dead(self._ranks()[1:]) or msg.message)
 
     def check_alive(self) -> str | None:
         """Notice a vanished engine now (health probes must not wait for the receive loop's
         poll timeout); return why it is dead, or None."""
         if self.dead is None and self.process is not None and not self._alive():
-            self._die(f"the engine process exited with code {self._exitcode()}")
+            self._die(self._why_dead())
         return self.dead
 
     def _die(self, reason: str) -> None:
+        if self.dead is not None:
+            return
         logger.error("engine died: %s", reason)
         self.dead = reason
         for fut in self._calls.values():
@@ -137,16 +156,23 @@ class EngineClient:
         self.on_death(reason)
 
     def _alive(self) -> bool:
-        return self.process is not None and self.process.is_alive()
+        return self.process is not None and all(p.is_alive() for _, p in self._ranks())
 
-    def _exitcode(self) -> int | None:
-        return None if self.process is None else self.process.exitcode
+    def _why_dead(self) -> str:
+        if not self.workers:
+            code = None if self.process is None else self.process.exitcode
+            return f"the engine process exited with code {code}"
+        return tp_workers.first_dead(self._ranks()) or "the engine process exited"
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine process (politely, then by force) and remove the sockets."""
         if self._task is not None:
             self._task.cancel()
         proc = self.process
+        tp_workers.stop_watching([p for _, p in self._ranks()])  # exits are expected now
+        if self.dead is not None and self.workers:
+            # a rank died: the others may wait in a collective for it; end them now
+            tp_workers.end_all([p for _, p in self._ranks()], 0.0)
         if proc is not None and proc.is_alive():
             if self.dead is None:
                 try:
@@ -160,6 +186,8 @@ class EngineClient:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        if self.workers:  # rank 0 stopped them on its way out; any left are ended
+            tp_workers.end_all(self.workers, timeout)
         self.push.close(linger=0)
         self.pull.close(linger=0)
         self.ctx.term()

@@ -25,7 +25,8 @@ from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.core.engine_core import EngineCore
 from radixserve.core.gen_rate import GenRate
 from radixserve.core.grammar_sandbox import SandboxSpec
-from radixserve.core.plugins import PluginError, default_host
+from radixserve.core.parallel import Rendezvous
+from radixserve.core.plugins import PluginError, PluginHost, default_host
 from radixserve.core.profiler import EngineProfiler, ProfilerError
 from radixserve.core.request import FinishReason, InvalidRequest, Req, SamplingParams
 
@@ -36,9 +37,15 @@ WATCHDOG_EXIT_CODE = 70  # EX_SOFTWARE
 MAX_FAILED_STEPS = 3
 
 
-def run_engine(settings: dict[str, Any], inbound_addr: str, outbound_addr: str) -> None:
+def run_engine(
+    settings: dict[str, Any],
+    inbound_addr: str,
+    outbound_addr: str,
+    rendezvous: Rendezvous | None = None,
+) -> None:
     """Process entry point. ``settings`` are EngineConfig fields; the server binds both
-    addresses, the engine connects."""
+    addresses, the engine connects. With tensor parallelism this is rank 0 (``rendezvous``);
+    the server starts the other ranks beside it (entrypoints/tp_workers.py)."""
     # Ctrl-C reaches the whole process group; the server decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
@@ -52,9 +59,10 @@ def run_engine(settings: dict[str, Any], inbound_addr: str, outbound_addr: str) 
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.SNDHWM, 0)
     push.connect(outbound_addr)
+    core: EngineCore | None = None
     try:
         try:
-            core = _build_core(settings)
+            core = _build_core(settings, rendezvous)
         except (ConfigError, PluginError) as e:  # a bad setting: its one line says it all
             push.send(ipc.encode(ipc.EngineFailed(str(e))))
             return
@@ -66,12 +74,20 @@ def run_engine(settings: dict[str, Any], inbound_addr: str, outbound_addr: str) 
         _isolate_grammar_compiles(core)
         EngineLoop(core, pull, push).run()
     finally:
+        if core is not None:
+            core.runner.close()  # the other tensor-parallel ranks leave their step loops
         push.close(linger=2000)  # let a final message (EngineFailed) reach the server
         pull.close(linger=0)
         ctx.term()
 
 
-def _build_core(settings: dict[str, Any]) -> EngineCore:
+def _build_core(settings: dict[str, Any], rendezvous: Rendezvous | None = None) -> EngineCore:
+    host, model_dir, config = engine_config(settings)
+    return EngineCore(model_dir, config, host, rendezvous)
+
+
+def engine_config(settings: dict[str, Any]) -> tuple[PluginHost, Path, EngineConfig]:
+    """The plugin host, the resolved model directory and the EngineConfig of ``settings``."""
     host = default_host(tuple(settings.get("plugin_allow") or ()))
     model_path = settings.get("model_path")
     resolved = host.hook.resolve_model_dir(model_path=model_path) or model_path
@@ -82,8 +98,7 @@ def _build_core(settings: dict[str, Any]) -> EngineCore:
     values["model_path"] = str(resolved)
     values["plugins"] = tuple(values.get("plugins") or ())
     values["plugin_allow"] = tuple(values.get("plugin_allow") or ())
-    config = EngineConfig(**values)
-    return EngineCore(Path(resolved), config, host)
+    return host, Path(resolved), EngineConfig(**values)
 
 
 def _isolate_grammar_compiles(core: EngineCore) -> None:

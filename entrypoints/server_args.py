@@ -29,7 +29,7 @@ _CHOICES = {"schedule_policy": SCHEDULE_POLICIES, "dtype": DTYPES, "log_level": 
 _CHOICES["embedding_pooling"] = POOLING_METHODS
 _CHOICES["disaggregation_mode"] = DISAGGREGATION_MODES
 _FLAG_NAMES = {"plugins": "--plugin"}  # a repeatable flag reads better in the singular
-_ALIASES = {"model_path": ("--model",)}
+_ALIASES = {"model_path": ("--model",), "tp_size": ("--tensor-parallel-size",)}
 
 
 _LIMITS = {f.name: f.default for f in dataclasses.fields(Limits)}

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from radixserve.core.config import ModelConfig
+from radixserve.core.config import ConfigError, ModelConfig
 from radixserve.core.hookspecs import hookimpl
 from radixserve.core.interfaces import HardwarePlatform, StepExecutor
 from radixserve.plugins.hardware.cpu import CpuPlatform
@@ -82,6 +82,18 @@ class CudaPlatform(HardwarePlatform):
 
     def seed_everything(self, seed: int) -> None:
         torch.manual_seed(seed)  # seeds every CUDA device too
+
+    def distributed_backend(self) -> str:
+        return "nccl"  # RCCL on ROCm builds, behind the same name
+
+    def bind_rank(self, rank: int) -> None:
+        if rank >= torch.cuda.device_count():
+            raise ConfigError(
+                f"tensor-parallel rank {rank} needs GPU {rank}; "
+                f"{torch.cuda.device_count()} visible: lower --tp-size"
+            )
+        self.device = f"cuda:{rank}"
+        torch.cuda.set_device(rank)
 
     def empty_cache(self) -> None:
         # torch keeps a cuBLAS workspace per stream it ran a matmul on, and each engine's CUDA

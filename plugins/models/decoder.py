@@ -44,6 +44,14 @@ from torch import nn
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.config import ConfigError, ModelConfig
 from radixserve.core.interfaces import AttentionBackend, CausalLM
+from radixserve.core.parallel import current as current_tp
+from radixserve.core.parallel import split_heads, split_range, vocab_shard
+from radixserve.plugins.models.parallel_layers import (
+    DECODER_TP_PLAN,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_vocab,
+)
 
 
 class RMSNorm(nn.Module):
@@ -169,14 +177,17 @@ class DecoderLayer(nn.Module):
         self.config = config
         self.layer_id = layer_id
         self.attention = attention
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        # Tensor parallelism: this rank's query heads and the KV heads they read.
+        self.tp = tp = current_tp()
+        heads = split_heads(config.num_heads, config.num_kv_heads, tp)
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         eps = float(raw.get("rms_norm_eps", 1e-6))
         qkv_bias, o_bias = self.attention_biases(raw)
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, o_bias, tp)
         if self.qk_norm:
             self.q_norm = self.norm_cls(self.head_dim, eps)
             self.k_norm = self.norm_cls(self.head_dim, eps)
@@ -198,10 +209,10 @@ class DecoderLayer(nn.Module):
         return {"sliding_window": window} if window else {}
 
     def build_mlp(self, config: ModelConfig) -> None:
-        inter = int(config.raw["intermediate_size"])
+        inter = split_range(int(config.raw["intermediate_size"]), self.tp).size  # this rank's
         self.intermediate_size = inter
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=False)
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, False, self.tp)
         act = config.raw.get("hidden_activation") or config.raw.get("hidden_act") or "silu"
         self.act_name = act
         self.act = activation(act)
@@ -268,6 +279,8 @@ Target = tuple[str, int | None, int | None]
 class DecoderForCausalLM(nn.Module, CausalLM):
     layer_cls: type[DecoderLayer] = DecoderLayer
     default_tie_word_embeddings: bool = False
+    #: how the checkpoint's tensors shard under tensor parallelism (None: not supported)
+    tp_plan: dict[str, str] | None = DECODER_TP_PLAN
 
     def __init__(
         self, config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: str
@@ -279,14 +292,16 @@ class DecoderForCausalLM(nn.Module, CausalLM):
             raw.get("tie_word_embeddings", self.default_tie_word_embeddings)
         )
         norm_cls = self.layer_cls.norm_cls
+        self.tp = tp = current_tp()
         with torch.device("meta"):
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
             self.layers = nn.ModuleList(
                 self.layer_cls(config, i, attention) for i in range(config.num_layers)
             )
             self.norm = norm_cls(config.hidden_size, float(raw.get("rms_norm_eps", 1e-6)))
             if not self.tie_word_embeddings:
-                self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+                shard = vocab_shard(config.vocab_size, tp)[1]
+                self.lm_head = nn.Linear(config.hidden_size, shard, bias=False)
         # NOTE: cast on the meta device first: allocating in float32 and casting after would
         # need twice a bfloat16 model's memory at start-up (the KV pool already holds the rest).
         check_attention_options(attention, [layer.attn_options for layer in self.layers])
@@ -306,7 +321,7 @@ class DecoderForCausalLM(nn.Module, CausalLM):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits from the final-normed hidden states of the rows that need them."""
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(h, weight).float()
+        return gather_vocab(F.linear(h, weight), self.config.vocab_size, self.tp).float()
 
     def weight_target(self, name: str) -> Target | None:
         """Where the HF tensor ``name`` (without the ``model.`` prefix) goes; None skips it."""

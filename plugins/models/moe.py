@@ -163,6 +163,8 @@ _EXPERT_LEAVES = {
 
 
 class MoEForCausalLM(DecoderForCausalLM):
+    tp_plan = None  # experts are not sharded yet: --tp-size > 1 is refused for MoE models
+
     def weight_target(self, name: str) -> Target | None:
         m = _EXPERT.match(name)
         if m:

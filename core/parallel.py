@@ -1,0 +1,280 @@
+"""Tensor parallelism: the process group, how a model's heads, MLP and vocabulary split across
+the ranks, and the weight shard plan the loader applies.
+
+One engine process per rank, each driving one device (``HardwarePlatform.bind_rank``); the
+hardware plugin chooses the torch.distributed backend (nccl on CUDA, gloo on the host). Rank 0
+runs the scheduler and broadcasts each step's forward inputs (``core/tp_step.py``); every rank
+runs the model on its share of the weights, in lockstep.
+
+How a model splits (``split_heads``, ``split_range``, ``vocab_shard``):
+- query heads follow their KV heads. With at least as many KV heads as ranks, the KV heads are
+  cut into contiguous runs as even as they come (3 KV heads on 2 ranks: 2 and 1), and each rank
+  takes the query heads of its KV heads, so every rank keeps the model's group size and holds
+  exactly the KV heads its query heads read. With fewer KV heads than ranks each KV head is
+  replicated on ``size / num_kv_heads`` ranks, which split its query heads;
+- the MLP's intermediate features (and any other "column"/"row" dimension) are cut evenly;
+- the vocabulary is cut into equal shards of ``ceil(vocab / size)`` rows, the last one padded
+  with zero rows, so the logits gather is one fixed-size all-gather.
+
+A model plugin declares how its checkpoint tensors shard with a ``tp_plan`` (HF tensor name
+patterns -> one of ``SHARD_KINDS``; see docs/plugins.md) and builds its layers at this rank's
+sizes from ``current()``; ``shard_weights`` cuts each tensor to this rank's slice as it is read.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fnmatch
+import logging
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from radixserve.core.config import ConfigError, ModelConfig
+
+if TYPE_CHECKING:
+    from radixserve.core.interfaces import HardwarePlatform
+
+logger = logging.getLogger(__name__)
+
+#: What a ``tp_plan`` entry may say about a checkpoint tensor (rows = dim 0, columns = dim 1).
+#: Tensors no pattern matches are replicated on every rank.
+SHARD_KINDS = {
+    "q_heads": "rows of this rank's query heads (q_proj weight and bias)",
+    "kv_heads": "rows of this rank's KV heads (k_proj, v_proj weight and bias)",
+    "q_heads_in": "columns of this rank's query heads (o_proj weight; a 1-D bias is replicated)",
+    "column": "an even cut of the rows (gate_proj, up_proj)",
+    "row": "an even cut of the columns (down_proj weight; a 1-D bias is replicated)",
+    "vocab": "this rank's vocabulary shard of the rows, zero-padded (embeddings, LM head)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Rendezvous:
+    """Where and as which rank one engine process joins its tensor-parallel group."""
+
+    init_method: str  # e.g. "tcp://127.0.0.1:PORT"
+    rank: int
+    size: int
+    #: seconds a collective of a step may wait for the other ranks (then it fails, not hangs)
+    timeout_s: float = 300.0
+
+
+class TensorParallel:
+    """This process's place in the tensor-parallel group and the collectives a model needs.
+    With ``size == 1`` every collective is the identity and nothing is initialised."""
+
+    def __init__(
+        self, rank: int = 0, size: int = 1, group: Any = None, cpu_group: Any = None
+    ) -> None:
+        self.rank = rank
+        self.size = size
+        self.group = group  # the device backend's group (nccl on CUDA, gloo on CPU)
+        self.cpu_group = cpu_group  # gloo, for host-side step metadata
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place (row-parallel outputs, vocab-parallel lookups)."""
+        if self.size > 1:
+            torch.distributed.all_reduce(x, group=self.group)
+        return x
+
+    def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
+        """[rows, n] on each rank -> [rows, size * n] on every rank, rank r's columns r-th."""
+        if self.size == 1:
+            return x
+        rows, n = x.shape
+        out = torch.empty((self.size * rows, n), dtype=x.dtype, device=x.device)
+        _all_gather(out, x.contiguous(), self.group)
+        return out.view(self.size, rows, n).permute(1, 0, 2).reshape(rows, self.size * n)
+
+    def agree_min(self, value: int) -> int:
+        """The smallest ``value`` any rank has (e.g. the KV pool size every rank can hold)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
+
+def _all_gather(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
+    dist = torch.distributed
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x, group=group)
+
+
+SINGLE = TensorParallel()
+_current: TensorParallel = SINGLE
+
+
+def current() -> TensorParallel:
+    """The tensor-parallel group of this process (size 1 unless an engine set one up). Model
+    plugins read it while they build their layers."""
+    return _current
+
+
+def setup(platform: HardwarePlatform, size: int, rendezvous: Rendezvous | None) -> TensorParallel:
+    """Join the group ``rendezvous`` names, on the device of its rank; the group becomes
+    ``current()``. With ``size == 1`` nothing happens."""
+    global _current
+    if size == 1:
+        return SINGLE
+    if rendezvous is None or rendezvous.size != size:
+        raise ConfigError(
+            f"tp_size={size} needs one engine process per rank started together "
+            "(the server and radixserve.Engine start them)"
+        )
+    if _current is not SINGLE:
+        raise ConfigError("this process already runs a tensor-parallel engine; shut it down")
+    dist = torch.distributed
+    platform.bind_rank(rendezvous.rank)
+    backend = platform.distributed_backend()
+    timeout = datetime.timedelta(seconds=rendezvous.timeout_s)
+    dist.init_process_group(
+        backend, init_method=rendezvous.init_method, rank=rendezvous.rank,
+        world_size=size, timeout=timeout,
+    )  # fmt: skip
+    # Host-side metadata travels over gloo. Its timeout is long on purpose: the other ranks
+    # wait in it for the next step while the server idles; a dead rank is noticed by the
+    # parent process (its sentinel), not by this timeout.
+    cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=30))
+    _current = TensorParallel(rendezvous.rank, size, dist.group.WORLD, cpu_group)
+    logger.info("tensor-parallel rank %d of %d on %s (%s)", rendezvous.rank, size,
+                platform.device, backend)  # fmt: skip
+    return _current
+
+
+def teardown() -> None:
+    """Leave the group (after the last step), so a new engine can start in this process."""
+    global _current
+    if _current is SINGLE:
+        return
+    _current = SINGLE
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+# ---- how a model splits ----------------------------------------------------------------------
+
+
+class Span(NamedTuple):
+    start: int
+    size: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.size
+
+
+class HeadSplit(NamedTuple):
+    """This rank's query heads and the KV heads they read (both contiguous runs)."""
+
+    q: Span
+    kv: Span
+
+    @property
+    def num_heads(self) -> int:
+        return self.q.size
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv.size
+
+
+def split_range(n: int, tp: TensorParallel) -> Span:
+    """Rank ``tp.rank``'s contiguous share of ``n`` items; shares differ by at most one."""
+    start, stop = n * tp.rank // tp.size, n * (tp.rank + 1) // tp.size
+    return Span(start, stop - start)
+
+
+def split_heads(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> HeadSplit:
+    """See the module docstring. Raises ConfigError for a layout no rule covers."""
+    if tp.size == 1:
+        return HeadSplit(Span(0, num_heads), Span(0, num_kv_heads))
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= tp.size:
+        kv = split_range(num_kv_heads, tp)
+        return HeadSplit(Span(kv.start * group, kv.size * group), kv)
+    copies = tp.size // num_kv_heads
+    if tp.size % num_kv_heads or group % copies:
+        raise ConfigError(
+            f"tp_size={tp.size} cannot split {num_heads} query heads over {num_kv_heads} KV "
+            f"heads: with fewer KV heads than ranks, tp_size must be a multiple of the KV heads "
+            f"({num_kv_heads}) and each KV head's {group} query heads divide among its "
+            f"{copies} ranks; try a tp_size of at most {num_kv_heads}"
+        )
+    per = group // copies
+    kv_head = tp.rank // copies
+    return HeadSplit(Span(kv_head * group + (tp.rank % copies) * per, per), Span(kv_head, 1))
+
+
+def vocab_shard(vocab_size: int, tp: TensorParallel) -> tuple[Span, int]:
+    """(this rank's real vocabulary rows, the padded shard size every rank allocates)."""
+    per = -(-vocab_size // tp.size)
+    start = min(tp.rank * per, vocab_size)
+    return Span(start, min(per, vocab_size - start)), per
+
+
+def local_model_config(config: ModelConfig, tp: TensorParallel) -> ModelConfig:
+    """``config`` with this rank's head counts: what the attention backend and the KV pool
+    see (each rank's pool holds only its KV heads)."""
+    if tp.size == 1:
+        return config
+    split = split_heads(config.num_heads, config.num_kv_heads, tp)
+    return replace(config, num_heads=split.num_heads, num_kv_heads=split.num_kv_heads)
+
+
+# ---- sharding checkpoint tensors -------------------------------------------------------------
+
+
+def shard_weights(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    plan: Mapping[str, str],
+    config: ModelConfig,
+    tp: TensorParallel,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield each (HF name, tensor) cut to this rank's slice by the first ``plan`` pattern
+    (``fnmatch`` over the name without its ``model.`` prefix) that matches it; tensors no
+    pattern matches pass whole."""
+    unknown = sorted(set(plan.values()) - set(SHARD_KINDS))
+    if unknown:
+        raise ConfigError(
+            f"tp_plan kind '{unknown[0]}' is unknown; choose one of {', '.join(SHARD_KINDS)}"
+        )
+    if tp.size == 1:
+        yield from weights
+        return
+    heads = split_heads(config.num_heads, config.num_kv_heads, tp)
+    for name, tensor in weights:
+        short = name.removeprefix("model.")
+        kind = next((k for p, k in plan.items() if fnmatch.fnmatchcase(short, p)), None)
+        yield name, (tensor if kind is None else _shard(tensor, kind, heads, config, tp))
+
+
+def _shard(
+    t: torch.Tensor, kind: str, heads: HeadSplit, config: ModelConfig, tp: TensorParallel
+) -> torch.Tensor:
+    hd = config.head_dim
+    if kind in ("q_heads_in", "row"):
+        if t.dim() == 1:
+            return t  # the bias of a row-parallel layer: added once, after the all-reduce
+        span = Span(heads.q.start * hd, heads.q.size * hd) if kind == "q_heads_in" else None
+        span = span or split_range(t.shape[1], tp)
+        return t[:, span.start : span.stop].contiguous()
+    if kind == "vocab":
+        rows, per = vocab_shard(t.shape[0], tp)
+        out = t.new_zeros((per, *t.shape[1:]))
+        out[: rows.size] = t[rows.start : rows.stop]
+        return out
+    if kind == "q_heads":
+        span = Span(heads.q.start * hd, heads.q.size * hd)
+    elif kind == "kv_heads":
+        span = Span(heads.kv.start * hd, heads.kv.size * hd)
+    else:  # column
+        span = split_range(t.shape[0], tp)
+    return t[span.start : span.stop].contiguous()

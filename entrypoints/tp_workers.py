@@ -1,0 +1,151 @@
+"""The ranks 1..N-1 of a tensor-parallel engine: starting them, their process loop, and telling
+why one ended.
+
+Rank 0 is the engine itself (the server's engine process, or the offline Engine's thread); it
+schedules and broadcasts each step (core/tp_step.py). The other ranks only build their share of
+the model and follow. Whoever starts the ranks (the server's EngineClient, the offline Engine)
+watches every rank's process sentinel: one rank's death ends the engine at once, and the
+parent kills the rest, so no rank is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from radixserve.core.parallel import Rendezvous
+
+logger = logging.getLogger(__name__)
+
+#: exit code of a rank that stops because its parent (the server or the Engine's process) died
+ORPHANED_EXIT_CODE = 75
+
+
+def rendezvous(size: int, timeout_s: float) -> list[Rendezvous]:
+    """One Rendezvous per rank on a free loopback port of this host."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [Rendezvous(f"tcp://127.0.0.1:{port}", r, size, timeout_s) for r in range(size)]
+
+
+def start_workers(settings: dict[str, Any], ranks: Sequence[Rendezvous]) -> list[BaseProcess]:
+    """Spawn one process per rank in ``ranks`` (not rank 0); ``settings`` are EngineConfig
+    fields, as the engine process gets them."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = []
+    for rdv in ranks:
+        proc = ctx.Process(
+            target=run_worker, args=(settings, rdv), name=f"radixserve-tp{rdv.rank}", daemon=True
+        )
+        proc.start()
+        procs.append(proc)
+    return procs
+
+
+def run_worker(settings: dict[str, Any], rdv: Rendezvous) -> None:
+    """Process entry of rank ``rdv.rank`` > 0: build this rank's ModelRunner, then run the
+    steps rank 0 broadcasts until it says stop."""
+    from radixserve.core.model_runner import ModelRunner
+    from radixserve.core.parallel import teardown
+    from radixserve.core.tp_step import follow_steps
+    from radixserve.entrypoints.engine_process import engine_config
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when ranks stop
+    logging.basicConfig(
+        level=str(settings.get("log_level", "warning")).upper(),
+        format=f"%(asctime)s engine rank {rdv.rank} %(levelname)s %(name)s: %(message)s",
+    )
+    _exit_with_parent()
+    host, model_dir, config = engine_config(settings)
+    runner = ModelRunner(model_dir, config, host, rdv)
+    try:
+        steps = follow_steps(runner.tp, runner.req_to_token, runner.kv_pool, runner.device,
+                             runner.step)  # fmt: skip
+        logger.info("rank %d stopped after %d steps", rdv.rank, steps)
+    finally:
+        teardown()
+
+
+def _exit_with_parent() -> None:
+    """End this rank as soon as its parent process dies (a SIGKILLed server runs no cleanup),
+    whatever the rank is waiting in."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        os._exit(ORPHANED_EXIT_CODE)
+
+    threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
+
+
+def watch(procs: Sequence[tuple[int, BaseProcess]], on_death: Callable[[str], None]) -> None:
+    """Call ``on_death(reason)`` from a daemon thread when the first of ``procs`` ((rank,
+    process) pairs) exits, whatever its exit code: ranks only stop when told to, and the
+    parent stops watching first (``stop_watching``)."""
+    sentinels = {p.sentinel: (rank, p) for rank, p in procs}
+
+    def run() -> None:
+        ready = wait(list(sentinels))
+        rank, proc = sentinels[ready[0]]  # type: ignore[index]
+        proc.join(1)
+        if not getattr(proc, "_radixserve_stopping", False):
+            on_death(describe_exit(rank, proc))
+
+    threading.Thread(target=run, name="tp-rank-watch", daemon=True).start()
+
+
+def stop_watching(procs: Sequence[BaseProcess]) -> None:
+    """An orderly stop follows: the exits of ``procs`` are expected now."""
+    for p in procs:
+        p._radixserve_stopping = True  # type: ignore[attr-defined]
+
+
+def describe_exit(rank: int, proc: BaseProcess) -> str:
+    """One line: which rank ended and how (exit code or signal)."""
+    code = proc.exitcode
+    if code is None:
+        how = "stopped responding"
+    elif code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"was killed by signal {-code}"
+    else:
+        how = f"exited with code {code}"
+    return f"tensor-parallel rank {rank} (pid {proc.pid}) {how}"
+
+
+def first_dead(procs: Sequence[tuple[int, BaseProcess]]) -> str | None:
+    """``describe_exit`` of the first process of ``procs`` that is no longer alive, else None."""
+    for rank, proc in procs:
+        if not proc.is_alive():
+            return describe_exit(rank, proc)
+    return None
+
+
+def end_all(procs: Sequence[BaseProcess], grace_s: float) -> None:
+    """Wait up to ``grace_s`` for ``procs`` to exit, then terminate, then kill what is left."""
+    stop_watching(procs)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(2)
+        if p.is_alive():
+            p.kill()
+            p.join()
