@@ -26,6 +26,16 @@ $(STAMP): pyproject.toml examples/radixserve-example-plugin/pyproject.toml
 	$(BIN)/pip install -q --no-deps sglang==0.5.23
 	$(BIN)/pip install -q --no-deps --upgrade --target $(VENV)/sglang-bench torchvision==0.28.0
 	$(BIN)/pip install -q -e examples/radixserve-example-plugin
+	@# The mooncake KV connector (tests/entrypoints/test_pd_router.py) on CPU: the non-CUDA
+	@# wheel, which loads Debian's libibverbs1 and librdmacm1. They are installed where missing
+	@# when we are root; otherwise the plugin reports itself unavailable and its tests skip.
+	$(BIN)/pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
+	-@if ! ldconfig -p | grep -q 'libibverbs.so.1 ' || ! ldconfig -p | grep -q 'librdmacm.so.1 '; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 >/dev/null 2>&1 || \
+			{ apt-get update -qq && apt-get install -y -qq libibverbs1 librdmacm1 libnuma1; }; \
+		else echo "libibverbs1/librdmacm1 missing and not root: the mooncake tests will skip"; fi; \
+	fi
 	touch $(STAMP)
 
 serve: $(STAMP)

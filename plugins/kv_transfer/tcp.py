@@ -43,6 +43,7 @@ class Want(msgspec.Struct, tag="want", kw_only=True):
     room: int
     layout: str
     num_tokens: int
+    target: bytes = b""  # where the KV goes, for connectors that write it remotely (mooncake)
 
 
 class Data(msgspec.Struct, tag="data", kw_only=True):
@@ -121,7 +122,7 @@ class TcpKVConnector(KVConnector):
         self._ready: dict[int, _Ready] = {}
         self._gone: dict[int, tuple[str, float]] = {}  # room -> (why, expires)
         # decode
-        self._received: list[tuple[int, torch.Tensor, bytes, bytearray]] = []
+        self._received: list[tuple[int, torch.Tensor, bytes, bytearray | None]] = []
         self._conns: dict[int, socket.socket] = {}
         self._cancelled: set[int] = set()
         self._wake_r, self._wake_w = os.pipe()
@@ -148,7 +149,10 @@ class TcpKVConnector(KVConnector):
             received, self._received = self._received, []
             self._expire(time.monotonic())
         for room, slots, meta, payload in received:
-            events.append(self._store(room, slots, meta, payload))
+            if payload is None:  # already in the slots
+                events.append(TransferEvent(room, True, meta=meta))
+            else:
+                events.append(self._store(room, slots, meta, payload))
         return events
 
     def close(self) -> None:
@@ -248,14 +252,15 @@ class TcpKVConnector(KVConnector):
                     )
                     write_frame(conn, Gone(room=room, message=message))
                     return
-                self.send_data(conn, room, found)
+                self.send_data(conn, want, found)
         except (OSError, PeerError) as e:
             if room is not None:
                 self._event(TransferEvent(room, False, error=f"sending to the decode failed: {e}"))
 
-    def send_data(self, conn: socket.socket, room: int, ready: _Ready) -> None:
-        """Send one room's KV (tests override this to inject faults)."""
-        frame = Data(room=room, num_tokens=ready.num_tokens, nbytes=ready.payload.nbytes,
+    def send_data(self, conn: socket.socket, want: Want, ready: _Ready) -> None:
+        """Deliver one room's KV to the decode behind ``conn``: here the data frame and the
+        bytes (subclasses write it elsewhere, tests inject faults)."""
+        frame = Data(room=want.room, num_tokens=ready.num_tokens, nbytes=ready.payload.nbytes,
                      meta=ready.meta)  # fmt: skip
         write_frame(conn, frame)
         conn.sendall(ready.payload)
@@ -302,7 +307,9 @@ class TcpKVConnector(KVConnector):
             self._conns[room] = conn
         try:
             with conn:
-                write_frame(conn, Want(room=room, layout=self.layout, num_tokens=len(slots)))
+                want = Want(room=room, layout=self.layout, num_tokens=len(slots),
+                            target=self.want_target(slots))  # fmt: skip
+                write_frame(conn, want)
                 conn.settimeout(self.timeout)
                 frame = read_frame(conn)
                 if isinstance(frame, Gone):
@@ -310,10 +317,7 @@ class TcpKVConnector(KVConnector):
                     return
                 if not isinstance(frame, Data) or frame.room != room:
                     raise PeerError(f"unexpected frame {frame!r:.80}")
-                expected = len(slots) * self._bytes_per_token()
-                if frame.nbytes != expected:
-                    raise PeerError(f"{frame.nbytes} bytes of KV, expected {expected}")
-                payload = read_exact(conn, frame.nbytes)
+                payload = self.receive_payload(conn, frame, slots)
         except (OSError, PeerError) as e:
             self._fail(room, f"the connection to the prefill server {where} failed: {e}")
             return
@@ -325,6 +329,21 @@ class TcpKVConnector(KVConnector):
                 return
             self._received.append((room, slots, frame.meta, payload))
         self._wake()
+
+    def want_target(self, slots: torch.Tensor) -> bytes:
+        """What the prefill needs to write into ``slots`` itself (nothing here: the KV comes
+        over the connection)."""
+        return b""
+
+    def receive_payload(
+        self, conn: socket.socket, frame: Data, slots: torch.Tensor
+    ) -> bytearray | None:
+        """Read the KV that follows ``frame``; None when the prefill already wrote it into
+        the slots (``poll`` then has nothing to copy)."""
+        expected = len(slots) * self._bytes_per_token()
+        if frame.nbytes != expected:
+            raise PeerError(f"{frame.nbytes} bytes of KV, expected {expected}")
+        return read_exact(conn, frame.nbytes)
 
     def _fail(self, room: int, message: str) -> None:
         with self._lock:

@@ -25,7 +25,11 @@ BUILTINS = {
         "llguidance": "grammar_llguidance",
     },
     "speculative": {"none": "speculative_none"},
-    "kv_transfer": {"none": "kv_transfer_none", "tcp": "kv_transfer_tcp"},
+    "kv_transfer": {
+        "none": "kv_transfer_none",
+        "tcp": "kv_transfer_tcp",
+        "mooncake": "kv_transfer_mooncake",
+    },
 }
 
 

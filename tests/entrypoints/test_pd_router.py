@@ -21,8 +21,11 @@ import requests
 from pd_cluster import PDPair, Router, kv_state, pd_pair, pd_router
 from server_process import RunningServer
 
+from radixserve.core.plugins import default_host
+
 pytest.importorskip("sglang_router", reason="sglang-router is not installed (the dev extra)")
 
+CONNECTORS = ["tcp", "mooncake"]
 TIMEOUT = 120
 GREEDY = {"temperature": 0, "ignore_eos": True}
 SHARED = "You are a careful assistant. Answer briefly and cite the source of every claim. "
@@ -32,9 +35,20 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_long_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDPair]:
-    with pd_pair(tiny_long_llama_dir, tmp_path_factory.mktemp("pd-tcp")) as p:
+@pytest.fixture(scope="module", params=CONNECTORS)
+def pair(
+    request: pytest.FixtureRequest,
+    tiny_long_llama_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[PDPair]:
+    """The pair joined by each connector in turn; one the machine lacks is skipped."""
+    backend, why_not = request.param, unavailable(request.param)
+    if why_not is not None:
+        pytest.skip(f"kv_transfer '{backend}' is unavailable: {why_not}")
+    logs = tmp_path_factory.mktemp(f"pd-{backend}")
+    # Mooncake: its TCP transport on loopback (its default address is the default route's)
+    env = {"RADIXSERVE_MOONCAKE_HOST": "127.0.0.1"}
+    with pd_pair(tiny_long_llama_dir, logs, backend, env=env) as p:
         yield p
 
 
@@ -42,6 +56,13 @@ def pair(tiny_long_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 def router(pair: PDPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
     with pd_router(pair, tmp_path_factory.mktemp("router") / "router.log") as r:
         yield r
+
+
+def unavailable(backend: str) -> str | None:
+    for entry in default_host().registries["kv_transfer"].entries():
+        if entry.name == backend:
+            return entry.unavailable_reason()
+    return "no installed plugin registers it"
 
 
 def generate(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:

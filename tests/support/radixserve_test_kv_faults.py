@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import radixserve
-from radixserve.plugins.kv_transfer.tcp import Data, TcpKVConnector, write_frame
+from radixserve.plugins.kv_transfer.tcp import Data, TcpKVConnector, Want, write_frame
 
 DROP_ROOM = 901
 STALL_ROOM = 902
@@ -26,10 +26,11 @@ FAULT_DIR_ENV = "RADIXSERVE_TEST_KV_FAULT_DIR"
 
 
 class FaultyTcpConnector(TcpKVConnector):
-    def send_data(self, conn: socket.socket, room: int, ready: Any) -> None:
+    def send_data(self, conn: socket.socket, want: Want, ready: Any) -> None:
+        room = want.room
         kind = room % 1000
         if kind not in (DROP_ROOM, STALL_ROOM):
-            super().send_data(conn, room, ready)
+            super().send_data(conn, want, ready)
             return
         payload = ready.payload.reshape(-1)
         frame = Data(room=room, num_tokens=ready.num_tokens, nbytes=payload.nbytes,
