@@ -1,0 +1,175 @@
+"""Tensor parallelism on CPU (gloo, 2 ranks, float32): greedy outputs at --tp-size 2 equal
+--tp-size 1 token for token, through a real server on loopback and through the offline Engine,
+on SmolLM2 (9 query heads over 3 KV heads) and on a tiny random Llama with 3 KV heads (KV heads
+split 2 + 1, an uneven MLP split); the KV-leak check is on everywhere. Killing one rank ends
+the server with a clear one-line error within 5 s: /health answers 503, the exit is non-zero
+and no rank is left behind.
+
+The reference is the offline Engine at --tp-size 1 in this process; each TP run starts its
+ranks as separate processes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+from server_process import RunningServer, start_server, stop_server
+from tiny_models import make_tiny_llama_dir
+
+from radixserve import Engine
+
+HANG_GUARD_S = 120  # only stops a hung test; no outcome depends on it
+DEATH_LIMIT_S = 5.0  # the issue's requirement: kill of one rank -> server gone
+
+PROMPTS = [
+    "The quick brown fox jumps over",
+    "def add(a, b):\n    return",
+    "Hello world! How are you today? I am",
+]
+# A second round that shares the first prompt's prefix: served partly from the radix cache.
+CACHED = ["The quick brown fox jumps over the lazy dog. The quick"]
+GREEDY = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
+# Chunks of 8 tokens: prompts prefill over several steps, mixed with decodes.
+SETTINGS: dict[str, Any] = {
+    "dtype": "float32",
+    "max_total_tokens": 4096,
+    "chunked_prefill_size": 8,
+    "debug_leak_check": True,
+}
+
+
+def _flags(settings: dict[str, Any]) -> list[str]:
+    out = []
+    for name, value in settings.items():
+        flag = "--" + name.replace("_", "-")
+        out += [flag] if value is True else [flag, str(value)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """6 query heads over 3 KV heads (2 ranks: 4+2 and 2+1 heads), intermediate 161 (81+80)."""
+    return make_tiny_llama_dir(
+        tmp_path_factory.mktemp("tiny-3kv"),
+        hidden_size=96, num_attention_heads=6, num_key_value_heads=3, head_dim=16,
+        intermediate_size=161, max_position_embeddings=2048,
+    )  # fmt: skip
+
+
+def _engine_outputs(model_dir: Path, **settings: Any) -> list[list[int]]:
+    with Engine(str(model_dir), **SETTINGS, **settings) as engine:
+        first = engine.generate(PROMPTS, GREEDY)
+        second = engine.generate(CACHED, GREEDY)
+    return [r["output_ids"] for r in first + second]
+
+
+def _server_outputs(server: RunningServer) -> list[list[int]]:
+    out = []
+    for prompts in (PROMPTS, CACHED):
+        r = httpx.post(
+            server.url + "/generate",
+            json={"text": prompts, "sampling_params": GREEDY},
+            timeout=HANG_GUARD_S,
+        )
+        assert r.status_code == 200, r.text
+        out += [item["output_ids"] for item in r.json()]
+    return out
+
+
+@pytest.fixture(scope="module", params=["tiny3", "smollm2"])
+def model_dir(request: pytest.FixtureRequest) -> Path:
+    return request.getfixturevalue("tiny3_dir" if request.param == "tiny3" else "smollm2_dir")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> list[list[int]]:
+    outputs = _engine_outputs(model_dir, tp_size=1)
+    assert all(len(ids) == GREEDY["max_new_tokens"] for ids in outputs)
+    return outputs
+
+
+def test_engine_tp2_equals_tp1(model_dir: Path, reference: list[list[int]]) -> None:
+    # overlap scheduling on: step N+1 is broadcast before step N's tokens are committed
+    assert _engine_outputs(model_dir, tp_size=2, enable_overlap_schedule=True) == reference
+
+
+def test_server_tp2_equals_tp1(model_dir: Path, reference: list[list[int]], tmp_path: Path) -> None:
+    args = ["--model-path", str(model_dir), "--tp-size", "2", *_flags(SETTINGS)]
+    server = start_server(args, tmp_path / "server.log", timeout=HANG_GUARD_S)
+    try:
+        info = httpx.get(server.url + "/get_server_info", timeout=30).json()
+        assert info["tp_size"] == 2
+        assert _server_outputs(server) == reference
+    finally:
+        code = stop_server(server)
+    # --debug-leak-check: a KV leak would have failed the engine and the exit code
+    assert code == 0, server.log()[-3000:]
+
+
+def _ranks(server: RunningServer) -> list[psutil.Process]:
+    """The engine ranks, rank 0 first: the server's spawned children in start order."""
+    children = psutil.Process(server.proc.pid).children()
+    ranks = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+    return sorted(ranks, key=lambda p: p.create_time())
+
+
+@pytest.fixture
+def tp_server(tiny3_dir: Path, tmp_path: Path) -> Iterator[RunningServer]:
+    args = ["--model-path", str(tiny3_dir), "--tp-size", "2", *_flags(SETTINGS)]
+    server = start_server(args, tmp_path / "server.log", timeout=HANG_GUARD_S)
+    yield server
+    stop_server(server)
+
+
+def test_killing_one_rank_ends_the_server(tp_server: RunningServer) -> None:
+    ranks = _ranks(tp_server)
+    assert len(ranks) == 2, [p.cmdline() for p in ranks]
+    stream: list[str] = []
+    first_chunk = threading.Event()
+
+    def generate() -> None:  # long enough to be in flight whatever the machine's speed
+        body = {"text": PROMPTS[0], "stream": True,
+                "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}  # fmt: skip
+        try:
+            with httpx.stream("POST", tp_server.url + "/generate", json=body,
+                              timeout=HANG_GUARD_S) as r:  # fmt: skip
+                for line in r.iter_lines():
+                    stream.append(line)
+                    first_chunk.set()
+        except httpx.HTTPError as e:
+            stream.append(f"{type(e).__name__}: {e}")
+        first_chunk.set()
+
+    client = threading.Thread(target=generate, daemon=True)
+    client.start()
+    assert first_chunk.wait(HANG_GUARD_S)
+    killed = time.monotonic()
+    ranks[1].send_signal(signal.SIGKILL)
+    health = []
+    while tp_server.proc.poll() is None and time.monotonic() - killed < HANG_GUARD_S:
+        try:
+            health.append(httpx.get(tp_server.url + "/health", timeout=2).status_code)
+        except httpx.HTTPError:
+            pass  # the server has closed its listener on the way out
+        time.sleep(0.05)
+    code = tp_server.proc.wait(HANG_GUARD_S - (time.monotonic() - killed))
+    elapsed = time.monotonic() - killed
+    log = tp_server.log()
+    assert code != 0, log[-3000:]
+    assert elapsed < DEATH_LIMIT_S, f"the server took {elapsed:.1f} s to exit:\n{log[-3000:]}"
+    assert 503 in health, health
+    assert f"tensor-parallel rank 1 (pid {ranks[1].pid}) was killed by SIGKILL" in log, log[-3000:]
+    assert not ranks[0].is_running() or ranks[0].status() == psutil.STATUS_ZOMBIE
+    client.join(HANG_GUARD_S)
+    assert not client.is_alive()
+    # the request in flight did not end as if nothing happened
+    finals = [json.loads(s[6:]) for s in stream if s.startswith("data: {")]
+    assert finals and "error" in finals[-1], stream[-3:]
