@@ -8,9 +8,10 @@ runs the model on its share of the weights, in lockstep.
 
 How a model splits (``split_heads``, ``split_range``, ``vocab_shard``):
 - query heads follow their KV heads. With at least as many KV heads as ranks, the KV heads are
-  cut into contiguous runs as even as they come (3 KV heads on 2 ranks: 2 and 1), and each rank
-  takes the query heads of its KV heads, so every rank keeps the model's group size and holds
-  exactly the KV heads its query heads read. With fewer KV heads than ranks each KV head is
+  cut into contiguous runs as even as they come (3 KV heads on 2 ranks: 1 and 2, the smaller
+  share on rank 0, which also schedules and samples), and each rank takes the query heads of
+  its KV heads, so every rank keeps the model's group size and holds exactly the KV heads its
+  query heads read. With fewer KV heads than ranks each KV head is
   replicated on ``size / num_kv_heads`` ranks, which split its query heads;
 - the MLP's intermediate features (and any other "column"/"row" dimension) are cut evenly;
 - the vocabulary is cut into equal shards of ``ceil(vocab / size)`` rows, the last one padded
@@ -26,6 +27,8 @@ from __future__ import annotations
 import datetime
 import fnmatch
 import logging
+import os
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -132,6 +135,10 @@ def setup(platform: HardwarePlatform, size: int, rendezvous: Rendezvous | None) 
     if _current is not SINGLE:
         raise ConfigError("this process already runs a tensor-parallel engine; shut it down")
     dist = torch.distributed
+    if sys.platform == "linux":
+        # The ranks of one engine share a host and meet on loopback; without this, gloo binds
+        # to whatever the hostname resolves to, which fails in containers without one.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     platform.bind_rank(rendezvous.rank)
     backend = platform.distributed_backend()
     timeout = datetime.timedelta(seconds=rendezvous.timeout_s)

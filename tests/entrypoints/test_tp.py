@@ -1,7 +1,7 @@
 """Tensor parallelism on CPU (gloo, 2 ranks, float32): greedy outputs at --tp-size 2 equal
 --tp-size 1 token for token, through a real server on loopback and through the offline Engine,
 on SmolLM2 (9 query heads over 3 KV heads) and on a tiny random Llama with 3 KV heads (KV heads
-split 2 + 1, an uneven MLP split); the KV-leak check is on everywhere. Killing one rank ends
+split 1 + 2, an uneven MLP split); the KV-leak check is on everywhere. Killing one rank ends
 the server with a clear one-line error within 5 s: /health answers 503, the exit is non-zero
 and no rank is left behind.
 
@@ -56,7 +56,7 @@ def _flags(settings: dict[str, Any]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tiny3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """6 query heads over 3 KV heads (2 ranks: 4+2 and 2+1 heads), intermediate 161 (81+80)."""
+    """6 query heads over 3 KV heads (2 ranks: 2+1 and 4+2 heads), intermediate 161 (80+81)."""
     return make_tiny_llama_dir(
         tmp_path_factory.mktemp("tiny-3kv"),
         hidden_size=96, num_attention_heads=6, num_key_value_heads=3, head_dim=16,
