@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
+import contextlib
 import json
+import multiprocessing
 import random
 import sys
 import time
@@ -129,11 +132,86 @@ async def send(
     return result
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+# Streams per HTTP client: httpx's pool scans all its connections for every request event,
+# so one client holding 256 streams spent most of the benchmark's CPU in that scan (profiled
+# on the H200 run: the client, not the server, capped throughput). Small pools keep it flat.
+STREAMS_PER_CLIENT = 16
+# Streams one client process follows: past this a single Python process parsing every SSE
+# event is slower than the server it measures (H200, 256 streams: TPOT set by the client).
+STREAMS_PER_PROCESS = 64
+
+
+async def _send_all(
+    args: argparse.Namespace,
+    model: str,
+    reqs: list[Request],
+    concurrency: int,
+    start_at: float | None = None,
+) -> tuple[list[Result], float, float]:
+    """Send ``reqs`` (at most ``concurrency`` at once), arrivals as ``--request-rate`` says;
+    returns the results in order and the perf_counter times of the first send and last end.
+    ``start_at``: a time.time() to wait for, so that client processes start together."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    num_clients = max(1, -(-concurrency // STREAMS_PER_CLIENT))
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(
+                httpx.AsyncClient(
+                    base_url=args.base_url,
+                    headers=headers,
+                    timeout=httpx.Timeout(None),
+                    limits=limits,
+                )
+            )
+            for _ in range(num_clients)
+        ]
+        sem = asyncio.Semaphore(concurrency)
+        rng = random.Random(args.seed + 1)
+        bar = tqdm(total=len(reqs), disable=args.disable_tqdm or start_at is not None)
+
+        async def limited(req: Request, client: httpx.AsyncClient) -> Result:
+            async with sem:
+                out = await send(client, args, model, req)
+            bar.update(1)
+            return out
+
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+        tasks = []
+        start = time.perf_counter()
+        for i, req in enumerate(reqs):
+            tasks.append(asyncio.create_task(limited(req, clients[i % num_clients])))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        end = time.perf_counter()
+        bar.close()
+    return list(results), start, end
+
+
+def _send_share(
+    args: argparse.Namespace, model: str, reqs: list[Request], concurrency: int, start_at: float
+) -> tuple[list[Result], float, float]:
+    """One client process's share (run in a spawned process)."""
+    return asyncio.run(_send_all(args, model, reqs, concurrency, start_at))
+
+
+def client_processes(args: argparse.Namespace, num_reqs: int) -> int:
+    """How many client processes: ``--client-processes``, else one per STREAMS_PER_PROCESS
+    concurrent streams; always one with a Poisson arrival rate (one process draws arrivals)."""
+    if args.request_rate != float("inf"):
+        return 1
+    wanted = getattr(args, "client_processes", None)
+    if wanted is None:
+        wanted = -(-(args.max_concurrency or num_reqs) // STREAMS_PER_PROCESS)
+    return max(1, min(wanted, num_reqs))
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(
-        base_url=args.base_url, headers=headers, timeout=httpx.Timeout(None), limits=limits
+        base_url=args.base_url, headers=headers, timeout=httpx.Timeout(None)
     ) as client:
         info = (await client.get("/get_model_info")).json()
         model = args.model or info.get("model_path", "default")
@@ -141,25 +219,26 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         reqs = make_requests(args, vocab)
         for warm in reqs[: args.warmup]:
             await send(client, args, model, Request(warm.input_ids, 4))
-        sem = asyncio.Semaphore(args.max_concurrency or len(reqs))
-        rng = random.Random(args.seed + 1)
-        bar = tqdm(total=len(reqs), disable=args.disable_tqdm, desc="requests")
-
-        async def limited(req: Request) -> Result:
-            async with sem:
-                out = await send(client, args, model, req)
-            bar.update(1)
-            return out
-
-        tasks = []
-        start = time.perf_counter()
-        for req in reqs:
-            tasks.append(asyncio.create_task(limited(req)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-        bar.close()
+    concurrency = args.max_concurrency or len(reqs)
+    procs = client_processes(args, len(reqs))
+    if procs == 1:
+        results, start, end = await _send_all(args, model, reqs, concurrency)
+        return summarize(args, results, end - start, model)
+    # Round-robin shares, each process with its part of the concurrency; all start at once.
+    shares = [reqs[i::procs] for i in range(procs)]
+    limits = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
+    start_at = time.time() + 3.0  # time to spawn and import
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(procs, mp_context=ctx) as pool:
+        futures = [
+            asyncio.wrap_future(pool.submit(_send_share, args, model, share, max(1, lim), start_at))
+            for share, lim in zip(shares, limits, strict=True)
+        ]
+        parts = await asyncio.gather(*futures)
+    results = [Result()] * len(reqs)
+    for i, (part, _, _) in enumerate(parts):
+        results[i::procs] = part
+    duration = max(e for _, _, e in parts) - min(s for _, s, _ in parts)
     return summarize(args, results, duration, model)
 
 
@@ -268,6 +347,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=None,
         help="Engine-only output tok/s (e.g. from bench/offline.py) to compare to",
+    )
+    p.add_argument(
+        "--client-processes",
+        type=int,
+        default=None,
+        help=f"Client processes (default: one per {STREAMS_PER_PROCESS} concurrent streams)",
     )
     p.add_argument("--json-out", default=None, help="Write the summary here as JSON")
     p.add_argument("--disable-tqdm", action="store_true")
