@@ -30,6 +30,8 @@ $(STAMP): pyproject.toml examples/radixserve-example-plugin/pyproject.toml
 	@# wheel, which loads Debian's libibverbs1 and librdmacm1. They are installed where missing
 	@# when we are root; otherwise the plugin reports itself unavailable and its tests skip.
 	$(BIN)/pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
+	@# The nixl KV connector: NIXL's Python API with its UCX backend (imports and runs on CPU).
+	$(BIN)/pip install -q nixl-cu12==1.5.1
 	-@if ! ldconfig -p | grep -q 'libibverbs.so.1 ' || ! ldconfig -p | grep -q 'librdmacm.so.1 '; then \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 			apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 >/dev/null 2>&1 || \

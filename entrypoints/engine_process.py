@@ -311,6 +311,8 @@ class EngineLoop:
         elif isinstance(msg, ipc.ShutdownRequest):
             if self.profiler.active:
                 self.profiler.stop()  # the trace so far is written, not lost
+            if core.disagg is not None:
+                core.disagg.connector.close()  # its server and transfer agent, in order
             return False
         return True
 

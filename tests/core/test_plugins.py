@@ -29,6 +29,7 @@ BUILTINS = {
         "none": "kv_transfer_none",
         "tcp": "kv_transfer_tcp",
         "mooncake": "kv_transfer_mooncake",
+        "nixl": "kv_transfer_nixl",
     },
 }
 

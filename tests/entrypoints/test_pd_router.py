@@ -25,7 +25,7 @@ from radixserve.core.plugins import default_host
 
 pytest.importorskip("sglang_router", reason="sglang-router is not installed (the dev extra)")
 
-CONNECTORS = ["tcp", "mooncake"]
+CONNECTORS = ["tcp", "mooncake", "nixl"]
 TIMEOUT = 120
 GREEDY = {"temperature": 0, "ignore_eos": True}
 SHARED = "You are a careful assistant. Answer briefly and cite the source of every claim. "

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,22 +50,31 @@ def pd_pair(
     env: dict[str, str] | None = None,
 ) -> Iterator[PDPair]:
     """A prefill and a decode server of ``model_dir`` (the tiny test model's flags, leak
-    check on) joined by ``backend``."""
+    check on) joined by ``backend``, started and stopped side by side."""
     port = free_port()
     more = extra or []
-    prefill = start_server([*pd_args(model_dir, "prefill", backend, port), *more],
-                           logs / "prefill.log", env=env)  # fmt: skip
+    args = {
+        "prefill": [*pd_args(model_dir, "prefill", backend, port), *more],
+        "decode": [*pd_args(model_dir, "decode", backend, free_port()), *more],
+    }
+    with ThreadPoolExecutor(2) as pool:
+        starting = {
+            role: pool.submit(start_server, a, logs / f"{role}.log", env=env)
+            for role, a in args.items()
+        }
+        started = {}
+        for role, future in starting.items():
+            with contextlib.suppress(Exception):
+                started[role] = future.result()
+        if len(started) < 2:
+            list(pool.map(stop_server, started.values()))
+            for future in starting.values():
+                future.result()  # raises the start failure
     try:
-        decode = start_server([*pd_args(model_dir, "decode", backend, free_port()), *more],
-                              logs / "decode.log", env=env)  # fmt: skip
-    except BaseException:
-        stop_server(prefill)
-        raise
-    try:
-        yield PDPair(prefill, decode, port)
+        yield PDPair(started["prefill"], started["decode"], port)
     finally:
-        stop_server(decode)
-        stop_server(prefill)
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(stop_server, started.values()))
 
 
 @dataclass
