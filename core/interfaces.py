@@ -79,10 +79,10 @@ class HardwarePlatform(ABC):
         travels over a gloo group beside it."""
         return "gloo"
 
-    def bind_rank(self, rank: int) -> None:  # noqa: B027 - optional hook
-        """Tensor parallelism: this process is rank ``rank`` and drives that rank's device
-        (e.g. ``cuda:{rank}``); set ``device`` to it. Called once, before anything is
-        allocated. The host has one device for all ranks: nothing to do."""
+    def bind_rank(self, rank: int, size: int) -> None:  # noqa: B027 - optional hook
+        """Tensor parallelism: this process is rank ``rank`` of ``size`` and drives that rank's
+        device (e.g. ``cuda:{rank}``); set ``device`` to it. Called once, before anything is
+        allocated. The default does nothing (every rank uses ``device`` as it is)."""
 
     def step_executor(
         self,

@@ -113,6 +113,7 @@ def _all_gather(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
 
 SINGLE = TensorParallel()
 _current: TensorParallel = SINGLE
+_threads_before = 0  # torch threads before bind_rank (a platform may change them)
 
 
 def current() -> TensorParallel:
@@ -124,7 +125,7 @@ def current() -> TensorParallel:
 def setup(platform: HardwarePlatform, size: int, rendezvous: Rendezvous | None) -> TensorParallel:
     """Join the group ``rendezvous`` names, on the device of its rank; the group becomes
     ``current()``. With ``size == 1`` nothing happens."""
-    global _current
+    global _current, _threads_before
     if size == 1:
         return SINGLE
     if rendezvous is None or rendezvous.size != size:
@@ -139,7 +140,8 @@ def setup(platform: HardwarePlatform, size: int, rendezvous: Rendezvous | None) 
         # The ranks of one engine share a host and meet on loopback; without this, gloo binds
         # to whatever the hostname resolves to, which fails in containers without one.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    platform.bind_rank(rendezvous.rank)
+    _threads_before = torch.get_num_threads()
+    platform.bind_rank(rendezvous.rank, size)
     backend = platform.distributed_backend()
     timeout = datetime.timedelta(seconds=rendezvous.timeout_s)
     dist.init_process_group(
@@ -162,6 +164,7 @@ def teardown() -> None:
     if _current is SINGLE:
         return
     _current = SINGLE
+    torch.set_num_threads(_threads_before)  # an offline Engine's process goes on after it
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -37,6 +37,11 @@ class CpuPlatform(HardwarePlatform):
     def seed_everything(self, seed: int) -> None:
         torch.manual_seed(seed)
 
+    def bind_rank(self, rank: int, size: int) -> None:
+        # Tensor-parallel ranks share the host's cores: each takes its share of the threads,
+        # since more threads than cores make every collective wait on a descheduled rank.
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
+
 
 @hookimpl
 def register_hardware_platforms(register) -> None:  # type: ignore[no-untyped-def]

@@ -86,7 +86,7 @@ class CudaPlatform(HardwarePlatform):
     def distributed_backend(self) -> str:
         return "nccl"  # RCCL on ROCm builds, behind the same name
 
-    def bind_rank(self, rank: int) -> None:
+    def bind_rank(self, rank: int, size: int) -> None:
         if rank >= torch.cuda.device_count():
             raise ConfigError(
                 f"tensor-parallel rank {rank} needs GPU {rank}; "

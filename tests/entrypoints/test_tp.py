@@ -101,17 +101,42 @@ def test_engine_tp2_equals_tp1(model_dir: Path, reference: list[list[int]]) -> N
     assert _engine_outputs(model_dir, tp_size=2, enable_overlap_schedule=True) == reference
 
 
-def test_server_tp2_equals_tp1(model_dir: Path, reference: list[list[int]], tmp_path: Path) -> None:
-    args = ["--model-path", str(model_dir), "--tp-size", "2", *_flags(SETTINGS)]
-    server = start_server(args, tmp_path / "server.log", timeout=HANG_GUARD_S)
-    try:
-        info = httpx.get(server.url + "/get_server_info", timeout=30).json()
-        assert info["tp_size"] == 2
-        assert _server_outputs(server) == reference
-    finally:
-        code = stop_server(server)
-    # --debug-leak-check: a KV leak would have failed the engine and the exit code
-    assert code == 0, server.log()[-3000:]
+class TP2Servers:
+    """One --tp-size 2 server per model, started on first use and kept for the module (the
+    kill test ends the tiny model's). Servers still running at the end must exit 0: with
+    --debug-leak-check a KV leak fails the engine and the exit code."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.running: dict[Path, RunningServer] = {}
+
+    def get(self, model_dir: Path) -> RunningServer:
+        if model_dir not in self.running:
+            args = ["--model-path", str(model_dir), "--tp-size", "2", *_flags(SETTINGS)]
+            log = self.logs / f"{model_dir.name}.log"
+            self.running[model_dir] = start_server(args, log, timeout=HANG_GUARD_S)
+        return self.running[model_dir]
+
+    def stop_all(self) -> None:
+        codes = {d.name: (stop_server(s), s) for d, s in self.running.items()}
+        for name, (code, server) in codes.items():
+            assert code == 0, f"{name}: exit {code}\n{server.log()[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def tp2_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TP2Servers]:
+    servers = TP2Servers(tmp_path_factory.mktemp("tp-server-logs"))
+    yield servers
+    servers.stop_all()
+
+
+def test_server_tp2_equals_tp1(
+    model_dir: Path, reference: list[list[int]], tp2_servers: TP2Servers
+) -> None:
+    server = tp2_servers.get(model_dir)
+    info = httpx.get(server.url + "/get_server_info", timeout=30).json()
+    assert info["tp_size"] == 2
+    assert _server_outputs(server) == reference
 
 
 def _ranks(server: RunningServer) -> list[psutil.Process]:
@@ -121,15 +146,9 @@ def _ranks(server: RunningServer) -> list[psutil.Process]:
     return sorted(ranks, key=lambda p: p.create_time())
 
 
-@pytest.fixture
-def tp_server(tiny3_dir: Path, tmp_path: Path) -> Iterator[RunningServer]:
-    args = ["--model-path", str(tiny3_dir), "--tp-size", "2", *_flags(SETTINGS)]
-    server = start_server(args, tmp_path / "server.log", timeout=HANG_GUARD_S)
-    yield server
-    stop_server(server)
-
-
-def test_killing_one_rank_ends_the_server(tp_server: RunningServer) -> None:
+def test_killing_one_rank_ends_the_server(tiny3_dir: Path, tp2_servers: TP2Servers) -> None:
+    tp_server = tp2_servers.get(tiny3_dir)  # the equality test's, when it ran
+    del tp2_servers.running[tiny3_dir]  # it will not exit 0
     ranks = _ranks(tp_server)
     assert len(ranks) == 2, [p.cmdline() for p in ranks]
     stream: list[str] = []
