@@ -212,11 +212,14 @@ def split_heads(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> HeadSp
         return HeadSplit(Span(kv.start * group, kv.size * group), kv)
     copies = tp.size // num_kv_heads
     if tp.size % num_kv_heads or group % copies:
+        why = (
+            f"a tp_size above the KV heads must be a multiple of them ({num_kv_heads})"
+            if tp.size % num_kv_heads
+            else f"each KV head's {group} query heads do not divide among {copies} ranks"
+        )
         raise ConfigError(
             f"tp_size={tp.size} cannot split {num_heads} query heads over {num_kv_heads} KV "
-            f"heads: with fewer KV heads than ranks, tp_size must be a multiple of the KV heads "
-            f"({num_kv_heads}) and each KV head's {group} query heads divide among its "
-            f"{copies} ranks; try a tp_size of at most {num_kv_heads}"
+            f"heads: {why}; a tp_size of at most {num_kv_heads} works"
         )
     per = group // copies
     kv_head = tp.rank // copies

@@ -91,7 +91,12 @@ class EngineClient:
                     raise EngineDied(msg.message)
                 raise EngineDied(f"unexpected first message from the engine: {type(msg).__name__}")
             if not self._alive():
-                raise EngineDied(self._why_dead())
+                why = self._why_dead()
+                # a rank that refused a setting: rank 0 refuses it too, and says why
+                rank0 = self.process is not None and self.process.is_alive()
+                if self.workers and rank0 and await self.pull.poll(3000):
+                    continue
+                raise EngineDied(why)
 
     def start_receiving(self) -> None:
         loop = asyncio.get_running_loop()

@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -55,8 +56,10 @@ def start_workers(settings: dict[str, Any], ranks: Sequence[Rendezvous]) -> list
 def run_worker(settings: dict[str, Any], rdv: Rendezvous) -> None:
     """Process entry of rank ``rdv.rank`` > 0: build this rank's ModelRunner, then run the
     steps rank 0 broadcasts until it says stop."""
+    from radixserve.core.config import ConfigError
     from radixserve.core.model_runner import ModelRunner
     from radixserve.core.parallel import teardown
+    from radixserve.core.plugins import PluginError
     from radixserve.core.tp_step import follow_steps
     from radixserve.entrypoints.engine_process import engine_config
 
@@ -66,8 +69,13 @@ def run_worker(settings: dict[str, Any], rdv: Rendezvous) -> None:
         format=f"%(asctime)s engine rank {rdv.rank} %(levelname)s %(name)s: %(message)s",
     )
     _exit_with_parent()
-    host, model_dir, config = engine_config(settings)
-    runner = ModelRunner(model_dir, config, host, rdv)
+    try:
+        host, model_dir, config = engine_config(settings)
+        runner = ModelRunner(model_dir, config, host, rdv)
+    except (ConfigError, PluginError) as e:  # rank 0 meets the same setting and reports it
+        logger.error("rank %d not started: %s", rdv.rank, e)
+        teardown()
+        sys.exit(2)
     try:
         steps = follow_steps(runner.tp, runner.req_to_token, runner.kv_pool, runner.device,
                              runner.step)  # fmt: skip

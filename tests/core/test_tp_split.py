@@ -50,8 +50,10 @@ def test_three_kv_heads_on_two_ranks_split_one_and_two() -> None:
 
 
 def test_a_layout_no_rule_covers_is_refused_with_a_way_out() -> None:
-    with pytest.raises(ConfigError, match="tp_size=3 cannot split 6 query heads over 2 KV"):
+    with pytest.raises(ConfigError, match="above the KV heads must be a multiple of them .2.; a"):
         split_heads(6, 2, TensorParallel(0, 3))
+    with pytest.raises(ConfigError, match="6 query heads do not divide among 4 ranks"):
+        split_heads(6, 1, TensorParallel(0, 4))
 
 
 def test_even_splits_and_padded_vocabulary_shards() -> None:
