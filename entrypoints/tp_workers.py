@@ -21,9 +21,10 @@ import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from radixserve.core.parallel import Rendezvous
+if TYPE_CHECKING:  # core.parallel imports torch; --help and the server process need not
+    from radixserve.core.parallel import Rendezvous
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,8 @@ ORPHANED_EXIT_CODE = 75
 
 def rendezvous(size: int, timeout_s: float) -> list[Rendezvous]:
     """One Rendezvous per rank on a free loopback port of this host."""
+    from radixserve.core.parallel import Rendezvous
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
