@@ -4,7 +4,8 @@
 # serving stack; bench/install_wheels.py: none over the image's torch stack), run the GPU
 # tests at real sizes, then the benchmarks given as arguments, e.g.
 #   sh bench/gpu_session.sh tests "llama3-8b" "smollm2 --skip-big"
-# Results go to $OUT (gpu-<shape>.json, tests.log).
+#   sh bench/gpu_session.sh tp              # on nvidia-h200-x2: bench/tp.py
+# Results go to $OUT (gpu-<shape>.json, tp.json, tests.log).
 set -e
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/pkg
@@ -19,6 +20,11 @@ for job in "$@"; do
     if [ "$job" = tests ]; then
         python3 -m pytest -q -p no:cacheprovider tests/plugins/attention tests/plugins/hardware \
             2>&1 | tee "$OUT/tests.log" | tail -25
+        continue
+    fi
+    if [ "${job%% *}" = tp ]; then  # "tp [flags]": bench/tp.py, TP1 against TP2 (2 GPUs)
+        python3 bench/tp.py --json-out "$OUT/tp.json" --workdir /tmp/models ${job#tp} \
+            2>&1 | grep -v "it/s\]" | tail -40
         continue
     fi
     set -- $job
