@@ -95,6 +95,12 @@ class ModelRunner:
                 f"speculative decoding ({chosen['speculative']}) does not run with "
                 f"tp_size={self.tp.size} yet; drop one of them"
             )
+        disaggregation = config.disaggregation_mode
+        if self.tp.size > 1 and disaggregation != "null":
+            raise ConfigError(
+                f"disaggregation_mode={disaggregation} does not run with tp_size={self.tp.size} "
+                "yet (each rank's KV pool holds only its heads); drop one of them"
+            )
         # A speculative algorithm is built here, so its device memory (a draft model and its
         # KV) is set aside before the KV pool is sized; EngineCore sets it up later.
         spec_factory = host.registries["speculative"].get(chosen["speculative"]).factory
