@@ -10,17 +10,21 @@ They load from per-expert HF tensors (``mlp.experts.{e}.gate_proj`` etc.; Mixtra
 ``block_sparse_moe.experts.{e}.w1/w3/w2``) or from transformers 5's stacked
 ``mlp.experts.gate_up_proj``/``down_proj``.
 
-The experts run as a reference implementation: tokens grouped by expert, one gated MLP per
-expert that received tokens, outputs weighted and summed in expert order (as transformers does,
-so float32 results match it closely). While a CUDA graph is being captured (where data-dependent
-shapes are not allowed) every expert runs on every token with zero weights for the unchosen
-ones: the same sums, at E times the FLOPs. A fused grouped-GEMM GPU path is not part of this
-module.
+On a CUDA/ROCm device with Triton (and a SiLU-gated expert MLP), the experts run fused
+(``fused_moe.py``): the (token, expert) pairs sorted by expert and two grouped GEMMs, one for
+gate/up with SiLU-and-mul, one for down with the router weights applied; fixed shapes, so CUDA
+graphs capture it. Elsewhere they run as the reference: tokens grouped by expert, one gated MLP
+per expert that received tokens, outputs weighted and summed in expert order (as transformers
+does, so float32 results match it closely). Should the reference run while a CUDA graph is being
+captured (no Triton), every expert runs on every token with zero weights for the unchosen ones:
+the same sums, at E times the FLOPs.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -49,6 +53,9 @@ class SparseMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.act = activation(act)
+        self.act_name = act
+        #: ``fused_moe`` where the fused path runs (set by the model on its device), else None
+        self.kernels: ModuleType | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(top-k weights [T, k] in x's dtype, expert ids [T, k])."""
@@ -64,6 +71,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
+        if self.kernels is not None and self.act_name in ("silu", "swish"):
+            return self.kernels.fused_experts(x, self.w13, self.w2, weights, ids)
         out = torch.zeros_like(x)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             dense = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
@@ -165,6 +174,15 @@ _EXPERT_LEAVES = {
 class MoEForCausalLM(DecoderForCausalLM):
     tp_plan = None  # experts are not sharded yet: --tp-size > 1 is refused for MoE models
 
+    def __init__(
+        self, config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: str
+    ) -> None:
+        super().__init__(config, attention, dtype, device)
+        kernels = fused_moe_for(device)
+        for module in self.modules():
+            if isinstance(module, SparseMoE):
+                module.kernels = kernels
+
     def weight_target(self, name: str) -> Target | None:
         m = _EXPERT.match(name)
         if m:
@@ -191,6 +209,15 @@ class Qwen3MoeForCausalLM(MoEForCausalLM):
 
 class MixtralForCausalLM(MoEForCausalLM):
     layer_cls = MixtralLayer
+
+
+def fused_moe_for(device: str) -> ModuleType | None:
+    """The fused MoE kernels on a CUDA/ROCm device with Triton installed, else None."""
+    if torch.device(device).type != "cuda" or importlib.util.find_spec("triton") is None:
+        return None
+    from radixserve.plugins.models import fused_moe
+
+    return fused_moe
 
 
 def build_qwen3_moe(

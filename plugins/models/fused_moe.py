@@ -1,0 +1,203 @@
+"""Fused Mixture-of-Experts for CUDA/ROCm devices: two grouped GEMMs over tokens sorted by expert.
+
+``fused_experts(x, w13, w2, weights, ids)`` computes what ``moe.SparseMoE``'s reference loop
+computes (``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``, each expert a SiLU-gated MLP):
+
+1. ``align``: the T * k (token, slot) pairs are sorted by expert and each expert's run is padded
+   to a multiple of ``BLOCK_M`` rows (the padding holds T * k, an id no pair has), so every
+   ``BLOCK_M``-row block of the sorted list belongs to one expert. Torch ops with fixed output
+   shapes (no host sync): the whole path can be captured in a CUDA graph.
+2. ``_gate_up_kernel``: for each block, x's rows times the expert's gate and up rows, both
+   accumulated in float32 by one program, then ``SiLU(gate) * up`` -> ``inter`` [T * k, I].
+3. ``_down_kernel``: ``inter``'s rows times the expert's down projection, times the pair's
+   router weight -> ``out`` [T * k, H]; the k slots of a token are then summed.
+
+Blocks past the padded total (the grid is sized for the worst case) return at once. Products
+accumulate in float32 and are rounded to x's dtype once per GEMM (the reference rounds after each
+op), so in bfloat16 the fused path is at least as close to the float32 result as the reference.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+
+class Aligned(NamedTuple):
+    """The (token, slot) pairs sorted by expert, in blocks of ``block_m`` rows of one expert."""
+
+    sorted_ids: torch.Tensor  # [max_blocks * block_m] flat pair ids (t * k + slot); T * k pads
+    expert_ids: torch.Tensor  # [max_blocks] the expert of each block
+    num_padded: torch.Tensor  # [1] rows used (the sum over experts of their padded runs)
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """An upper bound on the blocks ``align`` fills: each expert that has pairs wastes less
+    than one block on padding."""
+    return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int) -> Aligned:
+    """Sort the pairs of ``ids`` [T, k] by expert, each expert's run padded to ``block_m``."""
+    flat = ids.flatten().to(torch.int64)
+    n = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync with the host
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)  # pair ids, grouped by expert
+    expert = flat[order]
+    rank = torch.arange(n, device=flat.device) - (torch.cumsum(counts, 0) - counts)[expert]
+    blocks = max_blocks(n, num_experts, block_m)
+    sorted_ids = torch.full((blocks * block_m,), n, dtype=torch.int32, device=flat.device)
+    sorted_ids[(ends - padded)[expert] + rank] = order.to(torch.int32)
+    starts = torch.arange(blocks, device=flat.device) * block_m
+    expert_ids = torch.searchsorted(ends, starts, right=True).clamp_(max=num_experts - 1)
+    return Aligned(sorted_ids, expert_ids.to(torch.int32), ends[-1:].to(torch.int32))
+
+
+@triton.jit
+def _gate_up_kernel(
+    X, W, Out, SortedIds, ExpertIds, NumPadded,
+    num_pairs, N, K,
+    stride_xt, stride_we, stride_wn, stride_ot,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Out[pair, n] = SiLU(x[pair // k] . W[e, n]) * (x[pair // k] . W[e, N + n]); W: [E, 2N, K]."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = pid // num_n, pid % num_n
+    if pid_m * BLOCK_M >= tl.load(NumPadded):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(SortedIds + offs_m).to(tl.int64)
+    row_ok = pairs < num_pairs
+    expert = tl.load(ExpertIds + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = X + (pairs // TOP_K)[:, None] * stride_xt + offs_k[None, :]
+    w_ptrs = W + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    up_shift = N * stride_wn
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        w_gate = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        w_up = tl.load(w_ptrs + up_shift, mask=w_mask, other=0.0)
+        if UPCAST:
+            a, w_gate, w_up = a.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
+        gate += tl.dot(a, w_gate, input_precision=PRECISION)
+        up += tl.dot(a, w_up, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    out_ptrs = Out + pairs[:, None] * stride_ot + offs_n[None, :]
+    tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    X, W, Out, SortedIds, ExpertIds, NumPadded, RouteWeights,
+    num_pairs, N, K,
+    stride_xt, stride_we, stride_wn, stride_ot,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Out[pair, n] = weight[pair] * (X[pair] . W[e, n]); W: [E, N, K]."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = pid // num_n, pid % num_n
+    if pid_m * BLOCK_M >= tl.load(NumPadded):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(SortedIds + offs_m).to(tl.int64)
+    row_ok = pairs < num_pairs
+    expert = tl.load(ExpertIds + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = X + pairs[:, None] * stride_xt + offs_k[None, :]
+    w_ptrs = W + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc += tl.dot(a, w, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    route = tl.load(RouteWeights + pairs, mask=row_ok, other=0.0).to(tl.float32)
+    out = acc * route[:, None]
+    out_ptrs = Out + pairs[:, None] * stride_ot + offs_n[None, :]
+    tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+class Tiles(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def tiles(num_pairs: int, num_experts: int) -> Tiles:
+    """Tile sizes: decode steps (few pairs per expert) waste least in 16-row blocks; prefills
+    fill larger ones. ``num_stages`` is 1 in the interpreter, which ignores it anyway."""
+    if num_pairs <= 2 * num_experts:
+        return Tiles(16, 64, 128, 4, 3)
+    return Tiles(64, 128, 64, 8, 3)
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    tile: Tiles | None = None,
+) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], router ``weights`` and
+    expert ``ids`` [T, k] -> [T, H]: the SiLU-gated experts' outputs, weighted and summed."""
+    t, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter, top_k = two_inter // 2, ids.shape[1]
+    out = torch.empty((t, top_k, hidden), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out.sum(1)
+    n = t * top_k
+    tile = tile or tiles(n, num_experts)
+    a = align(ids, num_experts, tile.block_m)
+    blocks = a.expert_ids.shape[0]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    act = torch.empty((n, inter), dtype=x.dtype, device=x.device)
+    # float32 models multiply in full float32 (Triton's default for it would be TF32); the
+    # interpreter (a CPU device) multiplies bfloat16 wrongly, so there the tiles go float32 first
+    on_cpu = x.device.type == "cpu"
+    precise = x.dtype == torch.float32 or on_cpu
+    common = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                  PRECISION="ieee" if precise else "tf32", UPCAST=on_cpu,
+                  num_warps=tile.num_warps, num_stages=tile.num_stages)  # fmt: skip
+    _gate_up_kernel[(blocks * triton.cdiv(inter, tile.block_n),)](
+        x, w13, act, a.sorted_ids, a.expert_ids, a.num_padded,
+        n, inter, hidden,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOP_K=top_k, **common,
+    )  # fmt: skip
+    route = weights.float().contiguous().flatten()
+    flat_out = out.view(n, hidden)
+    _down_kernel[(blocks * triton.cdiv(hidden, tile.block_n),)](
+        act, w2, flat_out, a.sorted_ids, a.expert_ids, a.num_padded, route,
+        n, hidden, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), flat_out.stride(0),
+        **common,
+    )  # fmt: skip
+    return out.sum(1)
