@@ -89,6 +89,12 @@ class EngineConfig:
         metavar="NAME",
     )
     dtype: str = _opt("auto", "Weight and KV dtype: auto, float32, bfloat16, float16")
+    quantization: str | None = _opt(
+        None,
+        "Weight-only quantization of the linear layers at load: int8wo (int8, a scale per "
+        "row) or int4wo (4-bit groups of 32 with scale and zero, the layout of GGUF Q4_1); "
+        "activations run in bfloat16 there. Default: none (the weights as loaded)",
+    )
     context_length: int | None = _opt(None, "Maximum tokens per request (prompt + output)")
     max_running_requests: int | None = _opt(
         None, "Most requests decoding at once (default: the hardware platform's)"
@@ -276,6 +282,11 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype '{self.dtype}'; choose one of {', '.join(DTYPES)}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                f"unknown quantization '{self.quantization}'; choose one of "
+                f"{', '.join(QUANTIZATIONS)}"
+            )
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static <= 1.0:
             raise ConfigError(
                 f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}"
@@ -409,4 +420,5 @@ PAGE_SIZES = tuple(1 << i for i in range(9))  # 1 .. 256
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("int8wo", "int4wo")  # the hardware platform runs them (quantize_model)
 DISAGGREGATION_MODES = ("null", "prefill", "decode")

@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from radixserve.core.config import ConfigError
+
 if TYPE_CHECKING:
     import torch
 
@@ -83,6 +85,12 @@ class HardwarePlatform(ABC):
         """Tensor parallelism: this process is rank ``rank`` of ``size`` and drives that rank's
         device (e.g. ``cuda:{rank}``); set ``device`` to it. Called once, before anything is
         allocated. The default does nothing (every rank uses ``device`` as it is)."""
+
+    def quantize_model(self, model: CausalLM, method: str) -> None:
+        """Quantize the loaded ``model``'s weights in place (``--quantization``, one of
+        ``core.config.QUANTIZATIONS``) with this device's kernels. Called once, after the
+        weights are loaded. The default refuses every method."""
+        raise ConfigError(f"--quantization {method} is not supported on the {self.name} platform")
 
     def step_executor(
         self,

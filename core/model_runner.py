@@ -128,6 +128,8 @@ class ModelRunner:
         self.attention: AttentionBackend = attn_factory(self.kv_pool, local, self.device)
         self.model: CausalLM = model_reg.factory(mc, self.attention, self.dtype, self.device)
         self.model.load_weights(self._weights(model_dir))
+        if config.quantization is not None:
+            self.platform.quantize_model(self.model, config.quantization)
         # The platform decides how a step runs (eagerly here; e.g. CUDA graphs for decodes).
         self.step = self.platform.step_executor(
             self.model, self.attention, self.kv_pool, self.req_to_token, config
@@ -173,6 +175,11 @@ class ModelRunner:
         if self.tp.size > 1:
             raise ConfigError(
                 f"loading new weights is not supported with tp_size={self.tp.size} yet"
+            )
+        if self.config.quantization is not None:
+            raise ConfigError(
+                f"loading new weights into a model quantized at load "
+                f"(quantization={self.config.quantization}) is not supported; restart instead"
             )
         new = ModelConfig.from_dir(model_dir)
         old = self.model_config

@@ -14,6 +14,7 @@ from radixserve.core.config import (
     DISAGGREGATION_MODES,
     DTYPES,
     LOG_LEVELS,
+    QUANTIZATIONS,
     SCHEDULE_POLICIES,
     ConfigError,
     EngineConfig,
@@ -28,6 +29,7 @@ DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _CHOICES = {"schedule_policy": SCHEDULE_POLICIES, "dtype": DTYPES, "log_level": LOG_LEVELS}
 _CHOICES["embedding_pooling"] = POOLING_METHODS
 _CHOICES["disaggregation_mode"] = DISAGGREGATION_MODES
+_CHOICES["quantization"] = QUANTIZATIONS
 _FLAG_NAMES = {"plugins": "--plugin"}  # a repeatable flag reads better in the singular
 _ALIASES = {"model_path": ("--model",), "tp_size": ("--tensor-parallel-size",)}
 

@@ -8,7 +8,7 @@ import os
 import torch
 
 from radixserve.core.hookspecs import hookimpl
-from radixserve.core.interfaces import HardwarePlatform
+from radixserve.core.interfaces import CausalLM, HardwarePlatform
 
 
 class CpuPlatform(HardwarePlatform):
@@ -33,6 +33,12 @@ class CpuPlatform(HardwarePlatform):
     def kv_cache_bytes(self, weight_bytes: int, mem_fraction: float) -> int:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return max(int(total * mem_fraction) - weight_bytes, 0)
+
+    def quantize_model(self, model: CausalLM, method: str) -> None:
+        # torch's own CPU weight-only kernels (int8 per row, int4 in groups of 32)
+        from radixserve.plugins.models.quant import quantize_model
+
+        quantize_model(model, method)  # type: ignore[arg-type]
 
     def seed_everything(self, seed: int) -> None:
         torch.manual_seed(seed)

@@ -308,6 +308,9 @@ class DecoderForCausalLM(nn.Module, CausalLM):
         self.to(dtype)
         self.to_empty(device=device)
         self.rope = RotaryEmbedding(config, device, dtype)
+        #: a module computing the LM head's logits in place of ``F.linear`` over its weight
+        #: (set by weight-only quantization, plugins/models/quant.py)
+        self.head: nn.Module | None = None
         fused = fused_ops_for(device)
         for part in (self.rope, *self.modules()):
             if hasattr(part, "fused"):
@@ -320,6 +323,8 @@ class DecoderForCausalLM(nn.Module, CausalLM):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits from the final-normed hidden states of the rows that need them."""
+        if self.head is not None:
+            return gather_vocab(self.head(h), self.config.vocab_size, self.tp).float()
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return gather_vocab(F.linear(h, weight), self.config.vocab_size, self.tp).float()
 

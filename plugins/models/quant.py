@@ -1,0 +1,133 @@
+"""Weight-only quantization at load (``--quantization``), on torch's own CPU kernels.
+
+After the checkpoint is loaded, every ``nn.Linear`` of the decoder layers is replaced by a
+quantized one, and the LM head gets an int8 copy (the embedding lookup keeps its weights):
+
+``int8wo``  int8 weights, one symmetric scale per output row; ``aten._weight_int8pack_mm``.
+``int4wo``  4-bit weights in groups of 32 input features, each with a scale and a zero point
+            (asymmetric, min/max); ``aten._weight_int4pack_mm_for_cpu``. A GGUF file's Q4_1
+            blocks are exactly this layout (32 weights, ``d * q + m``), so the default model's
+            weights come back as the file stores them, up to bf16 rounding of d and m.
+
+Both kernels run with bfloat16 activations (with float32 ones they fall back to slow paths):
+a quantized layer casts its input to bfloat16 and its output back to the model's dtype.
+Quantization happens once, on the loaded float weights; nothing is dequantized per step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from radixserve.core.config import ConfigError
+from radixserve.plugins.models.parallel_layers import RowParallelLinear
+
+INT4_GROUP = 32
+_ACT = torch.bfloat16  # the activation dtype both kernels are fast with
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer over quantized weights; the bias (if any) stays in the model's dtype.
+    Row-parallel layers (tensor parallelism) all-reduce their partial outputs as before."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = linear.bias
+        self.tp = linear.tp if isinstance(linear, RowParallelLinear) else None
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        out = self.matmul(x.reshape(-1, self.in_features).to(_ACT)).to(x.dtype)
+        out = out.view(*shape[:-1], self.out_features)
+        if self.tp is not None and self.tp.size > 1:
+            out = self.tp.all_reduce(out)
+        return out if self.bias is None else out + self.bias
+
+
+class Int8Linear(QuantizedLinear):
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        q, scales = quantize_int8(linear.weight.data)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scales", scales)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+
+
+class Int4Linear(QuantizedLinear):
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        q, scale_zero = quantize_int4(linear.weight.data, INT4_GROUP)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        self.register_buffer("qweight", packed)
+        self.register_buffer("scale_zero", scale_zero)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.qweight, INT4_GROUP, self.scale_zero
+        )
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (int8 [out, in], bf16 scales [out]): w ~= q * scale per row."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).to(_ACT)
+    q = torch.round(w / scales.float()[:, None]).clamp(-128, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (int32 codes 0..15 [out, in], bf16 [in / group, out, 2] scale and
+    zero), with w ~= (q - 8) * scale + zero inside each group of ``group`` input features
+    (the kernel's convention)."""
+    out_f, in_f = weight.shape
+    w = weight.float().view(out_f, in_f // group, group)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-12).to(_ACT)
+    # The zero point is rounded to bf16 before the codes are chosen, so each code is the
+    # nearest one under the scale and zero the kernel will use.
+    zero = (lo + 8.0 * scale.float()).to(_ACT)
+    base = zero.float() - 8.0 * scale.float()  # the value of code 0
+    q = torch.round((w - base[..., None]) / scale.float()[..., None]).clamp(0, 15)
+    scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+    return q.view(out_f, in_f).to(torch.int32), scale_zero
+
+
+_METHODS: dict[str, type[QuantizedLinear]] = {"int8wo": Int8Linear, "int4wo": Int4Linear}
+
+
+def quantize_model(model: nn.Module, method: str) -> int:
+    """Replace the linear layers of ``model.layers`` by ``method``'s quantized ones and give
+    the model an int8 LM head (``model.head``). Returns the layers replaced."""
+    cls = _METHODS.get(method)
+    if cls is None:
+        raise ConfigError(f"unknown quantization '{method}'; choose one of {', '.join(_METHODS)}")
+    layers = getattr(model, "layers", None)
+    if layers is None or not hasattr(model, "head"):
+        raise ConfigError(
+            f"model {type(model).__name__} does not support --quantization (it needs the "
+            "decoder skeleton's layers and LM head)"
+        )
+    replaced = 0
+    for layer in layers:
+        for name, child in list(layer.named_modules()):
+            if type(child) not in (nn.Linear, RowParallelLinear):
+                continue
+            if cls is Int4Linear and child.in_features % INT4_GROUP:
+                continue  # stays in float: the kernel needs whole groups
+            parent_name, _, leaf = name.rpartition(".")
+            parent = layer.get_submodule(parent_name) if parent_name else layer
+            setattr(parent, leaf, cls(child))
+            replaced += 1
+    weight = model.lm_head.weight if hasattr(model, "lm_head") else model.embed_tokens.weight
+    head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    head.weight = nn.Parameter(weight.data, requires_grad=False)
+    model.head = Int8Linear(head)
+    if hasattr(model, "lm_head"):
+        del model.lm_head  # its float copy is no longer read
+    return replaced
