@@ -18,9 +18,8 @@ from radixserve.core.interfaces import SpeculativeContext
 from radixserve.core.model_runner import LaunchedStep, ModelRunner
 from radixserve.core.parallel import Rendezvous
 from radixserve.core.plugins import PluginHost
-from radixserve.core.pooling import POOLING_METHODS
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
-from radixserve.core.request import InvalidRequest, Req
+from radixserve.core.request import POOLING_METHODS, InvalidRequest, Req
 from radixserve.core.scheduler import (
     RetractionNeeded,
     ScheduledBatch,

@@ -16,10 +16,6 @@ import torch
 
 from radixserve.core.request import Req
 
-#: SGLang pools a causal model's embedding from its last token (``Pooler(LAST)``); mean
-#: pooling averages every prompt token instead.
-POOLING_METHODS = ("last", "mean")
-
 
 class PoolPlan(NamedTuple):
     rows: list[int]  # rows of the flattened step whose final hidden states are needed

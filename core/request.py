@@ -16,6 +16,11 @@ from typing import Any
 
 from radixserve.core.interfaces import GRAMMAR_KINDS as GRAMMAR_FIELDS
 
+#: How an embedding request pools hidden states (here, not in core.pooling, so that flag
+#: parsing does not import torch): SGLang pools a causal model's embedding from its last token
+#: (``Pooler(LAST)``); mean pooling averages every prompt token instead.
+POOLING_METHODS = ("last", "mean")
+
 INT64_MAX = 2**63 - 1
 #: Seeds are any unsigned 64-bit integer; the sampler folds them to 63 bits.
 SEED_MAX = 2**64 - 1
