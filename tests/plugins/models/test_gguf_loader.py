@@ -244,11 +244,15 @@ def test_rejects_what_it_cannot_convert(tmp_path: pathlib.Path) -> None:
     _write_tiny_gguf(tmp_path / "bert.gguf", tokenizer="bert")
     with pytest.raises(NotImplementedError, match="'bert'"):
         convert_gguf_to_hf_dir(tmp_path / "bert.gguf", tmp_path / "out")
+    _write_tiny_gguf(tmp_path / "phi3.gguf", arch="phi3")
+    with pytest.raises(ValueError, match="'phi3'; GGUF files of 'llama', 'qwen2'"):
+        convert_gguf_to_hf_dir(tmp_path / "phi3.gguf", tmp_path / "out")
+    # a known family whose file lacks that family's tensors (qwen2: q/k/v biases)
     _write_tiny_gguf(tmp_path / "qwen.gguf", arch="qwen2")
-    with pytest.raises(ValueError, match="'qwen2'"):
+    with pytest.raises(ValueError, match="lacks the tensors for.*self_attn.k_proj.bias"):
         convert_gguf_to_hf_dir(tmp_path / "qwen.gguf", tmp_path / "out")
     # Failed conversions leave nothing behind, not even their temporary directory.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bert.gguf", "qwen.gguf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bert.gguf", "phi3.gguf", "qwen.gguf"]
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "stray.txt").write_text("x")
     with pytest.raises(FileExistsError, match="not empty"):
