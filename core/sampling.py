@@ -19,6 +19,8 @@ from radixserve.core.grammar import mark_dead_rows
 from radixserve.core.request import Req
 
 _SEED_MASK = (1 << 63) - 1
+#: top-k keeps the vocabulary sort off when every row's k is at most vocab / this
+TOP_K_PREFILTER = 8
 _T = TypeVar("_T")
 
 
@@ -225,16 +227,18 @@ def _filter_probs(probs: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
     """Zero the tokens outside each row's top-k, top-p nucleus and min-p floor."""
     device = probs.device
     vocab = probs.shape[-1]
-    top_k = to_device(
-        torch.tensor(
-            [min(r.sampling.top_k, vocab) if r.sampling.top_k > 0 else vocab for r in reqs]
-        ),
-        device,
-    )
+    ks = [min(r.sampling.top_k, vocab) if r.sampling.top_k > 0 else vocab for r in reqs]
+    top_k = to_device(torch.tensor(ks), device)
     top_p = to_device(torch.tensor([r.sampling.top_p for r in reqs]), device)
     min_p = to_device(torch.tensor([r.sampling.min_p for r in reqs]), device)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=device)[None, :]
+    width = max(ks)
+    if width * TOP_K_PREFILTER <= vocab:
+        # Every row keeps at most ``width`` tokens: top-p and min-p only ever look inside
+        # them, so the largest ``width`` (sorted) stand in for the sort of the whole vocabulary.
+        sorted_probs, order = probs.topk(width, dim=-1, sorted=True)
+    else:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(sorted_probs.shape[-1], device=device)[None, :]
     drop = rank >= top_k[:, None]
     # NOTE: keep a token while the mass before it is below top_p, so the first always stays.
     drop |= (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[:, None]

@@ -463,3 +463,58 @@ def test_bad_logit_bias_is_refused_naming_the_field(bias: object, message: str) 
     with pytest.raises(InvalidRequest, match=message) as e:
         params.validate(vocab_size=8)
     assert e.value.param == "logit_bias"
+
+
+# --- the top-k prefilter (no sort of the whole vocabulary) -------------------------------
+
+
+TOP_K_ROWS = [
+    {"top_k": 1},
+    {"top_k": 20},
+    {"top_k": 50, "top_p": 0.9},
+    {"top_k": 40, "min_p": 0.05},
+    {"top_k": 64, "top_p": 0.5, "min_p": 0.01},
+    {"top_k": 64, "top_p": 1.0},
+]
+
+
+def _wide_batch() -> tuple[torch.Tensor, list[Req]]:
+    """A 4,096-token vocabulary (random logits, no ties) and one row per TOP_K_ROWS entry."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(len(TOP_K_ROWS), 4096, generator=gen) * 3
+    reqs = [
+        Req(f"r{i}", [0], SamplingParams(temperature=0.9, seed=i, **p))  # type: ignore[arg-type]
+        for i, p in enumerate(TOP_K_ROWS)
+    ]
+    return logits, reqs
+
+
+def test_top_k_prefilter_gives_the_full_sorts_filter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When every row has a small top-k, the largest k stand in for the vocabulary sort: the
+    kept tokens and their weights are exactly the full sort's, row by row."""
+    logits, reqs = _wide_batch()
+    probs = torch.softmax(logits, dim=-1)
+    assert max(r.sampling.top_k for r in reqs) * sampling.TOP_K_PREFILTER <= probs.shape[-1]
+    fast = sampling._filter_probs(probs, reqs)
+    fast_ids = sampling.sample_ids(logits, reqs)
+    monkeypatch.setattr(sampling, "TOP_K_PREFILTER", 10**9)  # always the full sort
+    slow = sampling._filter_probs(probs, reqs)
+    assert torch.equal(fast, slow)
+    assert torch.equal(fast_ids, sampling.sample_ids(logits, reqs))  # seeded rows: same draws
+    assert (fast[0] > 0).sum() == 1 and (fast[1] > 0).sum() == 20
+
+
+def test_a_row_without_top_k_keeps_the_full_sort(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One row with top_k off (top-p only) needs the whole vocabulary: no prefilter."""
+    logits, reqs = _wide_batch()
+    reqs.append(Req("p", [0], SamplingParams(temperature=0.9, top_p=0.95)))
+    logits = torch.cat([logits, logits[:1]])
+    calls: list[int] = []
+    real_topk = torch.Tensor.topk
+    monkeypatch.setattr(
+        torch.Tensor, "topk", lambda t, *a, **k: calls.append(1) or real_topk(t, *a, **k)
+    )
+    out = sampling._filter_probs(torch.softmax(logits, dim=-1), reqs)
+    assert not calls
+    nucleus = kept_top_p(torch.softmax(logits[-1], -1).tolist(), 0.95)
+    assert set(out[-1].nonzero().flatten().tolist()) == nucleus
