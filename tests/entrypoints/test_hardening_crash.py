@@ -179,8 +179,10 @@ WATCHDOG_SCRIPT = textwrap.dedent(
     from radixserve.entrypoints.engine_process import EngineLoop
 
     class StuckCore:
-        config = types.SimpleNamespace(watchdog_timeout=0.5)
+        config = types.SimpleNamespace(watchdog_timeout=0.5, disaggregation_mode="null")
+        disagg = None  # not a prefill or decode server
         def has_work(self): return True
+        def idle_wait(self): return None
         def step(self): time.sleep(3600); return []
 
     ctx = zmq.Context()
