@@ -199,7 +199,12 @@ class EngineCore:
 
     def add_request(self, req: Req) -> None:
         """Queue ``req``; one with a grammar first waits for it to compile (off this thread)."""
-        self.validate(req)
+        try:
+            self.validate(req)
+        except InvalidRequest as e:
+            if req.bootstrap is not None:
+                self.cancel_room(req.bootstrap.room, str(e))
+            raise
         if req.bootstrap is not None and (self.disagg is None or not transfers(req)):
             req.bootstrap = None  # nothing to transfer: the request runs whole here
         if req.bootstrap is not None and self.disagg is not None:
@@ -210,6 +215,13 @@ class EngineCore:
             self.grammars.submit(req)
         else:
             self.scheduler.add_request(req)
+
+    def cancel_room(self, room: int, message: str) -> None:
+        """A prefill refused a request of ``room`` (here or in the server): the decode waiting
+        for its KV learns why at once. Rooms of live requests are left alone."""
+        disagg = self.disagg
+        if isinstance(disagg, PrefillSide) and room not in disagg.live:
+            disagg.connector.cancel(room, f"the prefill server refused the request: {message}")
 
     def abort(self, rid: str, message: str = "aborted by the client") -> Req | None:
         self._sync()

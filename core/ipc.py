@@ -44,6 +44,14 @@ class AbortRequest(msgspec.Struct, tag="abort"):
     message: str = "aborted by the client"
 
 
+class CancelRoomRequest(msgspec.Struct, tag="cancel_room"):
+    """Prefill/decode disaggregation: the server refused a request that carried this
+    ``bootstrap_room``; the prefill's bootstrap server tells the decode waiting for it."""
+
+    room: int
+    message: str
+
+
 class FlushCacheRequest(msgspec.Struct, tag="flush_cache"):
     call_id: int
 
@@ -89,6 +97,7 @@ EngineInbound = Union[  # noqa: UP007 - msgspec needs a runtime union object
     ShutdownRequest,
     ProfileRequest,
     UpdateWeightsRequest,
+    CancelRoomRequest,
 ]
 
 # -- engine -> server ------------------------------------------------------------------------

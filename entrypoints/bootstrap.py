@@ -89,3 +89,17 @@ def _check_port(value: Any, name: str) -> int | None:
     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 65535:
         raise InvalidRequest(f"{name} must be a TCP port (1-65535) or null, got {value!r:.100}")
     return value
+
+
+def refused_rooms(body: Any) -> list[Bootstrap | None]:
+    """The rooms of a call refused before its requests were queued, as far as they can be
+    told (n unknown: one per prompt); none when the fields themselves are bad."""
+    get = body.get if isinstance(body, dict) else lambda name: getattr(body, name, None)
+    room = get("bootstrap_room")
+    if room is None:
+        return []
+    counts = [1] * (len(room) if isinstance(room, list) else 1)
+    try:
+        return expand_bootstrap(get("bootstrap_host"), get("bootstrap_port"), room, counts)
+    except InvalidRequest:
+        return []

@@ -285,6 +285,8 @@ class EngineLoop:
                 message = f"the engine failed to queue the request ({type(e).__name__}: {e})"
                 req.finish(FinishReason("abort", message=message))
                 self.outbox.append(self._delta(req, error_status=500))
+        elif isinstance(msg, ipc.CancelRoomRequest):
+            core.cancel_room(msg.room, msg.message)
         elif isinstance(msg, ipc.AbortRequest):
             aborted = core.abort(msg.rid, msg.message)
             if aborted is not None:

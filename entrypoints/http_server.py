@@ -7,6 +7,7 @@ Every route except /health and /metrics needs the API key when one is set (Guard
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from typing import Any
 
 import msgspec
@@ -16,6 +17,7 @@ from fastapi.responses import Response
 import radixserve
 from radixserve.core.config import ModelConfig
 from radixserve.core.request import InvalidRequest, SamplingParams
+from radixserve.entrypoints.bootstrap import refused_rooms
 from radixserve.entrypoints.http_errors import (
     ApiError,
     GuardMiddleware,
@@ -117,13 +119,21 @@ def create_app(
 
     # -- OpenAI --------------------------------------------------------------------------------
 
+    async def refusing_rooms(call: Awaitable[Any], body: Any) -> Any:
+        """A refused call tells the decode servers waiting for its rooms (PD routers)."""
+        try:
+            return await call
+        except Exception as e:
+            tm.refuse_rooms(refused_rooms(body), str(e))
+            raise
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
-        return await chat.create(body, raw)
+        return await refusing_rooms(chat.create(body, raw), body)
 
     @app.post("/v1/completions")
     async def text_completions(body: CompletionRequest, raw: Request) -> Any:
-        return await completions.create(body, raw)
+        return await refusing_rooms(completions.create(body, raw), body)
 
     @app.get("/v1/models")
     async def models() -> Any:

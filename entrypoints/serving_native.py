@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 from radixserve.core.disaggregation import Bootstrap
 from radixserve.core.output import input_logprob_entries, logprob_triples, top_logprob_triples
 from radixserve.core.request import INT64_MAX, InvalidRequest, SamplingParams
-from radixserve.entrypoints.bootstrap import expand_bootstrap
+from radixserve.entrypoints.bootstrap import expand_bootstrap, refused_rooms
 from radixserve.entrypoints.fanout import choice_params
 from radixserve.entrypoints.fanout import per_item as _per_item
 from radixserve.entrypoints.serving_openai import error_event, raise_if_failed
@@ -50,6 +50,24 @@ class NativeServing:
     async def generate(self, body: Any, raw: Request) -> Any:
         if not isinstance(body, dict):
             raise InvalidRequest("the request body must be a JSON object")
+        try:
+            stream, batch, reqs, req_options = self._start(body)
+        except Exception as e:
+            # a PD router's decode server waits for these rooms: tell it now
+            self.tm.refuse_rooms(refused_rooms(body), str(e))
+            raise
+        if stream:
+            stream = self._stream(reqs, req_options, batch)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        await self.tm.wait_finished(reqs, raw.is_disconnected)
+        raise_if_failed(reqs)
+        results = [self.result(r, o) for r, o in zip(reqs, req_options, strict=True)]
+        return json_response(results if batch else results[0])
+
+    def _start(
+        self, body: dict[str, Any]
+    ) -> tuple[bool, bool, list[ServerReq], list[LogprobOptions]]:
+        """Check the call and queue its requests: (stream, batch, requests, their options)."""
         stream = _flag(body.get("stream"), "stream")
         prompts, batch = self._prompts(body)
         count = len(prompts)
@@ -81,14 +99,7 @@ class NativeServing:
             [p.n for p in params],
         )
         reqs, req_options = self._submit(prompts, params, options, rids, boots)
-        batch = batch or len(reqs) > 1
-        if stream:
-            stream = self._stream(reqs, req_options, batch)
-            return StreamingResponse(stream, media_type="text/event-stream")
-        await self.tm.wait_finished(reqs, raw.is_disconnected)
-        raise_if_failed(reqs)
-        results = [self.result(r, o) for r, o in zip(reqs, req_options, strict=True)]
-        return json_response(results if batch else results[0])
+        return stream, batch or len(reqs) > 1, reqs, req_options
 
     def _prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
         text, input_ids = body.get("text"), body.get("input_ids")

@@ -223,6 +223,15 @@ class TokenizerManager:
             req.timer = asyncio.get_running_loop().call_later(timeout, self._time_out, rid)
         return req
 
+    def refuse_rooms(self, bootstraps: list[Bootstrap | None], message: str) -> None:
+        """A prefill server refused a call whose requests carry these rooms: tell the decode
+        servers waiting for them (else each would wait --disaggregation-transfer-timeout)."""
+        if self.info.disaggregation_mode != "prefill" or self.dead is not None:
+            return
+        for b in bootstraps:
+            if b is not None:
+                self.client.send(ipc.CancelRoomRequest(b.room, message))
+
     def abort(self, rid: str, message: str = "aborted by the client") -> None:
         if rid in self.reqs and self.dead is None:
             self.client.send(ipc.AbortRequest(rid, message))

@@ -100,6 +100,28 @@ def test_room_that_never_arrives(pair: PDPair) -> None:
     assert_no_kv_held(pair.prefill, pair.decode)
 
 
+@pytest.mark.parametrize("route", ["/generate", "/v1/completions"])
+def test_prefill_refusal_reaches_the_decode(pair: PDPair, route: str) -> None:
+    """The prefill refuses its copy of a call (here: a bad parameter only it gets, as when it
+    is overloaded); the decode's request ends with the prefill's reason, not a timeout."""
+    r = room()
+    if route == "/generate":
+        good = pair.body(r, text="refused on the prefill", sampling_params=GREEDY)
+        bad = {**good, "sampling_params": {**GREEDY, "temperature": -1}}
+    else:
+        good = pair.body(r, model="m", prompt="refused on the prefill", max_tokens=4)
+        bad = {**good, "max_tokens": 10**6}
+    with ThreadPoolExecutor(2) as pool:
+        decode = pool.submit(post, pair.decode.url, good, route)
+        refused = post(pair.prefill.url, bad, route)
+        answer = decode.result()
+    assert refused.status_code == 400, refused.text
+    assert answer.status_code == 500, answer.text
+    message = answer.json()["error"]["message"]
+    assert "the prefill server refused the request" in message, message
+    assert_no_kv_held(pair.prefill, pair.decode)
+
+
 def test_client_abort_while_waiting_for_kv(pair: PDPair) -> None:
     rid = f"pd-abort-{room()}"
     body = pair.body(room(), text="aborted while it waits", sampling_params=GREEDY, rid=rid)
