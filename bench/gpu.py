@@ -37,7 +37,7 @@ from radixserve.plugins.attention import triton as triton_attention
 from radixserve.plugins.grammar import none as grammar_none
 from radixserve.plugins.hardware import cpu, cuda
 from radixserve.plugins.kv_transfer import none as kv_none
-from radixserve.plugins.models import llama
+from radixserve.plugins.models import gemma2, llama, moe, qwen2, qwen3
 from radixserve.plugins.speculative import none as spec_none
 
 
@@ -121,20 +121,25 @@ def ceilings() -> dict[str, float]:
 
 
 def workload_bound_tok_s(
-    shape: str, workload: tuple[int, int, int], running: int, copy_gbps: float, tflops: float
+    shape: str | dict[str, Any],
+    workload: tuple[int, int, int],
+    running: int,
+    copy_gbps: float,
+    tflops: float,
 ) -> float:
     """Output tok/s if prefill ran at the matmul ceiling and every decode step read the weights
-    and the running requests' KV at the copy ceiling (no overheads, no overlap of the two)."""
-    c = SHAPES[shape]
+    and the running requests' KV at the copy ceiling (no overheads, no overlap of the two).
+    ``shape``: a name in SHAPES or a dense model's config fields (bench/models.py)."""
+    c = SHAPES[shape] if isinstance(shape, str) else shape
     n, prompt, out = workload
     h, layers = c["hidden_size"], c["num_hidden_layers"]
-    head_dim = h // c["num_attention_heads"]
-    kv_dim = c["num_key_value_heads"] * head_dim
-    layer_params = 2 * h * h + 2 * h * kv_dim + 3 * h * c["intermediate_size"]
+    head_dim = c.get("head_dim") or h // c["num_attention_heads"]
+    q_dim, kv_dim = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
+    layer_params = 2 * h * q_dim + 2 * h * kv_dim + 3 * h * c["intermediate_size"]
     matmul_params = layers * layer_params + h * c["vocab_size"]  # + the LM head
     weight_bytes = 2 * (matmul_params + (0 if c["tie_word_embeddings"] else h * c["vocab_size"]))
     kv_bytes_per_token = 2 * 2 * layers * kv_dim
-    prefill_flops = n * prompt * 2 * matmul_params + n * 2 * layers * h * prompt**2
+    prefill_flops = n * prompt * 2 * matmul_params + n * 2 * layers * q_dim * prompt**2
     prefill_s = prefill_flops / (tflops * 1e12)
     decode_s = 0.0
     for start in range(0, n, running):
@@ -162,7 +167,8 @@ class StepStats:
 
 def bench_host(stats: StepStats) -> PluginHost:
     # Only the plugins this benchmark needs, imported directly: no install, no entry points.
-    mods = [cpu, cuda, torch_native, triton_attention, llama, grammar_none, spec_none, kv_none]
+    mods = [cpu, cuda, torch_native, triton_attention, grammar_none, spec_none, kv_none]
+    mods += [llama, qwen2, qwen3, gemma2, moe]
     plugins = [(m.__name__.rsplit(".", 2)[-2] + "_" + m.__name__.rsplit(".", 1)[-1], m)
                for m in mods]  # fmt: skip
     return PluginHost(load_entry_points=False, extra_plugins=[*plugins, ("bench_stats", stats)])

@@ -5,7 +5,8 @@
 # tests at real sizes, then the benchmarks given as arguments, e.g.
 #   sh bench/gpu_session.sh tests "llama3-8b" "smollm2 --skip-big"
 #   sh bench/gpu_session.sh tp              # on nvidia-h200-x2: bench/tp.py
-# Results go to $OUT (gpu-<shape>.json, tp.json, tests.log).
+#   sh bench/gpu_session.sh moe-tests models  # issue 20: fused MoE tests, bench/models.py
+# Results go to $OUT (gpu-<shape>.json, tp.json, models.json, tests.log, moe-tests.log).
 set -e
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/pkg
@@ -20,6 +21,16 @@ for job in "$@"; do
     if [ "$job" = tests ]; then
         python3 -m pytest -q -p no:cacheprovider tests/plugins/attention tests/plugins/hardware \
             2>&1 | tee "$OUT/tests.log" | tail -25
+        continue
+    fi
+    if [ "$job" = moe-tests ]; then  # the fused MoE kernels compiled, at Qwen3-30B-A3B's shapes
+        python3 -m pytest -q -p no:cacheprovider tests/plugins/models/test_fused_moe.py \
+            2>&1 | tee "$OUT/moe-tests.log" | tail -15
+        continue
+    fi
+    if [ "${job%% *}" = models ]; then  # "models [flags]": bench/models.py (issue 20's shapes)
+        python3 bench/models.py --json-out "$OUT/models.json" ${job#models} \
+            2>&1 | grep -v "it/s\]" | tail -40
         continue
     fi
     if [ "${job%% *}" = tp ]; then  # "tp [flags]": bench/tp.py, TP1 against TP2 (2 GPUs)

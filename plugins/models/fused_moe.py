@@ -3,10 +3,10 @@
 ``fused_experts(x, w13, w2, weights, ids)`` computes what ``moe.SparseMoE``'s reference loop
 computes (``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``, each expert a SiLU-gated MLP):
 
-1. ``align``: the T * k (token, slot) pairs are sorted by expert and each expert's run is padded
-   to a multiple of ``BLOCK_M`` rows (the padding holds T * k, an id no pair has), so every
-   ``BLOCK_M``-row block of the sorted list belongs to one expert. Torch ops with fixed output
-   shapes (no host sync): the whole path can be captured in a CUDA graph.
+1. ``align``: the T * k (token, slot) pairs are grouped by expert (in token order) and each
+   expert's run is padded to a multiple of ``BLOCK_M`` rows (the padding holds T * k, an id no
+   pair has), so every ``BLOCK_M``-row block of the list belongs to one expert. Torch ops with
+   fixed output shapes (no host sync): the whole path can be captured in a CUDA graph.
 2. ``_gate_up_kernel``: for each block, x's rows times the expert's gate and up rows, both
    accumulated in float32 by one program, then ``SiLU(gate) * up`` -> ``inter`` [T * k, I].
 3. ``_down_kernel``: ``inter``'s rows times the expert's down projection, times the pair's
@@ -43,18 +43,19 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> Aligned:
     """Sort the pairs of ``ids`` [T, k] by expert, each expert's run padded to ``block_m``."""
     flat = ids.flatten().to(torch.int64)
-    n = flat.numel()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync with the host
+    n, device = flat.numel(), flat.device
+    # NOTE: no sort and no bincount (either may sync with the host or resist CUDA-graph
+    # capture): a pair's rank among its expert's pairs is a running count over a one-hot
+    # [pairs, experts] matrix, a few MB even for a prefill chunk.
+    onehot = flat[:, None] == torch.arange(num_experts, device=device)
+    counts = onehot.sum(0)
+    rank = onehot.cumsum(0, dtype=torch.int32).gather(1, flat[:, None]).squeeze(1) - 1
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
-    order = torch.argsort(flat, stable=True)  # pair ids, grouped by expert
-    expert = flat[order]
-    rank = torch.arange(n, device=flat.device) - (torch.cumsum(counts, 0) - counts)[expert]
     blocks = max_blocks(n, num_experts, block_m)
-    sorted_ids = torch.full((blocks * block_m,), n, dtype=torch.int32, device=flat.device)
-    sorted_ids[(ends - padded)[expert] + rank] = order.to(torch.int32)
-    starts = torch.arange(blocks, device=flat.device) * block_m
+    sorted_ids = torch.full((blocks * block_m,), n, dtype=torch.int32, device=device)
+    sorted_ids[(ends - padded)[flat] + rank] = torch.arange(n, dtype=torch.int32, device=device)
+    starts = torch.arange(blocks, device=device) * block_m
     expert_ids = torch.searchsorted(ends, starts, right=True).clamp_(max=num_experts - 1)
     return Aligned(sorted_ids, expert_ids.to(torch.int32), ends[-1:].to(torch.int32))
 

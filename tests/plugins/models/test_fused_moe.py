@@ -59,6 +59,9 @@ def test_align_puts_every_pair_once_in_a_block_of_its_expert() -> None:
         assert sorted(sorted_ids[:used][real].tolist()) == list(range(pairs))
         block_of = torch.arange(used) // block
         assert (ids.flatten()[sorted_ids[:used][real]] == expert_ids[block_of[real]]).all()
+        for e in range(experts):  # each expert's pairs in token order
+            run = sorted_ids[:used][real][ids.flatten()[sorted_ids[:used][real]] == e]
+            assert run.tolist() == sorted(run.tolist())
         # each expert's run is padded by less than one block
         counts = torch.bincount(ids.flatten(), minlength=experts)
         assert used == int(((counts + block - 1) // block * block).sum())
