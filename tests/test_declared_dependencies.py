@@ -32,6 +32,7 @@ MODULE_EXTRAS = {
     "plugins/grammar/llguidance_backend.py": "grammar",
     "plugins/attention/triton/": "gpu",
     "plugins/models/fused_ops.py": "gpu",
+    "plugins/models/fused_moe.py": "gpu",
 }
 # Import name -> distribution where the two differ, for packages that may not be installed.
 KNOWN_DISTRIBUTIONS = {"zmq": "pyzmq", "yaml": "pyyaml", "PIL": "pillow"}
