@@ -7,10 +7,10 @@ computes (``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``, each expert a SiLU
    expert's run is padded to a multiple of ``BLOCK_M`` rows (the padding holds T * k, an id no
    pair has), so every ``BLOCK_M``-row block of the list belongs to one expert. Torch ops with
    fixed output shapes (no host sync): the whole path can be captured in a CUDA graph.
-2. ``_gate_up_kernel``: for each block, x's rows times the expert's gate and up rows, both
-   accumulated in float32 by one program, then ``SiLU(gate) * up`` -> ``inter`` [T * k, I].
-3. ``_down_kernel``: ``inter``'s rows times the expert's down projection, times the pair's
-   router weight -> ``out`` [T * k, H]; the k slots of a token are then summed.
+2. ``_expert_gemm_kernel`` (GATED): for each block, x's rows times the expert's gate and up
+   rows, both accumulated in float32 by one program, then ``SiLU(gate) * up`` -> [T * k, I].
+3. ``_expert_gemm_kernel``: those rows times the expert's down projection, times the pair's
+   router weight -> [T * k, H]; the k slots of a token are then summed.
 
 Blocks past the padded total (the grid is sized for the worst case) return at once. Products
 accumulate in float32 and are rounded to x's dtype once per GEMM (the reference rounds after each
@@ -61,14 +61,17 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> Aligned:
 
 
 @triton.jit
-def _gate_up_kernel(
-    X, W, Out, SortedIds, ExpertIds, NumPadded,
+def _expert_gemm_kernel(
+    X, W, Out, SortedIds, ExpertIds, NumPadded, RouteWeights,
     num_pairs, N, K,
     stride_xt, stride_we, stride_wn, stride_ot,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOP_K: tl.constexpr, GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """Out[pair, n] = SiLU(x[pair // k] . W[e, n]) * (x[pair // k] . W[e, N + n]); W: [E, 2N, K]."""
+    """One BLOCK_M x BLOCK_N tile of Out for the pairs of one block (row r of X: pair // TOP_K).
+    GATED: Out[pair, n] = SiLU(x . W[e, n]) * (x . W[e, N + n]), W: [E, 2N, K]; else
+    Out[pair, n] = route[pair] * (x . W[e, n]), W: [E, N, K]."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = pid // num_n, pid % num_n
@@ -83,63 +86,29 @@ def _gate_up_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = X + (pairs // TOP_K)[:, None] * stride_xt + offs_k[None, :]
     w_ptrs = W + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
-    up_shift = N * stride_wn
-    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & col_ok[None, :]
-        w_gate = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        w_up = tl.load(w_ptrs + up_shift, mask=w_mask, other=0.0)
-        if UPCAST:
-            a, w_gate, w_up = a.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
-        gate += tl.dot(a, w_gate, input_precision=PRECISION)
-        up += tl.dot(a, w_up, input_precision=PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    out = gate / (1.0 + tl.exp(-gate)) * up
-    out_ptrs = Out + pairs[:, None] * stride_ot + offs_n[None, :]
-    tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _down_kernel(
-    X, W, Out, SortedIds, ExpertIds, NumPadded, RouteWeights,
-    num_pairs, N, K,
-    stride_xt, stride_we, stride_wn, stride_ot,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
-    """Out[pair, n] = weight[pair] * (X[pair] . W[e, n]); W: [E, N, K]."""
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = pid // num_n, pid % num_n
-    if pid_m * BLOCK_M >= tl.load(NumPadded):
-        return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(SortedIds + offs_m).to(tl.int64)
-    row_ok = pairs < num_pairs
-    expert = tl.load(ExpertIds + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = X + pairs[:, None] * stride_xt + offs_k[None, :]
-    w_ptrs = W + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k0
-        a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         if UPCAST:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc += tl.dot(a, w, input_precision=PRECISION)
+        if GATED:  # the up rows sit N rows below the gate rows
+            w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
+            if UPCAST:
+                w_up = w_up.to(tl.float32)
+            up += tl.dot(a, w_up, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    route = tl.load(RouteWeights + pairs, mask=row_ok, other=0.0).to(tl.float32)
-    out = acc * route[:, None]
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * up
+    else:
+        acc = acc * tl.load(RouteWeights + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     out_ptrs = Out + pairs[:, None] * stride_ot + offs_n[None, :]
-    tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 class Tiles(NamedTuple):
@@ -187,18 +156,18 @@ def fused_experts(
     common = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                   PRECISION="ieee" if precise else "tf32", UPCAST=on_cpu,
                   num_warps=tile.num_warps, num_stages=tile.num_stages)  # fmt: skip
-    _gate_up_kernel[(blocks * triton.cdiv(inter, tile.block_n),)](
-        x, w13, act, a.sorted_ids, a.expert_ids, a.num_padded,
+    route = weights.float().contiguous().flatten()
+    _expert_gemm_kernel[(blocks * triton.cdiv(inter, tile.block_n),)](
+        x, w13, act, a.sorted_ids, a.expert_ids, a.num_padded, route,
         n, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=top_k, **common,
+        TOP_K=top_k, GATED=True, **common,
     )  # fmt: skip
-    route = weights.float().contiguous().flatten()
     flat_out = out.view(n, hidden)
-    _down_kernel[(blocks * triton.cdiv(hidden, tile.block_n),)](
+    _expert_gemm_kernel[(blocks * triton.cdiv(hidden, tile.block_n),)](
         act, w2, flat_out, a.sorted_ids, a.expert_ids, a.num_padded, route,
         n, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), flat_out.stride(0),
-        **common,
+        TOP_K=1, GATED=False, **common,
     )  # fmt: skip
     return out.sum(1)
