@@ -84,10 +84,11 @@ def make_core(model_dir: Path, **kw: Any) -> EngineCore:
 
 
 def make_pair(
-    model_dir: Path, decode_page: int = 1, timeout: float = 60.0
+    model_dir: Path, decode_page: int = 1, timeout: float = 60.0, overlap: bool = False
 ) -> tuple[EngineCore, EngineCore, Wire]:
     wire = Wire()
-    prefill, decode = make_core(model_dir), make_core(model_dir, page_size=decode_page)
+    prefill = make_core(model_dir, enable_overlap_schedule=overlap)
+    decode = make_core(model_dir, page_size=decode_page, enable_overlap_schedule=overlap)
     pc, dc = MemoryConnector(wire), MemoryConnector(wire)
     pc.start("prefill", prefill.runner.kv_pool, 0, timeout)
     dc.start("decode", decode.runner.kv_pool, 0, timeout)
@@ -124,23 +125,33 @@ PROMPTS = [[5 + (i * 7 + j) % 300 for j in range(10 + 9 * i)] for i in range(6)]
 PROMPTS += [PROMPTS[5][:40] + [17, 18, 19]]  # shares a prefix with the longest
 
 
-@pytest.mark.parametrize("decode_page", [1, 16])
-def test_outputs_equal_colocated(tiny_llama_dir: Path, decode_page: int) -> None:
-    colocated = make_core(tiny_llama_dir)
-    want = [req(f"c{i}", ids, None) for i, ids in enumerate(PROMPTS)]
-    for r in want:
-        colocated.add_request(r)
-    drive(colocated)
-    prefill, decode, _ = make_pair(tiny_llama_dir, decode_page)
+@pytest.fixture(scope="module")
+def colocated(tiny_llama_dir: Path) -> list[list[int]]:
+    """Each prompt's greedy output on one colocated core."""
+    core = make_core(tiny_llama_dir)
+    reqs = [req(f"c{i}", ids, None) for i, ids in enumerate(PROMPTS)]
+    for r in reqs:
+        core.add_request(r)
+    drive(core)
+    return [r.output_ids for r in reqs]
+
+
+@pytest.mark.parametrize(("decode_page", "overlap"), [(1, False), (16, False), (1, True)])
+def test_outputs_equal_colocated(
+    tiny_llama_dir: Path, colocated: list[list[int]], decode_page: int, overlap: bool
+) -> None:
+    """Also with overlap scheduling (the GPU default): transferred requests join the running
+    batch while a step is in flight."""
+    prefill, decode, _ = make_pair(tiny_llama_dir, decode_page, overlap=overlap)
     pairs = [(req(f"p{i}", ids, 100 + i), req(f"d{i}", ids, 100 + i))
              for i, ids in enumerate(PROMPTS)]  # fmt: skip
     for p, d in pairs:
         decode.add_request(d)
         prefill.add_request(p)
     drive(prefill, decode)
-    for (p, d), w in zip(pairs, want, strict=True):
-        assert p.output_ids == w.output_ids[:1]  # the prefill samples the first token only
-        assert d.output_ids == w.output_ids, d.rid
+    for (p, d), want in zip(pairs, colocated, strict=True):
+        assert p.output_ids == want[:1]  # the prefill samples the first token only
+        assert d.output_ids == want, d.rid
         assert d.state == ReqState.FINISHED
     assert_no_leak(prefill, decode)
 
