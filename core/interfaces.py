@@ -86,6 +86,12 @@ class HardwarePlatform(ABC):
         device (e.g. ``cuda:{rank}``); set ``device`` to it. Called once, before anything is
         allocated. The default does nothing (every rank uses ``device`` as it is)."""
 
+    def bind_server_engine(self) -> None:  # noqa: B027 - optional hook
+        """This engine runs in its own process beside the HTTP server's process (which
+        tokenizes, detokenizes and streams every token): take a share of the host that leaves
+        that process room (e.g. fewer CPU threads). Called once in the server's engine process,
+        after the engine is built; the offline Engine never calls it. Default: nothing."""
+
     def quantize_model(self, model: CausalLM, method: str) -> None:
         """Quantize the loaded ``model``'s weights in place (``--quantization``, one of
         ``core.config.QUANTIZATIONS``) with this device's kernels. Called once, after the

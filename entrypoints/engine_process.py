@@ -70,6 +70,7 @@ def run_engine(
             logger.exception("engine failed to start")
             push.send(ipc.encode(ipc.EngineFailed(f"{type(e).__name__}: {e}")))
             return
+        core.runner.platform.bind_server_engine()
         push.send(ipc.encode(_ready(core)))
         _isolate_grammar_compiles(core)
         EngineLoop(core, pull, push).run()

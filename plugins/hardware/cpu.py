@@ -1,4 +1,5 @@
-"""The ``cpu`` hardware platform: float32, torch_native attention, KV sized from host memory."""
+"""The ``cpu`` hardware platform: float32, torch_native attention, KV sized from host memory,
+weight-only quantization on torch's CPU kernels, and a core left to the server's HTTP process."""
 
 from __future__ import annotations
 
@@ -46,7 +47,18 @@ class CpuPlatform(HardwarePlatform):
     def bind_rank(self, rank: int, size: int) -> None:
         # Tensor-parallel ranks share the host's cores: each takes its share of the threads,
         # since more threads than cores make every collective wait on a descheduled rank.
+        self._ranks = size
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
+
+    _ranks = 1
+
+    def bind_server_engine(self) -> None:
+        # One core stays with the HTTP process (tokenizing, detokenizing and streaming each
+        # token): a torch thread descheduled for it stalls every parallel region of a step.
+        # Measured on the 2-core VM, alternating in one process (docs/BENCHMARKS.md): one
+        # thread's decode steps were as fast as two threads' (float32) or faster (int4wo).
+        if self._ranks == 1:
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 1))
 
 
 @hookimpl

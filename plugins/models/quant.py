@@ -6,8 +6,9 @@ quantized one, and the LM head gets an int8 copy (the embedding lookup keeps its
 ``int8wo``  int8 weights, one symmetric scale per output row; ``aten._weight_int8pack_mm``.
 ``int4wo``  4-bit weights in groups of 32 input features, each with a scale and a zero point
             (asymmetric, min/max); ``aten._weight_int4pack_mm_for_cpu``. A GGUF file's Q4_1
-            blocks are exactly this layout (32 weights, ``d * q + m``), so the default model's
-            weights come back as the file stores them, up to bf16 rounding of d and m.
+            blocks are this layout (32 weights, ``d * q + m``): the default model's weights
+            get back the file's own 4-bit codes, with d and the kernel's zero point (m + 8 d)
+            rounded to bf16 (an error far below one code step).
 
 Both kernels run with bfloat16 activations (with float32 ones they fall back to slow paths):
 a quantized layer casts its input to bfloat16 and its output back to the model's dtype.

@@ -1,0 +1,108 @@
+"""Weight-only quantization at load (``--quantization``, plugins/models/quant.py).
+
+Layers: int4wo's groups keep a Q4_1-style weight's codes (``d * q + m`` per 32 inputs), and
+both quantized layers compute the float layer's product within their rounding. End to end on
+SmolLM2: each format loads, generates, keeps the float32 model's perplexity on a fixed text and
+agrees with float32's greedy tokens at a generous floor (bf16 activations make long greedy runs
+drift: bench/cpu_formats.py measures about half the tokens identical over 64 x 64)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve import Engine
+from radixserve.core.config import ConfigError, EngineConfig
+from radixserve.plugins.models.quant import Int4Linear, Int8Linear, quantize_int4
+
+TEXT = (Path(__file__).parents[3] / "bench" / "data" / "perplexity.txt").read_text()
+PROMPTS = [
+    f"{i} {t}"
+    for i in ("Write a short story about", "Explain to a child:", "Three facts about")
+    for t in ("the sea", "coffee", "trains", "the moon")
+]
+NEW_TOKENS = 24
+
+
+def _q4_1(out_f: int, in_f: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, weight) as GGUF Q4_1 stores a weight: codes 0..15 (both ends used) times d,
+    plus m (a block's minimum, about -7.5 d for weights centred on 0), per block of 32
+    inputs, with d and m exact in bf16."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (out_f, in_f // 32, 32), generator=gen).float()
+    q[..., 0], q[..., 1] = 0, 15
+    d = (torch.rand(out_f, in_f // 32, 1, generator=gen) * 0.02 + 0.001).bfloat16().float()
+    m = (-(7 + torch.rand(out_f, in_f // 32, 1, generator=gen)) * d).bfloat16().float()
+    return q.view(out_f, in_f), (q * d + m).view(out_f, in_f)
+
+
+def _q4_1_weight(out_f: int, in_f: int) -> torch.Tensor:
+    return _q4_1(out_f, in_f)[1]
+
+
+def test_int4_groups_keep_a_q4_1_weights_codes() -> None:
+    """The file's codes come back; values differ only by the bf16 rounding of the kernel's
+    zero point (m + 8 d), far below a code step d."""
+    codes, w = _q4_1(48, 96)
+    q, scale_zero = quantize_int4(w, 32)
+    assert torch.equal(q.float(), codes)
+    scale = scale_zero[..., 0].float().repeat_interleave(32, 0).t()
+    zero = scale_zero[..., 1].float().repeat_interleave(32, 0).t()
+    back = (q - 8) * scale + zero
+    assert ((back - w).abs() <= scale * 2**-7).all()
+
+
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+def test_quantized_linear_matches_the_float_layer(cls: type) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 48, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(_q4_1_weight(48, 96))
+    x = torch.randn(5, 96)
+    want = F.linear(x, linear.weight, linear.bias)
+    got = cls(linear)(x)
+    assert got.dtype == x.dtype and got.shape == want.shape
+    # bf16 activations (and int8's own rounding of the weights) bound the error
+    torch.testing.assert_close(got, want, rtol=0.02, atol=0.02 * want.abs().max().item())
+
+
+def test_unknown_quantization_is_refused_with_the_choices() -> None:
+    with pytest.raises(ConfigError, match="unknown quantization 'int3'.*int8wo, int4wo"):
+        EngineConfig(quantization="int3")
+
+
+def _run(model_dir: Path, **settings: str) -> tuple[list[list[int]], float]:
+    engine = Engine(str(model_dir), max_total_tokens=4096, **settings)
+    try:
+        greedy = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        outs = [o["output_ids"] for o in engine.generate(PROMPTS, greedy)]
+        scored = engine.generate(TEXT, {"max_new_tokens": 0}, return_logprob=True)
+        lps = [e[0] for e in scored["meta_info"]["input_token_logprobs"] if e[0] is not None]
+    finally:
+        engine.shutdown()
+    return outs, math.exp(-statistics.fmean(lps))
+
+
+@pytest.fixture(scope="module")
+def float32_run(smollm2_dir: Path) -> tuple[list[list[int]], float]:
+    return _run(smollm2_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["int8wo", "int4wo"])
+def test_quantized_smollm2_agrees_with_float32(
+    smollm2_dir: Path, float32_run: tuple[list[list[int]], float], method: str
+) -> None:
+    ref, ref_ppl = float32_run
+    outs, ppl = _run(smollm2_dir, quantization=method)
+    assert all(len(o) == NEW_TOKENS for o in outs)
+    same = sum(a == b for r, o in zip(ref, outs, strict=True) for a, b in zip(r, o, strict=True))
+    share = same / (len(PROMPTS) * NEW_TOKENS)
+    assert share >= 0.3, f"{method}: {share:.1%} of greedy tokens equal float32's"
+    assert abs(ppl / ref_ppl - 1) < 0.05, f"{method}: perplexity {ppl:.3f} vs {ref_ppl:.3f}"
