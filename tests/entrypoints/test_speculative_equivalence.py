@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+import radixserve.core.speculative as spec_policy
 from radixserve import Engine
 
 pytestmark = pytest.mark.slow
@@ -113,8 +114,11 @@ def _run_all(engine: Engine) -> dict[str, Any]:
     return {"plain": plain, "logprobs": lp, "streams": streams, "stats": engine.core.spec_stats()}
 
 
+BATCH = 16
+
+
 def _engine(smollm2_dir: Path, **kw: Any) -> Engine:
-    return Engine(str(smollm2_dir), dtype="float32", max_running_requests=8, **kw)
+    return Engine(str(smollm2_dir), dtype="float32", max_running_requests=BATCH, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -136,8 +140,10 @@ def speculative(request: pytest.FixtureRequest, smollm2_dir: Path) -> Iterator[d
     }
     if request.param == "standalone":
         kw["speculative_draft_model_path"] = str(smollm2_dir)
-    with _engine(smollm2_dir, **kw) as engine:
-        yield _run_all(engine)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(spec_policy, "FULL_DRAFT_BATCH", BATCH)
+        with _engine(smollm2_dir, **kw) as engine:
+            yield _run_all(engine)
 
 
 def test_greedy_outputs_equal_speculation_off(
