@@ -34,6 +34,7 @@ class FakeCore:
     nothing running."""
 
     config = types.SimpleNamespace(watchdog_timeout=300.0)
+    disagg = None  # not a prefill or decode server
 
     def __init__(self) -> None:
         self.scheduler = FakeScheduler()
@@ -54,6 +55,9 @@ class FakeCore:
 
     def has_work(self) -> bool:
         return self.busy or bool(self.scheduler.running)
+
+    def idle_wait(self) -> float | None:
+        return None  # never only waiting for KV transfers
 
     def step(self) -> list[Req]:
         self.steps += 1
