@@ -196,11 +196,12 @@ class TokenizerManager:
             rid = uuid.uuid4().hex
         elif rid in self.reqs:
             raise InvalidRequest(f"rid '{rid}' is already in use by a running request")
-        mode = self.info.disaggregation_mode
-        if mode == "null" or params.max_new_tokens == 0:
-            bootstrap = None
-        elif bootstrap is not None and mode == "decode":
-            logprob_start_len = -1  # prompt logprobs come from the prefill (the router merges)
+        if bootstrap is not None:
+            mode = self.info.disaggregation_mode
+            if mode == "null" or params.max_new_tokens == 0:
+                bootstrap = None  # the request runs whole here
+            elif mode == "decode":
+                logprob_start_len = -1  # prompt logprobs come from the prefill (router merges)
         message = ipc.GenerateRequest(
             rid=rid,
             input_ids=ids,
