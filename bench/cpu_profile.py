@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""Where one batch-1 decode step's time goes on CPU, in counts that do not depend on load.
+"""Where one decode step's time goes on CPU, in counts that do not depend on load.
 
-Runs the offline Engine in this process on the default model (or ``--model``), one request of
-``--input-len`` random prompt tokens generating ``--output-len`` tokens greedily, and profiles
-``--steps`` decode steps after ``--skip`` warm-up steps, from the engine's own ``step_finished``
-hook (so only whole decode steps are inside):
+Runs the offline Engine in this process on the default model (or ``--model``), ``--batch``
+requests (default 1) of ``--input-len`` random prompt tokens generating ``--output-len`` tokens
+greedily, and profiles ``--steps`` decode steps after ``--skip`` warm-up steps, from the
+engine's own ``step_finished`` hook (so only whole decode steps are inside):
 
 - torch.profiler: per op kind, calls and self CPU time per step (time is load-dependent; call
   counts are not);
@@ -13,7 +13,8 @@ hook (so only whole decode steps are inside):
   counts the step's tensor allocations instead.
 
     .venv/bin/python bench/cpu_profile.py                     # float32, threads = cores
-    .venv/bin/python bench/cpu_profile.py --dtype bfloat16 --top 25
+    .venv/bin/python bench/cpu_profile.py --quantization int4wo --threads 1 --top 25
+    .venv/bin/python bench/cpu_profile.py --batch 32 --steps 8 --skip 4
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="engine dtype (default: the platform's)")
     p.add_argument("--quantization", default=None, help="engine --quantization")
     p.add_argument("--threads", type=int, default=num_cores(), help="torch threads")
+    p.add_argument("--batch", type=int, default=1, help="requests decoding together")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--skip", type=int, default=8, help="decode steps before profiling")
@@ -123,7 +125,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     prof = StepProfiler(args.skip, args.steps)
     host = PluginHost(extra_plugins=[("bench-step-profiler", prof)])
-    settings: dict[str, Any] = {"max_total_tokens": args.input_len + args.output_len + 64}
+    settings: dict[str, Any] = {
+        "max_total_tokens": args.batch * (args.input_len + args.output_len) + 64
+    }
     for name in ("dtype", "quantization"):
         if getattr(args, name):
             settings[name] = getattr(args, name)
@@ -132,7 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     start_s = time.perf_counter() - t0
     try:
         vocab = engine.core.runner.model_config.vocab_size
-        prompt = random_prompts(1, args.input_len, vocab, special_token_ids(engine.model_dir), 0)
+        avoid = special_token_ids(engine.model_dir)
+        prompt = random_prompts(args.batch, args.input_len, vocab, avoid, 0)
         params = {"max_new_tokens": args.output_len, "ignore_eos": True, "temperature": 0}
         engine.generate(input_ids=prompt, sampling_params=params)
     finally:
