@@ -37,6 +37,11 @@ class QuantizedLinear(nn.Module):
         self.bias = linear.bias
         self.tp = linear.tp if isinstance(linear, RowParallelLinear) else None
 
+    @staticmethod
+    def supports(linear: nn.Linear) -> bool:
+        """Whether the kernel takes this layer's shape (one that does not stays in float)."""
+        return True
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -61,6 +66,11 @@ class Int8Linear(QuantizedLinear):
 
 
 class Int4Linear(QuantizedLinear):
+    @staticmethod
+    def supports(linear: nn.Linear) -> bool:
+        # whole groups of inputs; the kernel's packing takes outputs in sixteens
+        return linear.in_features % INT4_GROUP == 0 and linear.out_features % 16 == 0
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear)
         q, scale_zero = quantize_int4(linear.weight.data, INT4_GROUP)
@@ -119,8 +129,8 @@ def quantize_model(model: nn.Module, method: str) -> int:
         for name, child in list(layer.named_modules()):
             if type(child) not in (nn.Linear, RowParallelLinear):
                 continue
-            if cls is Int4Linear and child.in_features % INT4_GROUP:
-                continue  # stays in float: the kernel needs whole groups
+            if not cls.supports(child):
+                continue
             parent_name, _, leaf = name.rpartition(".")
             parent = layer.get_submodule(parent_name) if parent_name else layer
             setattr(parent, leaf, cls(child))

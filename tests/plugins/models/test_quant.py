@@ -19,7 +19,7 @@ from torch import nn
 
 from radixserve import Engine
 from radixserve.core.config import ConfigError, EngineConfig
-from radixserve.plugins.models.quant import Int4Linear, Int8Linear, quantize_int4
+from radixserve.plugins.models.quant import Int4Linear, Int8Linear, quantize_int4, quantize_model
 
 TEXT = (Path(__file__).parents[3] / "bench" / "data" / "perplexity.txt").read_text()
 PROMPTS = [
@@ -70,6 +70,22 @@ def test_quantized_linear_matches_the_float_layer(cls: type) -> None:
     assert got.dtype == x.dtype and got.shape == want.shape
     # bf16 activations (and int8's own rounding of the weights) bound the error
     torch.testing.assert_close(got, want, rtol=0.02, atol=0.02 * want.abs().max().item())
+
+
+def test_layers_the_int4_kernel_cannot_take_stay_in_float() -> None:
+    """Outputs not in sixteens (or inputs not in whole groups) keep their float layer; the
+    rest of the model is quantized and the LM head is int8."""
+    model = nn.Module()
+    layer = nn.Module()
+    layer.ok, layer.odd_out, layer.odd_in = nn.Linear(64, 32), nn.Linear(64, 50), nn.Linear(48, 32)
+    model.layers = nn.ModuleList([layer])
+    model.embed_tokens = nn.Embedding(100, 64)
+    model.head = None
+    assert quantize_model(model, "int4wo") == 1
+    assert isinstance(layer.ok, Int4Linear) and isinstance(model.head, Int8Linear)
+    assert type(layer.odd_out) is nn.Linear and type(layer.odd_in) is nn.Linear
+    logits = model.head(torch.randn(2, 64))
+    assert logits.shape == (2, 100)
 
 
 def test_unknown_quantization_is_refused_with_the_choices() -> None:
