@@ -58,7 +58,7 @@ SHARD_KINDS = {
 class Rendezvous:
     """Where and as which rank one engine process joins its tensor-parallel group."""
 
-    init_method: str  # e.g. "tcp://127.0.0.1:PORT"
+    init_method: str  # torch.distributed init method, e.g. "file:///private/dir/store"
     rank: int
     size: int
     #: seconds a collective of a step may wait for the other ranks (then it fails, not hangs)

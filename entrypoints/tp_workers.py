@@ -10,12 +10,14 @@ parent kills the rest, so no rank is left waiting in a collective.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
-import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -33,13 +35,15 @@ ORPHANED_EXIT_CODE = 75
 
 
 def rendezvous(size: int, timeout_s: float) -> list[Rendezvous]:
-    """One Rendezvous per rank on a free loopback port of this host."""
+    """One Rendezvous per rank, meeting through a file store in a private (0700) directory:
+    no TCP key-value store listens on the host for anyone to write into. (gloo's and NCCL's own
+    connections between the ranks stay on loopback.)"""
     from radixserve.core.parallel import Rendezvous
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return [Rendezvous(f"tcp://127.0.0.1:{port}", r, size, timeout_s) for r in range(size)]
+    directory = tempfile.mkdtemp(prefix="radixserve-tp-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    init = f"file://{directory}/store"
+    return [Rendezvous(init, r, size, timeout_s) for r in range(size)]
 
 
 def start_workers(settings: dict[str, Any], ranks: Sequence[Rendezvous]) -> list[BaseProcess]:
