@@ -28,6 +28,12 @@ HARDWARE = "hardware=cuda" if torch.cuda.is_available() else "hardware=cpu"
 CONFIGS = [(page, overlap) for page in (1, 16) for overlap in (False, True)]
 POOL = 96  # tokens: a fifth of what the pressure rounds would hold at once
 IDS = [f"page{page}-{'overlap' if overlap else 'sync'}" for page, overlap in CONFIGS]
+# Interpreted Triton costs ~25 s a configuration on the CI machine: there each page size runs
+# once (the kernels see the page size; overlap is the scheduler's and is crossed with both on
+# the GPU, below, and by torch_native's own agreement across all four in `references`).
+INTERPRETED = [(1, False), (16, True)]
+CPU_CONFIGS = CONFIGS if torch.cuda.is_available() else INTERPRETED
+CPU_IDS = [f"page{page}-{'overlap' if overlap else 'sync'}" for page, overlap in CPU_CONFIGS]
 
 
 def _backends_under_test() -> list[str]:
@@ -74,7 +80,7 @@ def references(one_layer_llama: Path) -> dict[tuple[int, bool], dict[str, Any]]:
 
 
 @pytest.mark.parametrize("attention", _backends_under_test())
-@pytest.mark.parametrize(("page", "overlap"), CONFIGS, ids=IDS)
+@pytest.mark.parametrize(("page", "overlap"), CPU_CONFIGS, ids=CPU_IDS)
 def test_reuse_traffic_equals_torch_native(
     one_layer_llama: Path,
     references: dict[tuple[int, bool], dict[str, Any]],
