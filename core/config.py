@@ -134,6 +134,12 @@ class EngineConfig:
         "default: the hardware platform's)",
     )
     disable_cuda_graph: bool = _opt(False, "Run decode steps eagerly instead of from CUDA graphs")
+    disable_custom_all_reduce: bool = _opt(
+        False,
+        "Tensor parallelism: all-reduce every message through the distributed backend (NCCL) "
+        "instead of the hardware platform's own for small ones (on CUDA: one-shot over NVLink "
+        "peer-to-peer, through PyTorch symmetric memory)",
+    )
     disable_overlap_schedule: bool = _opt(
         False,
         "Finish each step before scheduling the next (by default, where the device runs "

@@ -86,6 +86,16 @@ class HardwarePlatform(ABC):
         device (e.g. ``cuda:{rank}``); set ``device`` to it. Called once, before anything is
         allocated. The default does nothing (every rank uses ``device`` as it is)."""
 
+    def fast_all_reduce(self, group: Any, size: int) -> Any:
+        """Tensor parallelism: an all-reduce faster than the backend's for some messages (e.g.
+        small ones, over NVLink peer-to-peer), or None (the default: the backend's for all).
+        What it returns follows ``core.parallel.FastAllReduce``: called with a tensor, it
+        sums it in place over ``group``'s ``size`` ranks and returns True, or returns False for
+        a tensor it does not take; it may run inside CUDA-graph capture. Called once on every
+        rank after the group is up (``--disable-custom-all-reduce`` skips it); when a rank
+        fails to build one, no rank uses it."""
+        return None
+
     def bind_server_engine(self) -> None:  # noqa: B027 - optional hook
         """This engine runs in its own process beside the HTTP server's process (which
         tokenizes, detokenizes and streams every token): take a share of the host that leaves

@@ -29,7 +29,7 @@ from radixserve.core.request import token_slice
 from radixserve.core.sampling import SampleResult, presample_logits, sample, sample_ids
 from radixserve.core.scheduler import SampledToken, ScheduledBatch
 from radixserve.core.speculative import Speculator, verify
-from radixserve.core.tp_step import StepBroadcaster
+from radixserve.core.tp_step import StepBroadcaster, release_step
 from radixserve.core.weights import count_parameters, iter_weights, reload_in_place
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,9 @@ class ModelRunner:
         selections = parse_plugin_selections(config.plugins)
         hw = host.select_hardware(selections.get("hardware"))
         self.platform: HardwarePlatform = hw.factory()
-        self.tp = setup_parallel(self.platform, config.tp_size, rendezvous)
+        self.tp = setup_parallel(
+            self.platform, config.tp_size, rendezvous, not config.disable_custom_all_reduce
+        )
         self.device = self.platform.device
         self.platform.seed_everything(config.random_seed)
         self.model_config = ModelConfig.from_dir(model_dir)
@@ -166,6 +168,7 @@ class ModelRunner:
         except RuntimeError as e:  # a rank already gone: nothing is left to stop there
             logger.warning("could not stop the other tensor-parallel ranks: %s", e)
         finally:
+            release_step(self.step)  # captured collectives go before the group does
             teardown_parallel()
 
     def reload_weights(self, model_dir: Path) -> None:

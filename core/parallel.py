@@ -29,9 +29,10 @@ import fnmatch
 import logging
 import os
 import sys
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
@@ -65,17 +66,38 @@ class Rendezvous:
     timeout_s: float = 300.0
 
 
+class FastAllReduce(Protocol):
+    """A platform's all-reduce for the messages it does better than the backend (e.g. small
+    ones over NVLink peer-to-peer; ``HardwarePlatform.fast_all_reduce``)."""
+
+    def __call__(self, x: torch.Tensor) -> bool:
+        """Sum ``x`` over the ranks in place and return True, or return False without touching
+        ``x`` when it does not take ``x``. The choice may depend only on ``x``'s shape and
+        dtype, so that every rank makes the same one."""
+        ...
+
+    def close(self) -> None:
+        """Free its buffers (before the group is left)."""
+        ...
+
+
 class TensorParallel:
     """This process's place in the tensor-parallel group and the collectives a model needs.
     With ``size == 1`` every collective is the identity and nothing is initialised."""
 
     def __init__(
-        self, rank: int = 0, size: int = 1, group: Any = None, cpu_group: Any = None
+        self,
+        rank: int = 0,
+        size: int = 1,
+        group: Any = None,
+        cpu_group: Any = None,
+        fast_all_reduce: FastAllReduce | None = None,
     ) -> None:
         self.rank = rank
         self.size = size
         self.group = group  # the device backend's group (nccl on CUDA, gloo on CPU)
         self.cpu_group = cpu_group  # gloo, for host-side step metadata
+        self.fast_all_reduce = fast_all_reduce  # tried first; the backend's otherwise
 
     @property
     def leader(self) -> bool:
@@ -84,7 +106,9 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place (row-parallel outputs, vocab-parallel lookups)."""
         if self.size > 1:
-            torch.distributed.all_reduce(x, group=self.group)
+            fast = self.fast_all_reduce
+            if fast is None or not fast(x):
+                torch.distributed.all_reduce(x, group=self.group)
         return x
 
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,9 +146,15 @@ def current() -> TensorParallel:
     return _current
 
 
-def setup(platform: HardwarePlatform, size: int, rendezvous: Rendezvous | None) -> TensorParallel:
+def setup(
+    platform: HardwarePlatform,
+    size: int,
+    rendezvous: Rendezvous | None,
+    custom_all_reduce: bool = True,
+) -> TensorParallel:
     """Join the group ``rendezvous`` names, on the device of its rank; the group becomes
-    ``current()``. With ``size == 1`` nothing happens."""
+    ``current()``. ``custom_all_reduce``: use the platform's ``fast_all_reduce`` where it
+    has one (every rank or none). With ``size == 1`` nothing happens."""
     global _current, _threads_before
     if size == 1:
         return SINGLE
@@ -135,6 +165,11 @@ def setup(platform: HardwarePlatform, size: int, rendezvous: Rendezvous | None) 
         )
     if _current is not SINGLE:
         raise ConfigError("this process already runs a tensor-parallel engine; shut it down")
+    if _stuck_group:
+        raise ConfigError(
+            "the tensor-parallel group of an earlier engine in this process did not close; "
+            "start a tensor-parallel engine in a new process"
+        )
     dist = torch.distributed
     if sys.platform == "linux":
         # The ranks of one engine share a host and meet on loopback; without this, gloo binds
@@ -152,21 +187,67 @@ def setup(platform: HardwarePlatform, size: int, rendezvous: Rendezvous | None) 
     # wait in it for the next step while the server idles; a dead rank is noticed by the
     # parent process (its sentinel), not by this timeout.
     cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=30))
-    _current = TensorParallel(rendezvous.rank, size, dist.group.WORLD, cpu_group)
-    logger.info("tensor-parallel rank %d of %d on %s (%s)", rendezvous.rank, size,
-                platform.device, backend)  # fmt: skip
+    fast = _agreed_fast_all_reduce(platform, dist.group.WORLD, size, cpu_group,
+                                   custom_all_reduce)  # fmt: skip
+    _current = TensorParallel(rendezvous.rank, size, dist.group.WORLD, cpu_group, fast)
+    logger.info("tensor-parallel rank %d of %d on %s (%s%s)", rendezvous.rank, size,
+                platform.device, backend,
+                f", small all-reduces: {type(fast).__name__}" if fast else "")  # fmt: skip
     return _current
 
 
+def _agreed_fast_all_reduce(
+    platform: HardwarePlatform, group: Any, size: int, cpu_group: Any, wanted: bool
+) -> FastAllReduce | None:
+    """The platform's fast all-reduce if every rank built one, else None on every rank (a
+    rank that summed some tensors another way would wait forever in a different kernel)."""
+    fast = None
+    if wanted:
+        try:
+            fast = platform.fast_all_reduce(group, size)
+        except Exception as e:  # noqa: BLE001 - the backend's all-reduce still works
+            logger.warning("custom all-reduce unavailable, %s's is used: %s",
+                           platform.distributed_backend(), e)  # fmt: skip
+    have = torch.tensor([int(fast is not None)], dtype=torch.int64)
+    torch.distributed.all_reduce(have, op=torch.distributed.ReduceOp.MIN, group=cpu_group)
+    if fast is not None and not have.item():
+        logger.warning("custom all-reduce off: another rank could not set it up")
+        fast.close()
+        fast = None
+    return fast
+
+
+#: seconds ``teardown`` waits for the group to close before it gives up on it
+TEARDOWN_TIMEOUT_S = 30.0
+_stuck_group = False  # an earlier group never closed (a new one cannot start here)
+
+
 def teardown() -> None:
-    """Leave the group (after the last step), so a new engine can start in this process."""
-    global _current
+    """Leave the group (after the last step), so a new engine can start in this process.
+
+    Call it after the step executor let go of what it captured (``tp_step.release_step``):
+    a communicator destroyed while CUDA graphs still hold its collectives hangs. Even so, the
+    group is closed on a daemon thread and given up on after ``TEARDOWN_TIMEOUT_S``: a
+    shutdown is never a hang (a later tensor-parallel engine in this process is refused)."""
+    global _current, _stuck_group
     if _current is SINGLE:
         return
-    _current = SINGLE
+    tp, _current = _current, SINGLE
     torch.set_num_threads(_threads_before)  # an offline Engine's process goes on after it
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    if tp.fast_all_reduce is not None:
+        tp.fast_all_reduce.close()
+        tp.fast_all_reduce = None
+    if not torch.distributed.is_initialized():
+        return
+    closer = threading.Thread(
+        target=torch.distributed.destroy_process_group, name="tp-teardown", daemon=True
+    )
+    closer.start()
+    closer.join(TEARDOWN_TIMEOUT_S)
+    if closer.is_alive():
+        _stuck_group = True
+        logger.error("the tensor-parallel group did not close in %.0f s; left open",
+                     TEARDOWN_TIMEOUT_S)  # fmt: skip
 
 
 # ---- how a model splits ----------------------------------------------------------------------

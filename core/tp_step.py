@@ -91,6 +91,15 @@ class StepBroadcaster:
         torch.distributed.broadcast(t, 0, group=group)
 
 
+def release_step(step: Any) -> None:
+    """Before the group is left: let the step executor (under rank 0's broadcaster) free what
+    it captured, e.g. CUDA graphs holding collectives, if it has a ``release()``."""
+    inner = step.run if isinstance(step, StepBroadcaster) else step
+    release = getattr(inner, "release", None)
+    if release is not None:
+        release()
+
+
 def follow_steps(
     tp: TensorParallel,
     req_to_token: ReqToTokenPool,

@@ -144,6 +144,7 @@ class Engine:
         if self._thread.is_alive():
             self._inbox.put(_STOP)
             self._thread.join()
+        tp_workers.stop_watching(self._workers)  # their exits are expected from here on
         self.core.shutdown()  # rank 0 tells the other tensor-parallel ranks to stop
         tp_workers.end_all(self._workers, 10.0)
 

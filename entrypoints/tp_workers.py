@@ -67,7 +67,7 @@ def run_worker(settings: dict[str, Any], rdv: Rendezvous) -> None:
     from radixserve.core.model_runner import ModelRunner
     from radixserve.core.parallel import teardown
     from radixserve.core.plugins import PluginError
-    from radixserve.core.tp_step import follow_steps
+    from radixserve.core.tp_step import follow_steps, release_step
     from radixserve.entrypoints.engine_process import engine_config
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when ranks stop
@@ -88,7 +88,14 @@ def run_worker(settings: dict[str, Any], rdv: Rendezvous) -> None:
                              runner.step)  # fmt: skip
         logger.info("rank %d stopped after %d steps", rdv.rank, steps)
     finally:
+        release_step(runner.step)  # captured collectives go before the group does
         teardown()
+    # Nothing of this process is needed any more: skip the interpreter's finalisers (device
+    # and communicator destructors have hung at exit after CUDA graphs held collectives).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _exit_with_parent() -> None:

@@ -95,6 +95,14 @@ class CudaPlatform(HardwarePlatform):
         self.device = f"cuda:{rank}"
         torch.cuda.set_device(rank)
 
+    def fast_all_reduce(self, group: Any, size: int) -> Any:
+        """One-shot all-reduce over NVLink peer-to-peer for small messages (decode steps),
+        where torch's symmetric memory has it and every GPU reaches every other; None
+        elsewhere (NCCL for all). See cuda_allreduce.py."""
+        from radixserve.plugins.hardware.cuda_allreduce import build
+
+        return build(group, size, self.device)
+
     def empty_cache(self) -> None:
         # torch keeps a cuBLAS workspace per stream it ran a matmul on, and each engine's CUDA
         # graph capture adds streams: ~32 MiB each on H200 that nothing else frees.

@@ -190,6 +190,18 @@ class CudaGraphRunner:
         self.verify_replays += 1
         return logits[:n]
 
+    def release(self) -> None:
+        """Free every captured graph now (the engine is shutting down). Graphs that captured
+        collectives must go before the tensor-parallel group does: destroying a communicator
+        that live graphs still reference hangs (pytorch issue 115388)."""
+        torch.cuda.synchronize()  # no replay may still be running on the device
+        for graph, _ in [*self.graphs.values(), *self.verify_graphs.values()]:
+            graph.reset()
+        self.graphs.clear()
+        self.verify_graphs.clear()
+        self.verify_shapes = {}
+        self.max_bs = 0  # every later batch runs eagerly
+
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         bs = batch.batch_size
         if batch.hidden_rows is not None:  # a graph keeps no final hidden states: run eagerly
