@@ -2,7 +2,8 @@
 (its UCX backend: RDMA, shared memory or TCP, whatever UCX finds; on CPU machines it runs over
 shared memory or TCP on loopback).
 
-Control channel, staging and write layout: ``remote_write.py``. The decode registers its pool's
+Control channel, staging and write layout: ``remote_write.py`` (a GPU pool's KV is staged on
+its GPU, ``RADIXSERVE_NIXL_STAGING=host``: in host memory). The decode registers its pool's
 per-layer buffers with its NIXL agent at start and sends the agent's metadata in each ``Want``;
 the prefill adds that agent once, registers a room's staged KV, posts one WRITE transfer and
 waits for it (up to --disaggregation-transfer-timeout), then deregisters the KV. The NIXL
@@ -14,6 +15,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import os
 import threading
 import time
 import uuid
@@ -29,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13")  # the meta package, then its variants
 POLL_S = 0.0005
+STAGING_ENV = "RADIXSERVE_NIXL_STAGING"  # where a room's KV waits on a GPU prefill
 
 
 class NixlAgentInfo(msgspec.Struct, kw_only=True):
@@ -63,6 +66,8 @@ class NixlKVConnector(RemoteWriteConnector):
     def start(self, role: str, kv_pool: KVPool, bootstrap_port: int, timeout: float) -> None:
         api = _nixl_api()
         super().start(role, kv_pool, bootstrap_port, timeout)
+        # UCX writes GPU to GPU (cuda_ipc: NVLink between GPUs of one host)
+        self.device_staging = os.environ.get(STAGING_ENV, "device") != "host"
         self.name = f"radixserve-{role}-{uuid.uuid4().hex[:12]}"
         self.nixl = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
         device = kv_pool.k[0].device
@@ -101,10 +106,11 @@ class NixlKVConnector(RemoteWriteConnector):
             remote = self._remotes.get(target.agent)
             if remote is None:
                 remote = self._remotes[target.agent] = nixl.add_remote_agent(info.metadata)
-            staged = nixl.register_memory([(writes.src_base, writes.src_nbytes, 0, "")], "DRAM")
+            mem, dev = ("DRAM", 0) if writes.src_device < 0 else ("VRAM", writes.src_device)
+            staged = nixl.register_memory([(writes.src_base, writes.src_nbytes, dev, "")], mem)
         try:
             pairs = zip(writes.srcs, writes.lens, strict=True)
-            src = nixl.get_xfer_descs([(a, n, 0) for a, n in pairs], "DRAM")
+            src = nixl.get_xfer_descs([(a, n, dev) for a, n in pairs], mem)
             pairs = zip(writes.dsts, writes.lens, strict=True)
             dst = nixl.get_xfer_descs([(a, n, info.device) for a, n in pairs], info.mem_type)
             handle = nixl.initialize_xfer("WRITE", src, dst, remote)

@@ -179,14 +179,23 @@ class TcpKVConnector(KVConnector):
     def send(self, room: int, kv_slots: torch.Tensor, meta: bytes) -> None:
         pool = self.pool
         assert pool is not None
-        index = kv_slots.to(pool.k[0].device)
+        k = pool.k[0]
+        index = kv_slots.to(k.device)
         parts = [t for layer in range(len(pool.k)) for t in (pool.k[layer], pool.v[layer])]
-        data = torch.stack([t.index_select(0, index) for t in parts]).cpu().contiguous()
-        payload = data.view(torch.uint8).numpy()  # raw bytes, sent as they are
+        # Gathered into one tensor (a stack of per-layer copies would hold the KV twice).
+        data = torch.empty((len(parts), len(index), *k.shape[1:]), dtype=k.dtype, device=k.device)
+        for i, t in enumerate(parts):
+            torch.index_select(t, 0, index, out=data[i])
+        payload = self.stage(data)
         with self._lock:
             self._gone.pop(room, None)
             self._ready[room] = _Ready(payload, len(kv_slots), meta, self._deadline())
             self._lock.notify_all()
+
+    def stage(self, data: torch.Tensor) -> Any:
+        """Where a room's gathered KV waits for its decode: here host memory, as raw bytes
+        (uint8 [2 * layers, tokens, row bytes]), sent as they are."""
+        return data.cpu().view(torch.uint8).flatten(2).numpy()
 
     def cancel(self, room: int, reason: str) -> None:
         if self.role == "decode":
