@@ -355,6 +355,19 @@ def child_main(args: argparse.Namespace) -> None:
     os._exit(code)
 
 
+_running: list[subprocess.Popen[bytes]] = []  # the phase process now running
+
+
+def _end_on_signal(signum: int, frame: Any) -> None:
+    """Killed from outside (e.g. ``timeout``): take the running phase's group along."""
+    for proc in _running:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os._exit(128 + signum)
+
+
 def phase_timeout(args: argparse.Namespace, name: str) -> float:
     return args.phase_timeout or PHASE_TIMEOUT_S.get(name, 240)
 
@@ -370,6 +383,7 @@ def spawn_phase(name: str, args: argparse.Namespace, workdir: Path) -> dict[str,
             "--phase-timeout", str(limit)]  # fmt: skip
     argv += ["--skip-big"] * args.skip_big + ["--small"] * args.small
     proc = subprocess.Popen(argv, start_new_session=True)
+    _running.append(proc)
     try:
         proc.wait(limit)
         timed_out = False
@@ -380,6 +394,7 @@ def spawn_phase(name: str, args: argparse.Namespace, workdir: Path) -> dict[str,
     except ProcessLookupError:
         pass
     proc.wait()
+    _running.remove(proc)
     if result.exists():
         return json.loads(result.read_text())
     if timed_out:
@@ -392,6 +407,7 @@ def main() -> None:
     if args.run_phase:
         child_main(args)
         return
+    signal.signal(signal.SIGTERM, _end_on_signal)
     res: dict[str, Any] = {"args": vars(args), "machine": machine_info()}
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rs-tp-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
