@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -58,8 +59,16 @@ class OneShotAllReduce:
 
         set_backend = getattr(symm_mem, "set_backend", None)
         if set_backend is not None:  # NVSHMEM may be the default where it is installed
-            set_backend("CUDA")
+            try:
+                set_backend("CUDA")
+            except RuntimeError as e:  # e.g. chosen already in this process: keep it
+                logger.info("symmetric memory backend not set: %s", e)
         self.group_name = group.group_name
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:  # needed by older torch, deprecated by later ones
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                enable(self.group_name)
         self.max_bytes = max_bytes
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         # a collective over the group's store: every rank maps every other's buffer
@@ -72,9 +81,10 @@ class OneShotAllReduce:
         nbytes = x.numel() * x.element_size()
         # 16-byte multiples keep the kernel's vector loads whole (and its alignment check
         # passes for every dtype); odd sizes are rare (hidden sizes are multiples of 64)
-        if x.dtype not in _DTYPES or nbytes > self.max_bytes or nbytes % 16:
+        if x.dtype not in _DTYPES or nbytes > self.max_bytes or nbytes % 16 or nbytes == 0:
             return False
-        if not x.is_contiguous() or nbytes == 0:
+        # the kernel wants x and the buffer equally aligned (the buffer's start: 16 bytes)
+        if not x.is_contiguous() or (x.storage_offset() * x.element_size()) % 16:
             return False
         staged = self.buffer[:nbytes].view(x.dtype).view(x.shape)
         if self._copy_in is not None:  # the kernel copies x into the buffer itself
