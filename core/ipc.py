@@ -3,9 +3,10 @@
 Two one-way ZMQ IPC channels: the server PUSHes ``EngineInbound`` messages to the engine and
 PULLs ``EngineOutbound`` messages back. Every message is a tagged struct; nothing is pickled.
 
-Per step the engine sends one ``StepOutput`` holding a ``ReqDelta`` for each request that
-changed: the new token ids, the text splice and the new logprobs, never the whole request.
-Each request gets exactly one delta with ``finish`` set, after which the engine forgets it.
+Per step the engine sends one ``StepOutput`` for the requests that changed: their new token
+ids and text, column by column, and ``ReqExtras`` only for those that have more (logprobs, a
+finish, a changed count); never the whole request. Each request gets exactly one output with
+``finish`` set, after which the engine forgets it.
 """
 
 from __future__ import annotations
@@ -103,28 +104,25 @@ EngineInbound = Union[  # noqa: UP007 - msgspec needs a runtime union object
 # -- engine -> server ------------------------------------------------------------------------
 
 
-class ReqDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """What changed for one request in one step.
+class ReqExtras(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What one request's step output holds besides its new tokens and text: the rare parts
+    (a stop string that cut text already sent, logprobs, the finish) and counts that changed
+    since its previous output. A field left at its default is absent from the wire."""
 
-    The cumulative output text becomes ``text[:text_start] + text_delta``: usually an append,
-    but a matched stop string can cut text already sent (``text_start`` below its length).
-    """
-
-    rid: str
-    token_ids: list[int] = []
-    text_start: int = 0
-    text_delta: str = ""
+    # >= 0: the cumulative text becomes text[:text_start] + the step's text delta (a matched
+    # stop string cut text already sent); -1: the delta is appended
+    text_start: int = -1
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[float, int]]] | None = None
-    # prompt-token logprobs, sent once in the finishing delta
+    # prompt-token logprobs, sent once with the finish
     input_logprobs: list[float] | None = None
     input_top_logprobs: list[list[tuple[float, int]]] | None = None
-    cached_tokens: int = 0
-    # speculation so far (cumulative, like cached_tokens): verify steps in which the request
-    # verified a draft, and the draft tokens accepted over them (0 and omitted when off)
-    spec_verify_ct: int = 0
-    spec_accepted_tokens: int = 0
-    # prefill-only results, in the finishing delta
+    # cumulative counts, sent when they change (-1: unchanged): prompt tokens matched in the
+    # cache; speculation's verify steps with a draft and the draft tokens accepted over them
+    cached_tokens: int = -1
+    spec_verify_ct: int = -1
+    spec_accepted_tokens: int = -1
+    # prefill-only results, with the finish
     embedding: list[float] | None = None
     label_logprobs: list[float] | None = None
     finish: FinishReason | None = None
@@ -132,8 +130,18 @@ class ReqDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     error_status: int = 0
 
 
-class StepOutput(msgspec.Struct, tag="step"):
-    reqs: list[ReqDelta]
+class StepOutput(msgspec.Struct, tag="step", kw_only=True, omit_defaults=True):
+    """One step's output, column by column (a few flat arrays encode and decode many times
+    faster than a struct per request, and a step of a full batch has hundreds): request
+    ``rids[i]`` gained ``num_tokens[i]`` tokens, the next ones of ``token_ids`` (which holds
+    every request's new tokens in ``rids`` order), and the text ``text_deltas[i]``;
+    ``extras[i]``, where present, holds the rest."""
+
+    rids: list[str] = []
+    num_tokens: list[int] = []
+    token_ids: list[int] = []
+    text_deltas: list[str] = []
+    extras: dict[int, ReqExtras] = {}
 
 
 class EngineReady(msgspec.Struct, tag="ready", kw_only=True):

@@ -1,7 +1,7 @@
 """The engine process: builds EngineCore and serves it over two ZMQ IPC sockets.
 
 Loop: block on the inbound socket while idle (no busy polling; the parent's death also wakes
-it), drain every queued message, run one step, push one ``StepOutput`` of per-request deltas.
+it), drain every queued message, run one step, push one ``StepOutput`` of what changed.
 Started by the launcher with the multiprocessing spawn context; all arguments are plain data.
 """
 
@@ -29,6 +29,7 @@ from radixserve.core.parallel import Rendezvous
 from radixserve.core.plugins import PluginError, PluginHost, default_host
 from radixserve.core.profiler import EngineProfiler, ProfilerError
 from radixserve.core.request import FinishReason, InvalidRequest, Req, SamplingParams
+from radixserve.entrypoints.step_output import StepOutputBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -142,8 +143,7 @@ class EngineLoop:
         self.core = core
         self.pull = pull
         self.push = push
-        self.sent: dict[str, tuple[int, int]] = {}  # rid -> (tokens sent, text length sent)
-        self.outbox: list[ipc.ReqDelta] = []
+        self.output = StepOutputBuilder()  # remembers what each live request has been sent
         self.poller = zmq.Poller()
         self.poller.register(pull, zmq.POLLIN)
         parent = multiprocessing.parent_process()
@@ -215,9 +215,7 @@ class EngineLoop:
             self.step_started = None
         tokens = 0
         for req in changed:
-            delta = self._delta(req)
-            tokens += len(delta.token_ids)
-            self.outbox.append(delta)
+            tokens += self.output.add(req)
         self.gen_rate.add_step(begin, time.perf_counter(), tokens)
         if self.profiler.active:
             self._profile_step()
@@ -267,7 +265,7 @@ class EngineLoop:
             req.finish(
                 FinishReason("abort", message=f"the engine cannot read the request: {error}")
             )
-            self.outbox.append(self._delta(req, error_status=400))
+            self.output.add(req, error_status=400)
 
     def _handle(self, msg: ipc.EngineInbound) -> bool:
         core = self.core
@@ -280,18 +278,18 @@ class EngineLoop:
                 core.add_request(req)
             except InvalidRequest as e:
                 req.finish(FinishReason("abort", message=str(e)))
-                self.outbox.append(self._delta(req, error_status=400))
+                self.output.add(req, error_status=400)
             except Exception as e:  # noqa: BLE001 - this request fails, the engine goes on
                 logger.exception("request %s could not be queued", msg.rid)
                 message = f"the engine failed to queue the request ({type(e).__name__}: {e})"
                 req.finish(FinishReason("abort", message=message))
-                self.outbox.append(self._delta(req, error_status=500))
+                self.output.add(req, error_status=500)
         elif isinstance(msg, ipc.CancelRoomRequest):
             core.cancel_room(msg.room, msg.message)
         elif isinstance(msg, ipc.AbortRequest):
             aborted = core.abort(msg.rid, msg.message)
             if aborted is not None:
-                self.outbox.append(self._delta(aborted))
+                self.output.add(aborted)
         elif isinstance(msg, ipc.StateRequest):
             self._flush()  # replies never overtake the deltas before them
             self.push.send(ipc.encode(self._state(msg.call_id)))
@@ -354,41 +352,10 @@ class EngineLoop:
         except OSError:
             logger.exception("cannot write the profile trace")
 
-    def _delta(self, req: Req, error_status: int = 0) -> ipc.ReqDelta:
-        n_sent, text_sent = self.sent.get(req.rid, (0, 0))
-        text = req.detok.text if req.detok is not None else ""
-        start = min(text_sent, len(text))
-        delta = ipc.ReqDelta(
-            rid=req.rid,
-            token_ids=req.output_ids[n_sent:],
-            text_start=start,
-            text_delta=text[start:],
-            cached_tokens=req.cached_tokens,
-            spec_verify_ct=req.spec_verify_ct,
-            spec_accepted_tokens=req.spec_accepted_tokens,
-            finish=req.finish_reason if req.finished else None,
-            error_status=error_status or (400 if req.refused else 500 if req.failed else 0),
-        )
-        if req.finished:
-            delta.embedding, delta.label_logprobs = req.embedding, req.label_logprobs
-        if req.sampling.logprobs:
-            delta.logprobs = req.output_logprobs[n_sent:]
-            if req.sampling.top_logprobs_num:
-                delta.top_logprobs = req.output_top_logprobs[n_sent:]
-        if req.finished and req.logprob_start_len >= 0:
-            delta.input_logprobs = req.input_token_logprobs
-            if req.sampling.top_logprobs_num:
-                delta.input_top_logprobs = req.input_top_logprobs
-        if req.finished:
-            self.sent.pop(req.rid, None)
-        else:
-            self.sent[req.rid] = (len(req.output_ids), len(text))
-        return delta
-
     def _flush(self) -> None:
-        if self.outbox:
-            self.push.send(ipc.encode(ipc.StepOutput(self.outbox)))
-            self.outbox = []
+        out = self.output.take()
+        if out is not None:
+            self.push.send(ipc.encode(out))
 
     def _state(self, call_id: int) -> ipc.EngineState:
         sched = self.core.scheduler

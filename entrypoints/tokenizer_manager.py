@@ -284,39 +284,51 @@ class TokenizerManager:
 
     def _on_step(self, out: ipc.StepOutput) -> None:
         now = time.perf_counter()
-        metrics = self.metrics
-        for d in out.reqs:
-            r = self.reqs.get(d.rid)
+        metrics, live, extras = self.metrics, self.reqs, out.extras
+        token_ids, pos = out.token_ids, 0
+        for i, (rid, k, text) in enumerate(
+            zip(out.rids, out.num_tokens, out.text_deltas, strict=True)
+        ):
+            r = live.get(rid)
             if r is None:
+                pos += k
                 continue
-            if d.token_ids:
-                k = len(d.token_ids)
+            if k:
+                r.output_ids += token_ids[pos : pos + k]
+                pos += k
                 if r.first_token_time is None:
                     r.first_token_time = now
                     k -= 1
                 if metrics is not None and k > 0 and r.last_token_time is not None:
                     metrics.on_tokens((now - r.last_token_time) / k, k)
                 r.last_token_time = now
-                r.output_ids.extend(d.token_ids)
-            if d.text_delta or d.text_start != len(r.text):
-                r.text = r.text[: d.text_start] + d.text_delta
-            if d.logprobs:
-                r.logprobs.extend(d.logprobs)
-            if d.top_logprobs:
-                r.top_logprobs.extend(d.top_logprobs)
-            if d.input_logprobs is not None:
-                r.input_logprobs = d.input_logprobs
-                r.input_top_logprobs = d.input_top_logprobs or []
-            r.cached_tokens = d.cached_tokens
-            if d.embedding is not None:
-                r.embedding = d.embedding
-            if d.label_logprobs is not None:
-                r.label_logprobs = d.label_logprobs
-            r.spec_verify_ct = d.spec_verify_ct
-            r.spec_accepted_tokens = d.spec_accepted_tokens
-            if d.finish is not None:
-                self._finish(r, d.finish, d.error_status, now)
+            x = extras.get(i) if extras else None
+            if x is None:
+                if text:
+                    r.text += text
+            else:
+                self._apply_extras(r, x, text, now)
             r.event.set()
+
+    def _apply_extras(self, r: ServerReq, x: ipc.ReqExtras, text: str, now: float) -> None:
+        r.text = r.text[: x.text_start] + text if x.text_start >= 0 else r.text + text
+        if x.logprobs:
+            r.logprobs.extend(x.logprobs)
+        if x.top_logprobs:
+            r.top_logprobs.extend(x.top_logprobs)
+        if x.input_logprobs is not None:
+            r.input_logprobs = x.input_logprobs
+            r.input_top_logprobs = x.input_top_logprobs or []
+        if x.cached_tokens >= 0:
+            r.cached_tokens = x.cached_tokens
+        if x.spec_verify_ct >= 0:
+            r.spec_verify_ct, r.spec_accepted_tokens = x.spec_verify_ct, x.spec_accepted_tokens
+        if x.embedding is not None:
+            r.embedding = x.embedding
+        if x.label_logprobs is not None:
+            r.label_logprobs = x.label_logprobs
+        if x.finish is not None:
+            self._finish(r, x.finish, x.error_status, now)
 
     def _finish(self, r: ServerReq, reason: FinishReason, status: int, now: float) -> None:
         r.finish, r.error_status, r.finish_time = reason, status, now

@@ -95,6 +95,12 @@ def receive(sock: zmq.Socket) -> Any:
     return ipc.decode_outbound(sock.recv())
 
 
+def only_output(out: ipc.StepOutput) -> tuple[str, ipc.ReqExtras]:
+    """The rid and extras of a step output that holds one request."""
+    (rid,) = out.rids
+    return rid, out.extras[0]
+
+
 def generate(rid: str) -> bytes:
     return ipc.encode(ipc.GenerateRequest(rid=rid, input_ids=[1, 2], sampling=SamplingParams()))
 
@@ -103,16 +109,15 @@ def test_a_failing_step_ends_the_running_requests_and_the_loop_goes_on(loop: Any
     core, to_engine, from_engine, thread = loop
     core.fail = True
     to_engine.send(generate("victim"))
-    out = receive(from_engine)
-    (delta,) = out.reqs
-    assert delta.rid == "victim" and delta.error_status == 500
+    rid, extras = only_output(receive(from_engine))
+    assert rid == "victim" and extras.error_status == 500
     assert "the engine failed while running this request (RuntimeError: a bug" in (
-        delta.finish.message
+        extras.finish.message
     )
     core.fail = False
     to_engine.send(generate("next"))
-    (delta,) = receive(from_engine).reqs
-    assert delta.rid == "next" and delta.error_status == 0 and delta.finish.type == "length"
+    rid, extras = only_output(receive(from_engine))
+    assert rid == "next" and extras.error_status == 0 and extras.finish.type == "length"
     assert thread.is_alive()
 
 
@@ -131,10 +136,10 @@ def test_an_undecodable_request_is_refused_alone(loop: Any) -> None:
     core, to_engine, from_engine, thread = loop
     bad = msgspec.msgpack.encode({"type": "generate", "rid": "odd", "input_ids": "not ids"})
     to_engine.send(bad)
-    (delta,) = receive(from_engine).reqs
-    assert delta.rid == "odd" and delta.error_status == 400
-    assert "the engine cannot read the request" in delta.finish.message
+    rid, extras = only_output(receive(from_engine))
+    assert rid == "odd" and extras.error_status == 400
+    assert "the engine cannot read the request" in extras.finish.message
     to_engine.send(generate("fine"))
-    (delta,) = receive(from_engine).reqs
-    assert delta.rid == "fine" and delta.error_status == 0
+    rid, extras = only_output(receive(from_engine))
+    assert rid == "fine" and extras.error_status == 0
     assert thread.is_alive()
