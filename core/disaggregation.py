@@ -90,6 +90,9 @@ class PrefillSide:
             raise InvalidRequest(f"bootstrap_room {room} is already in use on this server")
         if req.sampling.grammar is not None:
             raise InvalidRequest(_NO_GRAMMAR)
+        refused = self.connector.refused(room)
+        if refused is not None:  # the decode refused its copy first: no one will fetch the KV
+            raise InvalidRequest(refused)
         # The decode server generates the rest; here only the first token is sampled.
         s = req.sampling
         req.sampling = dataclasses.replace(
@@ -168,7 +171,7 @@ class DecodeSide:
 
     def add(self, req: Req) -> None:
         room = req.bootstrap.room
-        if room in self.transfers or any(r.bootstrap.room == room for r in self.queue):
+        if self.holds(room):
             raise InvalidRequest(f"bootstrap_room {room} is already in use on this server")
         if req.sampling.grammar is not None:
             raise InvalidRequest(_NO_GRAMMAR)
@@ -176,6 +179,10 @@ class DecodeSide:
         req.logprob_start_len = -1
         self.deadlines[req.rid] = time.monotonic() + self.timeout
         self.queue.append(req)
+
+    def holds(self, room: int) -> bool:
+        """Whether a request of ``room`` waits here (for slots or for its KV)."""
+        return room in self.transfers or any(r.bootstrap.room == room for r in self.queue)
 
     def has_work(self) -> bool:
         return bool(self.queue or self.transfers)

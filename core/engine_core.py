@@ -199,29 +199,35 @@ class EngineCore:
 
     def add_request(self, req: Req) -> None:
         """Queue ``req``; one with a grammar first waits for it to compile (off this thread)."""
+        b = req.bootstrap
         try:
             self.validate(req)
+            if b is not None and (self.disagg is None or not transfers(req)):
+                req.bootstrap = None  # nothing to transfer: the request runs whole here
+            if req.bootstrap is not None and self.disagg is not None:
+                self.disagg.add(req)
         except InvalidRequest as e:
-            if req.bootstrap is not None:
-                self.cancel_room(req.bootstrap.room, str(e))
+            if b is not None:
+                self.cancel_room(b.room, str(e), (b.host, b.port))
             raise
-        if req.bootstrap is not None and (self.disagg is None or not transfers(req)):
-            req.bootstrap = None  # nothing to transfer: the request runs whole here
-        if req.bootstrap is not None and self.disagg is not None:
-            self.disagg.add(req)
-            if isinstance(self.disagg, DecodeSide):
-                return  # it waits for its KV there
+        if req.bootstrap is not None and isinstance(self.disagg, DecodeSide):
+            return  # it waits for its KV there
         if req.sampling.grammar is not None:
             self.grammars.submit(req)
         else:
             self.scheduler.add_request(req)
 
-    def cancel_room(self, room: int, message: str) -> None:
-        """A prefill refused a request of ``room`` (here or in the server): the decode waiting
-        for its KV learns why at once. Rooms of live requests are left alone."""
+    def cancel_room(self, room: int, message: str, peer: tuple[str, int] | None = None) -> None:
+        """This server refused a request of ``room`` (here or in the server): on a prefill the
+        decode waiting for its KV learns why at once; on a decode the prefill at ``peer``
+        (its bootstrap server) does, and gives the room up. Rooms of live requests are left
+        alone."""
         disagg = self.disagg
         if isinstance(disagg, PrefillSide) and room not in disagg.live:
             disagg.connector.cancel(room, f"the prefill server refused the request: {message}")
+        elif isinstance(disagg, DecodeSide) and peer is not None and not disagg.holds(room):
+            reason = f"the decode server refused the request: {message}"
+            disagg.connector.refuse(room, peer, reason)
 
     def abort(self, rid: str, message: str = "aborted by the client") -> Req | None:
         self._sync()

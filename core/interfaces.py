@@ -421,5 +421,17 @@ class KVConnector(ABC):
         """Events since the last call; on a decode, the KV of an ``ok`` room is in its slots
         when the event is returned."""
 
+    def refuse(self, room: int, peer: tuple[str, int], reason: str) -> None:  # noqa: B027
+        """Decode: this server refused a request of ``room`` before asking for its KV (bad
+        input, overload). Tell the prefill at ``peer`` (its bootstrap server), without
+        blocking, so that it gives the room up at once: it reports the room through ``poll``
+        (a running request is aborted), drops KV it holds for it, and ``refused`` names the
+        reason if the request comes later. Optional: without it the prefill keeps the room's
+        KV until the transfer timeout."""
+
+    def refused(self, room: int) -> str | None:
+        """Prefill: why a decode refused ``room`` (see ``refuse``), else None."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Stop the connector's threads and servers (the engine is shutting down)."""

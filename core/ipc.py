@@ -47,10 +47,13 @@ class AbortRequest(msgspec.Struct, tag="abort"):
 
 class CancelRoomRequest(msgspec.Struct, tag="cancel_room"):
     """Prefill/decode disaggregation: the server refused a request that carried this
-    ``bootstrap_room``; the prefill's bootstrap server tells the decode waiting for it."""
+    ``bootstrap_room``. A prefill's bootstrap server tells the decode waiting for it; a decode
+    tells the prefill at ``host``:``port`` (the request's bootstrap address)."""
 
     room: int
     message: str
+    host: str = ""
+    port: int = 0
 
 
 class FlushCacheRequest(msgspec.Struct, tag="flush_cache"):

@@ -285,7 +285,7 @@ class EngineLoop:
                 req.finish(FinishReason("abort", message=message))
                 self.output.add(req, error_status=500)
         elif isinstance(msg, ipc.CancelRoomRequest):
-            core.cancel_room(msg.room, msg.message)
+            core.cancel_room(msg.room, msg.message, (msg.host, msg.port) if msg.host else None)
         elif isinstance(msg, ipc.AbortRequest):
             aborted = core.abort(msg.rid, msg.message)
             if aborted is not None:

@@ -120,7 +120,7 @@ def create_app(
     # -- OpenAI --------------------------------------------------------------------------------
 
     async def refusing_rooms(call: Awaitable[Any], body: Any) -> Any:
-        """A refused call tells the decode servers waiting for its rooms (PD routers)."""
+        """A refused call tells the other side of its rooms (PD routers) at once."""
         try:
             return await call
         except Exception as e:

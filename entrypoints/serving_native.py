@@ -53,7 +53,7 @@ class NativeServing:
         try:
             stream, batch, reqs, req_options = self._start(body)
         except Exception as e:
-            # a PD router's decode server waits for these rooms: tell it now
+            # the PD router's other server waits for (or computes) these rooms: tell it now
             self.tm.refuse_rooms(refused_rooms(body), str(e))
             raise
         if stream:

@@ -225,13 +225,15 @@ class TokenizerManager:
         return req
 
     def refuse_rooms(self, bootstraps: list[Bootstrap | None], message: str) -> None:
-        """A prefill server refused a call whose requests carry these rooms: tell the decode
-        servers waiting for them (else each would wait --disaggregation-transfer-timeout)."""
-        if self.info.disaggregation_mode != "prefill" or self.dead is not None:
+        """This server refused a call whose requests carry these rooms. A prefill tells the
+        decode servers waiting for them (else each would wait --disaggregation-transfer-timeout);
+        a decode tells the prefill servers (else each would compute the prompt and keep its KV
+        for that long)."""
+        if self.info.disaggregation_mode not in ("prefill", "decode") or self.dead is not None:
             return
         for b in bootstraps:
             if b is not None:
-                self.client.send(ipc.CancelRoomRequest(b.room, message))
+                self.client.send(ipc.CancelRoomRequest(b.room, message, b.host, b.port))
 
     def abort(self, rid: str, message: str = "aborted by the client") -> None:
         if rid in self.reqs and self.dead is None:

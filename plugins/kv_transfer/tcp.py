@@ -5,8 +5,10 @@ The prefill's bootstrap server listens on ``--disaggregation-bootstrap-port``. F
 decode opens one connection and sends ``Want`` (room, its KV layout, the prompt length); the
 prefill answers, once the room's KV is ready, with ``Data`` followed by the raw KV bytes, or
 with ``Gone`` (the prefill ended the request, or the layouts differ). A decode that closes
-the connection early gives the room up. Frames are a 4-byte big-endian length, a msgpack
-header (msgspec structs) and, after ``Data``, ``nbytes`` of raw tensor bytes: no pickle.
+the connection early gives the room up. A decode that refused a request (``refuse``) sends
+``Drop`` on a connection of its own instead: the prefill gives the room up at once. Frames
+are a 4-byte big-endian length, a msgpack header (msgspec structs) and, after ``Data``,
+``nbytes`` of raw tensor bytes: no pickle.
 
 KV bytes are staged in host memory: the prefill copies the prompt's slots out when ``send`` is
 called (so the engine may reuse them at once), the decode writes them into its preallocated
@@ -58,7 +60,14 @@ class Gone(msgspec.Struct, tag="gone", kw_only=True):
     message: str
 
 
-Frame = Want | Data | Gone
+class Drop(msgspec.Struct, tag="drop", kw_only=True):
+    """Decode -> prefill: the decode refused the room's request; no one will fetch its KV."""
+
+    room: int
+    message: str
+
+
+Frame = Want | Data | Gone | Drop
 _decoder = msgspec.msgpack.Decoder(Frame)
 _encoder = msgspec.msgpack.Encoder()
 
@@ -121,6 +130,7 @@ class TcpKVConnector(KVConnector):
         self._server: socket.socket | None = None
         self._ready: dict[int, _Ready] = {}
         self._gone: dict[int, tuple[str, float]] = {}  # room -> (why, expires)
+        self._refused: dict[int, tuple[str, float]] = {}  # room -> (why, expires): Drop
         # decode
         self._received: list[tuple[int, torch.Tensor, bytes, bytearray | None]] = []
         self._conns: dict[int, socket.socket] = {}
@@ -177,6 +187,9 @@ class TcpKVConnector(KVConnector):
     # -- prefill -------------------------------------------------------------------------------
 
     def send(self, room: int, kv_slots: torch.Tensor, meta: bytes) -> None:
+        with self._lock:
+            if room in self._refused:
+                return  # the decode refused it: no one will ask
         pool = self.pool
         assert pool is not None
         k = pool.k[0]
@@ -220,6 +233,24 @@ class TcpKVConnector(KVConnector):
             del self._ready[room]
         for room in [r for r, (_, expires) in self._gone.items() if expires <= now]:
             del self._gone[room]
+        for room in [r for r, (_, expires) in self._refused.items() if expires <= now]:
+            del self._refused[room]
+
+    def refused(self, room: int) -> str | None:
+        with self._lock:
+            entry = self._refused.get(room)
+        return entry[0] if entry is not None else None
+
+    def _drop(self, room: int, message: str) -> None:
+        """A decode refused ``room``: drop its KV, answer a later ``Want`` with ``Gone``, and
+        report it (a running request is aborted; ``refused`` names it to a late one)."""
+        with self._lock:
+            self._ready.pop(room, None)
+            self._gone[room] = (message, self._deadline())
+            self._refused[room] = (message, self._deadline())
+            self._lock.notify_all()
+        logger.warning("room %d given up: %s", room, message)
+        self._event(TransferEvent(room, False, error=message))
 
     def _accept(self) -> None:
         assert self._server is not None
@@ -237,6 +268,9 @@ class TcpKVConnector(KVConnector):
             with conn:
                 conn.settimeout(CONNECT_TIMEOUT_S)
                 want = read_frame(conn)
+                if isinstance(want, Drop):
+                    self._drop(want.room, want.message)
+                    return
                 if not isinstance(want, Want):
                     raise PeerError(f"expected a want frame, got {type(want).__name__}")
                 room = want.room
@@ -295,6 +329,17 @@ class TcpKVConnector(KVConnector):
         return None
 
     # -- decode --------------------------------------------------------------------------------
+
+    def refuse(self, room: int, peer: tuple[str, int], reason: str) -> None:
+        args = (room, peer, reason)
+        threading.Thread(target=self._send_drop, args=args, name="kv-drop", daemon=True).start()
+
+    def _send_drop(self, room: int, peer: tuple[str, int], reason: str) -> None:
+        try:
+            with socket.create_connection(peer, timeout=CONNECT_TIMEOUT_S) as conn:
+                write_frame(conn, Drop(room=room, message=reason))
+        except OSError as e:  # the prefill will time the room out instead
+            logger.warning("cannot tell the prefill %s:%d about room %d: %s", *peer, room, e)
 
     def receive(self, room: int, peer: tuple[str, int], kv_slots: torch.Tensor) -> None:
         with self._lock:

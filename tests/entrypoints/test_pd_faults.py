@@ -11,6 +11,7 @@ them (the same body and room, at the same time), without the router in between.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections.abc import Iterator
@@ -119,6 +120,45 @@ def test_prefill_refusal_reaches_the_decode(pair: PDPair, route: str) -> None:
     assert answer.status_code == 500, answer.text
     message = answer.json()["error"]["message"]
     assert "the prefill server refused the request" in message, message
+    assert_no_kv_held(pair.prefill, pair.decode)
+
+
+def test_decode_refusal_reaches_the_prefill(pair: PDPair) -> None:
+    """The decode refuses its copy of a call (a bad parameter only it gets): it tells the
+    prefill, which then refuses its own copy with the decode's reason instead of computing
+    KV that no one will fetch (and keeping it for the transfer timeout)."""
+    r = room()
+    good = pair.body(r, text="refused on the decode", sampling_params=GREEDY)
+    bad = {**good, "sampling_params": {**GREEDY, "temperature": -1}}
+    refused = post(pair.decode.url, bad)
+    assert refused.status_code == 400, refused.text
+    deadline = time.monotonic() + TIMEOUT
+    while f"room {r} given up" not in pair.prefill.log() and time.monotonic() < deadline:
+        time.sleep(0.05)  # the prefill logs the room once its bootstrap server has the news
+    answer = post(pair.prefill.url, good)
+    assert answer.status_code == 400, answer.text
+    message = answer.json()["error"]["message"]
+    assert "the decode server refused the request" in message and "temperature" in message
+    assert_no_kv_held(pair.prefill, pair.decode)
+
+
+@pytest.mark.parametrize("route", ["/generate", "/v1/chat/completions"])
+def test_constrained_decoding_is_refused_on_both(pair: PDPair, route: str) -> None:
+    """Constrained decoding with a room is a clear 400 on both servers, not a hang."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    if route == "/generate":
+        params = {**GREEDY, "json_schema": json.dumps(schema)}
+        body = pair.body(room(), text="json please", sampling_params=params)
+    else:
+        fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+        messages = [{"role": "user", "content": "json please"}]
+        body = pair.body(room(), model="m", messages=messages, max_tokens=4, response_format=fmt)
+    with ThreadPoolExecutor(2) as pool:
+        urls = [pair.prefill.url, pair.decode.url]
+        answers = list(pool.map(lambda url: post(url, body, route), urls))
+    for answer in answers:
+        assert answer.status_code == 400, answer.text
+        assert "not supported with prefill/decode disaggregation" in answer.text, answer.text
     assert_no_kv_held(pair.prefill, pair.decode)
 
 
