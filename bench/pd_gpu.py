@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=4.0, help="arrivals, requests/s (Poisson)")
     p.add_argument("--greedy", type=int, default=8, help="prompts compared token for token")
     p.add_argument("--server-timeout", type=float, default=300.0, help="seconds to get ready")
-    p.add_argument("--transfer-timeout", type=float, default=30.0)
+    p.add_argument("--transfer-timeout", type=float, default=60.0)
     p.add_argument("--server-arg", action="append", default=[], help="extra flag, all servers")
     p.add_argument("--workdir", default=None, help="where the model directory is written")
     p.add_argument("--json-out", default=None)
