@@ -127,6 +127,7 @@ class RemoteWriteConnector(TcpKVConnector):
             write_frame(conn, Gone(room=want.room, message="the decode's KV layout differs"))
             return
         if isinstance(staged, DeviceStaged):
+            torch.cuda.set_device(payload.device)  # this thread's CUDA context, for the write
             staged.ready.synchronize()  # the gather has run (the engine queued it)
             base, device = payload.data_ptr(), payload.device.index or 0
         else:
