@@ -29,8 +29,13 @@ Device command (nvidia-h200-x2; carries ``.whl`` and ``.whl-pd``, the stripped n
 
     python3 bench/install_wheels.py .whl /tmp/site && python3 bench/install_wheels.py .whl-pd \
 /tmp/site && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 && python3 -m pip install -q \
---no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1; timeout 560 python3 \
-bench/pd_gpu.py --json-out $OUT/pd.json 2>&1 | tee $OUT/pd.log | tail -60
+--no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1; timeout 480 python3 \
+bench/pd_gpu.py --workdir /tmp/models --json-out $OUT/pd.json 2>&1 | tee $OUT/pd.log | tail -60
+
+``.whl-pd`` holds ``nixl_cu13-1.5.1-cp312`` from PyPI repacked without ``nixl_ep_cu13/`` (three
+31 MB torch extensions for expert parallelism that the KV connector never imports): 29 MiB
+instead of 56, so that it travels with ``.whl`` within a call's 64 MiB. sglang-router (30.7 MB)
+does not fit beside it, hence bench/pd_proxy.py.
 
 Smoke test on a CPU machine (tiny shape, the cpu platform, tcp, small workload; ~1 min):
 
@@ -42,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import random
 import subprocess
@@ -283,7 +289,13 @@ def measure(args: argparse.Namespace, url: str, label: str) -> dict[str, Any]:
 
 
 def write_model(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
-    """In a child process (on a GPU where there is one, then gone with its memory)."""
+    """In a child process (on a GPU where there is one, then gone with its memory). A complete
+    directory of the shape already there (bench/tp.py's, on a machine still warm) is reused:
+    the same function and seed write the same weights."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        total = json.loads(index.read_text())["metadata"]["total_size"]
+        return {"weight_bytes": total, "model_reused": True}
     code = (
         f"import sys, torch; sys.path.insert(0, {str(BENCH)!r}); from pathlib import Path; "
         "from gpu_model import write_random_llama; "
