@@ -6,7 +6,9 @@
 #   sh bench/gpu_session.sh tests "llama3-8b" "smollm2 --skip-big"
 #   sh bench/gpu_session.sh tp              # on nvidia-h200-x2: bench/tp.py
 #   sh bench/gpu_session.sh moe-tests models  # issue 20: fused MoE tests, bench/models.py
-# Results go to $OUT (gpu-<shape>.json, tp.json, models.json, tests.log, moe-tests.log).
+#   sh bench/gpu_session.sh spec-tests "spec --batches 1 8 --accept 3.5 2.5"  # issue 14
+# Results go to $OUT (gpu-<shape>.json, tp.json, models.json, spec.json, spec-profile.txt,
+# tests.log, moe-tests.log, spec-tests.log).
 set -e
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/pkg
@@ -31,6 +33,19 @@ for job in "$@"; do
     if [ "${job%% *}" = models ]; then  # "models [flags]": bench/models.py (issue 20's shapes)
         python3 bench/models.py --json-out "$OUT/models.json" ${job#models} \
             2>&1 | grep -v "it/s\]" | tail -40
+        continue
+    fi
+    if [ "$job" = spec-tests ]; then  # issue 14: speculation with Triton + CUDA graphs
+        python3 -m pytest -q -p no:cacheprovider tests/plugins/hardware/test_cuda_speculative.py \
+            2>&1 | tee "$OUT/spec-tests.log" | tail -15
+        continue
+    fi
+    if [ "${job%% *}" = spec ]; then  # "spec [flags]": bench/speculative.py gpu, then its profile
+        python3 bench/speculative.py gpu --json-out "$OUT/spec.json" ${job#spec} \
+            2>&1 | grep -v "it/s\]" | tail -30
+        python3 bench/spec_profile.py /tmp/models/llama3-8b /tmp/models/llama3-8b-draft-1layer \
+            > "$OUT/spec-profile.txt" 2>&1 || echo "spec_profile failed (see spec-profile.txt)"
+        grep "steps, " "$OUT/spec-profile.txt" || true
         continue
     fi
     if [ "${job%% *}" = tp ]; then  # "tp [flags]": bench/tp.py, TP1 against TP2 (2 GPUs)

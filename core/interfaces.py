@@ -287,6 +287,11 @@ class Draft:
     #: sampling. None when the tokens were chosen without sampling (greedy drafts, n-gram
     #: lookups); verification then treats each as certain (probability 1).
     probs: torch.Tensor | None = None
+    #: [len(tokens)] int64 on the device: the tokens not yet read back (a draft model's output
+    #: left where it was computed, so the verify step can start without a host sync). Until
+    #: the core reads them (``core.speculative.read_pending``, together with the verify
+    #: result), ``tokens`` holds as many placeholders: only its length counts.
+    pending: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

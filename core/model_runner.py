@@ -17,7 +17,13 @@ import torch
 from radixserve.core.batch import ForwardBatch, to_device
 from radixserve.core.config import ConfigError, EngineConfig, ModelConfig, PlatformSettings
 from radixserve.core.grammar import GrammarMasker
-from radixserve.core.interfaces import PLUGIN_KINDS, AttentionBackend, CausalLM, HardwarePlatform
+from radixserve.core.interfaces import (
+    PLUGIN_KINDS,
+    AttentionBackend,
+    CausalLM,
+    Draft,
+    HardwarePlatform,
+)
 from radixserve.core.logprobs import record_input_logprobs, scored_positions
 from radixserve.core.memory import KVPool, ReqToTokenPool, TokenAllocator
 from radixserve.core.parallel import Rendezvous, local_model_config, shard_weights
@@ -28,7 +34,7 @@ from radixserve.core.pooling import finish_pooling, plan_pooling, record_label_l
 from radixserve.core.request import token_slice
 from radixserve.core.sampling import SampleResult, presample_logits, sample, sample_ids
 from radixserve.core.scheduler import SampledToken, ScheduledBatch
-from radixserve.core.speculative import Speculator, verify
+from radixserve.core.speculative import Speculator, verify_drafts
 from radixserve.core.tp_step import StepBroadcaster, release_step
 from radixserve.core.weights import count_parameters, iter_weights, reload_in_place
 
@@ -254,6 +260,8 @@ class ModelRunner:
         whose last token is still pending reads it from ``prev_ids`` (on the device)."""
         future_dst: list[int] = []
         future_src: list[int] = []
+        pending_dst: list[int] = []  # input rows of draft tokens still on the device
+        pending: list[torch.Tensor] = []
         rows: list[int] = []
         logits_rows: list[int] = []
         plans: list[LogitsPlan] = []
@@ -287,6 +295,9 @@ class ModelRunner:
             draft = batch.drafts.get(i)
             if draft is not None:  # verify: the last token, then the draft
                 input_ids += token_slice(req.input_ids, req.output_ids, start, 1) + draft.tokens
+                if draft.pending is not None:
+                    pending_dst += range(len(positions) + 1, len(positions) + n)
+                    pending.append(draft.pending)
             else:
                 input_ids += token_slice(req.input_ids, req.output_ids, start, n)
             positions += range(start, start + n)
@@ -313,14 +324,20 @@ class ModelRunner:
                 positions_t,
                 out_cache_loc,
                 torch.tensor(logits_rows + future_dst + future_src, dtype=torch.int64),
+                torch.tensor(pending_dst, dtype=torch.int64),
             ]
         )
         dev = to_device(packed, self.device)
         input_ids_t = dev[:t]
+        n_future = len(future_dst)
         if future_dst:
             assert prev_ids is not None, "a pending token needs the previous step's ids"
-            dst, src = dev[3 * t + n_logits :].view(2, -1)
+            at = 3 * t + n_logits
+            dst, src = dev[at : at + 2 * n_future].view(2, -1)
             input_ids_t[dst] = prev_ids[src]
+        if pending:  # draft tokens go device to device: no host sync before the verify
+            at = 3 * t + n_logits + 2 * n_future
+            input_ids_t[dev[at:]] = torch.cat(pending) if len(pending) > 1 else pending[0]
         fb = ForwardBatch(
             input_ids=input_ids_t,
             positions=dev[t : 2 * t],
@@ -407,20 +424,17 @@ class ModelRunner:
         entry gets the list of tokens it emits, a plain entry its one token."""
         assert self.speculator is not None
         reqs: list[Any] = []
-        drafts: list[list[int]] = []
-        probs: list[torch.Tensor | None] = []
+        drafts: list[Draft | None] = []
         rows: list[int] = []
         for i in sample_rows:
             draft = batch.drafts.get(i)
-            tokens = draft.tokens if draft is not None else []
             last = plans[i].sample_row
-            rows += range(last - len(tokens), last + 1)
+            rows += range(last - (len(draft.tokens) if draft is not None else 0), last + 1)
             reqs.append(batch.reqs[i])
-            drafts.append(tokens)
-            probs.append(draft.probs if draft is not None else None)
-        emitted = verify(
-            logits[rows], reqs, drafts, probs, eos_ids, self.grammar_masker, self.speculator
-        )
+            drafts.append(draft)
+        if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
+            logits = logits[rows]  # (every row, in order, is the common case: no copy)
+        emitted = verify_drafts(logits, reqs, drafts, eos_ids, self.grammar_masker, self.speculator)
         return {
             i: tokens if i in batch.drafts else tokens[0]
             for i, tokens in zip(sample_rows, emitted, strict=True)

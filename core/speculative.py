@@ -29,7 +29,14 @@ import torch
 
 from radixserve.core.interfaces import Draft, SpeculativeAlgorithm
 from radixserve.core.request import Req, ReqState
-from radixserve.core.sampling import adjusted_logits, row_seed, sample, target_probs, token_logprobs
+from radixserve.core.sampling import (
+    SampleResult,
+    adjusted_logits,
+    row_seed,
+    sample,
+    target_probs,
+    token_logprobs,
+)
 from radixserve.core.stop import TopLogprobs
 
 logger = logging.getLogger(__name__)
@@ -169,8 +176,17 @@ class Speculator:
                 f"speculative plugin '{self.name}' returned {len(drafts)} drafts for "
                 f"{len(reqs)} requests"
             )
+        pairs = zip(reqs, drafts, strict=True)
+        if any(d.pending is not None and r.grammar is not None for r, d in pairs):
+            read_pending(drafts)  # a grammar checks the tokens themselves
         out = []
         for req, limit, draft in zip(reqs, limits, drafts, strict=True):
+            if draft.pending is not None:
+                # A draft model's argmax over the shared vocabulary: valid by construction.
+                m = min(limit, len(draft.tokens))
+                probs = draft.probs[:m] if draft.probs is not None else None
+                out.append(Draft([0] * m, probs, draft.pending[:m]) if m else Draft([]))
+                continue
             tokens = _valid_prefix(draft, limit, self.vocab_size)
             if tokens and req.grammar is not None:
                 tokens = _grammar_prefix(req.grammar, tokens)
@@ -267,6 +283,60 @@ class DraftPosition:
         self.req.failed = message
 
 
+def read_pending(drafts: Sequence[Draft | None], also: torch.Tensor | None = None) -> list[int]:
+    """Read the tokens of every pending draft to the host (into ``draft.tokens``), and the
+    values of ``also``, in one device-to-host copy; return ``also``'s values."""
+    pending = [d for d in drafts if d is not None and d.pending is not None]
+    parts = [] if also is None else [also.reshape(-1)]
+    parts += [cast("torch.Tensor", d.pending).reshape(-1) for d in pending]
+    if not parts:
+        return []
+    flat = torch.cat([p.to(torch.int64) for p in parts]).tolist()  # the host sync
+    at = 0 if also is None else also.numel()
+    for d in pending:
+        n = len(d.tokens)
+        d.tokens[:] = flat[at : at + n]
+        d.pending = None
+        at += n
+    return flat[: 0 if also is None else also.numel()]
+
+
+def plain_greedy(req: Req) -> bool:
+    """Whether ``req``'s verify rows are sampled by a bare argmax (no logprobs, grammar,
+    penalties, logit bias or min-tokens mask), so the argmax can be read with the drafts."""
+    s = req.sampling
+    return (
+        s.is_greedy
+        and not s.logprobs
+        and req.grammar is None
+        and not (s.frequency_penalty or s.presence_penalty or s.repetition_penalty != 1.0)
+        and not s.logit_bias
+        and req.num_output_tokens >= s.min_new_tokens
+    )
+
+
+def verify_drafts(
+    logits: torch.Tensor,
+    reqs: Sequence[Req],
+    drafts: Sequence[Draft | None],
+    eos_ids: Sequence[int],
+    masker: Any,
+    speculator: Speculator,
+) -> list[list[SampledToken]]:
+    """``verify`` for drafts some of which may still be on the device: one host sync reads
+    them, and, where every request is sampled by a bare argmax, the target's tokens too."""
+    greedy = None
+    if all(plain_greedy(r) for r in reqs):
+        greedy = read_pending(drafts, logits.argmax(dim=-1))
+    else:
+        read_pending(drafts)
+    return verify(
+        logits, reqs, [d.tokens if d is not None else [] for d in drafts],
+        [d.probs if d is not None else None for d in drafts],
+        eos_ids, masker, speculator, greedy,
+    )  # fmt: skip
+
+
 def verify(
     logits: torch.Tensor,
     reqs: Sequence[Req],
@@ -275,9 +345,12 @@ def verify(
     eos_ids: Sequence[int],
     masker: Any,
     speculator: Speculator,
+    greedy_ids: list[int] | None = None,
 ) -> list[list[SampledToken]]:
     """The tokens each request emits this step. ``logits`` holds len(drafts[i]) + 1 rows per
-    request, in order; ``masker`` (core.grammar.GrammarMasker) masks constrained rows."""
+    request, in order; ``masker`` (core.grammar.GrammarMasker) masks constrained rows.
+    ``greedy_ids``: every row's argmax, already read, where every request is ``plain_greedy``
+    (what sampling would choose)."""
     positions: list[DraftPosition] = []
     firsts: list[int] = []
     for req, draft in zip(reqs, drafts, strict=True):
@@ -298,7 +371,10 @@ def verify(
         for i, (r, q) in enumerate(zip(reqs, draft_probs, strict=True))
         if q is not None and drafts[i] and not r.sampling.is_greedy and r.grammar is None
     ]
-    result = sample(logits, views, eos_ids, raw)
+    if greedy_ids is not None:
+        result = SampleResult(greedy_ids, None, None)
+    else:
+        result = sample(logits, views, eos_ids, raw)
     ids = list(result.next_ids)
     if rejection:
         _rejection_sample(logits, views, firsts, drafts, draft_probs, rejection, eos_ids, ids)

@@ -6,9 +6,14 @@ current) and drafts greedily, the k steps are a fixed chain of device work: feed
 run the draft model, take the argmax, feed it to the next position. It is captured once per
 padded batch size and replayed with one host-to-device copy and one read of the k tokens.
 
-The chain starts one position early, at the token before the last: after a verify step that
-accepted the whole draft, the draft's KV lacks exactly that position, and recomputing it where
-it is already there writes the same values. So one graph serves both cases.
+After a verify step that accepted the whole draft, the draft's KV lacks exactly one position,
+the token before the last; a second graph per batch size starts one step early to write it
+(``refresh``). Otherwise (any draft token rejected) that KV is already there, and the chain
+runs its k steps only: on a GPU one draft step of an 8B run's EAGLE-sized drafter costs a few
+percent of a verify step, so the step saved is worth its graph.
+
+The drafted tokens stay on the device (``launch`` returns them there): the verify step takes
+them as its input without a host sync, and the host reads them with the verify result.
 
 Padding rows read the slot table's padding row and write their K/V to slot 0, as the decode
 graphs do (plugins/hardware/cuda_graph.py).
@@ -45,6 +50,7 @@ class DraftChainGraphs:
         self.max_bs = self.sizes[-1]
         self.pad_row = attention.bind_table(req_to_token)
         self.replays = 0  # proposals served by a graph (tests read it)
+        self.refreshes = 0  # of which the graph that starts one position early
         # [the two last tokens | first positions | k + 1 slots] per row, and [table rows |
         # sequence lengths at the first step]
         self.inputs = torch.zeros(4 + num_steps, self.max_bs, dtype=torch.int64, device=device)
@@ -53,14 +59,15 @@ class DraftChainGraphs:
         self.meta[1].fill_(1)
         self.logits_indices = torch.arange(self.max_bs, dtype=torch.int64, device=device)
         self.out = torch.zeros(num_steps, self.max_bs, dtype=torch.int64, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.sizes):
-            self.graphs[bs] = self._capture(bs, pool)
+            for refresh in (True, False):
+                self.graphs[bs, refresh] = self._capture(bs, refresh, pool)
 
-    def _chain(self, bs: int) -> None:
+    def _chain(self, bs: int, refresh: bool) -> None:
         ids = self.inputs[0, :bs]
-        for step in range(self.k + 1):
+        for step in range(0 if refresh else 1, self.k + 1):
             if step == 1:
                 ids = self.inputs[1, :bs]  # the last token; step 0 only refreshed the KV
             batch = ForwardBatch(
@@ -81,18 +88,19 @@ class DraftChainGraphs:
             if step:
                 self.out[step - 1, :bs].copy_(ids)
 
-    def _capture(self, bs: int, pool: Any) -> torch.cuda.CUDAGraph:
+    def _capture(self, bs: int, refresh: bool, pool: Any) -> torch.cuda.CUDAGraph:
         from radixserve.plugins.hardware.cuda_graph import capture_graph
 
-        return capture_graph(lambda: self._chain(bs), pool)[0]
+        return capture_graph(lambda: self._chain(bs, refresh), pool)[0]
 
     def fits(self, num_reqs: int) -> bool:
         return num_reqs <= self.max_bs
 
-    def run(self, reqs: Sequence[Req]) -> list[list[int]]:
-        """k greedy draft tokens per request, feeding its two last tokens (at positions
-        ``req.kv_len - 1`` and ``req.kv_len``; the draft KV must hold every position before
-        them); the slots of positions kv_len .. kv_len + k - 1 must be allocated."""
+    def launch(self, reqs: Sequence[Req], refresh: bool) -> torch.Tensor:
+        """Queue the drafting of k greedy tokens per request; return them on the device,
+        [len(reqs), k]. Each request feeds its last token at position ``req.kv_len`` (and, with
+        ``refresh``, the one before it first); the draft KV must hold every position before
+        the first fed, and the slots of positions kv_len .. kv_len + k - 1 must be allocated."""
         bs = len(reqs)
         padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
         table = self.req_to_token.table
@@ -117,6 +125,8 @@ class DraftChainGraphs:
         pinned = self.inputs.device.type != "cpu"  # pinned: the copy does not wait on the GPU
         self.inputs.copy_(host.pin_memory() if pinned else host, non_blocking=True)
         self.meta.copy_(meta.pin_memory() if pinned else meta, non_blocking=True)
-        self.graphs[padded].replay()
+        self.graphs[padded, refresh].replay()
         self.replays += 1
-        return self.out[:, :bs].T.tolist()
+        self.refreshes += refresh
+        # A copy: the next replay overwrites ``out`` while these may still wait to be read.
+        return self.out[:, :bs].T.clone()

@@ -85,17 +85,21 @@ class StandaloneDraft(SpeculativeAlgorithm):
         self._kv.pop(rid, None)
 
     def propose(self, reqs: Sequence[Req], max_drafts: Sequence[int]) -> list[Draft]:
-        """Draft autoregressively. Draft tokens stay on the device from one draft step to the
-        next (one host sync at the end), unless a request has penalties, which read them."""
+        """Draft autoregressively. Draft tokens stay on the device, from one draft step to the
+        next and in the drafts returned (``Draft.pending``: the core reads them with the
+        verify result, so no host sync waits for the draft), unless a request has penalties,
+        which read them on the host after each step."""
         table = self.req_to_token.table
-        if self._chainable(reqs, max_drafts):
+        trusted = [self._trusted_length(r) for r in reqs]
+        if self._chainable(reqs, max_drafts, trusted):
             assert self.chain is not None
-            tokens = self.chain.run(reqs)
+            refresh = any(t < r.kv_len for r, t in zip(reqs, trusted, strict=True))
+            chained = self.chain.launch(reqs, refresh)
             for req, limit in zip(reqs, max_drafts, strict=True):
                 written = req.kv_len + limit
                 assert req.req_pool_idx is not None
                 self._kv[req.rid] = _DraftKV(written, table[req.req_pool_idx, :written].clone())
-            return [Draft(t) for t in tokens]
+            return [Draft([0] * self.chain.k, pending=chained[i]) for i in range(len(reqs))]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         on_host: list[list[int]] | None = None
         if any(_penalized(r) for r in reqs):
@@ -104,7 +108,7 @@ class StandaloneDraft(SpeculativeAlgorithm):
         first = _decodes_first(
             [
                 (i, s, token_slice(r.input_ids, r.output_ids, s, r.seq_len - s))
-                for i, (r, s) in enumerate(zip(reqs, map(self._trusted_length, reqs), strict=True))
+                for i, (r, s) in enumerate(zip(reqs, trusted, strict=True))
             ]
         )
         steps: list[tuple[list[int], torch.Tensor]] = []  # (request indices, their tokens)
@@ -122,23 +126,30 @@ class StandaloneDraft(SpeculativeAlgorithm):
             logits = self._forward(reqs, batch, input_ids)
             ids = self._choose(logits, [reqs[i] for i in order], step, order, probs, on_host)
             steps.append((order, ids))
-        flat = torch.cat([ids for _, ids in steps]).tolist()  # the one host sync
-        tokens: list[list[int]] = [[] for _ in reqs]
+        where: list[list[int]] = [[] for _ in reqs]  # each request's rows of the steps' ids
         at = 0
         for order, _ in steps:
             for i in order:
-                tokens[i].append(flat[at])
+                where[i].append(at)
                 at += 1
         for i, req in enumerate(reqs):
             written = req.kv_len + max_drafts[i]  # positions kv_len .. kv_len + m - 1 drafted
             assert req.req_pool_idx is not None
             self._kv[req.rid] = _DraftKV(written, table[req.req_pool_idx, :written].clone())
-        return [
-            Draft(t, torch.stack(p) if p and len(p) == len(t) else None)
-            for t, p in zip(tokens, probs, strict=True)
+        stacked = [
+            torch.stack(p) if p and len(p) == len(w) else None
+            for p, w in zip(probs, where, strict=True)
         ]
+        if on_host is not None:
+            return [Draft(t, p) for t, p in zip(on_host, stacked, strict=True)]
+        flat = torch.cat([ids for _, ids in steps])
+        order = to_device(torch.tensor([j for w in where for j in w]), self.device)
+        by_req = flat[order].split([len(w) for w in where])
+        return [Draft([0] * len(w), p, t) for w, p, t in zip(where, stacked, by_req, strict=True)]
 
-    def _chainable(self, reqs: Sequence[Req], max_drafts: Sequence[int]) -> bool:
+    def _chainable(
+        self, reqs: Sequence[Req], max_drafts: Sequence[int], trusted: Sequence[int]
+    ) -> bool:
         """Whether one replay of the chain graph drafts for all of ``reqs``: full greedy
         drafts, no penalties or min-tokens mask, and at most the two last tokens to feed."""
         chain = self.chain
@@ -150,8 +161,8 @@ class StandaloneDraft(SpeculativeAlgorithm):
                 r.sampling.is_greedy
                 and not _penalized(r)
                 and r.num_output_tokens >= r.sampling.min_new_tokens
-                and self._trusted_length(r) >= r.kv_len - 1
-                for r in reqs
+                and t >= r.kv_len - 1
+                for r, t in zip(reqs, trusted, strict=True)
             )
         )
 

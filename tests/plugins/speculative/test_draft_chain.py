@@ -27,16 +27,18 @@ K = 3
 
 
 class _EagerGraph:
-    def __init__(self, chain: DraftChainGraphs, bs: int) -> None:
-        self.chain, self.bs = chain, bs
+    def __init__(self, chain: DraftChainGraphs, bs: int, refresh: bool) -> None:
+        self.chain, self.bs, self.refresh = chain, bs, refresh
 
     def replay(self) -> None:
-        self.chain._chain(self.bs)
+        self.chain._chain(self.bs, self.refresh)
 
 
 @pytest.fixture
 def eager_chain(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(DraftChainGraphs, "_capture", lambda self, bs, pool: _EagerGraph(self, bs))
+    monkeypatch.setattr(
+        DraftChainGraphs, "_capture", lambda self, bs, refresh, pool: _EagerGraph(self, bs, refresh)
+    )
     monkeypatch.setattr(draft_chain.torch.cuda, "graph_pool_handle", lambda: None)
 
     def build(context: Any, model: Any, attention: Any, kv_pool: Any) -> DraftChainGraphs:
@@ -54,6 +56,11 @@ def one_layer_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama_dir(tmp_path_factory.mktemp("chain"), num_hidden_layers=1)
 
 
+@pytest.fixture(scope="module")
+def reference(one_layer_llama: Path) -> list[list[int]]:
+    return _generate(one_layer_llama)[0]
+
+
 def _generate(model: Path, **kw: Any) -> tuple[list[list[int]], Any, Any]:
     prompts = [[5 + i, 40 + 3 * i, 77, 9 + i] * (i + 1) for i in range(4)]
     # 14 tokens: 1 from the prefill, then 4 a step: a catch-up proposal and two from the chain
@@ -69,9 +76,8 @@ def _generate(model: Path, **kw: Any) -> tuple[list[list[int]], Any, Any]:
 
 
 def test_chain_graph_drafts_what_the_target_decodes(
-    eager_chain: None, one_layer_llama: Path
+    eager_chain: None, one_layer_llama: Path, reference: list[list[int]]
 ) -> None:
-    reference, _, _ = _generate(one_layer_llama)
     outputs, stats, chain = _generate(
         one_layer_llama,
         speculative_algorithm="STANDALONE",
@@ -81,3 +87,21 @@ def test_chain_graph_drafts_what_the_target_decodes(
     assert outputs == reference
     assert chain is not None and chain.replays >= 2, "the chain served no proposal"
     assert stats["accepted_tokens"] == stats["draft_tokens"] > 0, stats
+
+
+def test_chain_skips_the_refresh_step_after_a_rejection(
+    eager_chain: None, one_layer_llama: Path, reference: list[list[int]]
+) -> None:
+    """Simulated acceptance 1.0 rejects every draft (the target's own token is emitted, so
+    outputs still equal speculation off): the draft KV then holds the token before the last,
+    and the chain runs without its refresh step."""
+    outputs, stats, chain = _generate(
+        one_layer_llama,
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=str(one_layer_llama),
+        speculative_num_steps=K,
+        speculative_simulate_accept_len=1.0,
+    )
+    assert outputs == reference
+    assert stats["accepted_tokens"] == 0 < stats["draft_tokens"], stats
+    assert chain is not None and chain.replays > chain.refreshes, (chain.replays, stats)
