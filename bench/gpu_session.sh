@@ -6,7 +6,7 @@
 #   sh bench/gpu_session.sh tests "llama3-8b" "smollm2 --skip-big"
 #   sh bench/gpu_session.sh tp              # on nvidia-h200-x2: bench/tp.py
 #   sh bench/gpu_session.sh moe-tests models  # issue 20: fused MoE tests, bench/models.py
-#   sh bench/gpu_session.sh spec-tests "spec --batches 1 8 --accept 3.5 2.5"  # issue 14
+#   sh bench/gpu_session.sh "spec --batches 1 8 --accept 3.5 2.5" spec-tests spec-profile
 # Results go to $OUT (gpu-<shape>.json, tp.json, models.json, spec.json, spec-profile.txt,
 # tests.log, moe-tests.log, spec-tests.log).
 set -e
@@ -40,12 +40,15 @@ for job in "$@"; do
             2>&1 | tee "$OUT/spec-tests.log" | tail -15
         continue
     fi
-    if [ "${job%% *}" = spec ]; then  # "spec [flags]": bench/speculative.py gpu, then its profile
-        python3 bench/speculative.py gpu --json-out "$OUT/spec.json" ${job#spec} \
-            2>&1 | grep -v "it/s\]" | tail -30
+    if [ "$job" = spec-profile ]; then  # after "spec": where a batch-1 step's time goes
         python3 bench/spec_profile.py /tmp/models/llama3-8b /tmp/models/llama3-8b-draft-1layer \
             > "$OUT/spec-profile.txt" 2>&1 || echo "spec_profile failed (see spec-profile.txt)"
         grep "steps, " "$OUT/spec-profile.txt" || true
+        continue
+    fi
+    if [ "${job%% *}" = spec ]; then  # "spec [flags]": bench/speculative.py gpu
+        python3 bench/speculative.py gpu --json-out "$OUT/spec.json" ${job#spec} \
+            2>&1 | grep -v "it/s\]" | tail -30
         continue
     fi
     if [ "${job%% *}" = tp ]; then  # "tp [flags]": bench/tp.py, TP1 against TP2 (2 GPUs)

@@ -189,6 +189,8 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
                 }
                 rows.append([accept, bs, f"{off[bs]:.0f}", f"{on:.0f}", f"{on / off[bs]:.2f}x"])
                 print(rows[-1], flush=True)
+                if args.json_out:  # as it goes: a run cut short keeps what it measured
+                    write_json(args.json_out, results)
     print(format_table(["sim. accept len", "batch", "off tok/s", "spec tok/s", "ratio"], rows))
     return results
 
