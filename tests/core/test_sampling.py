@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from radixserve.core import sampling
+from radixserve.core.grammar import NO_TOKEN
+from radixserve.core.interfaces import Grammar
 from radixserve.core.request import Req, SamplingParams
 
 # Distinct values, no ties, so every filter's kept set is unambiguous.
@@ -402,6 +404,120 @@ def test_a_failing_row_leaves_the_others_sampled_in_full() -> None:
     assert result.next_ids == [alone.next_ids[0], 0]
     assert result.logprobs is not None
     assert result.logprobs[0] == pytest.approx(-math.log(len(LOGITS)))
+
+
+def test_a_failing_middle_row_of_three_fails_alone() -> None:
+    """The retry takes exactly row i of the logits and of the raw logits for request i: with
+    the failing row in the middle, the rows on either side keep their own choice and logprobs
+    (a two-row batch cannot tell ``[i : i + 1]`` from a slice one row off)."""
+    raw = torch.tensor([LOGITS[::-1], LOGITS, [2 * x for x in LOGITS]])
+    logits = raw.clone()
+    logits[2, 0] = -math.inf  # row 2 is masked off its raw argmax (0): it takes 1
+    params = {"temperature": 0.0, "logprobs": True, "top_logprobs_num": 2}
+    first, last = Req("a", [0], SamplingParams(**params)), Req("c", [0], SamplingParams(**params))
+    bad = _broken(temperature=0.0, frequency_penalty=1.0)
+    result = sampling.sample(logits, [first, bad, last], [EOS], raw=raw)
+    assert result.next_ids == [7, 0, 1]
+    assert first.failed is None and last.failed is None and bad.failed
+    expected = torch.log_softmax(raw, dim=-1)
+    assert result.logprobs is not None and result.top_logprobs is not None
+    assert result.logprobs[0] == pytest.approx(expected[0, 7].item())
+    assert result.logprobs[1] == 0.0 and result.top_logprobs[1] == []
+    assert result.logprobs[2] == pytest.approx(expected[2, 1].item())
+    assert [t for _, t in result.top_logprobs[2]] == [0, 1]  # the raw row's best, unmasked
+
+
+def test_the_retry_draws_each_good_row_as_if_sampled_alone() -> None:
+    """Under a fixed torch seed, the rows around a failing one draw exactly what they draw
+    sampled alone, one after the other: the retry consumes noise for one row at a time."""
+    flat = torch.zeros(3, len(LOGITS))
+    params = SamplingParams(temperature=1.0)
+
+    def alone() -> list[int]:
+        return [
+            sampling.sample(flat[i : i + 1], [Req(f"r{i}", [0], params)], [EOS]).next_ids[0]
+            for i in (0, 2)
+        ]
+
+    for seed in range(4):
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            reference = alone()
+            torch.manual_seed(seed)
+            bad = _broken(temperature=1.0, frequency_penalty=1.0)
+            batch = [Req("r0", [0], params), bad, Req("r2", [0], params)]
+            result = sampling.sample(flat, batch, [EOS])
+        assert bad.failed
+        assert [result.next_ids[0], result.next_ids[2]] == reference, seed
+
+
+def test_a_failing_middle_row_in_sample_ids_fails_alone() -> None:
+    """sample_ids' retry: one id per row, each good row drawn from its own logits and seed, the
+    failing row's argmax from its own row."""
+    flat = torch.zeros(3, len(LOGITS))
+    flat[1] = torch.tensor(LOGITS[::-1])  # the failing row's argmax is 7
+    reqs = [Req(f"s{i}", [0], SamplingParams(temperature=1.0, seed=10 + i)) for i in range(3)]
+    alone = [sampling.sample_ids(flat[i : i + 1], [reqs[i]]).item() for i in (0, 2)]
+    reqs[1].sampling.seed = "not a number"  # type: ignore[assignment]  # past validation
+    out = sampling.sample_ids(flat, reqs).tolist()
+    assert out == [alone[0], 7, alone[1]]
+    assert reqs[1].failed and reqs[0].failed is None and reqs[2].failed is None
+
+
+# --- grammar rows: a constrained row with no allowed token ---------------------------------------
+
+
+class StubGrammar(Grammar):
+    """A matcher that accepts anything: the sampler only asks whether a row is constrained."""
+
+    def accept_token(self, token_id: int) -> bool:
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        bitmask[index].fill_(-1)
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
+    def forced_string(self) -> str:
+        return ""
+
+    def copy(self) -> Grammar:
+        return StubGrammar()
+
+
+def _constrained(rid: str, **params: object) -> Req:
+    req = Req(rid, [0], SamplingParams(**params))  # type: ignore[arg-type]
+    req.grammar = StubGrammar()
+    return req
+
+
+def test_a_grammar_row_with_no_allowed_token_gets_no_token() -> None:
+    """The masks left a constrained row nothing (all -inf): it gets NO_TOKEN, whatever its
+    sampling; constrained rows with allowed tokens and unconstrained rows keep their choice
+    (an unconstrained row is never marked, even all -inf)."""
+    raw = torch.tensor([LOGITS] * 4)
+    masked = raw.clone()
+    masked[0] = -math.inf  # dead, greedy
+    masked[1, :3] = -math.inf  # allowed 3..7: greedy takes 3
+    masked[2] = -math.inf  # dead, sampled
+    reqs = [
+        _constrained("dead", temperature=0.0),
+        _constrained("alive", temperature=0.0, logprobs=True),
+        _constrained("dead-sampled", temperature=1.0, seed=1),
+    ]
+    result = sampling.sample(masked[:3], reqs, [EOS], raw=raw[:3])
+    assert result.next_ids == [NO_TOKEN, 3, NO_TOKEN]
+    assert result.logprobs is not None
+    assert result.logprobs[1] == pytest.approx(torch.log_softmax(raw[1], -1)[3].item())
+    # Beside an unconstrained row: only the constrained dead row is marked.
+    masked[3] = -math.inf
+    free = Req("free", [0], SamplingParams(temperature=0.0))
+    mixed = sampling.sample(masked[[0, 3]], [reqs[0], free], [EOS], raw=raw[[0, 3]])
+    assert mixed.next_ids == [NO_TOKEN, 0]
 
 
 # --- logit_bias ----------------------------------------------------------------------------------

@@ -1,0 +1,781 @@
+"""The Scheduler alone, without a model: steps are driven by hand (``schedule``, then the token
+the test chooses for each row that samples, then ``process_output``), so every number the
+scheduler computes (budgets, chunk sizes, reserves, ratios, slots freed) is checked exactly and
+each test runs in milliseconds. The engine-level tests (test_scheduler*.py on the tiny Llama)
+check the same paths end to end; these pin the arithmetic that mutation testing probes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from tiny_models import make_tokenizer_json
+
+from radixserve.core.interfaces import Draft
+from radixserve.core.memory import ReqToTokenPool, TokenAllocator
+from radixserve.core.radix_cache import NoPrefixCache, RadixCache
+from radixserve.core.request import FinishReason, Req, ReqState, SamplingParams
+from radixserve.core.scheduler import (
+    RetractionNeeded,
+    ScheduledBatch,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerStats,
+    new_token_ratios,
+)
+from radixserve.core.stop import StopChecker
+from radixserve.core.tokenizer import Tokenizer
+
+EOS = 0  # the tiny Llama's; tests sample TOKEN, never EOS
+TOKEN = 7
+MAX_STEPS = 400  # a loop that has not ended by then makes no progress
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """The tiny Llama's tokenizer alone (no weights: nothing here runs a model)."""
+    folder = tmp_path_factory.mktemp("tiny-tokenizer")
+    make_tokenizer_json(folder / "tokenizer.json")
+    return Tokenizer(folder)
+
+
+def make(
+    tokenizer: Tokenizer,
+    *,
+    pool: int = 256,
+    page: int = 1,
+    running: int = 4,
+    chunk: int = -1,
+    context: int = 128,
+    radix: bool = True,
+    speculator: Any = None,
+    grammar: Any = None,
+    **config: Any,
+) -> Scheduler:
+    config.setdefault("schedule_policy", "fcfs")
+    allocator = TokenAllocator(pool, page)
+    table = ReqToTokenPool(running + 1, context + 1)
+    cache = (RadixCache if radix else NoPrefixCache)(allocator, table)
+    return Scheduler(
+        SchedulerConfig(
+            max_running_requests=running,
+            chunked_prefill_size=chunk,
+            max_context=context,
+            **config,
+        ),
+        allocator,
+        table,
+        cache,
+        StopChecker(tokenizer, [EOS], context),
+        grammar,
+        speculator,
+    )
+
+
+def params(max_new_tokens: int = 4, **kw: Any) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def req(rid: str, n: int, max_new_tokens: int = 4, start: int = 10, **kw: Any) -> Req:
+    return Req(rid, list(range(start, start + n)), params(max_new_tokens, **kw))
+
+
+def add(sched: Scheduler, *reqs: Req) -> None:
+    for r in reqs:
+        sched.add_request(r)
+
+
+def sampled_for(sched: Scheduler, batch: ScheduledBatch, token: int = TOKEN) -> dict[int, Any]:
+    out: dict[int, Any] = {}
+    for i in sched.needs_sampling(batch):
+        if i in batch.drafts:  # verify entries: accept every draft token, then one more
+            out[i] = [(t, None, None) for t in batch.drafts[i].tokens] + [(token, None, None)]
+        else:
+            out[i] = (token, None, None)
+    return out
+
+
+def step(sched: Scheduler, token: int = TOKEN) -> ScheduledBatch | None:
+    batch = sched.schedule()
+    if batch is not None:
+        sched.process_output(batch, sampled_for(sched, batch, token))
+    check_accounting(sched)
+    return batch
+
+
+def run_to_idle(sched: Scheduler) -> list[ScheduledBatch]:
+    batches = []
+    for _ in range(MAX_STEPS):
+        if not sched.has_work():
+            return batches
+        batch = step(sched)
+        assert batch is not None or sched.pop_ended() or not sched.running
+        if batch is not None:
+            batches.append(batch)
+    raise AssertionError(f"no progress: {sched.running} {list(sched.waiting)}")
+
+
+def check_accounting(sched: Scheduler) -> None:
+    """Every slot is free, in the tree, or held by a running request past its prefix."""
+    acct = sched.kv_accounting()
+    p = sched.allocator.page_size
+    held = sum(-(-r.kv_len // p) * p - r.prefix_len for r in sched.running)
+    assert acct["in_use"] == held, (acct, sched.running)
+    assert acct["free"] + acct["evictable"] + acct["locked"] + held == acct["size"]
+
+
+def shape(batch: ScheduledBatch | None) -> tuple[list[str], list[int], int] | None:
+    if batch is None:
+        return None
+    return [r.rid for r in batch.reqs], batch.extend_lens, batch.num_decode
+
+
+# -- one step: decodes first, then prefill chunks within the budget ---------------------------
+
+
+def test_decodes_go_first_and_prefill_chunks_fill_the_rest_of_the_budget(
+    tokenizer: Tokenizer,
+) -> None:
+    sched = make(tokenizer, chunk=8)
+    sched.trace_steps = True
+    a, b = req("a", 5, max_new_tokens=10), req("b", 20, start=100)
+    add(sched, a)
+    assert shape(step(sched)) == (["a"], [5], 0)
+    assert a.state == ReqState.DECODE and a.output_ids == [TOKEN]
+    add(sched, b)
+    assert shape(step(sched)) == (["a", "b"], [1, 7], 1)
+    assert sched.stats.step_trace[-1] == (1, 7)
+    assert shape(step(sched)) == (["a", "b"], [1, 7], 1)
+    assert b.state == ReqState.PREFILL and b.output_ids == [] and b.kv_len == 14
+    assert shape(step(sched)) == (["a", "b"], [1, 6], 1)
+    assert b.state == ReqState.DECODE and b.output_ids == [TOKEN]
+    assert shape(step(sched)) == (["a", "b"], [1, 1], 2)
+    assert sched.stats.steps == 5
+    assert sched.stats.step_trace == [(0, 5), (1, 7), (1, 7), (1, 6), (2, 0)]
+
+
+def test_without_chunking_a_prompt_is_one_extend_and_single_token_extends_batch_as_decodes(
+    tokenizer: Tokenizer,
+) -> None:
+    sched = make(tokenizer, chunk=-1)
+    long, one = req("long", 90), req("one", 1, start=200)
+    add(sched, long, one)
+    batch = step(sched)
+    # A one-token prompt attends like a decode: it is sorted in front and counted as one.
+    assert shape(batch) == (["one", "long"], [1, 90], 1)
+    assert sched.needs_sampling(sched.schedule() or batch) == [0, 1]
+
+
+def test_admission_stops_at_max_running_requests_and_the_budget(tokenizer: Tokenizer) -> None:
+    sched = make(tokenizer, running=2, chunk=12)
+    a, b, c = req("a", 4), req("b", 4, start=40), req("c", 4, start=80)
+    add(sched, a, b, c)
+    assert shape(step(sched)) == (["a", "b"], [4, 4], 0)
+    assert list(sched.waiting) == [c]
+    run_to_idle(sched)
+    assert [len(r.output_ids) for r in (a, b, c)] == [4, 4, 4]
+    # The budget: two prompts of 7 under a budget of 12 are 7 + 5, the second one chunked.
+    sched = make(tokenizer, chunk=12)
+    add(sched, req("d", 7), req("e", 7, start=40))
+    assert shape(step(sched)) == (["d", "e"], [7, 5], 0)
+    # A budget that is used up admits nobody else.
+    sched = make(tokenizer, chunk=7)
+    add(sched, req("f", 7), req("g", 7, start=40))
+    assert shape(step(sched)) == (["f"], [7], 0)
+
+
+def test_a_request_runs_to_max_new_tokens_and_gives_back_every_slot(tokenizer: Tokenizer) -> None:
+    sched = make(tokenizer, pool=64)
+    r = req("r", 10, max_new_tokens=3)
+    add(sched, r)
+    batches = run_to_idle(sched)
+    assert [shape(b) for b in batches] == [(["r"], [10], 0), (["r"], [1], 1), (["r"], [1], 1)]
+    assert r.output_ids == [TOKEN] * 3
+    assert r.finish_reason == FinishReason("length", length=3)
+    assert r.req_pool_idx is None and r.kv_len == 0 and not sched.running
+    acct = sched.kv_accounting()
+    # The prompt and the first two outputs are cached; the last output has no KV.
+    assert acct["evictable"] == 12 and acct["free"] == 64 - 12 and acct["in_use"] == 0
+    sched.check_no_leak()
+    assert sched.stats.prompt_tokens == 10 and sched.stats.cached_tokens == 0
+
+
+def test_max_new_tokens_zero_ends_at_the_prompts_end_without_sampling(
+    tokenizer: Tokenizer,
+) -> None:
+    sched = make(tokenizer, chunk=4)
+    r = req("r", 6, max_new_tokens=0)
+    add(sched, r)
+    batch = sched.schedule()
+    assert batch is not None and sched.needs_sampling(batch) == []
+    assert sched.process_output(batch, {}) == []  # a prefill chunk: nothing to report
+    assert r.state == ReqState.PREFILL and r.kv_len == 4
+    batch = sched.schedule()
+    assert batch is not None and batch.extend_lens == [2] and sched.needs_sampling(batch) == []
+    assert sched.process_output(batch, {}) == [r]
+    assert r.finish_reason == FinishReason("length", length=0) and r.output_ids == []
+    assert not sched.has_work() and sched.schedule() is None
+
+
+def test_the_context_length_ends_decoding(tokenizer: Tokenizer) -> None:
+    sched = make(tokenizer, context=16)
+    r = req("r", 12, max_new_tokens=100)
+    add(sched, r)
+    run_to_idle(sched)
+    assert len(r.input_ids) + len(r.output_ids) == 16
+    assert r.finish_reason is not None and r.finish_reason.type == "length"
+
+
+# -- abort, ended, pause ----------------------------------------------------------------------
+
+
+def test_abort_in_each_state_and_of_an_unknown_rid(tokenizer: Tokenizer) -> None:
+    sched = make(tokenizer, running=1, pool=64)
+    running, waiting = req("run", 8, max_new_tokens=20), req("wait", 8, start=50)
+    add(sched, running, waiting)
+    step(sched)
+    assert sched.abort("nobody") is None
+    assert sched.abort("wait", "client left") is waiting
+    assert waiting.finish_reason == FinishReason("abort", message="client left")
+    assert not sched.waiting
+    assert sched.abort("run") is running
+    assert running.finish_reason == FinishReason("abort", message="aborted by the client")
+    assert running.req_pool_idx is None and not sched.running and not sched.has_work()
+    check_accounting(sched)
+    sched.check_no_leak()
+
+
+def test_paused_admits_nothing_while_running_requests_go_on(tokenizer: Tokenizer) -> None:
+    sched = make(tokenizer)
+    a, b = req("a", 4, max_new_tokens=3), req("b", 4, start=50)
+    add(sched, a)
+    step(sched)
+    sched.paused = True
+    add(sched, b)
+    while a.state != ReqState.FINISHED:
+        batch = step(sched)
+        assert batch is not None and [r.rid for r in batch.reqs] == ["a"]
+    assert sched.schedule() is None and list(sched.waiting) == [b] and sched.has_work()
+    sched.paused = False
+    run_to_idle(sched)
+    assert len(b.output_ids) == 4
+
+
+def test_pop_ended_returns_each_ended_request_once(tokenizer: Tokenizer) -> None:
+    sched = make(tokenizer, pool=32, chunk=8)
+    r = req("r", 30)
+    add(sched, r)
+    step(sched)
+    stolen = sched.allocator.alloc(sched.allocator.available())
+    assert stolen is not None
+    assert sched.schedule() is None  # the lone prefill cannot extend: it ends, with a reason
+    assert r.finish_reason == FinishReason("abort", message="KV pool too small for this request")
+    assert sched.pop_ended() == [r] and sched.pop_ended() == []
+    assert not sched.has_work()
+    sched.allocator.free(stolen)
+    sched.check_no_leak()
+
+
+def test_check_no_leak_names_slots_and_locks_left_at_idle(tokenizer: Tokenizer) -> None:
+    sched = make(tokenizer, pool=32)
+    sched.check_no_leak()
+    assert sched.kv_accounting() == {
+        "size": 32, "free": 32, "evictable": 0, "locked": 0, "in_use": 0
+    }  # fmt: skip
+    stolen = sched.allocator.alloc(3)
+    assert stolen is not None
+    assert sched.kv_accounting()["in_use"] == 3
+    with pytest.raises(AssertionError, match="KV leak at idle"):
+        sched.check_no_leak()
+    sched.allocator.free(stolen)
+    add(sched, req("r", 6, max_new_tokens=1))
+    run_to_idle(sched)
+    node = sched.cache.match_prefix(list(range(10, 16)))[1]
+    sched.cache.inc_lock_ref(node)
+    with pytest.raises(AssertionError, match="still locked"):
+        sched.check_no_leak()
+
+
+# -- KV pressure: retraction and its ratio ----------------------------------------------------
+
+
+def test_the_newest_request_is_retracted_and_the_ratio_jumps_to_what_decodes_showed(
+    tokenizer: Tokenizer,
+) -> None:
+    sched = make(tokenizer, pool=40, radix=False, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+    old, new = req("old", 10, max_new_tokens=30), req("new", 10, max_new_tokens=30, start=60)
+    add(sched, old, new)
+    step(sched)
+    while not sched.stats.retractions:
+        assert step(sched) is not None
+    assert new.state == ReqState.WAITING and new.num_retractions == 1 and new.kv_len == 0
+    assert list(sched.waiting) == [new] and sched.running == [old]
+    assert old.num_retractions == 0
+    # init ratio 0 (--schedule-conservativeness 0): retraction keeps the ratio at 0.
+    assert sched.new_token_ratio == 0.0
+    run_to_idle(sched)
+    assert len(old.output_ids) == len(new.output_ids) == 30
+
+
+@pytest.mark.parametrize("init", [0.5, 0.9])
+def test_the_ratio_after_a_retraction(tokenizer: Tokenizer, init: float) -> None:
+    """(decoded + 20 per running request) / (allowed + 1), at least init, at most 1."""
+    sched = make(tokenizer, init_new_token_ratio=init)
+    a, b = req("a", 4, max_new_tokens=99), req("b", 4, max_new_tokens=60, start=50)
+    c = req("c", 4, max_new_tokens=10, start=90)
+    add(sched, a, b, c)
+    for _ in range(5):
+        step(sched)
+    sched._retract(c)
+    estimate = (5 + 5 + 20 * 2) / (99 + 60 + 1)  # 0.3125
+    assert sched.new_token_ratio == pytest.approx(max(estimate, init))
+    assert sched.stats.retractions == 1 and c.num_retractions == 1
+    sched._retract(b)  # a alone: (5 + 20) / 100
+    assert sched.new_token_ratio == pytest.approx(max(0.25, init))
+    a.sampling.max_new_tokens = 10
+    sched._retract(a)  # nobody left: 0 / 1, then at least init
+    assert sched.new_token_ratio == pytest.approx(init)
+    sched2 = make(tokenizer, init_new_token_ratio=0.8)
+    d = req("d", 4, max_new_tokens=10)
+    add(sched2, d, req("e", 4, start=50))
+    step(sched2)
+    sched2._retract(sched2.running[1])  # (1 + 20) / 11 > 1: capped
+    assert sched2.new_token_ratio == 1.0
+
+
+def test_the_ratio_decays_each_step_without_retraction_down_to_its_floor(
+    tokenizer: Tokenizer,
+) -> None:
+    sched = make(
+        tokenizer, init_new_token_ratio=0.5, min_new_token_ratio=0.1, new_token_ratio_decay_steps=4
+    )
+    add(sched, req("r", 4, max_new_tokens=20))
+    seen = []
+    for _ in range(6):
+        step(sched)
+        seen.append(sched.new_token_ratio)
+    assert seen == pytest.approx([0.4, 0.3, 0.2, 0.1, 0.1, 0.1])
+    sched = make(tokenizer, init_new_token_ratio=0.5, min_new_token_ratio=0.1)
+    step(sched)  # an empty step decays too
+    assert sched.new_token_ratio == pytest.approx(0.5 - 0.4 / 600)
+    sched = make(tokenizer, init_new_token_ratio=0.5, new_token_ratio_decay_steps=0)
+    step(sched)  # 0 steps: decays by the whole span at once (no division by zero)
+    assert sched.new_token_ratio == pytest.approx(sched.config.min_new_token_ratio)
+
+
+def test_new_token_ratios_follow_schedule_conservativeness() -> None:
+    assert new_token_ratios(1.0) == pytest.approx(
+        {"init_new_token_ratio": 0.7, "min_new_token_ratio": 0.098}
+    )
+    assert new_token_ratios(0.5) == pytest.approx(
+        {"init_new_token_ratio": 0.35, "min_new_token_ratio": 0.049}
+    )
+    assert new_token_ratios(2.0) == pytest.approx(
+        {"init_new_token_ratio": 1.0, "min_new_token_ratio": 0.14}
+    )
+    defaults = SchedulerConfig(1, -1, "fcfs", 8)
+    assert defaults.init_new_token_ratio == 0.7 and defaults.min_new_token_ratio == 0.098
+    assert defaults.new_token_ratio_decay_steps == 600
+    assert defaults.shared_prefill_min_tokens == 32 and defaults.random_seed == 0
+
+
+def test_without_retraction_allowed_kv_pressure_raises(tokenizer: Tokenizer) -> None:
+    sched = make(tokenizer, pool=24, radix=False, init_new_token_ratio=0.0)
+    a, b = req("a", 10, max_new_tokens=30), req("b", 10, max_new_tokens=30, start=60)
+    add(sched, a, b)
+    step(sched)
+    while sched.allocator.available() >= 2:
+        step(sched)
+    with pytest.raises(RetractionNeeded):
+        sched.schedule(allow_retract=False)
+    assert sched.stats.retractions == 0 and len(sched.running) == 2
+    batch = sched.schedule()
+    assert batch is not None and [r.rid for r in batch.reqs] == ["a"]
+    assert sched.stats.retractions == 1
+
+
+def test_a_lone_decode_the_pool_cannot_hold_ends_with_a_reason(tokenizer: Tokenizer) -> None:
+    sched = make(tokenizer, pool=16, radix=False)
+    r = req("r", 10, max_new_tokens=30)
+    add(sched, r)
+    step(sched)
+    stolen = sched.allocator.alloc(sched.allocator.available())
+    assert stolen is not None
+    assert sched.schedule() is None
+    assert r.finish_reason == FinishReason("abort", message="KV pool too small for this request")
+    assert sched.pop_ended() == [r] and not sched.running and sched.stats.retractions == 0
+
+
+def test_stalled_prefills_retract_the_newest_and_no_one_is_admitted_that_step(
+    tokenizer: Tokenizer,
+) -> None:
+    """a is back in PREFILL (jump-forward tokens to extend over) while b is mid-prefill; the
+    pool is empty: the newest, b, is retracted, a extends over b's freed slots, and b is not
+    re-admitted into the same shortage in that step."""
+    sched = make(tokenizer, pool=64, chunk=8, radix=False, grammar=FakeStepper([61, 62]))
+    a, b = req("a", 5, max_new_tokens=10), req("b", 30, start=60)
+    a.grammar = object()
+    add(sched, a, b)
+    assert shape(step(sched)) == (["a", "b"], [5, 3], 0)
+    assert shape(step(sched, token=42)) == (["a", "b"], [1, 7], 1)
+    assert a.state == ReqState.PREFILL and a.output_ids == [TOKEN, 42, 61, 62]
+    assert b.state == ReqState.PREFILL and b.kv_len == 10
+    stolen = sched.allocator.alloc(sched.allocator.available())
+    assert stolen is not None
+    batch = sched.schedule()
+    assert b.num_retractions == 1 and b.state == ReqState.WAITING and b.kv_len == 0
+    assert shape(batch) == (["a"], [3], 0) and list(sched.waiting) == [b]
+    assert batch is not None
+    sched.process_output(batch, sampled_for(sched, batch))
+    sched.allocator.free(stolen)
+    run_to_idle(sched)
+    assert len(a.output_ids) == 10 and len(b.output_ids) == 4
+
+
+# -- admission: the reserve for running requests' future tokens -------------------------------
+
+
+@pytest.mark.parametrize(("prompt", "fits"), [(43, True), (44, False)])
+def test_admission_keeps_the_running_requests_share_of_future_tokens(
+    tokenizer: Tokenizer, prompt: int, fits: bool
+) -> None:
+    """Ratio 0.5. The runner (8 prompt tokens, 1 of 16 out) has 55 slots free beside it once
+    its decode slot is taken, and reserves 0.5 * 15 = 7.5 more: room 47.5. A newcomer needs
+    its prompt and 0.5 * 9 of its own: 43 + 4.5 fits exactly, 44 + 4.5 does not."""
+    sched = make(
+        tokenizer,
+        pool=64,
+        radix=False,
+        init_new_token_ratio=0.5,
+        min_new_token_ratio=0.5,
+    )
+    runner = req("runner", 8, max_new_tokens=16)
+    add(sched, runner)
+    step(sched)
+    late = req("late", prompt, max_new_tokens=9, start=100)
+    add(sched, late)
+    batch = sched.schedule()
+    assert batch is not None
+    assert ("late" in [r.rid for r in batch.reqs]) == fits
+    assert sched.waiting.count(late) == (0 if fits else 1)
+    assert (late.req_pool_idx is not None) == fits  # a refused one gives its row back
+
+
+def test_the_first_request_is_admitted_without_a_reserve(tokenizer: Tokenizer) -> None:
+    sched = make(tokenizer, pool=32, init_new_token_ratio=1.0, min_new_token_ratio=1.0)
+    r = req("r", 20, max_new_tokens=100)  # 20 + 100 > 32: only the reserve would refuse it
+    add(sched, r)
+    assert shape(step(sched)) == (["r"], [20], 0)
+
+
+def test_a_request_that_does_not_fit_keeps_its_place_and_stops_admission(
+    tokenizer: Tokenizer,
+) -> None:
+    sched = make(tokenizer, pool=40, radix=False, init_new_token_ratio=0.0)
+    add(sched, req("a", 20, max_new_tokens=8))
+    step(sched)
+    big, small = req("big", 30, start=100), req("small", 2, start=200)
+    add(sched, big, small)
+    batch = step(sched)
+    assert batch is not None and [r.rid for r in batch.reqs] == ["a"]  # fcfs: small waits too
+    assert list(sched.waiting) == [big, small]
+    assert big.req_pool_idx is None and sched.req_to_token.available() == 4
+
+
+# -- the prefix cache at admission -------------------------------------------------------------
+
+
+def test_the_last_prompt_token_and_scored_positions_never_come_from_the_cache(
+    tokenizer: Tokenizer,
+) -> None:
+    sched = make(tokenizer)
+    add(sched, req("warm", 20, max_new_tokens=1))
+    run_to_idle(sched)
+    same = req("same", 20)
+    scored = req("scored", 20)
+    scored.logprob_start_len = 6  # positions 5.. give prompt logprobs: 5 tokens from cache
+    add(sched, same, scored)
+    batch = step(sched)
+    assert batch is not None and batch.extend_lens == [1, 15]
+    assert (same.cached_tokens, scored.cached_tokens) == (19, 5)
+    assert sched.stats.prompt_tokens == 60 and sched.stats.cached_tokens == 24
+    assert sched.stats.cache_hit_rate == pytest.approx(24 / 60)
+    assert SchedulerStats().cache_hit_rate == 0.0
+
+
+def test_pooling_requests_neither_read_nor_fill_the_cache(tokenizer: Tokenizer) -> None:
+    sched = make(tokenizer)
+    add(sched, req("warm", 20, max_new_tokens=1))
+    run_to_idle(sched)
+    cached = sched.cache.total_size()
+    emb = req("emb", 20, max_new_tokens=0)
+    emb.pooling = "last"
+    add(sched, emb)
+    batch = step(sched)
+    assert batch is not None and batch.extend_lens == [20] and emb.cached_tokens == 0
+    assert emb.finished and sched.cache.total_size() == cached
+    sched.check_no_leak()
+    # An embedding request does not wait for a running prefill of the same prompt either.
+    sched = make(tokenizer, chunk=8)
+    gen, emb = req("gen", 40), req("emb", 40, max_new_tokens=0)
+    emb.pooling = "mean"
+    add(sched, gen, emb)
+    step(sched)
+    batch = step(sched)
+    assert batch is not None and [r.rid for r in batch.reqs] == ["gen"]  # budget 8: gen's
+    assert sched.stats.deferred_admissions == 0
+
+
+def test_identical_prompts_wait_for_the_running_prefill_and_then_hit_the_cache(
+    tokenizer: Tokenizer,
+) -> None:
+    sched = make(tokenizer, chunk=32)
+    first, second = req("first", 40), req("second", 40)
+    add(sched, first, second)
+    steps = 0
+    while second.state == ReqState.WAITING:
+        step(sched)
+        steps += 1
+    # Step 1: first's 32 use the budget; step 2: second waits for first's last 8; step 3:
+    # first's prompt is cached and second takes all but its last token from there.
+    assert steps == 3 and sched.stats.deferred_admissions == 1
+    assert second.cached_tokens == 39 and first.cached_tokens == 0
+    # Another namespace (extra_key) shares nothing: no wait.
+    sched = make(tokenizer, chunk=32)
+    other = Req("other", list(range(10, 50)), params(), extra_key="lora-b")
+    add(sched, req("first", 40), other)
+    step(sched)
+    batch = step(sched)
+    assert shape(batch) == (["first", "other"], [8, 24], 0)
+    assert sched.stats.deferred_admissions == 0
+
+
+@pytest.mark.parametrize(("shared", "waits"), [(32, True), (31, False)])
+def test_a_shared_prefill_is_waited_for_only_from_its_minimum_length(
+    tokenizer: Tokenizer, shared: int, waits: bool
+) -> None:
+    """Both arrive together: first is admitted whole, and second, in the same step, compares
+    its first 32 (uncached) tokens with first's."""
+    sched = make(tokenizer, chunk=64)
+    head = list(range(10, 10 + shared))
+    first = Req("first", head + list(range(300, 308)), params())
+    second = Req("second", head + list(range(200, 220)), params())
+    add(sched, first, second)
+    step(sched)
+    assert sched.stats.deferred_admissions == (1 if waits else 0)
+    assert (second.state == ReqState.WAITING) == waits
+
+
+def test_a_shared_prefill_span_is_cut_to_whole_pages(tokenizer: Tokenizer) -> None:
+    """Pages of 16 and a minimum of 20 shared tokens: the span compared is cut to 16, so a
+    prompt sharing one page with a running prefill waits for it."""
+    sched = make(tokenizer, chunk=64, page=16, shared_prefill_min_tokens=20)
+    head = list(range(10, 26))  # one page in common
+    first = Req("first", head + list(range(300, 340)), params())
+    second = Req("second", head + list(range(200, 240)), params())
+    add(sched, first, second)
+    step(sched)
+    assert sched.stats.deferred_admissions == 1 and second.state == ReqState.WAITING
+
+
+# -- disaggregation hooks -----------------------------------------------------------------------
+
+
+def test_add_running_decodes_from_kv_it_did_not_compute(tokenizer: Tokenizer) -> None:
+    sched = make(tokenizer, pool=64)
+    released: list[str] = []
+    sched.on_release = lambda r: released.append(r.rid)
+    r = req("r", 10, max_new_tokens=3)
+    row = sched.req_to_token.alloc()
+    slots = sched.allocator.alloc(10)
+    assert row is not None and slots is not None
+    sched.req_to_token.write(row, 0, slots)
+    r.req_pool_idx, r.kv_len, r.state = row, 10, ReqState.DECODE
+    sched.stop_checker.append(r, TOKEN)  # the first token came with the KV
+    sched.add_running(r)
+    assert sched.running == [r] and sched.cache.total_size() == 10
+    assert shape(step(sched)) == (["r"], [1], 1)
+    run_to_idle(sched)
+    assert r.output_ids == [TOKEN] * 3 and released == ["r"]
+    sched.check_no_leak()
+    done = req("done", 10, max_new_tokens=1)
+    row = sched.req_to_token.alloc()
+    slots = sched.allocator.alloc(10)
+    assert row is not None and slots is not None
+    sched.req_to_token.write(row, 0, slots)
+    done.req_pool_idx, done.kv_len, done.state = row, 10, ReqState.DECODE
+    sched.stop_checker.append(done, TOKEN)
+    assert done.finished
+    sched.add_running(done)
+    assert not sched.running and done.req_pool_idx is None and released == ["r", "done"]
+    sched.check_no_leak()
+
+
+# -- speculation: draft slots, verify entries, commit --------------------------------------------
+
+
+class FakeSpeculator:
+    """Drafts ``draft`` tokens for every request it is asked about (cut to the limit)."""
+
+    name = "fake"
+
+    def __init__(self, k: int, draft: Sequence[int], fail: bool = False) -> None:
+        self.k, self.draft, self.fail = k, list(draft), fail
+        self.limits: list[list[int]] = []
+        self.verified_calls: list[tuple[list[str], list[int], list[int], int]] = []
+        self.released: list[str] = []
+        self.forgotten: list[str] = []
+        self.algorithm = self
+
+    def draft_length(self, batch_size: int) -> int:
+        return self.k
+
+    def wants(self, req: Req) -> bool:
+        return req.rid != "plain"
+
+    def propose(self, reqs: Sequence[Req], limits: Sequence[int]) -> list[Draft]:
+        self.limits.append(list(limits))
+        if self.fail:
+            raise RuntimeError("drafter down")
+        return [Draft(self.draft[:n]) for n in limits]
+
+    def verified(self, reqs: Any, drafted: Any, accepted: Any, batch_size: int) -> None:
+        self.verified_calls.append(
+            ([r.rid for r in reqs], list(drafted), list(accepted), batch_size)
+        )
+
+    def release(self, rid: str) -> None:
+        self.released.append(rid)
+
+    def forget(self, rid: str) -> None:
+        self.forgotten.append(rid)
+
+
+def test_verify_entries_extend_over_the_draft_and_commit_the_accepted_tokens(
+    tokenizer: Tokenizer,
+) -> None:
+    spec = FakeSpeculator(3, [21, 22, 23])
+    sched = make(tokenizer, pool=64, speculator=spec, chunk=16)
+    r, plain = req("r", 6, max_new_tokens=20), req("plain", 4, start=50, max_new_tokens=20)
+    add(sched, r, plain)
+    step(sched)
+    batch = sched.schedule()
+    assert batch is not None
+    assert shape(batch) == (["plain", "r"], [1, 4], 1)
+    assert list(batch.drafts) == [1] and batch.drafts[1].tokens == [21, 22, 23]
+    assert spec.limits == [[3]]
+    assert sched.needs_sampling(batch) == [0, 1]
+    # The target accepts one draft token and emits its own: the KV of positions 6 (the last
+    # token) and 7 (the accepted draft) is kept, that of 8 and 9 goes back.
+    free_before = sched.allocator.available()
+    changed = sched.process_output(
+        batch, {0: (TOKEN, None, None), 1: [(21, None, None), (30, None, None)]}
+    )
+    assert changed == [plain, r]
+    assert r.output_ids == [TOKEN, 21, 30] and r.kv_len == 8 and r.num_pending == 0
+    assert sched.allocator.available() == free_before + 2
+    assert spec.verified_calls == [(["r"], [3], [1], 2)]
+    check_accounting(sched)
+    run_to_idle(sched)
+    assert len(r.output_ids) == 20 and "r" in spec.released and "r" in spec.forgotten
+
+
+def test_drafts_are_cut_to_what_the_request_may_still_emit(tokenizer: Tokenizer) -> None:
+    spec = FakeSpeculator(8, list(range(21, 29)))
+    sched = make(tokenizer, pool=64, speculator=spec, context=24)
+    near_len = req("len", 6, max_new_tokens=4)
+    near_ctx = req("ctx", 16, max_new_tokens=50, start=40)
+    add(sched, near_len, near_ctx)
+    step(sched)
+    batch = sched.schedule()
+    # len: 1 of 4 out, 3 left, the verify emits one more: 2 drafts; ctx: 24 - 17 = 7 left: 6.
+    assert spec.limits == [[2, 6]]
+    assert batch is not None and batch.extend_lens == [3, 7]
+    sched.process_output(batch, sampled_for(sched, batch))
+    assert len(near_len.output_ids) == 4 and near_len.finished
+    assert len(near_ctx.input_ids) + len(near_ctx.output_ids) == 24 and near_ctx.finished
+    sched.check_no_leak()
+
+
+def test_a_failing_drafter_or_an_empty_draft_leaves_plain_decodes(tokenizer: Tokenizer) -> None:
+    for spec in (FakeSpeculator(3, [21, 22, 23], fail=True), FakeSpeculator(3, [])):
+        sched = make(tokenizer, pool=64, speculator=spec)
+        r = req("r", 6, max_new_tokens=5)
+        add(sched, r)
+        step(sched)
+        free = sched.allocator.available()
+        batch = sched.schedule()
+        assert batch is not None and shape(batch) == (["r"], [1], 1) and not batch.drafts
+        assert sched.allocator.available() == free - 1  # the draft slots went back
+        sched.process_output(batch, sampled_for(sched, batch))
+        run_to_idle(sched)
+        assert r.output_ids == [TOKEN] * 5
+        sched.check_no_leak()
+
+
+def test_rejected_draft_slots_are_freed_in_whole_pages_only(tokenizer: Tokenizer) -> None:
+    spec = FakeSpeculator(6, [21, 22, 23, 24, 25, 26])
+    sched = make(tokenizer, pool=64, page=4, speculator=spec)
+    r = req("r", 6, max_new_tokens=30)
+    add(sched, r)
+    size = sched.allocator.size
+    step(sched)  # positions 0..5 in pages [0, 4) and [4, 8)
+    batch = sched.schedule()  # verify over positions 6..12: pages up to [12, 16)
+    assert batch is not None and batch.extend_lens == [7]
+    assert sched.allocator.available() == size - 16
+    sched.process_output(batch, {0: [(21, None, None), (40, None, None)]})
+    # Kept positions 0..7; the pages [8, 12) and [12, 16) go back.
+    assert r.kv_len == 8 and sched.allocator.available() == size - 8
+    check_accounting(sched)
+    batch = sched.schedule()  # verify over 8..14: pages [8, 12) and [12, 16) again
+    assert batch is not None and batch.extend_lens == [7]
+    assert sched.allocator.available() == size - 16
+    sched.process_output(batch, {0: [(50, None, None)]})  # nothing accepted: keep 0..8
+    # Position 8's page stays (it is written into); [12, 16) goes back.
+    assert r.kv_len == 9 and sched.allocator.available() == size - 12
+    check_accounting(sched)
+
+
+# -- grammar: rejected tokens and jump-forward ----------------------------------------------------
+
+
+class FakeStepper:
+    """Rejects token 99 (ending the request); forces ``forced`` after token 42."""
+
+    def __init__(self, forced: list[int]) -> None:
+        self.forced = forced
+
+    def accept(self, req: Req, token: int) -> bool:
+        if token == 99:
+            req.finish(FinishReason("abort", message="rejected"))
+            return False
+        return True
+
+    def after_token(self, req: Req) -> list[int]:
+        return list(self.forced) if req.output_ids[-1] == 42 else []
+
+
+def test_jump_forward_tokens_are_appended_and_extended_over_next_step(
+    tokenizer: Tokenizer,
+) -> None:
+    sched = make(tokenizer, grammar=FakeStepper([61, 62]))
+    r = req("r", 5, max_new_tokens=10)
+    r.grammar = object()
+    add(sched, r)
+    step(sched, token=42)
+    assert r.output_ids == [42, 61, 62] and r.state == ReqState.PREFILL
+    batch = step(sched)
+    assert shape(batch) == (["r"], [3], 0)  # 42, 61, 62 get their KV; the last samples
+    assert r.output_ids == [42, 61, 62, TOKEN] and r.state == ReqState.DECODE
+    batch = step(sched, token=99)
+    assert r.finish_reason == FinishReason("abort", message="rejected")
+    assert r.output_ids == [42, 61, 62, TOKEN] and not sched.running
+    # Forced tokens stop at the length limit.
+    sched = make(tokenizer, grammar=FakeStepper([61, 62, 63]))
+    r = req("r", 5, max_new_tokens=2)
+    r.grammar = object()
+    add(sched, r)
+    step(sched, token=42)
+    assert r.output_ids == [42, 61] and r.finished and not sched.running
+    sched.check_no_leak()
