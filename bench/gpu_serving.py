@@ -15,6 +15,13 @@ timed twice after its warm-up (bench/gpu.py's ``warm_and_time``). Rates are outp
 wall time, prefill included, EOS ignored. No grammar plugin is named anywhere: where no grammar
 package is installed (the GPU image has none) the platform's default grammar backend is none.
 
+Where the time goes, beside the rates: the engine steps each timed run took (serving reads
+``num_steps`` from /server_info) and so its milliseconds per step, and how busy each server
+process was (CPU seconds over wall seconds, from /proc: near 1.0, a process that the others
+wait for). ``--profile`` adds, last, the serving run once more with cProfile in the server's
+HTTP and engine processes (bench/serve_cprofile.py); each process's busiest functions are
+printed and the pstats files kept beside the JSON (``profile/``).
+
 Device command (one call, in the repo root, carrying ``.whl``: the wheels the GPU image lacks;
 bench/install_wheels.py installs only those, so none shadows the image's torch stack):
 
@@ -34,7 +41,9 @@ import argparse
 import asyncio
 import gc
 import importlib.metadata
+import io
 import os
+import pstats
 import shutil
 import signal
 import socket
@@ -48,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import serve_cprofile
 import serving
 import torch
 from common import format_table, machine_info, write_json
@@ -81,6 +91,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", type=float, default=0.9, help="serving / offline tuned, at least")
     p.add_argument("--server-timeout", type=float, default=420.0, help="seconds to get ready")
     p.add_argument("--skip-ab", action="store_true")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="last, the serving run again with cProfile in the server's processes",
+    )
     p.add_argument("--workdir", default=None, help="where the model directory is written")
     p.add_argument("--json-out", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny shape, few short prompts, cpu")
@@ -149,6 +164,49 @@ def prompt_ids(args: argparse.Namespace, seed: int, output_len: int) -> list[lis
     return [r.input_ids for r in serving.make_requests(sent, SHAPES[args.shape]["vocab_size"])]
 
 
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc), None if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_processes(pid: int) -> dict[str, int]:
+    """The server's HTTP process and its children (the engine process among them), by name."""
+    found = {"http": pid}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            name, rest = stat.read_text().rsplit(")", 1)
+        except OSError:
+            continue
+        if int(rest.split()[1]) == pid:
+            child = int(stat.parent.name)
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            # multiprocessing's spawned children: the engine; its resource tracker is not one
+            kind = "engine" if "spawn_main" in cmdline else f"other:{child}"
+            found[kind] = child
+    return found
+
+
+def cpu_snapshot(procs: dict[str, int]) -> dict[str, float | None]:
+    return {name: process_cpu_seconds(pid) for name, pid in procs.items()}
+
+
+def busy_fractions(
+    before: dict[str, float | None], after: dict[str, float | None], wall: float
+) -> dict[str, float]:
+    """CPU seconds each process spent over ``wall`` seconds: 1.0 is one core always busy, so
+    a process near 1.0 is what the others wait for (Python runs on one core)."""
+    out = {}
+    for name, start in before.items():
+        end = after.get(name)
+        if start is not None and end is not None:
+            out[name] = round((end - start) / wall, 3)
+    return out
+
+
 def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path, timeout: float) -> float:
     start = time.perf_counter()
     while time.perf_counter() - start < timeout:
@@ -176,17 +234,23 @@ def stop_server(proc: subprocess.Popen[bytes]) -> int:
     return proc.returncode
 
 
-def run_server(model_dir: Path, args: argparse.Namespace, log: Path) -> dict[str, Any]:
-    """The server with no flag but the model path (and where to listen), measured."""
+def run_server(
+    model_dir: Path, args: argparse.Namespace, log: Path, profile_dir: Path | None = None
+) -> dict[str, Any]:
+    """The server with no flag but the model path (and where to listen), measured. With
+    ``profile_dir`` both of its processes run under cProfile (bench/serve_cprofile.py)."""
     res: dict[str, Any] = {}
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [*server_command(), "serve", "--model-path", str(model_dir)]
+    wrapper = [sys.executable, str(Path(__file__).parent / "serve_cprofile.py")]
+    cmd = [*(wrapper if profile_dir else server_command()), "serve", "--model-path", str(model_dir)]
     cmd += ["--host", "127.0.0.1", "--port", str(port)]
     res["server_command"] = " ".join(cmd)
     print(f"  {res['server_command']}  (log: {log})", flush=True)
     # the smoke run shares a small CPU machine: one intra-op thread (not a server flag)
     env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if args.smoke else {})}
+    if profile_dir is not None:
+        env[serve_cprofile.PROFILE_DIR_ENV] = str(profile_dir)
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
@@ -202,8 +266,20 @@ def run_server(model_dir: Path, args: argparse.Namespace, log: Path) -> dict[str
         warm = asyncio.run(serving.run(serving_args(args, url, 1, warm_len)))
         res["serving_warmup_failed"] = warm["failed"]
         print(f"  warm-up: {warm['completed']} requests, {warm['failed']} failed", flush=True)
+        procs = server_processes(proc.pid)
+        steps_before = httpx.get(url + "/server_info", timeout=30).json().get("num_steps")
+        cpu_before, start = cpu_snapshot(procs), time.perf_counter()
         summary = asyncio.run(serving.run(serving_args(args, url, 0, args.output_len)))
+        wall = time.perf_counter() - start
+        res["serving_process_busy"] = busy_fractions(cpu_before, cpu_snapshot(procs), wall)
+        steps_after = httpx.get(url + "/server_info", timeout=30).json().get("num_steps")
+        if steps_before is not None and steps_after is not None:
+            res["serving_steps"] = steps_after - steps_before
+            res["serving_ms_per_step"] = 1000 * summary["duration_s"] / res["serving_steps"]
         serving.print_summary(summary)
+        print(f"  busy (CPU s / wall s): {res['serving_process_busy']}; engine steps "
+              f"{res.get('serving_steps')}, {res.get('serving_ms_per_step', 0):.2f} ms each",
+              flush=True)  # fmt: skip
         res["serving"] = summary
         if summary["failed"] == 0:  # a rate over fewer requests would not be this workload's
             res["serving_tok_s"] = summary["output_throughput"]
@@ -213,6 +289,27 @@ def run_server(model_dir: Path, args: argparse.Namespace, log: Path) -> dict[str
                   if line.startswith("radixserve: ")]  # fmt: skip
         res["server_banner"] = banner[:4]
     return res
+
+
+def run_profiled_server(
+    model_dir: Path, args: argparse.Namespace, log: Path, profile_dir: Path
+) -> dict[str, Any]:
+    """The same serving run with cProfile in both server processes (slower: its rates are not
+    the server's); prints each process's busiest functions, keeps the pstats files."""
+    res = run_server(model_dir, args, log, profile_dir)
+    out: dict[str, Any] = {
+        f"profiled_{k}": v for k, v in res.items() if not k.startswith("server_")
+    }
+    for name in ("engine", "http"):
+        path = profile_dir / f"{name}.pstats"
+        if not path.exists():
+            out[f"profiled_{name}_missing"] = str(path)
+            continue
+        text = io.StringIO()
+        pstats.Stats(str(path), stream=text).sort_stats("tottime").print_stats(30)
+        print(f"--- {name} process, by own time (top 30) ---\n{text.getvalue()}", flush=True)
+        out[f"profiled_{name}_pstats"] = str(path)
+    return out
 
 
 def run_offline(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -226,9 +323,18 @@ def run_offline(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         res: dict[str, Any] = {"offline_start_s": time.perf_counter() - start}
         res["offline_settings"] = engine.core.runner.settings.describe()
         run_generate(engine, prompt_ids(args, 1, warm_len), warm_len)
+        stats = engine.core.scheduler.stats
+        steps_before, cpu_before = stats.steps, process_cpu_seconds(os.getpid())
         seconds = run_generate(engine, prompt_ids(args, 0, args.output_len), args.output_len)
+        cpu_after = process_cpu_seconds(os.getpid())
         res["offline_tuned_tok_s"] = args.num_prompts * args.output_len / seconds
-        print(f"  offline tuned: {res['offline_tuned_tok_s']:.1f} tok/s", flush=True)
+        res["offline_steps"] = stats.steps - steps_before
+        res["offline_ms_per_step"] = 1000 * seconds / res["offline_steps"]
+        if cpu_before is not None and cpu_after is not None:
+            res["offline_process_busy"] = round((cpu_after - cpu_before) / seconds, 3)
+        print(f"  offline tuned: {res['offline_tuned_tok_s']:.1f} tok/s, {res['offline_steps']} "
+              f"steps, {res['offline_ms_per_step']:.2f} ms each, busy "
+              f"{res.get('offline_process_busy')}", flush=True)  # fmt: skip
     finally:
         engine.shutdown()
     return res
@@ -292,6 +398,10 @@ def main(argv: list[str] | None = None) -> int:
              ("offline", lambda: run_offline(model_dir, args))]  # fmt: skip
     if not args.skip_ab:
         steps.append(("alternating", lambda: run_alternating(model_dir, args, res)))
+    if args.profile:
+        prof_dir = Path(out).parent / "profile" if out else workdir / "profile"
+        prof_log = log.with_name(log.name.replace(".server.log", ".profiled-server.log"))
+        steps.append(("profiled", lambda: run_profiled_server(model_dir, args, prof_log, prof_dir)))
     for name, fn in steps:
         print(f"[{name}] at {time.perf_counter() - begin:.0f} s", flush=True)
         phase(res, name, fn, out)
@@ -313,6 +423,14 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
          r.get("serving_tok_s"), r.get("serving_over_offline"), f">= {args.target} of offline"],
         ["offline Engine, tuned flags, same prompts, tok/s", r.get("offline_tuned_tok_s"), None,
          None],
+    ]  # fmt: skip
+    rows += [
+        ["engine steps of the timed run: serve / offline", f"{r.get('serving_steps')} / "
+         f"{r.get('offline_steps')}", None, None],
+        ["ms per engine step: serve / offline", f"{r.get('serving_ms_per_step') or 0:.2f} / "
+         f"{r.get('offline_ms_per_step') or 0:.2f}", None, None],
+        ["busy (CPU s / wall s): serve's processes; offline", str(r.get("serving_process_busy")),
+         r.get("offline_process_busy"), None],
     ]  # fmt: skip
     for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_latency_ms") if r.get("serving") else ():
         st = r["serving"][key]
