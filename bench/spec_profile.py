@@ -1,5 +1,11 @@
-"""Where a speculative step's time goes at batch 1 (a cProfile of the engine loop), for the
-8B shape on CUDA with simulated acceptance. A diagnostic, not a benchmark."""
+"""Where a speculative step's time goes at batch 1, for the 8B shape on CUDA with simulated
+acceptance: a cProfile of the engine loop (host time), then a torch.profiler trace of a shorter
+run, which gives the device's busy time per step against the step's wall time (the difference
+is time the GPU waits for the host) and the kernels it spends it on. A diagnostic, not a
+benchmark.
+
+    python bench/spec_profile.py TARGET_DIR DRAFT_DIR
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,8 @@ import random
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -51,4 +59,21 @@ for name, kw in (("off", {}), ("spec", spec)):
     prof.disable()
     print(f"{name}: {steps} steps, {seconds / steps * 1e3:.2f} ms/step, {256 / seconds:.1f} tok/s")
     pstats.Stats(prof).sort_stats("cumulative").print_stats(28)
+    if torch.cuda.is_available():
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            steps = run(128)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+        events = trace.key_averages()
+        # Kernels only (a CPU op's device time is that of the kernels it launched).
+        device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+        print(
+            f"{name} traced: {steps} steps, wall {seconds / steps * 1e3:.2f} ms/step, "
+            f"device busy {device_us / steps / 1e3:.2f} ms/step (incl. the 512-token prefill)"
+        )
+        print(events.table(sort_by="self_device_time_total", row_limit=20))
     core.shutdown()
