@@ -779,3 +779,97 @@ def test_jump_forward_tokens_are_appended_and_extended_over_next_step(
     step(sched, token=42)
     assert r.output_ids == [42, 61] and r.finished and not sched.running
     sched.check_no_leak()
+
+
+# -- overlap: the next step is scheduled before this one's tokens are committed ------------------
+
+
+def test_overlapped_steps_count_pending_tokens_and_skip_requests_that_ended_meanwhile(
+    tokenizer: Tokenizer,
+) -> None:
+    sched = make(tokenizer)
+    a = req("a", 5, max_new_tokens=2)
+    b = req("b", 5, max_new_tokens=9, start=50, stop_token_ids=[8])
+    add(sched, a, b)
+    first = sched.schedule(allow_retract=False)
+    assert first is not None
+    sched.advance(first)
+    assert (a.num_pending, a.seq_len, a.num_output_tokens) == (1, 6, 1)
+    second = sched.schedule(allow_retract=False)  # a's pending token is not its last
+    assert shape(second) == (["a", "b"], [1, 1], 2) and second is not None
+    sched.advance(second)
+    assert a.num_output_tokens == 2
+    assert sched.commit(first, {0: (TOKEN, None, None), 1: (TOKEN, None, None)}) == [a, b]
+    third = sched.schedule(allow_retract=False)  # a's pending token ends it: no step
+    assert shape(third) == (["b"], [1], 1) and third is not None
+    sched.advance(third)
+    # b's stop token arrives one step late: third, already launched, ran it for nothing.
+    changed = sched.commit(second, {0: (TOKEN, None, None), 1: (8, None, None)})
+    assert changed == [a, b] and a.finished and a.output_ids == [TOKEN, TOKEN]
+    assert b.output_ids == [TOKEN, 8] and b.finish_reason == FinishReason("stop", matched=8)
+    assert sched.commit(third, {0: (TOKEN, None, None)}) == []  # its token is dropped
+    assert b.output_ids == [TOKEN, 8]
+    assert not sched.has_work()
+    sched.check_no_leak()
+
+
+def test_stalled_prefills_with_tokens_pending_raise_instead_of_retracting(
+    tokenizer: Tokenizer,
+) -> None:
+    sched = make(tokenizer, pool=64, chunk=8, radix=False, grammar=FakeStepper([61, 62]))
+    a, b = req("a", 5, max_new_tokens=10), req("b", 30, start=60)
+    a.grammar = object()
+    add(sched, a, b)
+    step(sched)
+    step(sched, token=42)
+    stolen = sched.allocator.alloc(sched.allocator.available())
+    assert stolen is not None
+    with pytest.raises(RetractionNeeded):
+        sched.schedule(allow_retract=False)
+    assert b.num_retractions == 0 and sched.running == [a, b]
+
+
+def test_no_table_row_or_no_kv_leaves_the_request_waiting_and_unlocks_its_prefix(
+    tokenizer: Tokenizer,
+) -> None:
+    sched = make(tokenizer, pool=64, running=2)
+    add(sched, req("warm", 20, max_new_tokens=1))
+    run_to_idle(sched)
+    rows = [sched.req_to_token.alloc() for _ in range(3)]
+    assert None not in rows and sched.req_to_token.available() == 0
+    r = req("r", 30)  # its first 20 tokens are cached
+    add(sched, r)
+    assert sched.schedule() is None and list(sched.waiting) == [r]
+    for row in rows:
+        assert row is not None
+        sched.req_to_token.free(row)
+    stolen = sched.allocator.alloc(sched.allocator.available())
+    assert stolen is not None
+    sched.cache.inc_lock_ref(sched.cache.match_prefix(list(range(10, 30)))[1])  # not evictable
+    assert sched.schedule() is None and list(sched.waiting) == [r]
+    assert sched.cache.locked_size == 20  # only our own lock: the admission gave its back
+    assert sched.req_to_token.available() == 3 and r.req_pool_idx is None
+
+
+def test_no_drafts_when_the_policy_says_zero_or_their_slots_do_not_fit(
+    tokenizer: Tokenizer,
+) -> None:
+    spec = FakeSpeculator(0, [21, 22])
+    sched = make(tokenizer, speculator=spec)
+    add(sched, req("r", 6))
+    step(sched)
+    batch = step(sched)
+    assert batch is not None and not batch.drafts and spec.limits == []
+    spec = FakeSpeculator(4, [21, 22, 23, 24])
+    sched = make(tokenizer, pool=16, radix=False, speculator=spec)
+    r = req("r", 10, max_new_tokens=8)
+    add(sched, r)
+    step(sched)
+    stolen = sched.allocator.alloc(sched.allocator.available() - 1)  # room for the decode only
+    assert stolen is not None
+    batch = sched.schedule()
+    assert shape(batch) == (["r"], [1], 1) and spec.limits == [] and batch is not None
+    sched.process_output(batch, sampled_for(sched, batch))
+    assert r.output_ids == [TOKEN, TOKEN]
+    sched.allocator.free(stolen)
+    check_accounting(sched)
