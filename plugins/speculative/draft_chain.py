@@ -51,9 +51,11 @@ class DraftChainGraphs:
         self.pad_row = attention.bind_table(req_to_token)
         self.replays = 0  # proposals served by a graph (tests read it)
         self.refreshes = 0  # of which the graph that starts one position early
-        # [the two last tokens | first positions | k + 1 slots] per row, and [table rows |
-        # sequence lengths at the first step]
-        self.inputs = torch.zeros(4 + num_steps, self.max_bs, dtype=torch.int64, device=device)
+        # [the two last tokens | first positions | k + 1 slots] per row (``inputs``), then
+        # [table rows | sequence lengths at the first step], copied to ``meta`` as int32: one
+        # host-to-device copy a proposal.
+        self.staged = torch.zeros(6 + num_steps, self.max_bs, dtype=torch.int64, device=device)
+        self.inputs = self.staged[: 4 + num_steps]
         self.meta = torch.zeros(2, self.max_bs, dtype=torch.int32, device=device)
         self.meta[0].fill_(self.pad_row)
         self.meta[1].fill_(1)
@@ -103,28 +105,26 @@ class DraftChainGraphs:
         the first fed, and the slots of positions kv_len .. kv_len + k - 1 must be allocated."""
         bs = len(reqs)
         padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
+        pad = [0] * (self.max_bs - bs)
         table = self.req_to_token.table
-        rows = [r.req_pool_idx for r in reqs]
-        lens = [r.kv_len for r in reqs]
+        # Plain lists, one tensor built at the end: a proposal's host time is the GPU's idle
+        # time at batch 1 (the previous verify is done, this chain not yet queued).
         tails = [token_slice(r.input_ids, r.output_ids, r.kv_len - 1, 2) for r in reqs]
-        rows_t = torch.tensor(rows, dtype=torch.int64)
-        cols = torch.tensor(lens, dtype=torch.int64)[:, None] - 1 + torch.arange(self.k + 1)
-        slots = table[rows_t[:, None], cols].T  # [k + 1, bs]
-        host = torch.zeros(4 + self.k, self.max_bs, dtype=torch.int64)
-        host[:2, :bs] = torch.tensor(tails).T
-        host[2, :bs] = cols[:, 0]
-        host[3:, :bs] = slots
-        meta = torch.tensor(
-            [
-                rows + [self.pad_row] * (self.max_bs - bs),
-                lens + [1] * (self.max_bs - bs),
-            ],
-            dtype=torch.int32,
-        )
+        slots = [table[r.req_pool_idx, r.kv_len - 1 : r.kv_len + self.k].tolist() for r in reqs]
+        host = [
+            [t[0] for t in tails] + pad,
+            [t[1] for t in tails] + pad,
+            [r.kv_len - 1 for r in reqs] + pad,
+            *(list(step) + pad for step in zip(*slots, strict=True)),
+            [r.req_pool_idx for r in reqs] + [self.pad_row] * len(pad),
+            [r.kv_len for r in reqs] + [1] * len(pad),
+        ]
+        staged = torch.tensor(host, dtype=torch.int64)
         self.req_to_token.sync()
-        pinned = self.inputs.device.type != "cpu"  # pinned: the copy does not wait on the GPU
-        self.inputs.copy_(host.pin_memory() if pinned else host, non_blocking=True)
-        self.meta.copy_(meta.pin_memory() if pinned else meta, non_blocking=True)
+        if self.staged.device.type != "cpu":
+            staged = staged.pin_memory()  # pinned: the copy does not wait on the GPU
+        self.staged.copy_(staged, non_blocking=True)
+        self.meta.copy_(self.staged[4 + self.k :])
         self.graphs[padded, refresh].replay()
         self.replays += 1
         self.refreshes += refresh
