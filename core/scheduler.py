@@ -114,6 +114,11 @@ class Scheduler:
         )
         self._retracted_this_step = False
         self._scheduled: dict[str, int] = {}  # rid -> tokens given KV slots for this step
+        # During admission: the running requests' KV reserve and those still prefilling, taken
+        # once a step and kept up to date per admitted request (recomputed per admission, they
+        # cost O(running) each, paid on every arrival by a server with hundreds running).
+        self._reserved = 0.0
+        self._prefilling: list[Req] = []
         # Called with a request whose slots are about to be released (a prefill server sends
         # their KV then; core/disaggregation.py).
         self.on_release: Callable[[Req], None] | None = None
@@ -505,6 +510,10 @@ class Scheduler:
             return peeked[r.rid]
 
         admitted: list[tuple[Req, int]] = []
+        self._reserved = sum(self._reserve_of(r) for r in self.running)
+        self._prefilling = [
+            r for r in self.running if r.state == ReqState.PREFILL and r.pooling is None
+        ]
         ordered = order_waiting(self.config.schedule_policy, list(self.waiting), peek, self._rng)  # type: ignore[arg-type]
         for req in ordered:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
@@ -525,11 +534,7 @@ class Scheduler:
         identical prompt sent together, a sibling of n>1): it then waits one step or more, and
         is admitted from the cache once that prefill has put the shared tokens there.
         ``peek(req)`` says how much of it the cache holds now."""
-        prefilling = [
-            r
-            for r in self.running
-            if r.state == ReqState.PREFILL and r.extra_key == req.extra_key and r.pooling is None
-        ]
+        prefilling = [r for r in self._prefilling if r.extra_key == req.extra_key]
         if not prefilling:
             return False
         limit = _match_limit(req)
@@ -569,20 +574,23 @@ class Scheduler:
         req.state = ReqState.PREFILL
         self.running.append(req)
         self._scheduled[req.rid] = chunk
+        self._reserved += self._reserve_of(req)
+        if req.pooling is None:
+            self._prefilling.append(req)
         return chunk
 
     def _fits_with_reserve(self, req: Req, uncached: int) -> bool:
         """Whether ``req``'s uncached prompt and its share of future tokens fit beside what the
         running requests still need (their unprefilled prompts and their share). Called with
         ``req``'s prefix locked, so the cache it shares is not counted as evictable."""
-        ratio = self.new_token_ratio
-        reserved = sum(
-            (r.seq_len - r.kv_len - self._scheduled.get(r.rid, 0))  # prompt without slots yet
-            + ratio * self._remaining_new_tokens(r)
-            for r in self.running
-        )
-        room = self.allocator.available() + self.cache.evictable_size - reserved
-        return uncached + ratio * self._remaining_new_tokens(req) <= room
+        room = self.allocator.available() + self.cache.evictable_size - self._reserved
+        return uncached + self.new_token_ratio * self._remaining_new_tokens(req) <= room
+
+    def _reserve_of(self, r: Req) -> float:
+        """What running request ``r`` still needs: its prompt without slots yet, and its share
+        of the tokens it may still generate."""
+        unslotted = r.seq_len - r.kv_len - self._scheduled.get(r.rid, 0)
+        return unslotted + self.new_token_ratio * self._remaining_new_tokens(r)
 
     def _remaining_new_tokens(self, req: Req) -> int:
         left = req.sampling.max_new_tokens - req.num_output_tokens
