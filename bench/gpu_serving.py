@@ -384,6 +384,9 @@ def run_alternating(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     check_installed()
+    # a `timeout` around this script: stop the server on the way out (the finally blocks),
+    # rather than leave it holding the GPU for whatever runs next
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     begin = time.perf_counter()
     res: dict[str, Any] = {"args": vars(args), "machine": machine_info(), "versions": versions()}
     out = args.json_out
