@@ -114,6 +114,13 @@ class EngineConfig:
         "Most tokens computed per step (prefill chunks + decodes); -1 disables chunking "
         "(default: the hardware platform's)",
     )
+    prefill_shrink_after_decodes: int | None = _opt(
+        None,
+        "Past this many decodes in a step, the step's prefill tokens shrink in proportion "
+        "(chunk x this / decodes), so decodes sharing a step with a prefill chunk wait less "
+        "for it (inter-token latency); 0: every step takes a full chunk "
+        "(default: the hardware platform's)",
+    )
     schedule_policy: str = _opt("lpm", "Waiting-queue order: lpm, dfs-weight, fcfs, random")
     schedule_conservativeness: float = _opt(
         1.0,
@@ -268,6 +275,9 @@ class EngineConfig:
                 f"max_total_tokens={self.max_total_tokens} holds no page of page_size="
                 f"{self.page_size} besides the reserved one; give at least {2 * self.page_size}"
             )
+        shrink = self.prefill_shrink_after_decodes
+        if shrink is not None and shrink < 0:
+            raise ConfigError(f"prefill_shrink_after_decodes must be >= 0, got {shrink}")
         chunk = self.chunked_prefill_size
         if chunk is not None and (chunk == 0 or chunk < -1):
             raise ConfigError(
@@ -400,6 +410,7 @@ CORE_DEFAULTS: dict[str, Any] = {
     "mem_fraction_static": 0.2,
     "chunked_prefill_size": 1024,
     "cuda_graph_max_bs": 256,
+    "prefill_shrink_after_decodes": 0,
 }
 
 
@@ -412,6 +423,7 @@ class PlatformSettings:
     mem_fraction_static: float
     chunked_prefill_size: int
     cuda_graph_max_bs: int
+    prefill_shrink_after_decodes: int
     origins: dict[str, str]
 
     def describe(self) -> dict[str, dict[str, Any]]:

@@ -81,6 +81,7 @@ class EngineCore:
             SchedulerConfig(
                 max_running_requests=settings.max_running_requests,
                 chunked_prefill_size=settings.chunked_prefill_size,
+                prefill_shrink_after_decodes=settings.prefill_shrink_after_decodes,
                 schedule_policy=config.schedule_policy,
                 max_context=self.max_context,
                 random_seed=config.random_seed,

@@ -51,7 +51,8 @@ class HardwarePlatform(ABC):
 
     def engine_defaults(self, model: ModelConfig, weight_bytes: int) -> dict[str, Any]:
         """This device's defaults for any of the settings in ``core.config.CORE_DEFAULTS``
-        (max_running_requests, mem_fraction_static, chunked_prefill_size, cuda_graph_max_bs).
+        (max_running_requests, mem_fraction_static, chunked_prefill_size, cuda_graph_max_bs,
+        prefill_shrink_after_decodes).
         A flag the user gives wins; a setting left out here takes the core's default. The
         ready banner and /server_info show each value with where it came from."""
         return {}

@@ -1,4 +1,5 @@
-"""Waiting-queue orders: lpm (longest prefix match first), dfs-weight, fcfs, random."""
+"""Waiting-queue orders (lpm: longest prefix match first, dfs-weight, fcfs, random) and how
+many prefill tokens a step may take beside its decodes."""
 
 from __future__ import annotations
 
@@ -33,6 +34,23 @@ def order_waiting(
     if policy == "dfs-weight":
         return _dfs_weight_order(waiting, {id(r): matches[id(r)][1] for r in waiting})
     raise ValueError(f"unknown schedule policy '{policy}'")
+
+
+def prefill_budget(chunk_size: int, num_decodes: int, shrink_after_decodes: int = 0) -> int:
+    """Prefill tokens a step may compute beside ``num_decodes`` decodes.
+
+    A step computes at most ``chunk_size`` tokens, its decodes one each (-1: no limit). With
+    ``shrink_after_decodes`` > 0 and more decodes than that in the step, its prefill part
+    shrinks in proportion, to ``chunk_size * shrink_after_decodes / num_decodes`` tokens:
+    every decode of a step waits for the step's prefill, so the more decodes share a step, the
+    smaller the chunk they should wait for (the inter-token latency tail), while a step with
+    few or no decodes still takes a full chunk (requests reach decoding as fast as before)."""
+    if chunk_size <= 0:
+        return (1 << 62) - num_decodes
+    budget = chunk_size - num_decodes
+    if 0 < shrink_after_decodes < num_decodes:
+        budget = min(budget, chunk_size * shrink_after_decodes // num_decodes)
+    return budget
 
 
 def _dfs_weight_order(waiting: list[Req], nodes: dict[int, TreeNode]) -> list[Req]:

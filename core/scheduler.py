@@ -23,7 +23,7 @@ from radixserve.core.logprobs import first_scored_position
 from radixserve.core.memory import ReqToTokenPool, TokenAllocator
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
 from radixserve.core.request import FinishReason, Req, ReqState, token_slice
-from radixserve.core.schedule_policy import order_waiting
+from radixserve.core.schedule_policy import order_waiting, prefill_budget
 from radixserve.core.speculative import SampledToken, Speculator, speculating
 from radixserve.core.stop import StopChecker, TopLogprobs
 
@@ -48,6 +48,9 @@ class SchedulerConfig:
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.098
     new_token_ratio_decay_steps: int = 600
+    # Past this many decodes in a step, its prefill tokens shrink in proportion (0: never;
+    # schedule_policy.prefill_budget).
+    prefill_shrink_after_decodes: int = 0
     # Requests whose uncached prompt shares at least this many tokens with one being prefilled
     # wait for that prefill to reach the cache instead of computing the same KV again.
     shared_prefill_min_tokens: int = 32
@@ -173,8 +176,10 @@ class Scheduler:
         self._scheduled = {}
         while True:
             decodes = self._schedule_decodes(allow_retract)
-            budget = self.config.chunked_prefill_size
-            budget = (budget if budget > 0 else 1 << 62) - len(decodes)
+            config = self.config
+            budget = prefill_budget(
+                config.chunked_prefill_size, len(decodes), config.prefill_shrink_after_decodes
+            )
             drafts = self._draft(decodes) if decodes and self.speculator is not None else {}
             budget -= sum(len(d.tokens) for d in drafts.values())
             prefills: list[tuple[Req, int]] = []

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Any
 
 import torch
 
+from radixserve.core.config import ModelConfig
 from radixserve.core.hookspecs import hookimpl
 from radixserve.core.interfaces import CausalLM, HardwarePlatform
 
@@ -26,6 +28,13 @@ class CpuPlatform(HardwarePlatform):
             "speculative": "none",
             "kv_transfer": "none",
         }
+
+    def engine_defaults(self, model: ModelConfig, weight_bytes: int) -> dict[str, Any]:
+        # A CPU step's time grows with its tokens, so the decodes sharing a step with a
+        # 1,024-token chunk wait for all of it (SmolLM2, 32 streams: ITL p99 7x p50). Past 8
+        # decodes the chunk shrinks in proportion; fewer decodes still get a full chunk.
+        # Measured in docs/BENCHMARKS.md (CPU serving, chunk size and inter-token latency).
+        return {"prefill_shrink_after_decodes": 8}
 
     # A host has far more memory than a CPU-served model's traffic needs; reserving all of
     # --mem-fraction-static of it would starve the machine.

@@ -11,7 +11,7 @@ import torch
 
 from radixserve.core.radix_cache import TreeNode
 from radixserve.core.request import Req, SamplingParams
-from radixserve.core.schedule_policy import LPM_MAX_QUEUE, order_waiting
+from radixserve.core.schedule_policy import LPM_MAX_QUEUE, order_waiting, prefill_budget
 
 ROOT = TreeNode([], torch.empty(0), None)
 
@@ -71,3 +71,25 @@ def test_lpm_sorts_by_match_length_keeping_arrival_order_on_ties() -> None:
 def test_unknown_policy_is_named() -> None:
     with pytest.raises(ValueError, match="unknown schedule policy 'sjf'"):
         order_waiting("sjf", reqs(2), lambda r: (0, ROOT), random.Random(0))
+
+
+# -- the prefill budget beside a step's decodes ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("decodes", "budget"),
+    [(0, 1024), (1, 1023), (8, 1016), (9, 910), (16, 512), (32, 256), (64, 128), (1020, 4)],
+)
+def test_prefill_shrinks_in_proportion_past_the_decode_count(decodes: int, budget: int) -> None:
+    # a full chunk (less a token per decode) up to 8 decodes, then chunk * 8 / decodes, and
+    # never more than the chunk leaves beside the decodes (1020 decodes: 4 tokens, not 8)
+    assert prefill_budget(1024, decodes, shrink_after_decodes=8) == budget
+
+
+@pytest.mark.parametrize("decodes", [0, 1, 32, 1023, 1024])
+def test_without_shrinking_decodes_count_against_the_chunk(decodes: int) -> None:
+    assert prefill_budget(1024, decodes) == prefill_budget(1024, decodes, 0) == 1024 - decodes
+
+
+def test_no_chunking_means_no_limit_and_no_shrinking() -> None:
+    assert prefill_budget(-1, 32, shrink_after_decodes=8) == (1 << 62) - 32

@@ -182,7 +182,8 @@ def test_model_and_server_info(server: RunningServer) -> None:
         # every platform-chosen setting, resolved, with where it came from
         settings = info["engine_settings"]
         assert set(settings) == {"max_running_requests", "mem_fraction_static",
-                                 "chunked_prefill_size", "cuda_graph_max_bs"}  # fmt: skip
+                                 "chunked_prefill_size", "cuda_graph_max_bs",
+                                 "prefill_shrink_after_decodes"}  # fmt: skip
         for name, entry in settings.items():
             assert info[name] == entry["value"] is not None and entry["from"], name
 
