@@ -218,7 +218,7 @@ def _agreed_fast_all_reduce(
 
 
 #: seconds ``teardown`` waits for the group to close before it gives up on it
-TEARDOWN_TIMEOUT_S = 30.0
+TEARDOWN_TIMEOUT_S = 15.0
 _stuck_group = False  # an earlier group never closed (a new one cannot start here)
 
 
