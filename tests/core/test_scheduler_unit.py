@@ -873,3 +873,413 @@ def test_no_drafts_when_the_policy_says_zero_or_their_slots_do_not_fit(
     assert r.output_ids == [TOKEN, TOKEN]
     sched.allocator.free(stolen)
     check_accounting(sched)
+
+
+# -- budget edges ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("chunk", "extends"), [(0, [[5]]), (1, [[1]] * 5)])
+def test_chunk_size_zero_means_no_limit_and_one_means_one_token_a_step(
+    tokenizer: Tokenizer, chunk: int, extends: list[list[int]]
+) -> None:
+    sched = make(tokenizer, chunk=chunk)
+    add(sched, req("r", 5, max_new_tokens=1))
+    assert [b.extend_lens for b in run_to_idle(sched)] == extends
+
+
+def test_the_last_token_of_the_budget_still_admits_or_extends(tokenizer: Tokenizer) -> None:
+    sched = make(tokenizer, chunk=4)
+    a, b = req("a", 3), req("b", 5, start=40)
+    add(sched, a, b)
+    assert shape(step(sched)) == (["b", "a"], [1, 3], 1)  # b's chunk is the budget's last token
+    sched = make(tokenizer, chunk=3)
+    a, b, c = req("a", 1), req("b", 1, start=40), req("c", 9, start=80)
+    add(sched, a, b, c)
+    assert shape(step(sched)) == (["a", "b", "c"], [1, 1, 1], 3)
+    assert shape(step(sched)) == (["a", "b", "c"], [1, 1, 1], 3)  # 3 - 2 decodes: c gets 1
+    assert c.kv_len == 2
+
+
+def test_draft_tokens_come_out_of_the_prefill_budget(tokenizer: Tokenizer) -> None:
+    for chunk, c_chunk in ((6, 2), (4, 0)):
+        spec = FakeSpeculator(3, [21, 22, 23])
+        sched = make(tokenizer, chunk=chunk, speculator=spec)
+        a, c = req("a", 1, max_new_tokens=20), req("c", 20, start=80)
+        add(sched, a, c)
+        step(sched)  # a: 1, c: chunk - 1
+        before = c.kv_len
+        batch = step(sched)  # a verifies 1 + 3 tokens; c gets what is left
+        assert batch is not None and batch.extend_lens[0] == 4
+        assert c.kv_len - before == c_chunk
+        assert ("c" in [r.rid for r in batch.reqs]) == (c_chunk > 0)
+
+
+# -- admission details ----------------------------------------------------------------------------
+
+
+def test_lpm_and_random_order_the_queue_through_the_scheduler(tokenizer: Tokenizer) -> None:
+    sched = make(tokenizer, schedule_policy="lpm", running=8)
+    add(sched, req("warm", 30, max_new_tokens=1))
+    run_to_idle(sched)
+    none = req("none", 12, start=200)
+    other_ns = Req("other-ns", list(range(10, 30)), params(), extra_key="b")  # no match there
+    emb = req("emb", 20)
+    emb.pooling = "last"  # embeddings match nothing
+    short, long = req("short", 12, start=10), req("long", 25, start=10)
+    add(sched, none, other_ns, emb, short, long)
+    step(sched)
+    assert [r.rid for r in sched.running] == ["long", "short", "none", "other-ns", "emb"]
+    orders = []
+    for _ in range(2):
+        sched = make(tokenizer, schedule_policy="random", random_seed=3, running=8)
+        add(sched, *[req(f"r{i}", 4, start=20 * i) for i in range(6)])
+        step(sched)
+        orders.append([r.rid for r in sched.running])
+    assert orders[0] == orders[1] and sorted(orders[0]) == [f"r{i}" for i in range(6)]
+    assert orders[0] != [f"r{i}" for i in range(6)]
+
+
+def test_a_cached_prefix_is_not_counted_against_the_reserve_and_evictable_cache_is(
+    tokenizer: Tokenizer,
+) -> None:
+    """Ratio 0. The newcomer's 40 cached tokens are not counted (only its 5 new ones), and
+    unrelated cache (evictable) counts as room."""
+    sched = make(tokenizer, pool=64, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+    add(sched, req("warm", 40, max_new_tokens=1))
+    run_to_idle(sched)
+    runner = req("runner", 8, start=300)
+    add(sched, runner)
+    step(sched)  # 64 - 40 cached - 9 = 15 free
+    late = req("late", 45)
+    add(sched, late)
+    batch = sched.schedule()
+    assert shape(batch) == (["runner", "late"], [1, 5], 1) and batch is not None
+    prefix = sched.cache.match_prefix(list(range(10, 50)))[0]
+    assert late.req_pool_idx is not None
+    assert sched.req_to_token.table[late.req_pool_idx, :40].tolist() == prefix.tolist()
+    sched.process_output(batch, sampled_for(sched, batch))
+    run_to_idle(sched)
+    # Evictable room: 40 unrelated cached tokens, 15 free, a 30-token newcomer fits.
+    sched = make(tokenizer, pool=64, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+    add(sched, req("warm", 40, max_new_tokens=1))
+    run_to_idle(sched)
+    add(sched, req("runner", 8, start=300))
+    step(sched)
+    late = req("late", 30, start=500)
+    add(sched, late)
+    batch = step(sched)
+    assert batch is not None and "late" in [r.rid for r in batch.reqs]
+
+
+def test_admission_evicts_only_the_cache_it_needs_least_recently_used_first(
+    tokenizer: Tokenizer,
+) -> None:
+    sched = make(tokenizer, pool=40)
+    for i in range(3):  # three cached prompts of 10, oldest first; 10 slots free
+        add(sched, req(f"warm{i}", 10, max_new_tokens=1, start=100 * (i + 1)))
+        run_to_idle(sched)
+    assert sched.cache.evictable_size == 30
+    r = req("r", 20, start=1000, max_new_tokens=1)
+    add(sched, r)
+    batch = step(sched)
+    assert shape(batch) == (["r"], [20], 0)
+    kept = [len(sched.cache.match_prefix(list(range(100 * i, 100 * i + 10)))[0]) for i in (1, 2, 3)]
+    assert kept == [0, 10, 10]
+
+
+def test_deferred_requests_are_counted_each_and_do_not_block_the_queue(
+    tokenizer: Tokenizer,
+) -> None:
+    sched = make(tokenizer, chunk=64)
+    first, copy1, copy2 = req("first", 40), req("copy1", 40), req("copy2", 40)
+    other = req("other", 10, start=500)
+    add(sched, first, copy1, copy2, other)
+    batch = step(sched)
+    assert shape(batch) == (["first", "other"], [40, 10], 0)
+    assert sched.stats.deferred_admissions == 2
+    # One shared token is enough when the minimum is 1.
+    sched = make(tokenizer, chunk=64, shared_prefill_min_tokens=1)
+    add(sched, req("a", 10), Req("b", [10, 500, 501], params()))
+    step(sched)
+    assert sched.stats.deferred_admissions == 1
+
+
+def test_a_refused_admission_gives_back_its_row_and_lock(tokenizer: Tokenizer) -> None:
+    sched = make(tokenizer, pool=64, init_new_token_ratio=0.5, min_new_token_ratio=0.5)
+    add(sched, req("warm", 20, max_new_tokens=1))
+    run_to_idle(sched)
+    runner = req("runner", 8, max_new_tokens=16, start=300)
+    add(sched, runner)
+    step(sched)
+    rows, locked = sched.req_to_token.available(), sched.cache.locked_size
+    # Shares warm's 20 tokens: 25 new + 0.5 * 9 > 35 free - 1 (runner's slot) - 0.5 * 15.
+    late = req("late", 45, max_new_tokens=9)
+    add(sched, late)
+    batch = sched.schedule()
+    assert batch is not None and [r.rid for r in batch.reqs] == ["runner"]
+    assert sched.req_to_token.available() == rows and sched.cache.locked_size == locked
+    sched.process_output(batch, sampled_for(sched, batch))
+    run_to_idle(sched)
+    assert len(late.output_ids) == 9 and len(runner.output_ids) == 16
+    sched.check_no_leak()
+
+
+@pytest.mark.parametrize(("prompt", "fits"), [(47, True), (48, False)])
+def test_a_request_without_new_tokens_reserves_nothing_for_them(
+    tokenizer: Tokenizer, prompt: int, fits: bool
+) -> None:
+    """Room 55 - 0.5 * 16 = 47; a score/embedding request (max_new_tokens 0) needs its prompt."""
+    sched = make(tokenizer, pool=64, radix=False, init_new_token_ratio=0.5, min_new_token_ratio=0.5)
+    add(sched, req("runner", 8, max_new_tokens=17))
+    step(sched)
+    late = req("late", prompt, max_new_tokens=0, start=100)
+    add(sched, late)
+    batch = sched.schedule()
+    assert batch is not None and ("late" in [r.rid for r in batch.reqs]) == fits
+
+
+@pytest.mark.parametrize(("prompt", "fits"), [(43, True), (44, False)])
+def test_the_reserve_counts_new_tokens_only_up_to_the_context_length(
+    tokenizer: Tokenizer, prompt: int, fits: bool
+) -> None:
+    """As the exact-boundary test, with max_new_tokens 500 cut by a context of 52 to 9."""
+    sched = make(
+        tokenizer,
+        pool=64,
+        radix=False,
+        context=52,
+        init_new_token_ratio=0.5,
+        min_new_token_ratio=0.5,
+    )
+    add(sched, req("runner", 8, max_new_tokens=16))
+    step(sched)
+    late = req("late", prompt, max_new_tokens=500, start=100)
+    add(sched, late)
+    batch = sched.schedule()
+    assert batch is not None and ("late" in [r.rid for r in batch.reqs]) == fits
+
+
+# -- retraction bookkeeping ---------------------------------------------------------------------
+
+
+def test_retraction_counts_add_up_and_the_step_neither_decays_the_ratio_nor_admits(
+    tokenizer: Tokenizer,
+) -> None:
+    sched = make(
+        tokenizer,
+        pool=80,
+        radix=False,
+        init_new_token_ratio=0.5,
+        min_new_token_ratio=0.1,
+        new_token_ratio_decay_steps=4,
+    )
+    old, new = req("old", 10, max_new_tokens=60), req("new", 10, max_new_tokens=60, start=60)
+    add(sched, old, new)
+    step(sched)
+    while not sched.stats.retractions:
+        step(sched)
+    # After the retraction: (decoded + 20) / (60 + 1) for old alone (old has one token more
+    # now), not decayed in that step.
+    expected = max((len(old.output_ids) - 1 + 20) / 61, 0.5)
+    assert 0.5 < expected < 1.0
+    assert sched.new_token_ratio == pytest.approx(expected)
+    step(sched)
+    assert sched.new_token_ratio == pytest.approx(expected - 0.1)
+    run_to_idle(sched)
+    # The counters add up, per request and in total.
+    a, b = req("a", 4, max_new_tokens=20), req("b", 4, max_new_tokens=20, start=50)
+    add(sched, a, b)
+    step(sched)
+    sched._retract(b)
+    step(sched)
+    step(sched)
+    assert b.state != ReqState.WAITING
+    sched._retract(b)
+    assert b.num_retractions == 2 and sched.stats.retractions == 3
+
+
+# -- overlap: pending tokens in the bookkeeping ---------------------------------------------------
+
+
+def test_pending_rows_follow_the_sampling_rows_in_batch_order(tokenizer: Tokenizer) -> None:
+    spec = FakeSpeculator(2, [21, 22])
+    sched = make(tokenizer, chunk=12, speculator=spec)
+    a, b = req("a", 1, max_new_tokens=20), req("plain", 1, start=40)
+    c, d = req("c", 8, start=80), req("d", 3, start=200, max_new_tokens=1)
+    add(sched, a, b)
+    step(sched)
+    add(sched, c, d)
+    batch = sched.schedule(allow_retract=False)
+    # plain decodes (1), a verifies (1 + 2), c's 8 use up the budget (12 - 2 - 2).
+    assert shape(batch) == (["plain", "a", "c"], [1, 3, 8], 1) and batch is not None
+    tokens = sampled_for(sched, batch)  # (the rows that sample are known before advance)
+    sched.advance(batch)
+    rows = [(r.pending_row, r.num_pending) for r in (b, a, c)]
+    assert rows == [(0, 1), (1, 1), (2, 1)] and c.state == ReqState.DECODE
+    sched.commit(batch, tokens)
+    run_to_idle(sched)
+    # A one-token chunk that is not a prompt's last sorts with the decodes, before a prompt
+    # that ends in this step: the rows skip it.
+    sched = make(tokenizer, chunk=5)
+    a = req("a", 1, max_new_tokens=20)
+    add(sched, a)
+    step(sched)
+    x, c = req("x", 3, start=200), req("c", 30, start=80)
+    add(sched, x, c)
+    batch = sched.schedule(allow_retract=False)
+    assert shape(batch) == (["a", "c", "x"], [1, 1, 3], 2) and batch is not None
+    sched.advance(batch)
+    assert [(r.pending_row, r.num_pending) for r in (a, x)] == [(0, 1), (1, 1)]
+    assert c.num_pending == 0 and c.kv_len == 1
+    changed = sched.commit(batch, {0: (TOKEN, None, None), 2: (TOKEN, None, None)})
+    assert changed == [a, x] and len(x.output_ids) == 1
+
+
+def test_a_request_at_its_limits_with_a_pending_token_gets_no_step_and_stalls_nothing(
+    tokenizer: Tokenizer,
+) -> None:
+    for max_new, context in ((2, 128), (100, 7)):
+        sched = make(tokenizer, context=context)
+        r = req("r", 5, max_new_tokens=max_new)
+        add(sched, r)
+        for _ in range(2):
+            batch = sched.schedule(allow_retract=False)
+            assert batch is not None
+            sched.advance(batch)
+        assert sched.schedule(allow_retract=False) is None  # nothing to run, nothing raised
+    sched = make(tokenizer)
+    emb = req("emb", 5, max_new_tokens=0)
+    add(sched, emb)
+    batch = sched.schedule(allow_retract=False)
+    assert batch is not None
+    sched.advance(batch)
+    assert emb.num_pending == 0 and emb.kv_len == emb.seq_len
+    assert sched.schedule(allow_retract=False) is None
+    one = req("one", 5, max_new_tokens=1)
+    sched = make(tokenizer)
+    add(sched, one)
+    batch = sched.schedule(allow_retract=False)
+    assert batch is not None
+    sched.advance(batch)
+    assert one.num_pending == 1 and one.state == ReqState.DECODE and one.pending_row == 0
+
+
+# -- speculation details --------------------------------------------------------------------------
+
+
+class RecordingSpeculator(FakeSpeculator):
+    def __init__(self, k: int, draft: Sequence[int]) -> None:
+        super().__init__(k, draft)
+        self.sizes: list[int] = []
+        self.proposed: list[list[str]] = []
+
+    def draft_length(self, batch_size: int) -> int:
+        self.sizes.append(batch_size)
+        return self.k
+
+    def propose(self, reqs: Sequence[Req], limits: Sequence[int]) -> list[Draft]:
+        self.proposed.append([r.rid for r in reqs])
+        return super().propose(reqs, limits)
+
+
+def test_drafting_asks_by_batch_size_skips_who_cannot_draft_and_slots_every_position(
+    tokenizer: Tokenizer,
+) -> None:
+    spec = RecordingSpeculator(3, [21, 22, 23])
+    sched = make(tokenizer, speculator=spec, running=8)
+    plain = req("plain", 4, max_new_tokens=20)  # the speculator does not want it
+    one_left = req("one", 4, max_new_tokens=2, start=30)  # 1 token left after this: no draft
+    two_left = req("two", 4, max_new_tokens=3, start=60)  # one draft
+    scored = req("scored", 4, max_new_tokens=20, start=90)
+    scored.logprob_start_len = 0  # prompt logprobs: never drafts
+    r = req("r", 4, max_new_tokens=20, start=120)
+    add(sched, plain, one_left, two_left, scored, r)
+    step(sched)
+    batch = sched.schedule()
+    assert batch is not None
+    assert spec.sizes == [5] and spec.proposed == [["two", "r"]] and spec.limits == [[1, 3]]
+    idx = batch.reqs.index(r)
+    assert r.req_pool_idx is not None
+    slots = sched.req_to_token.table[r.req_pool_idx, 4:8].tolist()  # last token + 3 drafts
+    assert 0 not in slots and len(set(slots)) == 4 and batch.extend_lens[idx] == 4
+    sched.process_output(batch, sampled_for(sched, batch))
+    run_to_idle(sched)
+    sched.check_no_leak()
+
+
+def test_a_verify_stops_committing_at_a_stop_or_a_jump_forward(tokenizer: Tokenizer) -> None:
+    spec = FakeSpeculator(3, [21, 22, 23])
+    sched = make(tokenizer, speculator=spec, grammar=FakeStepper([61, 62]))
+    stop = req("stop", 4, max_new_tokens=20, stop_token_ids=[8])
+    jump = req("jump", 4, max_new_tokens=20, start=50)
+    jump.grammar = object()
+    add(sched, stop, jump)
+    step(sched)
+    batch = sched.schedule()
+    assert batch is not None and batch.extend_lens == [4, 4]
+    sampled = {
+        0: [(21, None, None), (8, None, None), (23, None, None), (30, None, None)],
+        1: [(42, None, None), (22, None, None), (23, None, None), (30, None, None)],
+    }
+    sched.process_output(batch, sampled)
+    assert stop.output_ids == [TOKEN, 21, 8] and stop.finished
+    assert jump.output_ids == [TOKEN, 42, 61, 62] and jump.state == ReqState.PREFILL
+    assert jump.kv_len == 5  # its last token's KV; 42 and the forced tokens come next step
+    check_accounting(sched)
+    run_to_idle(sched)
+    sched.check_no_leak()
+
+
+def test_sampled_logprobs_reach_the_request(tokenizer: Tokenizer) -> None:
+    sched = make(tokenizer)
+    r = req("r", 4, max_new_tokens=1, logprobs=True, top_logprobs_num=1)
+    add(sched, r)
+    batch = sched.schedule()
+    assert batch is not None
+    sched.process_output(batch, {0: (TOKEN, -0.25, [(-0.25, TOKEN)])})
+    assert r.output_logprobs == [-0.25] and r.output_top_logprobs == [[(-0.25, TOKEN)]]
+
+
+def test_trace_steps_is_off_unless_asked(tokenizer: Tokenizer) -> None:
+    sched = make(tokenizer)
+    add(sched, req("r", 4))
+    run_to_idle(sched)
+    assert sched.stats.step_trace == [] and sched.stats.steps == 4
+
+
+def test_the_default_grammar_stepper_names_a_rejected_token_and_never_jumps(
+    tokenizer: Tokenizer,
+) -> None:
+    from radixserve.core.interfaces import Grammar
+
+    class Rejecting(Grammar):
+        def accept_token(self, token_id: int) -> bool:
+            return token_id != 99
+
+        def fill_bitmask(self, bitmask: Any, index: int) -> None:
+            pass
+
+        def is_terminated(self) -> bool:
+            return False
+
+        def rollback(self, num_tokens: int) -> None:
+            pass
+
+        def forced_string(self) -> str:
+            return "Hello world"
+
+        def copy(self) -> Grammar:
+            return Rejecting()
+
+    sched = make(tokenizer)
+    r = req("r", 4, max_new_tokens=10)
+    r.grammar = Rejecting()
+    add(sched, r)
+    step(sched)
+    assert r.output_ids == [TOKEN] and r.state == ReqState.DECODE  # no jump-forward
+    step(sched, token=99)
+    assert r.finish_reason is not None and r.finish_reason.type == "abort"
+    assert "rejected sampled token 99" in (r.finish_reason.message or "")
+    assert repr(tokenizer.decode([99], skip_special_tokens=False)) in (
+        r.finish_reason.message or ""
+    )
