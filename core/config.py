@@ -214,9 +214,10 @@ class EngineConfig:
     )
     speculative_simulate_accept_len: float | None = _opt(
         None,
-        "Benchmarks only: accept a random number of draft tokens with this mean accept length "
-        "(tokens per verify step, 1 to num_steps + 1) instead of verifying; outputs are "
-        "meaningless. Also read from RADIXSERVE_SIMULATE_ACC_LEN",
+        "Benchmarks only: accept this mean accept length's number of draft tokens (tokens per "
+        "verify step, 1 to num_steps + 1; rounded down or up so that the running mean stays on "
+        "it) instead of verifying; outputs are meaningless. Also read from "
+        "RADIXSERVE_SIMULATE_ACC_LEN",
     )
 
     disaggregation_mode: str = _opt(
