@@ -34,8 +34,9 @@ bench/pd_gpu.py --workdir /tmp/models --json-out $OUT/pd.json 2>&1 | tee $OUT/pd
 
 ``.whl-pd`` holds ``nixl_cu13-1.5.1-cp312`` from PyPI repacked without ``nixl_ep_cu13/`` (three
 31 MB torch extensions for expert parallelism that the KV connector never imports): 29 MiB
-instead of 56, so that it travels with ``.whl`` within a call's 64 MiB. sglang-router (30.7 MB)
-does not fit beside it, hence bench/pd_proxy.py.
+instead of 56, so that it travels with ``.whl`` within a call's 64 MiB; ``python3
+bench/nixl_wheel.py .whl-pd`` makes it. sglang-router (30.7 MB) does not fit beside it, hence
+bench/pd_proxy.py.
 
 Smoke test on a CPU machine (tiny shape, the cpu platform, tcp, small workload; ~1 min):
 
