@@ -161,10 +161,10 @@ def test_without_chunking_a_prompt_is_one_extend_and_single_token_extends_batch_
     sched = make(tokenizer, chunk=-1)
     long, one = req("long", 90), req("one", 1, start=200)
     add(sched, long, one)
-    batch = step(sched)
+    batch = sched.schedule()
     # A one-token prompt attends like a decode: it is sorted in front and counted as one.
-    assert shape(batch) == (["one", "long"], [1, 90], 1)
-    assert sched.needs_sampling(sched.schedule() or batch) == [0, 1]
+    assert shape(batch) == (["one", "long"], [1, 90], 1) and batch is not None
+    assert sched.needs_sampling(batch) == [0, 1]  # both prompts end here
 
 
 def test_admission_stops_at_max_running_requests_and_the_budget(tokenizer: Tokenizer) -> None:
