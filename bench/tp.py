@@ -147,6 +147,8 @@ def _time_collectives(
         except Exception as e:  # noqa: BLE001 - recorded; NCCL is still timed
             fast, result["oneshot_error"] = None, f"{type(e).__name__}: {e}"
         result["oneshot_available"] = fast is not None
+    else:
+        fast = None
         if fast is not None:
             for n, row in rows.items():
                 ops[f"allreduce_{n}_oneshot"] = lambda row=row, f=fast: f(row)
@@ -170,7 +172,89 @@ def _time_collectives(
             graph.reset()  # before anything of the group goes
         dist.barrier(group=None)
         print(f"  collectives: {name} done", flush=True)
+    if cuda:
+        try:
+            result.update(_time_skeleton(rank, size, spec, device, fast))
+        except Exception as e:  # noqa: BLE001 - the collectives' figures still count
+            result["skeleton_error"] = f"{type(e).__name__}: {e}"
     return result
+
+
+def _time_skeleton(
+    rank: int, size: int, spec: dict[str, Any], device: str, fast: Any
+) -> dict[str, Any]:
+    """GPU time of a batch-1 decode step's matrix-vector products alone (the model's weight
+    shapes, no attention, norms or sampling), replayed from a CUDA graph: TP1 (rank 0 alone),
+    and this rank's TP shapes without all-reduces, with NCCL's and with the one-shot. Tells
+    the weights' share of a step from the collectives' share, at the engine's own kernels."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    c = spec["config"]
+    h, inter, d = (
+        c["hidden_size"],
+        c["intermediate_size"],
+        c["hidden_size"] // c["num_attention_heads"],
+    )
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+
+    def weights(tp: int) -> list[list[torch.Tensor]]:
+        def w(rows: int, cols: int) -> torch.Tensor:
+            return torch.randn(rows, cols, dtype=torch.bfloat16, device=device) * 0.01
+
+        layers = [[w((q + 2 * kv) // tp, h), w(h, q // tp), w(2 * inter // tp, h),
+                   w(h, inter // tp)] for _ in range(c["num_hidden_layers"])]  # fmt: skip
+        return layers + [[w(-(-c["vocab_size"] // tp), h)]]
+
+    def step_time(ws: list[list[torch.Tensor]], reduce: Callable[[torch.Tensor], Any] | None):
+        x = torch.randn(1, h, dtype=torch.bfloat16, device=device) * 0.01
+
+        def run() -> torch.Tensor:
+            y = x
+            for qkv_w, o_w, gu_w, down_w in ws[:-1]:
+                qkv = F.linear(y, qkv_w)
+                o = F.linear(qkv[:, : o_w.shape[1]].contiguous(), o_w)
+                if reduce is not None:
+                    reduce(o)
+                gu = F.linear(o, gu_w)
+                y = F.linear(gu[:, : down_w.shape[1]].contiguous(), down_w)
+                if reduce is not None:
+                    reduce(y)
+            return F.linear(y, ws[-1][0])
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        ms = median_ms(graph.replay, 20)
+        torch.cuda.synchronize()
+        graph.reset()
+        return ms
+
+    res: dict[str, Any] = {}
+    dist.barrier()
+    if rank == 0:  # TP1 shapes on one GPU; the other waits at the barrier below
+        ws = weights(1)
+        res["skeleton_tp1_ms"] = step_time(ws, None)
+        res["skeleton_tp1_bytes"] = sum(t.numel() * 2 for layer in ws for t in layer)
+        del ws
+        torch.cuda.empty_cache()
+    dist.barrier()
+    ws = weights(size)
+    res[f"skeleton_tp{size}_bytes"] = sum(t.numel() * 2 for layer in ws for t in layer)
+    res[f"skeleton_tp{size}_noar_ms"] = step_time(ws, None)
+    dist.barrier()
+    res[f"skeleton_tp{size}_nccl_ms"] = step_time(ws, lambda t: dist.all_reduce(t))
+    if fast is not None:
+        dist.barrier()
+        res[f"skeleton_tp{size}_oneshot_ms"] = step_time(ws, fast)
+    dist.barrier()
+    print(f"  collectives: skeleton done {res}", flush=True)
+    return res
 
 
 def _time_us(op: Callable[[], Any], cuda: bool, reps: int) -> float:
@@ -187,7 +271,7 @@ def _time_us(op: Callable[[], Any], cuda: bool, reps: int) -> float:
 def collectives(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     c, size = SHAPES[args.shape], args.tp
     device = "cuda" if is_cuda(args) else "cpu"
-    spec = {"device": device, "hidden": c["hidden_size"],
+    spec = {"device": device, "hidden": c["hidden_size"], "config": c,
             "vocab_shard": -(-c["vocab_size"] // size)}  # fmt: skip
     where = Path(tempfile.mkdtemp(prefix="tp-coll-", dir=workdir))
     out = where / "result.json"
@@ -452,6 +536,10 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
          r.get("step_collectives_nccl_us"), r.get("step_collectives_oneshot_us"), None],
         ["roofline TP1 b1 tok/s (weights / copy bw)", r.get("roofline_tp1_b1_tok_s"), None,
          None],
+        ["GEMV skeleton of a b1 step ms: TP1 / TP2 without all-reduce",
+         r.get("skeleton_tp1_ms"), r.get(f"skeleton_tp{tp}_noar_ms"), None],
+        [f"GEMV skeleton TP{tp} ms: NCCL / one-shot all-reduces",
+         r.get(f"skeleton_tp{tp}_nccl_ms"), r.get(f"skeleton_tp{tp}_oneshot_ms"), None],
         [f"roofline TP{tp} b1 tok/s (weights/{tp} + collectives)",
          r.get(f"roofline_tp{tp}_b1_tok_s"), None, r.get(f"roofline_tp{tp}_b1_collectives")],
         [f"TP1 b1 {b1} tok/s", r.get("tp1_b1_tok_s"), ratio("tp1_b1_tok_s",
