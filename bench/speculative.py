@@ -150,6 +150,19 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
         rng = random.Random(n)
         return [[rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(n)]
 
+    def counters(engine: Engine) -> dict[str, int]:
+        """Engine steps, verify steps replayed from a graph, draft chains replayed."""
+        algorithm = getattr(engine.core.speculator, "algorithm", None)
+        chain = getattr(algorithm, "chain", None)
+        stats = engine.core.spec_stats() or {}
+        return {
+            "verified": int(stats.get("verified_requests", 0)),
+            "accepted": int(stats.get("accepted_tokens", 0)),
+            "steps": engine.core.scheduler.stats.steps,
+            "verify_replays": getattr(engine.core.runner.step, "verify_replays", 0),
+            "chain_replays": chain.replays if chain is not None else 0,
+        }
+
     def throughput(engine: Engine, bs: int) -> float:
         params = {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True}
         batch = prompts(bs)
@@ -158,15 +171,24 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
         engine.generate(
             input_ids=prompts(bs + 1000)[:bs], sampling_params={**params, "max_new_tokens": 64}
         )
+        before = counters(engine)
         start = time.perf_counter()
         engine.generate(input_ids=batch, sampling_params=params)
-        return bs * args.output_len / (time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        timed = {k: v - before[k] for k, v in counters(engine).items()}
+        timed["ms_per_step"] = round(seconds / max(1, timed["steps"]) * 1e3, 3)
+        if timed["verified"]:  # this run's own accept length (the engine's stats accumulate)
+            timed["accept_length"] = round(1 + timed["accepted"] / timed["verified"], 3)
+        last_counts[bs] = timed
+        return bs * args.output_len / seconds
 
     off: dict[int, float] = {}
+    last_counts: dict[int, dict[str, Any]] = {}  # the timed run's steps and graph replays
     with Engine(str(target), **base) as engine:
         for bs in args.batches:
             off[bs] = throughput(engine, bs)
-            print(f"off bs={bs}: {off[bs]:.1f} tok/s", flush=True)
+            results["runs"][f"off-bs{bs}"] = {"tok_s": round(off[bs], 1), **last_counts[bs]}
+            print(f"off bs={bs}: {off[bs]:.1f} tok/s {last_counts[bs]}", flush=True)
     rows = []
     for accept in args.accept:
         spec = dict(
@@ -186,9 +208,10 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
                     "spec_tok_s": round(on, 1),
                     "ratio": round(on / off[bs], 3),
                     "measured_accept_length": stats.get("avg_accept_length"),
+                    **last_counts[bs],
                 }
                 rows.append([accept, bs, f"{off[bs]:.0f}", f"{on:.0f}", f"{on / off[bs]:.2f}x"])
-                print(rows[-1], flush=True)
+                print(rows[-1], last_counts[bs], flush=True)
                 if args.json_out:  # as it goes: a run cut short keeps what it measured
                     write_json(args.json_out, results)
     print(format_table(["sim. accept len", "batch", "off tok/s", "spec tok/s", "ratio"], rows))
