@@ -143,8 +143,8 @@ class StandaloneDraft(SpeculativeAlgorithm):
         if on_host is not None:
             return [Draft(t, p) for t, p in zip(on_host, stacked, strict=True)]
         flat = torch.cat([ids for _, ids in steps])
-        order = to_device(torch.tensor([j for w in where for j in w]), self.device)
-        by_req = flat[order].split([len(w) for w in where])
+        gather = to_device(torch.tensor([j for w in where for j in w]), self.device)
+        by_req = flat[gather].split([len(w) for w in where])
         return [Draft([0] * len(w), p, t) for w, p, t in zip(where, stacked, by_req, strict=True)]
 
     def _chainable(
