@@ -88,8 +88,6 @@ class PrefillSide:
         room = req.bootstrap.room
         if room in self.live:
             raise InvalidRequest(f"bootstrap_room {room} is already in use on this server")
-        if req.sampling.grammar is not None:
-            raise InvalidRequest(_NO_GRAMMAR)
         refused = self.connector.refused(room)
         if refused is not None:  # the decode refused its copy first: no one will fetch the KV
             raise InvalidRequest(refused)
@@ -169,12 +167,16 @@ class DecodeSide:
         self.transfers: dict[int, Req] = {}  # room -> request waiting for its KV
         self.deadlines: dict[str, float] = {}  # rid -> when its KV must have arrived
 
+    def check(self, req: Req) -> None:
+        """Refuse ``req`` if its room is in use here (a request with a grammar is checked on
+        arrival and added once its grammar has compiled)."""
+        if self.holds(req.bootstrap.room):
+            raise InvalidRequest(
+                f"bootstrap_room {req.bootstrap.room} is already in use on this server"
+            )
+
     def add(self, req: Req) -> None:
-        room = req.bootstrap.room
-        if self.holds(room):
-            raise InvalidRequest(f"bootstrap_room {room} is already in use on this server")
-        if req.sampling.grammar is not None:
-            raise InvalidRequest(_NO_GRAMMAR)
+        self.check(req)
         # Prompt logprobs come with the prefill's response (the router merges them).
         req.logprob_start_len = -1
         self.deadlines[req.rid] = time.monotonic() + self.timeout
@@ -252,7 +254,9 @@ class DecodeSide:
         req.kv_len = n
         req.cached_tokens = meta.cached_tokens
         req.state = ReqState.DECODE
-        self.scheduler.stop_checker.append(req, meta.token, meta.logprob, meta.top)
+        # the prefill sampled it under the grammar; here the matcher takes it (and may jump
+        # forward: the request then extends over the forced tokens first)
+        self.scheduler.append_received(req, meta.token, meta.logprob, meta.top)
         self.scheduler.add_running(req)
         return None
 
@@ -317,9 +321,3 @@ class DecodeSide:
         self._free(req)
         req.failed = message
         req.finish(FinishReason("abort", message=message))
-
-
-_NO_GRAMMAR = (
-    "constrained decoding (json_schema, regex, ebnf, structural_tag) is not supported with "
-    "prefill/decode disaggregation yet; send it to a server without --disaggregation-mode"
-)

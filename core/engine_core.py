@@ -19,7 +19,7 @@ from radixserve.core.model_runner import LaunchedStep, ModelRunner
 from radixserve.core.parallel import Rendezvous
 from radixserve.core.plugins import PluginHost
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
-from radixserve.core.request import POOLING_METHODS, InvalidRequest, Req
+from radixserve.core.request import POOLING_METHODS, FinishReason, InvalidRequest, Req
 from radixserve.core.scheduler import (
     RetractionNeeded,
     ScheduledBatch,
@@ -206,17 +206,19 @@ class EngineCore:
             if b is not None and (self.disagg is None or not transfers(req)):
                 req.bootstrap = None  # nothing to transfer: the request runs whole here
             if req.bootstrap is not None and self.disagg is not None:
-                self.disagg.add(req)
+                compiling = req.sampling.grammar is not None
+                if isinstance(self.disagg, DecodeSide) and compiling:
+                    self.disagg.check(req)  # waits for its KV once its grammar compiled
+                else:
+                    self.disagg.add(req)
         except InvalidRequest as e:
             if b is not None:
                 self.cancel_room(b.room, str(e), (b.host, b.port))
             raise
-        if req.bootstrap is not None and isinstance(self.disagg, DecodeSide):
-            return  # it waits for its KV there
         if req.sampling.grammar is not None:
             self.grammars.submit(req)
-        else:
-            self.scheduler.add_request(req)
+        elif req.bootstrap is None or not isinstance(self.disagg, DecodeSide):
+            self.scheduler.add_request(req)  # (a decode's waits for its KV in disagg)
 
     def cancel_room(self, room: int, message: str, peer: tuple[str, int] | None = None) -> None:
         """This server refused a request of ``room`` (here or in the server): on a prefill the
@@ -360,13 +362,38 @@ class EngineCore:
         any prefix the grammar forces; return those that finished (failed) instead."""
         ready, finished = self.grammars.pop_done()
         for req in ready:
+            if req.bootstrap is not None and self.disagg is not None:
+                # Disaggregated: no jump-forward before the first token, which the prefill
+                # samples under the grammar (it sends the KV of the prompt alone).
+                if self._admit_transfer(req):
+                    finished.append(req)
+                continue
             for token in self.grammar_stepper.forced_tokens(req):
                 self.scheduler.stop_checker.append(req, token)
             if req.finished:
                 finished.append(req)
             else:
                 self.scheduler.add_request(req)
+        if isinstance(self.disagg, DecodeSide):  # the prefill need not keep their KV
+            for req in finished:
+                b, why = req.bootstrap, req.finish_reason
+                if b is not None and why is not None:
+                    self.cancel_room(b.room, why.message or why.type, (b.host, b.port))
         return finished
+
+    def _admit_transfer(self, req: Req) -> bool:
+        """A disaggregated request whose grammar compiled: the prefill runs it, the decode
+        starts waiting for its KV. True when it ended instead (its room got taken meanwhile)."""
+        if isinstance(self.disagg, PrefillSide):
+            self.scheduler.add_request(req)
+            return False
+        assert self.disagg is not None
+        try:
+            self.disagg.add(req)
+        except InvalidRequest as e:
+            req.finish(FinishReason("abort", message=str(e)))
+            return True
+        return False
 
     def shutdown(self) -> None:
         """Stop the grammar workers and let go of everything on the device (model, KV pool,

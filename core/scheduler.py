@@ -313,6 +313,13 @@ class Scheduler:
         req.kv_len = start + committed
         self._free_positions(req, req.kv_len, start + n)
 
+    def append_received(
+        self, req: Req, token: int, lp: float | None, top: TopLogprobs | None
+    ) -> None:
+        """Append a token sampled elsewhere (a prefill server's first token, under the
+        request's grammar if it has one) as if sampled here: grammar, stops, jump-forward."""
+        self._append_sampled(req, token, lp, top)
+
     def _append_sampled(
         self, req: Req, token: int, lp: float | None, top: TopLogprobs | None
     ) -> None:

@@ -25,6 +25,7 @@ import requests
 from model_gate import install_plugin
 from pd_cluster import PDPair, kv_state, pd_pair
 from radixserve_test_kv_faults import DROP_ROOM, FAULT_DIR_ENV, STALL_ROOM
+from server_process import RunningServer
 
 TIMEOUT = 60
 TRANSFER_TIMEOUT_S = 3  # --disaggregation-transfer-timeout of these servers
@@ -143,22 +144,33 @@ def test_decode_refusal_reaches_the_prefill(pair: PDPair) -> None:
 
 
 @pytest.mark.parametrize("route", ["/generate", "/v1/chat/completions"])
-def test_constrained_decoding_is_refused_on_both(pair: PDPair, route: str) -> None:
-    """Constrained decoding with a room is a clear 400 on both servers, not a hang."""
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+def test_constrained_decoding_through_the_pair(
+    pair: PDPair, server: RunningServer, route: str
+) -> None:
+    """A grammar travels: the prefill samples the first token under it, the decode's matcher
+    takes that token and goes on. The output equals the colocated server's and is valid."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     if route == "/generate":
-        params = {**GREEDY, "json_schema": json.dumps(schema)}
-        body = pair.body(room(), text="json please", sampling_params=params)
+        params = {"temperature": 0, "max_new_tokens": 24, "json_schema": json.dumps(schema)}
+        body: dict[str, Any] = {"text": "json please", "sampling_params": params}
     else:
         fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
         messages = [{"role": "user", "content": "json please"}]
-        body = pair.body(room(), model="m", messages=messages, max_tokens=4, response_format=fmt)
+        body = {"model": "m", "messages": messages, "max_tokens": 24, "temperature": 0,
+                "response_format": fmt}  # fmt: skip
+    alone = requests.post(server.url + route, json=body, headers=server.headers, timeout=TIMEOUT)
+    assert alone.status_code == 200, alone.text
     with ThreadPoolExecutor(2) as pool:
-        urls = [pair.prefill.url, pair.decode.url]
-        answers = list(pool.map(lambda url: post(url, body, route), urls))
-    for answer in answers:
-        assert answer.status_code == 400, answer.text
-        assert "not supported with prefill/decode disaggregation" in answer.text, answer.text
+        both, urls = pair.body(room(), **body), [pair.prefill.url, pair.decode.url]
+        answers = list(pool.map(lambda url: post(url, both, route), urls))
+    assert [a.status_code for a in answers] == [200, 200], answers[1].text
+    if route == "/generate":
+        got, want = answers[1].json()["text"], alone.json()["text"]
+    else:
+        got = answers[1].json()["choices"][0]["message"]["content"]
+        want = alone.json()["choices"][0]["message"]["content"]
+    assert got == want
+    assert isinstance(json.loads(got)["a"], int), got
     assert_no_kv_held(pair.prefill, pair.decode)
 
 
