@@ -129,6 +129,16 @@ def _time_collectives(
 ) -> dict[str, Any]:
     import torch.distributed as dist
 
+    result: dict[str, Any] = {}
+    # the engine's step message over gloo (core/tp_step.py): each broadcast waits for the
+    # other rank to be ready to receive, so this is a round trip between two processes
+    from radixserve.core.tp_step import MESSAGE
+
+    cpu_group = dist.new_group(backend="gloo")
+    message = torch.zeros(MESSAGE, dtype=torch.int64)
+    result["gloo_step_message_us"] = _time_us(
+        lambda: dist.broadcast(message, 0, group=cpu_group), False, 500
+    )
     dtype = torch.bfloat16 if cuda else torch.float32
     shard = torch.ones(1, spec["vocab_shard"], dtype=dtype, device=device)
     gathered = torch.empty(size, spec["vocab_shard"], dtype=dtype, device=device)
@@ -138,7 +148,6 @@ def _time_collectives(
     }
     for n, row in rows.items():
         ops[f"allreduce_{n}_nccl"] = lambda row=row: dist.all_reduce(row)
-    result: dict[str, Any] = {}
     if cuda:
         from radixserve.plugins.hardware.cuda_allreduce import build
 
@@ -338,10 +347,23 @@ def run_tp(
     res[f"{name}_overlap"] = eng.core.overlap
     res[f"{name}_custom_all_reduce"] = runner.tp.fast_all_reduce is not None
     print(f"  {name}: engine up in {res[f'{name}_start_s']:.1f}s", flush=True)
+    sends: list[float] = []  # rank 0's host time broadcasting each step (TP > 1)
+    if runner.broadcaster is not None:
+        send = runner.broadcaster.send
+
+        def timed_send(batch: Any) -> None:
+            start = time.perf_counter()
+            send(batch)
+            sends.append(time.perf_counter() - start)
+
+        runner.broadcaster.send = timed_send
     try:
         n, i, o = w["b1"]
         run_generate(eng, prompts(n, i, vocab, 1), o)  # warm-up at the exact shape
+        sends.clear()
         res[f"{name}_b1_tok_s"] = n * o / run_generate(eng, prompts(n, i, vocab, 3), o)
+        if sends:
+            res[f"{name}_b1_step_send_ms"] = 1e3 * statistics.median(sends)
         print(f"  {name}_b1_tok_s = {res[f'{name}_b1_tok_s']:.1f}", flush=True)
         if big:
             n, i, o = w["big"]
@@ -547,6 +569,8 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
         [f"TP{tp} b1 {b1} tok/s", r.get(f"tp{tp}_b1_tok_s"),
          ratio(f"tp{tp}_b1_tok_s", f"roofline_tp{tp}_b1_tok_s"), f"of TP{tp} roofline"],
         [f"TP{tp} / TP1 b1", ratio(f"tp{tp}_b1_tok_s", "tp1_b1_tok_s"), None, ">= 1.6"],
+        [f"TP{tp} b1: rank 0's broadcast of a step ms (median) / gloo message us alone",
+         r.get(f"tp{tp}_b1_step_send_ms"), r.get("gloo_step_message_us"), None],
         [f"TP{tp} b1, all-reduces through NCCL", r.get("tp2nccl_b1_tok_s"),
          ratio("tp2nccl_b1_tok_s", "tp1_b1_tok_s"), "/ TP1"],
         [f"TP1 {big} tok/s", r.get("tp1_big_tok_s"), None, None],

@@ -6,7 +6,7 @@ payoff pausing, so replaying the scheduler on every rank would not stay in step)
 forward needs beyond the model is small and sent every step as flat int64 tensors:
 
 - a fixed header of ``HEADER`` ints: kind (STEP/STOP), tokens, requests, logits rows, decodes,
-  slot-table writes, pooled rows;
+  slot-table writes, pooled rows, whether the host metadata is inline;
 - host metadata over the gloo group: request rows, sequence lengths, extend lengths, and the
   req->token table writes since the last step (positions and values), so every rank's copy of
   the table, which attention reads, stays the leader's;
@@ -14,7 +14,10 @@ forward needs beyond the model is small and sent every step as flat int64 tensor
   rows), from the leader's device tensors as they are (on a CPU device they ride with the host
   metadata: one broadcast fewer).
 
-No pickle: three (on CPU two) broadcasts of plain tensors per step.
+The header travels in a fixed message of ``MESSAGE`` ints that also carries the host metadata
+when it fits (every decode step of a usual batch): a gloo broadcast waits for the other ranks
+to be ready to receive, so each message is a round trip between processes. No pickle: one
+broadcast of host ints (two for large steps) and, off the CPU, one of device ints per step.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from radixserve.core.parallel import TensorParallel
 
 STEP, STOP = 1, 2
 HEADER = 8
+#: ints of the fixed first message: the header, then the host metadata when it fits
+MESSAGE = 2048
 _I64 = torch.int64
 
 
@@ -59,7 +64,7 @@ class StepBroadcaster:
         hidden = batch.hidden_rows
         n_hidden = 0 if hidden is None else int(hidden.numel())
         t, n_logits = batch.num_tokens, int(batch.logits_indices.numel())
-        header = [STEP, t, batch.batch_size, n_logits, batch.num_decode, len(where), n_hidden, 0]
+        header = [STEP, t, batch.batch_size, n_logits, batch.num_decode, len(where), n_hidden]
         host = [
             batch.req_pool_indices.to(_I64),
             torch.tensor(batch.seq_lens, dtype=_I64),
@@ -73,8 +78,15 @@ class StepBroadcaster:
         dev = [d.to(_I64) for d in dev]
         if self.on_host:
             host += dev
-        self._broadcast(torch.tensor(header, dtype=_I64), self.tp.cpu_group)
-        self._broadcast(torch.cat(host), self.tp.cpu_group)
+        payload = torch.cat(host)
+        message = torch.zeros(MESSAGE, dtype=_I64)
+        inline = HEADER + payload.numel() <= MESSAGE
+        message[:HEADER] = torch.tensor(header + [int(inline)], dtype=_I64)
+        if inline:
+            message[HEADER : HEADER + payload.numel()] = payload
+        self._broadcast(message, self.tp.cpu_group)
+        if not inline:
+            self._broadcast(payload, self.tp.cpu_group)
         if not self.on_host:
             self._broadcast(torch.cat(dev), self.tp.group)
 
@@ -83,9 +95,9 @@ class StepBroadcaster:
         if self.stopped:
             return
         self.stopped = True
-        header = torch.zeros(HEADER, dtype=_I64)
-        header[0] = STOP
-        self._broadcast(header, self.tp.cpu_group)
+        message = torch.zeros(MESSAGE, dtype=_I64)
+        message[0] = STOP
+        self._broadcast(message, self.tp.cpu_group)
 
     def _broadcast(self, t: torch.Tensor, group: Any) -> None:
         torch.distributed.broadcast(t, 0, group=group)
@@ -112,14 +124,18 @@ def follow_steps(
     on_host = torch.device(device).type == "cpu"
     steps = 0
     while True:
-        header = torch.empty(HEADER, dtype=_I64)
-        torch.distributed.broadcast(header, 0, group=tp.cpu_group)
-        kind, t, b, n_logits, num_decode, n_writes, n_hidden, _ = header.tolist()
+        message = torch.empty(MESSAGE, dtype=_I64)
+        torch.distributed.broadcast(message, 0, group=tp.cpu_group)
+        kind, t, b, n_logits, num_decode, n_writes, n_hidden, inline = message[:HEADER].tolist()
         if kind == STOP:
             return steps
         n_dev = 3 * t + n_logits + n_hidden
-        host = torch.empty(3 * b + 2 * n_writes + (n_dev if on_host else 0), dtype=_I64)
-        torch.distributed.broadcast(host, 0, group=tp.cpu_group)
+        n_host = 3 * b + 2 * n_writes + (n_dev if on_host else 0)
+        if inline:
+            host = message[HEADER : HEADER + n_host]
+        else:
+            host = torch.empty(n_host, dtype=_I64)
+            torch.distributed.broadcast(host, 0, group=tp.cpu_group)
         if on_host:
             dev = host[3 * b + 2 * n_writes :]
         else:

@@ -1,6 +1,7 @@
-"""Tensor parallelism's collectives (core/parallel.py) without processes: a platform's fast
-all-reduce is tried first and the backend's takes what it declines; it is used on every rank
-or on none; and leaving a group that does not close gives up after a limit, never hangs."""
+"""Tensor parallelism's collectives (core/parallel.py, core/tp_step.py) without processes: a
+platform's fast all-reduce is tried first and the backend's takes what it declines; it is used
+on every rank or on none; leaving a group that does not close gives up after a limit, never
+hangs; and a follower rebuilds each step the leader broadcast, small or large."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from radixserve.core import parallel
+from radixserve.core.batch import ForwardBatch
 from radixserve.core.config import ConfigError
 from radixserve.core.parallel import TensorParallel
 
@@ -116,3 +118,55 @@ def test_a_group_that_does_not_close_is_left_open_not_waited_on(
     finally:
         release.set()
         monkeypatch.setattr(parallel, "_stuck_group", False)
+
+
+# ---- the per-step broadcast (core/tp_step.py), through a fake broadcast ----------------------
+
+
+def _batch(pool: Any, rows: list[int], lens: list[int], new: list[int]) -> ForwardBatch:
+    t = sum(new)
+    for row, n, k in zip(rows, lens, new, strict=True):
+        pool.write(row, n - k, torch.arange(k, dtype=torch.int64) + 100 * row + n - k)
+    return ForwardBatch(
+        input_ids=torch.arange(t) + 7, positions=torch.arange(t) % 5,
+        out_cache_loc=torch.arange(t) + 3, req_pool_indices=torch.tensor(rows),
+        req_to_token=pool.table, seq_lens=lens, extend_lens=new,
+        num_decode=sum(1 for k in new if k == 1), logits_indices=torch.tensor([t - 1]),
+        kv_pool=None, req_to_token_pool=pool,
+    )  # fmt: skip
+
+
+def test_followers_get_each_step_as_the_leader_ran_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixserve.core.memory import ReqToTokenPool
+    from radixserve.core.tp_step import MESSAGE, StepBroadcaster, follow_steps
+
+    sent: list[torch.Tensor] = []  # the leader's messages, in order
+    monkeypatch.setattr(
+        torch.distributed, "broadcast", lambda t, src, group=None: sent.append(t.clone())
+    )
+    leader_pool, follower_pool = ReqToTokenPool(4, 4096), ReqToTokenPool(4, 4096)
+    ran: list[ForwardBatch] = []
+    leader = StepBroadcaster(TensorParallel(0, 2), leader_pool, "cpu", ran.append)  # type: ignore[arg-type]
+    # a decode step (its metadata inline in the first message) and a 3,000-token prefill (not)
+    for rows, lens, new in (([0, 1], [5, 9], [1, 1]), ([2], [3000], [3000])):
+        leader(_batch(leader_pool, rows, lens, new))
+    leader.stop()
+    # the decode's message, the prefill's and its metadata (2 x 3,000 writes, 3 x 3,000 device
+    # ints on a CPU device: they ride along), the stop
+    sizes = [m.numel() for m in sent]
+    assert sizes[:2] == [MESSAGE, MESSAGE] and sizes[2] > MESSAGE and sizes[3:] == [MESSAGE]
+
+    def receive(t: torch.Tensor, src: int, group: Any = None) -> None:
+        t.copy_(sent.pop(0))
+
+    monkeypatch.setattr(torch.distributed, "broadcast", receive)
+    followed: list[ForwardBatch] = []
+    steps = follow_steps(TensorParallel(1, 2), follower_pool, None, "cpu", followed.append)  # type: ignore[arg-type]
+    assert steps == 2 and not sent
+    for a, b in zip(ran, followed, strict=True):
+        for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices",
+                     "logits_indices"):  # fmt: skip
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert (a.seq_lens, a.extend_lens, a.num_decode) == (b.seq_lens, b.extend_lens,
+                                                              b.num_decode)  # fmt: skip
+    assert torch.equal(follower_pool.table, leader_pool.table)
