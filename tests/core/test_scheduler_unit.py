@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+import torch
 from tiny_models import make_tokenizer_json
 
 from radixserve.core.interfaces import Draft
@@ -509,7 +510,7 @@ def test_pooling_requests_neither_read_nor_fill_the_cache(tokenizer: Tokenizer) 
     add(sched, req("warm", 20, max_new_tokens=1))
     run_to_idle(sched)
     cached = sched.cache.total_size()
-    emb = req("emb", 20, max_new_tokens=0)
+    emb = req("emb", 20, max_new_tokens=0, start=400)
     emb.pooling = "last"
     add(sched, emb)
     batch = step(sched)
@@ -790,25 +791,29 @@ def test_overlapped_steps_count_pending_tokens_and_skip_requests_that_ended_mean
     sched = make(tokenizer)
     a = req("a", 5, max_new_tokens=2)
     b = req("b", 5, max_new_tokens=9, start=50, stop_token_ids=[8])
-    add(sched, a, b)
+    c = req("c", 5, max_new_tokens=9, start=90)
+    add(sched, a, b, c)
     first = sched.schedule(allow_retract=False)
     assert first is not None
     sched.advance(first)
     assert (a.num_pending, a.seq_len, a.num_output_tokens) == (1, 6, 1)
     second = sched.schedule(allow_retract=False)  # a's pending token is not its last
-    assert shape(second) == (["a", "b"], [1, 1], 2) and second is not None
+    assert shape(second) == (["a", "b", "c"], [1, 1, 1], 3) and second is not None
     sched.advance(second)
     assert a.num_output_tokens == 2
-    assert sched.commit(first, {0: (TOKEN, None, None), 1: (TOKEN, None, None)}) == [a, b]
+    one_each = {i: (TOKEN, None, None) for i in range(3)}
+    assert sched.commit(first, one_each) == [a, b, c]
     third = sched.schedule(allow_retract=False)  # a's pending token ends it: no step
-    assert shape(third) == (["b"], [1], 1) and third is not None
+    assert shape(third) == (["b", "c"], [1, 1], 2) and third is not None
     sched.advance(third)
     # b's stop token arrives one step late: third, already launched, ran it for nothing.
-    changed = sched.commit(second, {0: (TOKEN, None, None), 1: (8, None, None)})
-    assert changed == [a, b] and a.finished and a.output_ids == [TOKEN, TOKEN]
+    changed = sched.commit(second, {0: (TOKEN, None, None), 1: (8, None, None), 2: (9, None, None)})
+    assert changed == [a, b, c] and a.finished and a.output_ids == [TOKEN, TOKEN]
     assert b.output_ids == [TOKEN, 8] and b.finish_reason == FinishReason("stop", matched=8)
-    assert sched.commit(third, {0: (TOKEN, None, None)}) == []  # its token is dropped
-    assert b.output_ids == [TOKEN, 8]
+    # b's token is dropped; c, after it in the batch, gets its own.
+    assert sched.commit(third, {0: (TOKEN, None, None), 1: (10, None, None)}) == [c]
+    assert b.output_ids == [TOKEN, 8] and c.output_ids == [TOKEN, 9, 10]
+    sched.abort("c")
     assert not sched.has_work()
     sched.check_no_leak()
 
@@ -849,6 +854,10 @@ def test_no_table_row_or_no_kv_leaves_the_request_waiting_and_unlocks_its_prefix
     assert sched.schedule() is None and list(sched.waiting) == [r]
     assert sched.cache.locked_size == 20  # only our own lock: the admission gave its back
     assert sched.req_to_token.available() == 3 and r.req_pool_idx is None
+    sched.allocator.free(stolen)
+    sched.cache.dec_lock_ref(sched.cache.match_prefix(list(range(10, 30)))[1])
+    run_to_idle(sched)  # the row it gave back serves it now
+    assert len(r.output_ids) == 4 and r.cached_tokens == 20
 
 
 def test_no_drafts_when_the_policy_says_zero_or_their_slots_do_not_fit(
@@ -1133,6 +1142,15 @@ def test_pending_rows_follow_the_sampling_rows_in_batch_order(tokenizer: Tokeniz
     assert c.num_pending == 0 and c.kv_len == 1
     changed = sched.commit(batch, {0: (TOKEN, None, None), 2: (TOKEN, None, None)})
     assert changed == [a, x] and len(x.output_ids) == 1
+    # Plain decodes: rows 0, 1, 2.
+    sched = make(tokenizer)
+    trio = [req(f"d{i}", 3, max_new_tokens=5, start=30 * i) for i in range(3)]
+    add(sched, *trio)
+    step(sched)
+    batch = sched.schedule(allow_retract=False)
+    assert batch is not None and batch.num_decode == 3
+    sched.advance(batch)
+    assert [r.pending_row for r in trio] == [0, 1, 2]
 
 
 def test_a_request_at_its_limits_with_a_pending_token_gets_no_step_and_stalls_nothing(
@@ -1283,3 +1301,121 @@ def test_the_default_grammar_stepper_names_a_rejected_token_and_never_jumps(
     assert repr(tokenizer.decode([99], skip_special_tokens=False)) in (
         r.finish_reason.message or ""
     )
+
+
+# -- tests added after run 4c's survivors ---------------------------------------------------------
+
+
+def test_a_generation_prompt_never_waits_for_an_embedding_prefill(tokenizer: Tokenizer) -> None:
+    """An embedding's KV never reaches the cache, so waiting for its prefill would gain nothing."""
+    sched = make(tokenizer, chunk=64)
+    emb, gen = req("emb", 40, max_new_tokens=0), req("gen", 40)
+    emb.pooling = "last"
+    add(sched, emb, gen)
+    batch = step(sched)
+    assert shape(batch) == (["emb", "gen"], [40, 24], 0)
+    assert sched.stats.deferred_admissions == 0
+
+
+@pytest.mark.parametrize(("second", "fits"), [(27, True), (28, False)])
+def test_each_admitted_request_adds_its_reserve_for_the_next_one(
+    tokenizer: Tokenizer, second: int, fits: bool
+) -> None:
+    """Ratio 0.5. Beside the runner (reserve 0.5 * 15), A (10 tokens, 10 new) is admitted: 45
+    free, reserve 7.5 + 0.5 * 10 = 12.5, room 32.5 for B: 27 + 5 fits, 28 + 5 does not."""
+    sched = make(tokenizer, pool=64, radix=False, init_new_token_ratio=0.5, min_new_token_ratio=0.5)
+    add(sched, req("runner", 8, max_new_tokens=16))
+    step(sched)
+    a = req("a", 10, max_new_tokens=10, start=100)
+    b = req("b", second, max_new_tokens=10, start=200)
+    add(sched, a, b)
+    batch = sched.schedule()
+    assert batch is not None and [r.rid for r in batch.reqs][:2] == ["runner", "a"]
+    assert ("b" in [r.rid for r in batch.reqs]) == fits
+
+
+@pytest.mark.parametrize(("prompt", "fits"), [(13, True), (14, False)])
+def test_a_pending_decode_not_in_this_step_reserves_its_unslotted_token(
+    tokenizer: Tokenizer, prompt: int, fits: bool
+) -> None:
+    """Ratio 0. a's last token is pending and gets no step: the slot its KV will need is
+    reserved. 20 slots, a holds 6 and will need 1 more: a 13-token prompt fits, 14 does not."""
+    sched = make(tokenizer, pool=20, radix=False, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+    a = req("a", 5, max_new_tokens=2)
+    add(sched, a)
+    for _ in range(2):
+        batch = sched.schedule(allow_retract=False)
+        assert batch is not None
+        sched.advance(batch)
+    assert (a.seq_len, a.kv_len, sched.allocator.available()) == (7, 6, 14)
+    late = req("late", prompt, start=100)
+    add(sched, late)
+    batch = sched.schedule(allow_retract=False)
+    assert (batch is not None) == fits
+    assert (late.state == ReqState.PREFILL) == fits
+
+
+def test_paged_chunks_continue_inside_the_last_page(tokenizer: Tokenizer) -> None:
+    sched = make(tokenizer, page=4, chunk=6)
+    r = req("r", 20, max_new_tokens=2)
+    add(sched, r)
+    lens = []
+    while r.state != ReqState.DECODE:
+        batch = step(sched)
+        assert batch is not None
+        lens.append(batch.extend_lens[0])
+        assert r.req_pool_idx is not None
+        slots = sched.req_to_token.table[r.req_pool_idx, : r.kv_len]
+        pos = torch.arange(r.kv_len)
+        assert torch.equal(slots, slots[pos - pos % 4] + pos % 4), slots.tolist()  # whole pages
+    assert lens == [6, 6, 6, 2]
+    run_to_idle(sched)
+    sched.check_no_leak()
+
+
+def test_a_request_without_room_for_drafts_does_not_stop_the_others_drafting(
+    tokenizer: Tokenizer,
+) -> None:
+    """Pages of 4, no free page: b's drafts (positions 7, 8) need a new page and are skipped;
+    a's (6, 7) fit in the page its decode writes into, so a still drafts."""
+    spec = RecordingSpeculator(2, [21, 22])
+    sched = make(tokenizer, page=4, pool=64, speculator=spec, radix=False)
+    b, a = req("b", 6, max_new_tokens=20), req("a", 5, max_new_tokens=20, start=50)
+    add(sched, b, a)
+    step(sched)
+    stolen = sched.allocator.alloc(sched.allocator.available())
+    assert stolen is not None
+    batch = sched.schedule()
+    assert batch is not None and spec.proposed == [["a"]]
+    assert shape(batch) == (["b", "a"], [1, 3], 1)
+    sched.process_output(batch, sampled_for(sched, batch))
+    sched.allocator.free(stolen)
+    check_accounting(sched)
+
+
+def test_a_retracted_request_compares_its_outputs_too_when_waiting_for_a_prefill(
+    tokenizer: Tokenizer,
+) -> None:
+    """A retracted request comes back with prompt + outputs to prefill; the span it compares
+    with a running prefill reaches into its outputs."""
+    sched = make(tokenizer, chunk=64)
+    prompt, outputs = list(range(10, 20)), list(range(100, 130))
+    running = Req("running", prompt + outputs + [7, 7], params())
+    back = Req("back", list(prompt), params(max_new_tokens=40))
+    back.output_ids = list(outputs)  # as after a retraction
+    add(sched, running, back)
+    step(sched)
+    assert sched.stats.deferred_admissions == 1 and back.state == ReqState.WAITING
+
+
+def test_prefill_tokens_shrink_past_the_decode_threshold(tokenizer: Tokenizer) -> None:
+    """chunk 12, shrink after 2 decodes: beside 4 decodes the prefill gets 12 * 2 // 4 = 6."""
+    sched = make(tokenizer, chunk=12, running=8, prefill_shrink_after_decodes=2)
+    decoders = [req(f"d{i}", 1, max_new_tokens=10, start=30 * i) for i in range(4)]
+    long = req("long", 40, start=300)
+    add(sched, *decoders, long)
+    step(sched)
+    before = long.kv_len
+    batch = step(sched)
+    assert batch is not None and batch.num_decode == 4
+    assert long.kv_len - before == 6
