@@ -1,0 +1,34 @@
+#!/bin/sh
+# Issue 24, CPU half: `radixserve serve` (the default model) with today's scheduling
+# (--prefill-shrink-after-decodes 0, "old") against the CPU default (no flag, "new"), one server
+# per run, alternating, each measured by bench/serving.py at concurrency 32 (the workload of
+# docs/BENCHMARKS.md "CPU serving, chunk size and inter-token latency"). Run it on a quiet
+# machine; the load average is printed before and after each run.
+#
+#   sh bench/cpu_prefill_shrink.sh [OUTDIR] [ORDER]     # ORDER default: "old new old new"
+set -u
+cd "$(dirname "$0")/.."
+OUTDIR=${1:-bench/results/cpu-prefill-shrink}
+ORDER=${2:-old new old new}
+PORT=${PORT:-30977}
+mkdir -p "$OUTDIR"
+n=0
+for mode in $ORDER; do
+  n=$((n + 1))
+  flags=""
+  [ "$mode" = old ] && flags="--prefill-shrink-after-decodes 0"
+  echo "=== run $n: $mode ($flags) $(date -u +%H:%M:%S), load $(cut -d' ' -f1-3 /proc/loadavg)"
+  .venv/bin/radixserve serve --host 127.0.0.1 --port "$PORT" $flags >"$OUTDIR/server-$n-$mode.log" 2>&1 &
+  server=$!
+  for _ in $(seq 300); do
+    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
+    sleep 1
+  done
+  .venv/bin/python bench/serving.py --base-url "http://127.0.0.1:$PORT" --num-prompts 96 \
+    --input-len 512 --output-len 96 --random-range-ratio 0.5 --max-concurrency 32 \
+    --request-rate 4 --disable-tqdm --json-out "$OUTDIR/run$n-$mode.json" |
+    grep -E "completed|failed|output_throughput|ttft_ms|itl_ms|tpot_ms"
+  echo "    end $(date -u +%H:%M:%S), load $(cut -d' ' -f1-3 /proc/loadavg)"
+  kill -TERM "$server"
+  wait "$server"
+done
