@@ -215,8 +215,8 @@ class EngineConfig:
     speculative_simulate_accept_len: float | None = _opt(
         None,
         "Benchmarks only: accept this mean accept length's number of draft tokens (tokens per "
-        "verify step, 1 to num_steps + 1; rounded down or up so that the running mean stays on "
-        "it) instead of verifying; outputs are meaningless. Also read from "
+        "verify step, 1 to num_steps + 1; rounded down or up so that each request's running mean "
+        "stays on it) instead of verifying; outputs are meaningless. Also read from "
         "RADIXSERVE_SIMULATE_ACC_LEN",
     )
 

@@ -113,7 +113,7 @@ class Speculator:
                 simulate_accept_len,
             )
         self._rng = random.Random(seed)
-        self._carry: float | None = None  # the simulated counts' rounding remainder
+        self._carry: dict[str, float] = {}  # each request's simulated rounding remainder
         self.stats = SpecStats()
         self._payoff: dict[str, _Payoff] = {}
         self.pause_unprofitable = pause_unprofitable
@@ -132,6 +132,7 @@ class Speculator:
 
     def forget(self, rid: str) -> None:
         self._payoff.pop(rid, None)
+        self._carry.pop(rid, None)
 
     def observe_step(self, verify: bool, batch_size: int, seconds: float) -> None:
         """A step with only decodes (or only decodes and verifies, ``verify``) took this long."""
@@ -213,19 +214,22 @@ class Speculator:
                 self._judge(req, a + 1, batch_size)
         self.algorithm.verified(reqs, accepted)
 
-    def simulated(self, num_drafted: int) -> int:
-        """A count of accepted drafts (the simulated accept length minus one, the target's
-        token, rounded down or up), capped by what was drafted. The rounding carries its
-        remainder from draw to draw, from a seeded random start, so any run of n draws sums to
-        within one of n times the mean: independent coin flips drift by sqrt(n) / 2, and the
-        ~90 draws of one batch-1 benchmark request at mean 2.5 drew 3.35 with seed 0."""
+    def simulated(self, num_drafted: int, rid: str = "") -> int:
+        """A count of accepted drafts for request ``rid`` (the simulated accept length minus
+        one, the target's token, rounded down or up), capped by what was drafted. Each request
+        carries its rounding remainder from draw to draw, from a seeded random start, so any
+        run of its n draws sums to within one of n times the mean. Independent coin flips
+        drift by sqrt(n) / 2: the ~90 draws of one batch-1 benchmark request at a mean of 2.5
+        drafts averaged 2.35 with seed 0. Per request, so that requests progress alike: one
+        remainder shared by a batch gives every other request the rounded-up count, always."""
         assert self.simulate_accept_len is not None
         mean = self.simulate_accept_len - 1.0
         low = int(mean)
-        if self._carry is None:
-            self._carry = self._rng.random()
-        carried = self._carry + (mean - low)
-        self._carry = carried - int(carried)
+        carried = self._carry.get(rid)
+        if carried is None:
+            carried = self._rng.random()
+        carried += mean - low
+        self._carry[rid] = carried - int(carried)
         return min(low + int(carried), num_drafted)
 
 
@@ -391,7 +395,7 @@ def verify(
         first = firsts[i]
         accepted = 0
         if speculator.simulate_accept_len is not None and draft:
-            accepted = speculator.simulated(len(draft))
+            accepted = speculator.simulated(len(draft), reqs[i].rid)
             ids[first : first + accepted] = draft[:accepted]
         else:
             while accepted < len(draft) and ids[first + accepted] == draft[accepted]:

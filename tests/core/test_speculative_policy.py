@@ -111,11 +111,16 @@ def test_constrained_drafts_stop_where_the_grammar_would(
 
 def test_simulated_accept_counts_have_the_chosen_mean() -> None:
     spec = _speculator(simulate_accept_len=2.5)
-    draws = [spec.simulated(4) for _ in range(4000)]
-    assert set(draws) == {1, 2}
-    # Not only on average: every run of draws sums to within one of its length times the mean.
-    for n in (7, 40, 91, 4000):
-        assert abs(sum(draws[:n]) - 1.5 * n) < 1, n
+    # Requests drawn in turn, as in a batch: each keeps the mean over every run of its own
+    # draws, not only the batch on average (a shared rounding would favour every other one).
+    draws: dict[str, list[int]] = {"a": [], "b": [], "c": [], "d": []}
+    for _ in range(1000):
+        for rid, own in draws.items():
+            own.append(spec.simulated(4, rid))
+    for own in draws.values():
+        assert set(own) == {1, 2}
+        for n in (7, 40, 91, 1000):
+            assert abs(sum(own[:n]) - 1.5 * n) < 1, n
     spec = _speculator(simulate_accept_len=3.25)
-    assert abs(sum(spec.simulated(4) for _ in range(100)) - 225) < 1
+    assert abs(sum(spec.simulated(4, "a") for _ in range(100)) - 225) < 1
     assert max(spec.simulated(1) for _ in range(50)) == 1  # never past the draft
