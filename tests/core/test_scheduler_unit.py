@@ -1419,3 +1419,23 @@ def test_prefill_tokens_shrink_past_the_decode_threshold(tokenizer: Tokenizer) -
     batch = step(sched)
     assert batch is not None and batch.num_decode == 4
     assert long.kv_len - before == 6
+
+
+def test_a_token_received_from_a_prefill_server_goes_through_grammar_and_stops(
+    tokenizer: Tokenizer,
+) -> None:
+    sched = make(tokenizer, grammar=FakeStepper([61, 62]))
+    r = req("r", 5, max_new_tokens=10, logprobs=True)
+    r.grammar = object()
+    sched.append_received(r, 42, -0.5, [(-0.5, 42)])
+    assert r.output_ids == [42, 61, 62] and r.state == ReqState.PREFILL
+    assert r.output_logprobs[0] == -0.5 and r.output_top_logprobs[0] == [(-0.5, 42)]
+    stopped = req("s", 5, stop_token_ids=[8])
+    sched.append_received(stopped, 8, None, None)
+    assert stopped.finish_reason == FinishReason("stop", matched=8)
+    rejected = req("x", 5)
+    rejected.grammar = object()
+    sched.append_received(rejected, 99, None, None)
+    assert rejected.output_ids == [] and rejected.finish_reason == FinishReason(
+        "abort", message="rejected"
+    )
