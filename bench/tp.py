@@ -156,11 +156,11 @@ def _time_collectives(
         except Exception as e:  # noqa: BLE001 - recorded; NCCL is still timed
             fast, result["oneshot_error"] = None, f"{type(e).__name__}: {e}"
         result["oneshot_available"] = fast is not None
-    else:
-        fast = None
         if fast is not None:
             for n, row in rows.items():
                 ops[f"allreduce_{n}_oneshot"] = lambda row=row, f=fast: f(row)
+    else:
+        fast = None
     for name, op in ops.items():
         for _ in range(5):
             op()  # creates the communicator and warms it
