@@ -91,6 +91,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", type=float, default=0.9, help="serving / offline tuned, at least")
     p.add_argument("--server-timeout", type=float, default=420.0, help="seconds to get ready")
     p.add_argument("--skip-ab", action="store_true")
+    p.add_argument("--skip-offline", action="store_true", help="the server's run only")
+    p.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an environment variable for the server (repeatable): to test a hypothesis, "
+        "never part of the no-flags measurement",
+    )
     p.add_argument(
         "--profile",
         action="store_true",
@@ -173,6 +182,35 @@ def process_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu_seconds(pid: int) -> dict[str, tuple[str, float]]:
+    """{thread id: (its name, user + system CPU seconds so far)} of process ``pid``'s threads."""
+    out = {}
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            head, rest = stat.read_text().rsplit(")", 1)
+        except OSError:
+            continue
+        fields = rest.split()
+        seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        out[stat.parent.name] = (head.split("(", 1)[1], seconds)
+    return out
+
+
+def busiest_threads(
+    before: dict[str, tuple[str, float]], after: dict[str, tuple[str, float]], wall: float
+) -> dict[str, Any]:
+    """How many threads the process had, how many of them used the CPU, and the busiest ones
+    (name, CPU seconds over wall seconds): which threads beside the main one burn cores."""
+    used = sorted(
+        ((after[t][1] - before.get(t, ("", 0.0))[1]) / wall, after[t][0], t) for t in after
+    )[::-1]
+    return {
+        "threads": len(after),
+        "busy_threads": sum(1 for share, _, _ in used if share >= 0.01),
+        "top": [[name, tid, round(share, 3)] for share, name, tid in used[:8]],
+    }
+
+
 def server_processes(pid: int) -> dict[str, int]:
     """The server's HTTP process and its children (the engine process among them), by name."""
     found = {"http": pid}
@@ -249,6 +287,10 @@ def run_server(
     print(f"  {res['server_command']}  (log: {log})", flush=True)
     # the smoke run shares a small CPU machine: one intra-op thread (not a server flag)
     env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if args.smoke else {})}
+    env.update(kv.split("=", 1) for kv in args.server_env)
+    if args.server_env:
+        res["server_env"] = list(args.server_env)
+        print(f"  server environment (a test, not the default): {args.server_env}", flush=True)
     if profile_dir is not None:
         env[serve_cprofile.PROFILE_DIR_ENV] = str(profile_dir)
     with open(log, "wb") as out:
@@ -267,11 +309,16 @@ def run_server(
         res["serving_warmup_failed"] = warm["failed"]
         print(f"  warm-up: {warm['completed']} requests, {warm['failed']} failed", flush=True)
         procs = server_processes(proc.pid)
+        engine = procs.get("engine", proc.pid)
         steps_before = httpx.get(url + "/server_info", timeout=30).json().get("num_steps")
+        threads_before = thread_cpu_seconds(engine)
         cpu_before, start = cpu_snapshot(procs), time.perf_counter()
         summary = asyncio.run(serving.run(serving_args(args, url, 0, args.output_len)))
         wall = time.perf_counter() - start
         res["serving_process_busy"] = busy_fractions(cpu_before, cpu_snapshot(procs), wall)
+        threads = busiest_threads(threads_before, thread_cpu_seconds(engine), wall)
+        res["serving_engine_threads"] = threads
+        print(f"  engine process threads: {threads}", flush=True)
         steps_after = httpx.get(url + "/server_info", timeout=30).json().get("num_steps")
         if steps_before is not None and steps_after is not None:
             res["serving_steps"] = steps_after - steps_before
@@ -325,8 +372,12 @@ def run_offline(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         run_generate(engine, prompt_ids(args, 1, warm_len), warm_len)
         stats = engine.core.scheduler.stats
         steps_before, cpu_before = stats.steps, process_cpu_seconds(os.getpid())
+        threads_before = thread_cpu_seconds(os.getpid())
         seconds = run_generate(engine, prompt_ids(args, 0, args.output_len), args.output_len)
         cpu_after = process_cpu_seconds(os.getpid())
+        threads = busiest_threads(threads_before, thread_cpu_seconds(os.getpid()), seconds)
+        res["offline_threads"] = threads
+        print(f"  offline process threads: {threads}", flush=True)
         res["offline_tuned_tok_s"] = args.num_prompts * args.output_len / seconds
         res["offline_steps"] = stats.steps - steps_before
         res["offline_ms_per_step"] = 1000 * seconds / res["offline_steps"]
@@ -399,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     write = lambda: {"weight_bytes": write_random_llama(model_dir, args.shape, "cpu")}
     steps = [("model", write), ("serving", lambda: run_server(model_dir, args, log)),
              ("offline", lambda: run_offline(model_dir, args))]  # fmt: skip
+    if args.skip_offline:
+        steps.pop()
     if not args.skip_ab:
         steps.append(("alternating", lambda: run_alternating(model_dir, args, res)))
     if args.profile:

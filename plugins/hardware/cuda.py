@@ -10,6 +10,7 @@ CUDA graphs. The pool never takes memory that is not free now (other processes c
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -64,6 +65,15 @@ class CudaPlatform(HardwarePlatform):
         return max(min(budget, headroom), 0)
 
     asynchronous = True
+
+    def bind_server_engine(self) -> None:
+        # The engine's host work is Python and small tensor ops, which torch's intra-op pool
+        # (a thread per core) does not speed up; its threads spin after each parallel region
+        # and take cores from the engine's own thread. Under `serve` on the H200 the engine
+        # process used 3.1 CPU seconds per second (the offline Engine 1.1) and took 12.2 ms a
+        # step against 7.4. An OMP_NUM_THREADS the user set wins.
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(1)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
