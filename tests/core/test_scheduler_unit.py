@@ -856,8 +856,9 @@ def test_no_table_row_or_no_kv_leaves_the_request_waiting_and_unlocks_its_prefix
     assert sched.req_to_token.available() == 3 and r.req_pool_idx is None
     sched.allocator.free(stolen)
     sched.cache.dec_lock_ref(sched.cache.match_prefix(list(range(10, 30)))[1])
-    run_to_idle(sched)  # the row it gave back serves it now
+    run_to_idle(sched)
     assert len(r.output_ids) == 4 and r.cached_tokens == 20
+    assert sched.req_to_token.available() == 3  # every row is back, the refused one's too
 
 
 def test_no_drafts_when_the_policy_says_zero_or_their_slots_do_not_fit(
@@ -1307,13 +1308,16 @@ def test_the_default_grammar_stepper_names_a_rejected_token_and_never_jumps(
 
 
 def test_a_generation_prompt_never_waits_for_an_embedding_prefill(tokenizer: Tokenizer) -> None:
-    """An embedding's KV never reaches the cache, so waiting for its prefill would gain nothing."""
-    sched = make(tokenizer, chunk=64)
+    """An embedding's KV never reaches the cache, so waiting for its prefill would gain nothing:
+    in its third chunk, the same prompt for generation is admitted beside it."""
+    sched = make(tokenizer, chunk=16)
     emb, gen = req("emb", 40, max_new_tokens=0), req("gen", 40)
     emb.pooling = "last"
     add(sched, emb, gen)
+    step(sched)
+    step(sched)
     batch = step(sched)
-    assert shape(batch) == (["emb", "gen"], [40, 24], 0)
+    assert shape(batch) == (["emb", "gen"], [8, 8], 0)
     assert sched.stats.deferred_admissions == 0
 
 
