@@ -107,6 +107,7 @@ def test_a_group_that_does_not_close_is_left_open_not_waited_on(
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "destroy_process_group", release.wait)
     monkeypatch.setattr(parallel, "TEARDOWN_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(parallel, "_stuck_group", False)  # restored to False afterwards
     fast = FakeFast(8)
     monkeypatch.setattr(parallel, "_current", TensorParallel(0, 2, fast_all_reduce=fast))
     monkeypatch.setattr(parallel, "_threads_before", torch.get_num_threads())
@@ -117,7 +118,6 @@ def test_a_group_that_does_not_close_is_left_open_not_waited_on(
             parallel.setup(Platform(None), 2, parallel.Rendezvous("file:///x", 0, 2))  # type: ignore[arg-type]
     finally:
         release.set()
-        monkeypatch.setattr(parallel, "_stuck_group", False)
 
 
 # ---- the per-step broadcast (core/tp_step.py), through a fake broadcast ----------------------
