@@ -373,7 +373,15 @@ def run_offline(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         stats = engine.core.scheduler.stats
         steps_before, cpu_before = stats.steps, process_cpu_seconds(os.getpid())
         threads_before = thread_cpu_seconds(os.getpid())
+        engine.core.scheduler.trace_steps = True  # (decodes, prefill tokens) per step
         seconds = run_generate(engine, prompt_ids(args, 0, args.output_len), args.output_len)
+        trace = stats.step_trace
+        res["offline_step_kinds"] = {
+            "decode_only": sum(1 for d, p in trace if d and not p),
+            "prefill_only": sum(1 for d, p in trace if p and not d),
+            "mixed": sum(1 for d, p in trace if d and p),
+        }
+        print(f"  offline steps by kind: {res['offline_step_kinds']}", flush=True)
         cpu_after = process_cpu_seconds(os.getpid())
         threads = busiest_threads(threads_before, thread_cpu_seconds(os.getpid()), seconds)
         res["offline_threads"] = threads
