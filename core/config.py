@@ -147,6 +147,12 @@ class EngineConfig:
         "instead of the hardware platform's own for small ones (on CUDA: one-shot over NVLink "
         "peer-to-peer, through PyTorch symmetric memory)",
     )
+    disable_mixed_chunk: bool = _opt(
+        False,
+        "Run prefill chunks in steps of their own, the decodes waiting a step (SGLang's "
+        "default): decode-only steps can replay CUDA graphs; by default a step's decodes and "
+        "prefill chunks run together",
+    )
     disable_overlap_schedule: bool = _opt(
         False,
         "Finish each step before scheduling the next (by default, where the device runs "

@@ -82,6 +82,7 @@ class EngineCore:
                 max_running_requests=settings.max_running_requests,
                 chunked_prefill_size=settings.chunked_prefill_size,
                 prefill_shrink_after_decodes=settings.prefill_shrink_after_decodes,
+                mixed_chunk=not config.disable_mixed_chunk,
                 schedule_policy=config.schedule_policy,
                 max_context=self.max_context,
                 random_seed=config.random_seed,

@@ -48,6 +48,9 @@ class SchedulerConfig:
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.098
     new_token_ratio_decay_steps: int = 600
+    # False: a step with prefill work runs it alone and the decodes wait a step (SGLang's
+    # default; a decode-only step can replay a CUDA graph, a mixed one runs eagerly).
+    mixed_chunk: bool = True
     # Past this many decodes in a step, its prefill tokens shrink in proportion (0: never;
     # schedule_policy.prefill_budget).
     prefill_shrink_after_decodes: int = 0
@@ -172,6 +175,10 @@ class Scheduler:
         Progress is guaranteed: when every running request is a prefill that cannot get KV,
         the newest is retracted (or, alone, ended with a reason), so a step never comes back
         empty while requests run."""
+        if not self.config.mixed_chunk:
+            alone = self._schedule_prefill_alone()
+            if alone is not None:
+                return alone
         self._retracted_this_step = False
         self._scheduled = {}
         while True:
@@ -221,6 +228,32 @@ class Scheduler:
         return ScheduledBatch(
             [r for r, _ in entries], [n for _, n in entries], num_decode, by_index
         )
+
+    def _schedule_prefill_alone(self) -> ScheduledBatch | None:
+        """Without mixing: a step of prefill chunks only (running prefills, then admissions),
+        or None when none can run now (the mixed path then schedules the decodes, and retracts
+        where it must)."""
+        self._retracted_this_step = False
+        budget = prefill_budget(self.config.chunked_prefill_size, 0)
+        prefills: list[tuple[Req, int]] = []
+        for req in [r for r in self.running if r.state == ReqState.PREFILL]:
+            chunk = self._extend_running(req, budget)
+            if chunk:
+                prefills.append((req, chunk))
+                budget -= chunk
+        self._scheduled = dict((r.rid, n) for r, n in prefills)
+        if budget > 0 and self.waiting and not self.paused:
+            prefills += self._admit(budget)
+        if not prefills:
+            return None
+        self.new_token_ratio = max(
+            self.new_token_ratio - self._ratio_decay, self.config.min_new_token_ratio
+        )
+        entries = sorted(prefills, key=lambda e: e[1] != 1)  # single-token extends first
+        if self.trace_steps:
+            self.stats.step_trace.append((0, sum(n for _, n in prefills)))
+        num_decode = sum(1 for _, n in entries if n == 1)
+        return ScheduledBatch([r for r, _ in entries], [n for _, n in entries], num_decode)
 
     def _stalled(self) -> bool:
         """Requests run, yet none could get KV for its next tokens (only prefills remain)."""

@@ -130,6 +130,27 @@ def test_a_step_shared_by_many_decodes_takes_a_smaller_prefill_chunk(
     assert [n for _, n in trace] == [chunk] * (600 // chunk) + [600 % chunk]
 
 
+def test_without_mixing_prefills_run_alone_and_outputs_do_not_change(long_ctx_dir: Path) -> None:
+    """--disable-mixed-chunk: no step holds both decodes and prefill tokens (decodes wait while
+    a prompt is prefilled), and greedy outputs are those of the mixed default."""
+    outputs = {}
+    for mixed in (True, False):
+        core = make_core(
+            long_ctx_dir, chunked_prefill_size=64, max_total_tokens=8192,
+            disable_mixed_chunk=not mixed,
+        )  # fmt: skip
+        reqs = [add(core, "first", tokens(1, 20), max_new_tokens=30)]
+        for i in range(6):  # arrivals while the others decode, some over several chunks
+            step(core)
+            step(core)
+            reqs.append(add(core, f"r{i}", tokens(40 + i, 30 + 25 * i), max_new_tokens=12))
+        run_to_idle(core)
+        trace = core.scheduler.stats.step_trace
+        assert any(d and p for d, p in trace) == mixed, trace
+        outputs[mixed] = [r.output_ids for r in reqs]
+    assert outputs[True] == outputs[False]
+
+
 # -- abort ----------------------------------------------------------------------------------
 
 SHARED = tokens(10, 24)
