@@ -8,10 +8,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+import torch
 
 from radixserve.core.interfaces import Draft, SpeculativeAlgorithm
 from radixserve.core.request import Req, SamplingParams
-from radixserve.core.speculative import FULL_DRAFT_BATCH, Speculator
+from radixserve.core.speculative import FULL_DRAFT_BATCH, Speculator, read_pending, verify_drafts
 
 
 class Fixed(SpeculativeAlgorithm):
@@ -124,3 +125,33 @@ def test_simulated_accept_counts_have_the_chosen_mean() -> None:
     spec = _speculator(simulate_accept_len=3.25)
     assert abs(sum(spec.simulated(4, "a") for _ in range(100)) - 225) < 1
     assert max(spec.simulated(1) for _ in range(50)) == 1  # never past the draft
+
+
+class OnDevice(SpeculativeAlgorithm):
+    """Drafts left where a draft model computed them (``Draft.pending``)."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def propose(self, reqs: Sequence[Any], max_drafts: Sequence[int]) -> list[Draft]:
+        return [Draft([0] * len(self.tokens), pending=torch.tensor(self.tokens)) for _ in reqs]
+
+
+def test_pending_drafts_are_cut_to_the_limit_and_read_with_the_verify_result() -> None:
+    spec = Speculator(OnDevice([5, 6, 60, 8]), "dev", 4, 32, vocab_size=100)
+    plain, other, constrained = _req("plain"), _req("other"), _req("constrained")
+    constrained.grammar = _Grammar()
+    (draft,) = spec.propose([plain], [3])
+    assert draft.pending is not None and draft.tokens == [0, 0, 0]  # only its length known
+    # With a constrained request in the batch, every draft is read at once, for its grammar.
+    read = spec.propose([other, constrained], [4, 4])
+    assert [d.pending for d in read] == [None, None]
+    assert [d.tokens for d in read] == [[5, 6, 60, 8], [5, 6]]
+    # Target rows: row 0 chooses 5 (the first draft token, accepted), row 1 chooses 9 (not 6).
+    logits = torch.full((4 + 1, 100), -1.0)
+    for row, token in enumerate([5, 9, 1, 2, 7]):
+        logits[row, token] = 1.0
+    emitted = verify_drafts(logits, [plain, other], [draft, None], [], None, spec)
+    assert draft.pending is None and draft.tokens == [5, 6, 60]
+    assert [[t for t, _, _ in e] for e in emitted] == [[5, 9], [7]]
+    assert read_pending([None, Draft([1])], torch.tensor([4, 2])) == [4, 2]
