@@ -93,6 +93,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-ab", action="store_true")
     p.add_argument("--skip-offline", action="store_true", help="the server's run only")
     p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="a flag added to the server's command (repeatable; --server-arg=--flag): to test a "
+        "hypothesis, never part of the no-flags measurement",
+    )
+    p.add_argument(
         "--server-env",
         action="append",
         default=[],
@@ -282,7 +290,7 @@ def run_server(
     url = f"http://127.0.0.1:{port}"
     wrapper = [sys.executable, str(Path(__file__).parent / "serve_cprofile.py")]
     cmd = [*(wrapper if profile_dir else server_command()), "serve", "--model-path", str(model_dir)]
-    cmd += ["--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), *args.server_arg]
     res["server_command"] = " ".join(cmd)
     print(f"  {res['server_command']}  (log: {log})", flush=True)
     # the smoke run shares a small CPU machine: one intra-op thread (not a server flag)
