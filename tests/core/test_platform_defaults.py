@@ -1,7 +1,8 @@
 """Settings a hardware platform chooses for its device: a third-party platform's defaults are
 used, a flag wins over them, the core's fill what neither sets, each with where it came from;
 a default the KV pool cannot hold is lowered with the reason. The CUDA platform's defaults
-scale with the card (checked with a card described, not present)."""
+scale with the card (checked with a card described, not present), and its server engine
+process takes one torch thread unless OMP_NUM_THREADS is set."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from radixserve import Engine
 from radixserve.core.config import CORE_DEFAULTS, ConfigError, EngineConfig, ModelConfig
@@ -97,3 +99,20 @@ def test_cuda_defaults_scale_with_the_card(monkeypatch: pytest.MonkeyPatch) -> N
     assert 0.85 <= picked[141]["mem_fraction_static"] < 0.95
     assert set(picked[141]) <= set(CORE_DEFAULTS)
     assert EngineConfig(**picked[141])  # valid settings
+
+
+def test_cuda_server_engine_takes_one_torch_thread_unless_omp_is_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    platform = object.__new__(CudaPlatform)  # no device here
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        torch.set_num_threads(2)
+        platform.bind_server_engine()
+        assert torch.get_num_threads() == 2  # the user's setting wins
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        platform.bind_server_engine()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
