@@ -139,11 +139,11 @@ def test_without_mixing_prefills_run_alone_and_outputs_do_not_change(long_ctx_di
             long_ctx_dir, chunked_prefill_size=64, max_total_tokens=8192,
             disable_mixed_chunk=not mixed,
         )  # fmt: skip
-        reqs = [add(core, "first", tokens(1, 20), max_new_tokens=30)]
-        for i in range(6):  # arrivals while the others decode, some over several chunks
+        reqs = [add(core, "first", tokens(1, 20), max_new_tokens=16)]
+        for i in range(3):  # arrivals while the others decode, some over several chunks
             step(core)
             step(core)
-            reqs.append(add(core, f"r{i}", tokens(40 + i, 30 + 25 * i), max_new_tokens=12))
+            reqs.append(add(core, f"r{i}", tokens(40 + i, 30 + 40 * i), max_new_tokens=6))
         run_to_idle(core)
         trace = core.scheduler.stats.step_trace
         assert any(d and p for d, p in trace) == mixed, trace
