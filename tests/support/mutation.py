@@ -33,7 +33,7 @@ MODULES: dict[str, list[str]] = {
     ],
     "core/stop.py": ["tests/core/test_stop.py"],
     "core/sampling.py": ["tests/core/test_sampling.py"],
-    "core/memory.py": ["tests/core/test_memory.py"],
+    "core/memory.py": ["tests/core/test_memory.py", "tests/core/test_memory_journal.py"],
     "core/radix_cache.py": ["tests/core/test_radix_cache.py"],
     # The Scheduler driven by hand, without a model (milliseconds a test; the engine-level
     # test_scheduler*.py files take ~100 s together, too long to run once per mutant).
