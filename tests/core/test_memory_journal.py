@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.core.memory import ReqToTokenPool, TokenAllocator
+from radixserve.core.memory import KVPool, ReqToTokenPool, TokenAllocator
 
 COLS = 16
 
@@ -83,6 +83,7 @@ def test_pages_of_two_tokens() -> None:
     assert alloc.available() == 6
     lens = torch.tensor([5, 6])
     assert alloc.tokens_needed_decode(lens) == 2  # only row 1 starts a page
+    assert alloc.tokens_needed_decode(torch.tensor([5, 7])) == 0  # both inside a page
     dec = alloc.alloc_decode(table, torch.tensor([0, 1]), lens)
     assert dec is not None and dec.tolist() == [7, 14]  # page 3's second slot; page 7
     assert alloc.available() == 4
@@ -95,5 +96,12 @@ def test_pages_of_two_tokens() -> None:
 
 def test_fresh_pages_a_decode_batch_needs() -> None:
     alloc = TokenAllocator(100, 16)
-    assert alloc.tokens_needed_decode(torch.tensor([16, 17, 32, 5])) == 32
+    assert alloc.tokens_needed_decode(torch.tensor([16, 17, 32])) == 32  # two fresh pages
+    assert alloc.tokens_needed_decode(torch.tensor([1, 17])) == 0
     assert TokenAllocator(100).tokens_needed_decode(torch.tensor([16, 17, 32])) == 3
+
+
+def test_a_kv_pool_pages_single_tokens_unless_told() -> None:
+    """Paged attention kernels read ``page_size`` off the pool: 1 unless given."""
+    assert KVPool(6, 2, 3, 4, torch.float16, "cpu").page_size == 1
+    assert KVPool(6, 2, 3, 4, torch.float16, "cpu", page_size=2).page_size == 2
