@@ -31,7 +31,7 @@ MODULES: dict[str, list[str]] = {
         "-k",
         "schedule_policy or lpm or fcfs or dfs_weight or random",
     ],
-    "core/stop.py": ["tests/core/test_stop.py"],
+    "core/stop.py": ["tests/core/test_stop.py", "tests/core/test_stop_regex.py"],
     "core/sampling.py": ["tests/core/test_sampling.py"],
     "core/memory.py": ["tests/core/test_memory.py", "tests/core/test_memory_journal.py"],
     "core/radix_cache.py": ["tests/core/test_radix_cache.py"],
