@@ -68,10 +68,10 @@ class CudaPlatform(HardwarePlatform):
 
     def bind_server_engine(self) -> None:
         # The engine's host work is Python and small tensor ops, which torch's intra-op pool
-        # (a thread per core) does not speed up; its threads spin after each parallel region
-        # and take cores from the engine's own thread. Under `serve` on the H200 the engine
-        # process used 3.1 CPU seconds per second (the offline Engine 1.1) and took 12.2 ms a
-        # step against 7.4. An OMP_NUM_THREADS the user set wins.
+        # (a thread per core) does not speed up: under `serve` its 15 extra threads each kept
+        # ~8% of a core busy and the engine's steps took 15.9 ms against 8.5 ms with one
+        # thread (H200, SmolLM2 shape, 256 streams, one lease: 14,194 vs 26,366 tok/s;
+        # docs/BENCHMARKS.md). An OMP_NUM_THREADS the user set wins.
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(1)
 
