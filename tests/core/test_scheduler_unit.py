@@ -1412,9 +1412,13 @@ def test_a_retracted_request_compares_its_outputs_too_when_waiting_for_a_prefill
     assert sched.stats.deferred_admissions == 1 and back.state == ReqState.WAITING
 
 
-def test_prefill_tokens_shrink_past_the_decode_threshold(tokenizer: Tokenizer) -> None:
-    """chunk 12, shrink after 2 decodes: beside 4 decodes the prefill gets 12 * 2 // 4 = 6."""
-    sched = make(tokenizer, chunk=12, running=8, prefill_shrink_after_decodes=2)
+@pytest.mark.parametrize(("shrink", "prefill"), [(0, 8), (1, 3), (2, 6), (4, 8)])
+def test_prefill_tokens_shrink_past_the_decode_threshold(
+    tokenizer: Tokenizer, shrink: int, prefill: int
+) -> None:
+    """chunk 12 beside 4 decodes: 12 - 4 = 8 prefill tokens, or 12 * shrink // 4 once there
+    are more decodes than ``shrink`` (0: never)."""
+    sched = make(tokenizer, chunk=12, running=8, prefill_shrink_after_decodes=shrink)
     decoders = [req(f"d{i}", 1, max_new_tokens=10, start=30 * i) for i in range(4)]
     long = req("long", 40, start=300)
     add(sched, *decoders, long)
@@ -1422,7 +1426,7 @@ def test_prefill_tokens_shrink_past_the_decode_threshold(tokenizer: Tokenizer) -
     before = long.kv_len
     batch = step(sched)
     assert batch is not None and batch.num_decode == 4
-    assert long.kv_len - before == 6
+    assert long.kv_len - before == prefill
 
 
 def test_a_token_received_from_a_prefill_server_goes_through_grammar_and_stops(

@@ -28,8 +28,9 @@ MODULES: dict[str, list[str]] = {
     "core/schedule_policy.py": [
         "tests/core/test_schedule_policy.py",
         "tests/core/test_scheduler.py",
+        "tests/core/test_scheduler_unit.py",  # prefill_budget through the scheduler
         "-k",
-        "schedule_policy or lpm or fcfs or dfs_weight or random",
+        "schedule_policy or lpm or fcfs or dfs_weight or random or chunk_size or budget or shrink",
     ],
     "core/stop.py": ["tests/core/test_stop.py", "tests/core/test_stop_regex.py"],
     "core/sampling.py": ["tests/core/test_sampling.py"],
