@@ -1447,3 +1447,36 @@ def test_a_token_received_from_a_prefill_server_goes_through_grammar_and_stops(
     assert rejected.output_ids == [] and rejected.finish_reason == FinishReason(
         "abort", message="rejected"
     )
+
+
+def test_without_mixed_chunks_prefill_steps_run_alone_and_decodes_wait(
+    tokenizer: Tokenizer,
+) -> None:
+    sched = make(
+        tokenizer,
+        chunk=8,
+        mixed_chunk=False,
+        init_new_token_ratio=0.5,
+        min_new_token_ratio=0.1,
+        new_token_ratio_decay_steps=40,
+    )
+    sched.trace_steps = True
+    a, b = req("a", 3, max_new_tokens=10), req("b", 20, start=100)
+    add(sched, a)
+    assert shape(step(sched)) == (["a"], [3], 0)
+    assert shape(step(sched)) == (["a"], [1], 1)  # nothing to prefill: the decodes run
+    add(sched, b)
+    assert shape(step(sched)) == (["b"], [8], 0)  # a waits
+    assert shape(step(sched)) == (["b"], [8], 0)
+    assert shape(step(sched)) == (["b"], [4], 0)
+    assert b.state == ReqState.DECODE and len(a.output_ids) == 2
+    assert shape(step(sched)) == (["a", "b"], [1, 1], 2)
+    assert sched.stats.step_trace == [(0, 3), (1, 0), (0, 8), (0, 8), (0, 4), (2, 0)]
+    assert sched.new_token_ratio == pytest.approx(0.5 - 6 * 0.01)  # every step decays
+    # One-token prompts sort as decodes; a paused scheduler admits nothing and decodes.
+    add(sched, req("c", 1, start=200), req("d", 5, start=300))
+    assert shape(step(sched)) == (["c", "d"], [1, 5], 1)
+    sched.paused = True
+    add(sched, req("e", 5, start=400))
+    assert shape(step(sched)) == (["a", "b", "c", "d"], [1, 1, 1, 1], 4)
+    assert [r.rid for r in sched.waiting] == ["e"]
