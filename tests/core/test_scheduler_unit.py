@@ -1455,6 +1455,7 @@ def test_without_mixed_chunks_prefill_steps_run_alone_and_decodes_wait(
     sched = make(
         tokenizer,
         chunk=8,
+        running=8,
         mixed_chunk=False,
         init_new_token_ratio=0.5,
         min_new_token_ratio=0.1,
@@ -1474,9 +1475,9 @@ def test_without_mixed_chunks_prefill_steps_run_alone_and_decodes_wait(
     assert sched.stats.step_trace == [(0, 3), (1, 0), (0, 8), (0, 8), (0, 4), (2, 0)]
     assert sched.new_token_ratio == pytest.approx(0.5 - 6 * 0.01)  # every step decays
     # One-token prompts sort as decodes; a paused scheduler admits nothing and decodes.
-    add(sched, req("c", 1, start=200), req("d", 5, start=300))
+    add(sched, req("d", 5, start=300), req("c", 1, start=200))
     assert shape(step(sched)) == (["c", "d"], [1, 5], 1)
     sched.paused = True
     add(sched, req("e", 5, start=400))
-    assert shape(step(sched)) == (["a", "b", "c", "d"], [1, 1, 1, 1], 4)
+    assert shape(step(sched)) == (["a", "b", "d", "c"], [1, 1, 1, 1], 4)  # running order
     assert [r.rid for r in sched.waiting] == ["e"]
