@@ -1481,3 +1481,17 @@ def test_without_mixed_chunks_prefill_steps_run_alone_and_decodes_wait(
     add(sched, req("e", 5, start=400))
     assert shape(step(sched)) == (["a", "b", "d", "c"], [1, 1, 1, 1], 4)  # running order
     assert [r.rid for r in sched.waiting] == ["e"]
+
+
+def test_without_mixed_chunks_a_running_prefill_and_an_admission_share_the_budget(
+    tokenizer: Tokenizer,
+) -> None:
+    # The running prefill takes 7 of the 8-token budget first; the admission gets the last
+    # token, and both chunks run in one step.
+    sched = make(tokenizer, chunk=8, running=8, mixed_chunk=False)
+    b, c = req("b", 15, start=100), req("c", 5, start=200)
+    add(sched, b)
+    assert shape(step(sched)) == (["b"], [8], 0)
+    add(sched, c)
+    assert shape(step(sched)) == (["c", "b"], [1, 7], 1)
+    assert shape(step(sched)) == (["c"], [4], 0)  # b decodes in the next mixed-free step
