@@ -189,12 +189,7 @@ class Scheduler:
             )
             drafts = self._draft(decodes) if decodes and self.speculator is not None else {}
             budget -= sum(len(d.tokens) for d in drafts.values())
-            prefills: list[tuple[Req, int]] = []
-            for req in [r for r in self.running if r.state == ReqState.PREFILL]:
-                chunk = self._extend_running(req, budget)
-                if chunk:
-                    prefills.append((req, chunk))
-                    budget -= chunk
+            prefills, budget = self._extend_running_prefills(budget)
             if decodes or prefills or not self._stalled():
                 self._scheduled = {r.rid: 1 for r in decodes}
                 self._scheduled.update((r.rid, n) for r, n in prefills)
@@ -234,13 +229,9 @@ class Scheduler:
         or None when none can run now (the mixed path then schedules the decodes, and retracts
         where it must)."""
         self._retracted_this_step = False
-        budget = prefill_budget(self.config.chunked_prefill_size, 0)
-        prefills: list[tuple[Req, int]] = []
-        for req in [r for r in self.running if r.state == ReqState.PREFILL]:
-            chunk = self._extend_running(req, budget)
-            if chunk:
-                prefills.append((req, chunk))
-                budget -= chunk
+        prefills, budget = self._extend_running_prefills(
+            prefill_budget(self.config.chunked_prefill_size, 0)
+        )
         self._scheduled = dict((r.rid, n) for r, n in prefills)
         if budget > 0 and self.waiting and not self.paused:
             prefills += self._admit(budget)
@@ -535,6 +526,17 @@ class Scheduler:
         return self.cache if req.pooling is None else self._uncached
 
     # -- prefill ---------------------------------------------------------------------------
+
+    def _extend_running_prefills(self, budget: int) -> tuple[list[tuple[Req, int]], int]:
+        """The next chunks of the running prefills, in order, within ``budget``: the
+        (request, chunk) pairs that got KV, and the budget left."""
+        prefills: list[tuple[Req, int]] = []
+        for req in [r for r in self.running if r.state == ReqState.PREFILL]:
+            chunk = self._extend_running(req, budget)
+            if chunk:
+                prefills.append((req, chunk))
+                budget -= chunk
+        return prefills, budget
 
     def _extend_running(self, req: Req, budget: int) -> int:
         chunk = min(req.seq_len - req.kv_len, budget)
