@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 import pytest
-import torch
+from allow_all_grammar import AllowAllGrammar
 
 from radixserve.core import grammar_queue
 from radixserve.core.grammar_queue import GrammarQueue
@@ -18,24 +18,9 @@ from radixserve.core.request import Req, SamplingParams
 HANG_GUARD_S = 120  # only stops a hung test; no outcome depends on it
 
 
-class FakeGrammar(Grammar):
+class FakeGrammar(AllowAllGrammar):
     def __init__(self, spec: str) -> None:
         self.spec = spec
-
-    def accept_token(self, token_id: int) -> bool:
-        return True
-
-    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
-        bitmask[index].fill_(-1)
-
-    def is_terminated(self) -> bool:
-        return False
-
-    def rollback(self, num_tokens: int) -> None:
-        pass
-
-    def forced_string(self) -> str:
-        return ""
 
     def copy(self) -> Grammar:
         return FakeGrammar(self.spec)

@@ -10,10 +10,10 @@ import math
 
 import pytest
 import torch
+from allow_all_grammar import AllowAllGrammar
 
 from radixserve.core import sampling
 from radixserve.core.grammar import NO_TOKEN
-from radixserve.core.interfaces import Grammar
 from radixserve.core.request import Req, SamplingParams
 
 # Distinct values, no ties, so every filter's kept set is unambiguous.
@@ -467,26 +467,8 @@ def test_a_failing_middle_row_in_sample_ids_fails_alone() -> None:
 # --- grammar rows: a constrained row with no allowed token ---------------------------------------
 
 
-class StubGrammar(Grammar):
-    """A matcher that accepts anything: the sampler only asks whether a row is constrained."""
-
-    def accept_token(self, token_id: int) -> bool:
-        return True
-
-    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
-        bitmask[index].fill_(-1)
-
-    def is_terminated(self) -> bool:
-        return False
-
-    def rollback(self, num_tokens: int) -> None:
-        pass
-
-    def forced_string(self) -> str:
-        return ""
-
-    def copy(self) -> Grammar:
-        return StubGrammar()
+class StubGrammar(AllowAllGrammar):
+    """The sampler only asks whether a row is constrained."""
 
 
 def _constrained(rid: str, **params: object) -> Req:
