@@ -311,6 +311,9 @@ class SpeculativeContext:
     page_size: int
     req_to_token: ReqToTokenPool  # the target's slot table; a draft writes at the same slots
     eos_token_ids: tuple[int, ...]
+    #: the target CausalLM itself, for drafters that share its modules (a draft head reads the
+    #: target's token embedding); None where no model is at hand
+    target_model: Any = None
 
 
 class SpeculativeAlgorithm(ABC):
@@ -331,7 +334,17 @@ class SpeculativeAlgorithm(ABC):
     verification are freed and may go to other requests; slots below it can be replaced when
     the prefix cache merges duplicates, so a drafter that keeps KV should check that the slots
     it wrote are still the row's before it trusts them.
+
+    Target features: a drafter that reads the target's hidden states names the layers in
+    ``capture_hidden_layers``; every target forward then keeps those layers' outputs for every
+    new token and hands the batch to ``target_hidden`` right after the forward (prefill
+    chunks, decodes and verify steps alike, rejected draft positions included: their slots
+    are freed after verification and rewritten by the next forward that takes them).
     """
+
+    #: target layers whose outputs (the residual stream after the layer) ``target_hidden``
+    #: receives; empty: none are kept, at no cost
+    capture_hidden_layers: tuple[int, ...] = ()
 
     def memory_needs(self, config: EngineConfig, host: Any, dtype: torch.dtype) -> tuple[int, int]:
         """(bytes of weights, KV bytes per KV-pool slot) that ``setup`` will allocate on the
@@ -351,6 +364,11 @@ class SpeculativeAlgorithm(ABC):
     def verified(self, reqs: Sequence[Any], num_accepted: Sequence[int]) -> None:  # noqa: B027
         """After the step: ``num_accepted[i]`` of ``reqs[i]``'s draft tokens were kept (its
         output grew by that plus one; ``req.kv_len`` is updated)."""
+
+    def target_hidden(self, batch: ForwardBatch) -> None:  # noqa: B027 - optional hook
+        """After each target forward, when ``capture_hidden_layers`` is not empty:
+        ``batch.hidden_states[layer]`` is [T, hidden] for the T new tokens, which were written
+        at ``batch.out_cache_loc`` (their positions in ``batch.positions``)."""
 
     def release(self, rid: str) -> None:  # noqa: B027 - optional hook
         """Request ``rid`` finished, was aborted or retracted: drop its state (a retracted

@@ -369,8 +369,20 @@ class ModelRunner:
         pooling = plan_pooling(batch.reqs, batch.extend_lens)
         if pooling is not None:
             fb.hidden_rows = to_device(torch.tensor(pooling.rows, dtype=torch.int64), self.device)
+        algorithm = self.speculator.algorithm if self.speculator is not None else None
+        if algorithm is not None and algorithm.capture_hidden_layers:
+            fb.capture_hidden_layers = algorithm.capture_hidden_layers
         self.req_to_token.sync()  # the device mirror of the slot table, before any kernel
         logits = self.step(fb)
+        if fb.capture_hidden_layers:
+            assert algorithm is not None
+            if fb.hidden_states is None:
+                raise RuntimeError(
+                    f"model plugin '{self.plugins.names['model']}' keeps no hidden states "
+                    "(ForwardBatch.capture_hidden_layers), which the speculative plugin "
+                    f"'{self.plugins.names['speculative']}' needs"
+                )
+            algorithm.target_hidden(fb)
         for req, n, plan in zip(batch.reqs, batch.extend_lens, plans, strict=True):
             if plan.scored:
                 rows = logits[plan.first_row : plan.first_row + len(plan.scored)]

@@ -18,13 +18,12 @@ rejection sampling.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from radixserve.core.batch import ForwardBatch, to_device
+from radixserve.core.batch import to_device
 from radixserve.core.config import ConfigError, ModelConfig
 from radixserve.core.hookspecs import hookimpl
 from radixserve.core.interfaces import Draft, SpeculativeAlgorithm, SpeculativeContext
@@ -33,17 +32,17 @@ from radixserve.core.request import Req, token_slice
 from radixserve.core.sampling import adjusted_logits, target_probs
 from radixserve.core.speculative import DraftPosition
 from radixserve.core.weights import count_parameters, iter_weights
-
-
-@dataclass(slots=True)
-class _DraftKV:
-    length: int  # positions [0, length) hold draft KV written for this request
-    slots: torch.Tensor  # the row's slots of those positions when they were written
+from radixserve.plugins.speculative.draft_kv import (
+    DraftKV,
+    draft_batch,
+    rows_by_request,
+    trusted_length,
+)
 
 
 class StandaloneDraft(SpeculativeAlgorithm):
     def __init__(self) -> None:
-        self._kv: dict[str, _DraftKV] = {}
+        self._kv: dict[str, DraftKV] = {}
 
     def memory_needs(self, config: Any, host: Any, dtype: torch.dtype) -> tuple[int, int]:
         resolved = _draft_dir(config, host)
@@ -89,16 +88,13 @@ class StandaloneDraft(SpeculativeAlgorithm):
         next and in the drafts returned (``Draft.pending``: the core reads them with the
         verify result, so no host sync waits for the draft), unless a request has penalties,
         which read them on the host after each step."""
-        table = self.req_to_token.table
-        trusted = [self._trusted_length(r) for r in reqs]
+        trusted = [trusted_length(self._kv.get(r.rid), r, self.req_to_token) for r in reqs]
         if self._chainable(reqs, max_drafts, trusted):
             assert self.chain is not None
             refresh = any(t < r.kv_len for r, t in zip(reqs, trusted, strict=True))
             chained = self.chain.launch(reqs, refresh)
             for req, limit in zip(reqs, max_drafts, strict=True):
-                written = req.kv_len + limit
-                assert req.req_pool_idx is not None
-                self._kv[req.rid] = _DraftKV(written, table[req.req_pool_idx, :written].clone())
+                self._kv[req.rid] = DraftKV.written(req, req.kv_len + limit, self.req_to_token)
             return [Draft([0] * self.chain.k, pending=chained[i]) for i in range(len(reqs))]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         on_host: list[list[int]] | None = None
@@ -126,16 +122,10 @@ class StandaloneDraft(SpeculativeAlgorithm):
             logits = self._forward(reqs, batch, input_ids)
             ids = self._choose(logits, [reqs[i] for i in order], step, order, probs, on_host)
             steps.append((order, ids))
-        where: list[list[int]] = [[] for _ in reqs]  # each request's rows of the steps' ids
-        at = 0
-        for order, _ in steps:
-            for i in order:
-                where[i].append(at)
-                at += 1
-        for i, req in enumerate(reqs):
-            written = req.kv_len + max_drafts[i]  # positions kv_len .. kv_len + m - 1 drafted
-            assert req.req_pool_idx is not None
-            self._kv[req.rid] = _DraftKV(written, table[req.req_pool_idx, :written].clone())
+        where = rows_by_request(steps, len(reqs))
+        for req, limit in zip(reqs, max_drafts, strict=True):
+            # positions kv_len .. kv_len + limit - 1 drafted
+            self._kv[req.rid] = DraftKV.written(req, req.kv_len + limit, self.req_to_token)
         stacked = [
             torch.stack(p) if p and len(p) == len(w) else None
             for p, w in zip(probs, where, strict=True)
@@ -166,16 +156,6 @@ class StandaloneDraft(SpeculativeAlgorithm):
             )
         )
 
-    def _trusted_length(self, req: Req) -> int:
-        """How many leading positions of ``req`` hold draft KV it can still use."""
-        kv = self._kv.get(req.rid)
-        if kv is None:
-            return 0
-        n = min(kv.length, req.kv_len)
-        assert req.req_pool_idx is not None
-        same = self.req_to_token.table[req.req_pool_idx, :n] == kv.slots[:n]
-        return n if bool(same.all()) else int((~same).nonzero()[0, 0])
-
     def _forward(
         self,
         reqs: Sequence[Req],
@@ -185,43 +165,14 @@ class StandaloneDraft(SpeculativeAlgorithm):
         """Run the draft over ``batch`` entries (request index, first position, its tokens, or
         None for one token taken from ``input_ids`` on the device), decodes first; return the
         logits of each entry's last token."""
-        table = self.req_to_token.table
+        spans: list[tuple[int, int, int]] = []
         host_ids: list[int] = []
-        positions: list[int] = []
-        rows: list[int] = []
-        pool_rows: list[int] = []
-        seq_lens: list[int] = []
-        extend_lens: list[int] = []
-        logits_rows: list[int] = []
         for i, start, ids in batch:
-            row = reqs[i].req_pool_idx
-            assert row is not None
-            n = 1 if ids is None else len(ids)
+            spans.append((i, start, 1 if ids is None else len(ids)))
             host_ids += ids or []
-            positions += range(start, start + n)
-            rows += [row] * n
-            pool_rows.append(row)
-            seq_lens.append(start + n)
-            extend_lens.append(n)
-            logits_rows.append(len(positions) - 1)
-        positions_t = torch.tensor(positions, dtype=torch.int64)
-        out_cache_loc = table[torch.tensor(rows), positions_t]
         if input_ids is None:
             input_ids = to_device(torch.tensor(host_ids, dtype=torch.int64), self.device)
-        self.req_to_token.sync()
-        fb = ForwardBatch(
-            input_ids=input_ids,
-            positions=to_device(positions_t, self.device),
-            out_cache_loc=to_device(out_cache_loc, self.device),
-            req_pool_indices=torch.tensor(pool_rows, dtype=torch.int64),
-            req_to_token=table,
-            seq_lens=seq_lens,
-            extend_lens=extend_lens,
-            num_decode=sum(1 for n in extend_lens if n == 1),
-            logits_indices=to_device(torch.tensor(logits_rows, dtype=torch.int64), self.device),
-            kv_pool=self.kv_pool,
-            req_to_token_pool=self.req_to_token,
-        )
+        fb = draft_batch(reqs, spans, input_ids, self.req_to_token, self.kv_pool, self.device)
         return self.step(fb)
 
     def _choose(

@@ -5,8 +5,13 @@ constraints, logprobs, n > 1 and streaming, for each built-in speculative plugin
 The n-gram plugin drafts from each request's own text (prompts that ask to copy text make it
 accept); the standalone plugin uses SmolLM2 itself as the draft, so nearly every draft is
 accepted and stops and grammars meet long accepted runs (a draft cut to SmolLM2's first layers
-was tried: it accepted almost nothing). Batches stay at 8 requests, where every request drafts
-the full length.
+was tried: it accepted almost nothing); the eagle3 plugin runs the EAGLE-3 head shipped for
+SmolLM2 (found with no path given), which accepts some of its drafts. Batches stay at 8
+requests, where every request drafts the full length.
+
+The eagle3 run takes the first 100 requests, the ones of every kind (stops, constraints, n > 1,
+penalties, min tokens), plus the logprob and streaming requests, and leaves out the 100 plain
+ones: its run was the suite's longest setup (75 s) and CI has 20 minutes.
 """
 
 from __future__ import annotations
@@ -90,8 +95,11 @@ LOGPROB_PROMPTS = [f"Say something about {t}." for t in TOPICS]
 STREAM_PROMPTS = [f"Repeat three times: {t} and {t}." for t in TOPICS[:8]]
 
 
-def _run_all(engine: Engine) -> dict[str, Any]:
-    reqs = _requests()
+MIXED = 100  # the first requests of _requests(): every kind
+
+
+def _run_all(engine: Engine, num_requests: int | None = None) -> dict[str, Any]:
+    reqs = _requests()[:num_requests]
     ids = [_chat(engine, text) for text, _ in reqs]
     plain = engine.generate(input_ids=ids, sampling_params=[p for _, p in reqs])
     lp_ids = [_chat(engine, t) for t in LOGPROB_PROMPTS]
@@ -129,7 +137,7 @@ def reference(smollm2_dir: Path) -> dict[str, Any]:
 
 @pytest.fixture(
     scope="module",
-    params=["ngram", "standalone"],
+    params=["ngram", "standalone", "eagle3"],
 )
 def speculative(request: pytest.FixtureRequest, smollm2_dir: Path) -> Iterator[dict[str, Any]]:
     # Every step drafts: pausing depends on measured step times, which would make the
@@ -140,17 +148,24 @@ def speculative(request: pytest.FixtureRequest, smollm2_dir: Path) -> Iterator[d
     }
     if request.param == "standalone":
         kw["speculative_draft_model_path"] = str(smollm2_dir)
+    num_requests = None
+    if request.param == "eagle3":
+        # Two drafts a step: the shipped CPU-trained head accepts about as many as with four
+        # here (373 of 4,703 against 374 of 8,745), and the run costs a sixth less.
+        kw["speculative_num_draft_tokens"] = 3
+        num_requests = MIXED
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(spec_policy, "FULL_DRAFT_BATCH", BATCH)
         with _engine(smollm2_dir, **kw) as engine:
-            yield _run_all(engine)
+            yield _run_all(engine, num_requests)
 
 
 def test_greedy_outputs_equal_speculation_off(
     reference: dict[str, Any], speculative: dict[str, Any]
 ) -> None:
     ref, spec = reference["plain"], speculative["plain"]
-    assert len(ref) == len(spec) >= 200
+    assert len(ref) >= 200 and len(spec) >= MIXED
+    ref = ref[: len(spec)]  # a run of the first requests (eagle3) has their outputs first
     differ = [
         i
         for i, (a, b) in enumerate(zip(ref, spec, strict=True))
@@ -165,14 +180,15 @@ def test_greedy_outputs_equal_speculation_off(
     assert any(f["type"] == "stop" and isinstance(f.get("matched"), str) for f in finishes)
     assert any(f["type"] == "length" for f in finishes)
     stats = speculative["stats"]
-    assert stats["verified_requests"] > 100 and stats["accepted_tokens"] > 50, stats
+    assert stats["verified_requests"] > MIXED and stats["accepted_tokens"] > 50, stats
 
 
 def test_constrained_outputs_stay_valid_under_speculation(speculative: dict[str, Any]) -> None:
     # Results come prompt-major, then choice.
     reqs = [(t, p) for t, p in _requests() for _ in range(p.get("n", 1))]
+    outputs = speculative["plain"]
     checked = 0
-    for (_, params), out in zip(reqs, speculative["plain"], strict=True):
+    for (_, params), out in zip(reqs[: len(outputs)], outputs, strict=True):
         if "json_schema" in params and out["meta_info"]["finish_reason"]["type"] == "stop":
             value = json.loads(out["text"])
             assert set(value) == {"name", "age"}

@@ -1,0 +1,87 @@
+"""tools/train_draft.py's eval and speed phases: the engine with a trained head on the
+held-out prompts."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from radixserve.tools.draft_data import WORKLOADS
+
+# -- eval: acceptance on held-out prompts -------------------------------------------------------
+
+
+def evaluate(args: argparse.Namespace, records: list[dict[str, Any]], head_dir: str) -> dict:
+    """Acceptance length per workload over the held-out prompts (greedy)."""
+    from radixserve import Engine
+
+    held = [r for r in records if r["split"] == "heldout" and r["greedy"]]
+    result: dict[str, Any] = {}
+    with Engine(
+        args.model, dtype=args.engine_dtype, max_running_requests=args.gen_batch,
+        speculative_algorithm="EAGLE3", speculative_draft_model_path=head_dir,
+        speculative_num_draft_tokens=args.num_draft_tokens, speculative_disable_pause=True,
+    ) as eng:  # fmt: skip
+        for workload in WORKLOADS:
+            part = [r for r in held if r["workload"] == workload][: args.eval_prompts]
+            if not part:
+                continue
+            outs = eng.generate(
+                input_ids=[r["prompt_ids"] for r in part],
+                sampling_params={"temperature": 0, "max_new_tokens": args.max_new_tokens},
+            )
+            verifies = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
+            accepted = sum(o["meta_info"].get("spec_accepted_tokens", 0) for o in outs)
+            # (over the common length: the answers may have been generated longer or shorter)
+            same = sum(
+                o["output_ids"][: len(r["answer_ids"])] == r["answer_ids"][: len(o["output_ids"])]
+                for o, r in zip(outs, part, strict=True)
+            )
+            result[workload] = {
+                "prompts": len(part),
+                "verify_steps": verifies,
+                "accepted_drafts": accepted,
+                "accept_length": round((verifies + accepted) / max(1, verifies), 3),
+                "outputs_equal_speculation_off": f"{same}/{len(part)}",
+            }
+            print(f"eval {workload}: {result[workload]}", flush=True)
+    return result
+
+
+def speed(args: argparse.Namespace, records: list[dict[str, Any]], head_dir: str) -> dict:
+    """Batch-1 tokens/s over the first held-out prompt of each workload (``--speed-tokens``
+    each, ignoring EOS): speculation off, EAGLE3 with the core's pause, and without it."""
+    from radixserve import Engine
+
+    first: dict[str, dict[str, Any]] = {}
+    for r in records:
+        if r["split"] == "heldout" and r["greedy"]:
+            first.setdefault(r["workload"], r)
+    spec = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": head_dir,
+            "speculative_num_draft_tokens": args.num_draft_tokens}  # fmt: skip
+    configs = {
+        "off": {},
+        "eagle3": spec,
+        "eagle3_no_pause": {**spec, "speculative_disable_pause": True},
+    }
+    params = {"temperature": 0, "max_new_tokens": args.speed_tokens, "ignore_eos": True}
+    result: dict[str, Any] = {}
+    for name, kw in configs.items():
+        with Engine(args.model, dtype=args.engine_dtype, **kw) as eng:
+            warm = {"temperature": 0, "max_new_tokens": 8}
+            eng.generate(input_ids=[next(iter(first.values()))["prompt_ids"]], sampling_params=warm)
+            row = {}
+            for workload, r in first.items():
+                t0 = time.perf_counter()
+                out = eng.generate(input_ids=[r["prompt_ids"]], sampling_params=params)[0]
+                seconds = time.perf_counter() - t0
+                meta = out["meta_info"]
+                row[workload] = {
+                    "tokens_per_s": round(len(out["output_ids"]) / seconds, 2),
+                    "verify_steps": meta.get("spec_verify_ct", 0),
+                    "accepted_drafts": meta.get("spec_accepted_tokens", 0),
+                }
+            result[name] = row
+            print(f"speed {name}: {row}", flush=True)
+    return result
