@@ -135,7 +135,15 @@ class CudaGraphRunner:
 
     def _capture(self, bs: int, pool: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         batch = self._static_batch(bs)
+        self._plan(bs, [self.pad_row] * bs, [1] * bs)
         return capture_graph(lambda: self._run_static(bs, batch), pool)
+
+    def _plan(self, bs: int, rows: list[int], seq_lens: list[int]) -> None:
+        """Backends whose per-step setup runs on the host (FlashInfer's ``plan``) do it here,
+        outside the graph, before the capture of size ``bs`` and before each of its replays."""
+        plan = getattr(self.attention, "plan_decode_graph", None)
+        if plan is not None:
+            plan(bs, rows, seq_lens)
 
     def _capture_verify(
         self, bs: int, q: int, pool: Any
@@ -204,7 +212,8 @@ class CudaGraphRunner:
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         bs = batch.batch_size
-        if batch.hidden_rows is not None:  # a graph keeps no final hidden states: run eagerly
+        if batch.hidden_rows is not None or batch.capture_hidden_layers:
+            # a graph keeps no hidden states: run eagerly
             self.attention.prepare(batch)
             return self.model.forward(batch)
         if batch.num_decode == 0 and self.verify_shapes:
@@ -220,7 +229,8 @@ class CudaGraphRunner:
         pad = padded - bs
         fill = self.max_bs - bs
         rows = batch.req_pool_indices.tolist() + [self.pad_row] * fill
-        host = torch.tensor([rows, batch.seq_lens + [1] * fill], dtype=torch.int32)
+        lens = batch.seq_lens + [1] * fill
+        host = torch.tensor([rows, lens], dtype=torch.int32)
         self.meta.copy_(host.pin_memory(), non_blocking=True)  # pinned: no wait on the GPU
         for static, src in (
             (self.input_ids, batch.input_ids),
@@ -230,6 +240,7 @@ class CudaGraphRunner:
             static[:bs].copy_(src)
             if pad:
                 static[bs:padded].zero_()
+        self._plan(padded, rows[:padded], lens[:padded])
         graph, logits = self.graphs[padded]
         graph.replay()
         return logits[:bs]

@@ -19,7 +19,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 
-from reuse_traffic import comparable, run_reuse_traffic  # noqa: E402
+from reuse_traffic import NEAR_TIE, comparable, first_differences, run_reuse_traffic  # noqa: E402
 
 from radixserve import Engine  # noqa: E402
 from radixserve.core.plugins import default_host  # noqa: E402
@@ -36,25 +36,33 @@ CPU_CONFIGS = CONFIGS if torch.cuda.is_available() else INTERPRETED
 CPU_IDS = [f"page{page}-{'overlap' if overlap else 'sync'}" for page, overlap in CPU_CONFIGS]
 
 
-def _backends_under_test() -> list[str]:
-    """Every attention backend this machine can run, except the reference itself."""
+# Backends that compute in bfloat16/float16 only: the float32 tests leave them out; they run the
+# traffic in bfloat16 against torch_native's bfloat16 run (test_gpu_reuse_traffic_bf16_...).
+HALF_ONLY = {"flashinfer"}
+
+
+def _backends_under_test(half_only: bool = False) -> list[str]:
+    """Every attention backend this machine can run, except the reference itself: those that
+    compute in float32, or (``half_only``) those that do not."""
     registry = default_host().registries["attention"]
-    return [n for n in registry.available_names() if n != "torch_native"]
+    names = [n for n in registry.available_names() if n != "torch_native"]
+    return [n for n in names if (n in HALF_ONLY) == half_only]
 
 
 def _run(model_dir: Path, attention: str, hardware: str, page: int, overlap: bool,
-         scale: int = 1, **settings: Any) -> dict[str, Any]:  # fmt: skip
+         scale: int = 1, dtype: str = "float32", gaps: bool = False,
+         **settings: Any) -> dict[str, Any]:  # fmt: skip
     flag = {"enable_overlap_schedule": True} if overlap else {"disable_overlap_schedule": True}
     with Engine(
         str(model_dir),
         plugins=[f"attention={attention}", hardware],
-        dtype="float32",
+        dtype=dtype,
         page_size=page,
         schedule_conservativeness=0.0,  # admission keeps no room back: retraction reuses slots
         **flag,
         **settings,
     ) as engine:
-        return run_reuse_traffic(engine, scale)
+        return run_reuse_traffic(engine, scale, gaps=gaps)
 
 
 @pytest.fixture(scope="module")
@@ -103,15 +111,7 @@ def test_gpu_reuse_traffic_smollm2_shape_with_cuda_graphs(
 ) -> None:
     """SmolLM2-shaped random weights, float32, on the GPU: triton with CUDA graphs against
     torch_native on the same GPU, over the same traffic at four times the lengths."""
-    from tiny_models import make_tiny_llama_dir
-
-    model_dir = tmp_path_factory.getbasetemp() / "smollm2-shape-reuse"
-    if not (model_dir / "config.json").exists():
-        make_tiny_llama_dir(
-            model_dir, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-            num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
-            tie_word_embeddings=True,
-        )  # fmt: skip
+    model_dir = _smollm2_shape(tmp_path_factory)
     runs = {
         attention: _run(
             model_dir, attention, "hardware=cuda", page, overlap, scale=4, max_total_tokens=4 * POOL
@@ -124,3 +124,44 @@ def test_gpu_reuse_traffic_smollm2_shape_with_cuda_graphs(
         for name, outputs in comparable(ours).items():
             same = sum(a == b for a, b in zip(outputs, ref[name], strict=True))
             assert outputs == ref[name], f"{attention}: '{name}' {same}/{len(outputs)} equal"
+
+
+def _smollm2_shape(tmp_path_factory: pytest.TempPathFactory, layers: int = 30) -> Path:
+    from tiny_models import make_tiny_llama_dir
+
+    model_dir = tmp_path_factory.getbasetemp() / f"smollm2-shape-reuse-{layers}"
+    if not (model_dir / "config.json").exists():
+        make_tiny_llama_dir(
+            model_dir, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
+            num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+            tie_word_embeddings=True,
+        )  # fmt: skip
+    return model_dir
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("page", "overlap"), CONFIGS, ids=IDS)
+def test_gpu_reuse_traffic_bf16_smollm2_shape_with_cuda_graphs(
+    tmp_path_factory: pytest.TempPathFactory, page: int, overlap: bool
+) -> None:
+    """The bfloat16-only backends (flashinfer) on the same traffic, CUDA graphs on, against
+    torch_native in bfloat16 on the same GPU: each output equals torch_native's, or first leaves
+    it at a near-tie of torch_native's; a stale or foreign KV read leaves it anywhere. Two
+    layers of SmolLM2's shape: deeper random models amplify bf16 rounding (see NEAR_TIE)."""
+    half = _backends_under_test(half_only=True)
+    if not half:
+        pytest.skip("no bfloat16-only attention backend is available here")
+    model_dir = _smollm2_shape(tmp_path_factory, layers=2)
+    settings = dict(scale=4, dtype="bfloat16", max_total_tokens=4 * POOL)
+    ref = _run(model_dir, "torch_native", "hardware=cuda", page, overlap, gaps=True, **settings)
+    assert ref["retractions"] > 0
+    for attention in half:
+        ours = _run(model_dir, attention, "hardware=cuda", page, overlap, **settings)
+        assert ours["retractions"] > 0
+        for name, outputs in comparable(ours).items():
+            diffs = first_differences(outputs, ref[name], ref["gaps"][name])
+            print(f"{attention} '{name}': {len(outputs) - len(diffs)}/{len(outputs)} equal; "
+                  f"first differences (token, torch_native's gap) {diffs}")  # fmt: skip
+            far = [(i, gap) for i, gap in diffs if gap >= NEAR_TIE]
+            assert not far, f"{attention}: '{name}' differs away from near-ties: {far}"

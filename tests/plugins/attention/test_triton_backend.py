@@ -16,10 +16,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 pytest.importorskip("triton", reason="the 'triton' package is not installed")
 
+from paged_steps import shuffled_allocator, step_batch  # noqa: E402
+
 from radixserve import Engine  # noqa: E402
-from radixserve.core.batch import ForwardBatch  # noqa: E402
 from radixserve.core.config import ModelConfig  # noqa: E402
-from radixserve.core.memory import KVPool, ReqToTokenPool, TokenAllocator  # noqa: E402
+from radixserve.core.memory import KVPool, ReqToTokenPool  # noqa: E402
 from radixserve.plugins.attention.torch_native import TorchNativeAttention  # noqa: E402
 from radixserve.plugins.attention.triton.backend import TritonAttention  # noqa: E402
 
@@ -37,41 +38,6 @@ CONFIG = ModelConfig.from_dict(
 )
 
 
-def _step(pool: ReqToTokenPool, rows: list[int], kv_lens: list[int], new: list[int], nd: int,
-          alloc: TokenAllocator) -> ForwardBatch:  # fmt: skip
-    """Give each request ``new`` slots after its ``kv_lens`` cached ones; build the batch."""
-    out_loc = []
-    for row, start, n in zip(rows, kv_lens, new, strict=True):
-        slots = alloc.alloc_extend(pool.table[row], start, n)
-        assert slots is not None
-        pool.write(row, start, slots)
-        out_loc += slots.tolist()
-    t = len(out_loc)
-    return ForwardBatch(
-        input_ids=torch.zeros(t, dtype=torch.int64, device=DEVICE),
-        positions=torch.zeros(t, dtype=torch.int64, device=DEVICE),
-        out_cache_loc=torch.tensor(out_loc, device=DEVICE),
-        req_pool_indices=torch.tensor(rows),
-        req_to_token=pool.table,
-        seq_lens=[s + n for s, n in zip(kv_lens, new, strict=True)],
-        extend_lens=list(new),
-        num_decode=nd,
-        logits_indices=torch.zeros(0, dtype=torch.int64, device=DEVICE),
-        kv_pool=None,
-        req_to_token_pool=pool,
-    )
-
-
-def _shuffled_allocator(size: int, page_size: int) -> TokenAllocator:
-    """An allocator that hands out its pages in a random order."""
-    alloc = TokenAllocator(size, page_size)
-    everything = alloc.alloc(alloc.size)
-    assert everything is not None
-    for page in torch.randperm(alloc.size // page_size).tolist():
-        alloc.free(everything[page * page_size : (page + 1) * page_size])
-    return alloc
-
-
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_backend_matches_torch_native_over_steps(page_size: int) -> None:
     torch.manual_seed(0)
@@ -81,7 +47,7 @@ def test_backend_matches_torch_native_over_steps(page_size: int) -> None:
     backends = [TritonAttention(pools[0], CONFIG, DEVICE), TorchNativeAttention(pools[1], CONFIG,
                                                                                DEVICE)]  # fmt: skip
     assert backends[0].page_size == page_size  # read from the KV pool
-    alloc = _shuffled_allocator(size, page_size)
+    alloc = shuffled_allocator(size, page_size)
     pool = ReqToTokenPool(6, 64)
     # Request 4's first 21 positions are a "cached prefix" written before it was scheduled.
     prefix = alloc.alloc(21)
@@ -96,7 +62,7 @@ def test_backend_matches_torch_native_over_steps(page_size: int) -> None:
         ([1, 3, 4, 0], [19, 6, 33, 33], [1, 1, 1, 1], 4),
     ]
     for rows, cached, new, nd in steps:
-        batch = _step(pool, rows, cached, new, nd, alloc)
+        batch = step_batch(pool, alloc, rows, cached, new, nd, DEVICE)
         t = batch.num_tokens
         q = torch.randn(t, heads, dim, device=DEVICE)
         k = torch.randn(t, kvh, dim, device=DEVICE)
