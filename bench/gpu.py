@@ -10,6 +10,7 @@ weights. Every system is warmed up at the exact shapes first; rates are output t
 time, prefill included, EOS ignored.
 
     python bench/gpu.py --json-out $OUT/gpu.json
+    python bench/gpu.py --attention triton,flashinfer  # each backend's rows, then their ratios
     python bench/gpu.py --shape tiny --hardware cpu --attention torch_native --small  # smoke test
 """
 
@@ -32,6 +33,7 @@ from gpu_model import SHAPES, write_random_llama
 
 from radixserve import Engine, hookimpl
 from radixserve.core.plugins import PluginHost
+from radixserve.plugins.attention import flashinfer as flashinfer_attention
 from radixserve.plugins.attention import torch_native
 from radixserve.plugins.attention import triton as triton_attention
 from radixserve.plugins.grammar import none as grammar_none
@@ -61,7 +63,8 @@ def parse_args() -> argparse.Namespace:
 def add_tuning_flags(p: argparse.ArgumentParser) -> None:
     """The tuned engine's settings (``tuned_engine``); bench/gpu_serving.py shares them."""
     p.add_argument("--hardware", default="cuda")
-    p.add_argument("--attention", default="triton")
+    p.add_argument("--attention", default="triton",
+                   help="attention plugin(s), comma-separated: each runs in turn")  # fmt: skip
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--disable-overlap-schedule", action="store_true")
     p.add_argument("--page-size", type=int, default=1)
@@ -167,7 +170,8 @@ class StepStats:
 
 def bench_host(stats: StepStats) -> PluginHost:
     # Only the plugins this benchmark needs, imported directly: no install, no entry points.
-    mods = [cpu, cuda, torch_native, triton_attention, grammar_none, spec_none, kv_none]
+    mods = [cpu, cuda, torch_native, triton_attention, flashinfer_attention, grammar_none]
+    mods += [spec_none, kv_none]
     mods += [llama, qwen2, qwen3, gemma2, moe]
     plugins = [(m.__name__.rsplit(".", 2)[-2] + "_" + m.__name__.rsplit(".", 1)[-1], m)
                for m in mods]  # fmt: skip
@@ -212,14 +216,16 @@ def defaults_engine(model_dir: Path) -> Any:
     return Engine(str(model_dir), host=bench_host(StepStats()), plugins=["grammar=none"])
 
 
-def run_ours(model_dir: Path, args: argparse.Namespace, vocab: int, res: dict[str, Any]) -> None:
-    """Our engine on every workload; each number is recorded (and saved) as soon as it exists."""
+def run_ours(model_dir: Path, args: argparse.Namespace, vocab: int, res: dict[str, Any],
+             root: dict[str, Any] | None = None) -> None:  # fmt: skip
+    """Our engine on every workload; each number is recorded in ``res`` (and ``root``, the
+    whole result that ``res`` is part of, saved) as soon as it exists."""
 
     def note(key: str, value: Any) -> None:
         res[key] = value
         print(f"  {key} = {value}", flush=True)
         if args.json_out:
-            write_json(args.json_out, res)
+            write_json(args.json_out, root if root is not None else res)
 
     w = workloads(args.small)
     runs = [w["b1"], w["tput"]] + ([] if args.skip_big else [w["big"]])
@@ -377,15 +383,44 @@ def main() -> None:
         phase(res, "hf", lambda: run_hf(model_dir, args, vocab), out)
     if args.tune_decode:
         phase(res, "tune", tune_decode_phase, out)
-    phase(res, "ours", lambda: run_ours(model_dir, args, vocab, res) or {}, out)
-    if "ours_error" in res and not args.disable_cuda_graph:
-        args.disable_cuda_graph = True  # still measure the kernels, without graphs
-        phase(res, "ours_eager", lambda: run_ours(model_dir, args, vocab, res) or {}, out)
+    names = args.attention.split(",")
+    graphs_off = args.disable_cuda_graph
+    for name in names:  # several: each backend's numbers under res["attention"][name]
+        args.attention, args.disable_cuda_graph = name, graphs_off
+        mine = res if len(names) == 1 else res.setdefault("attention", {}).setdefault(name, {})
+        run = lambda mine=mine: run_ours(model_dir, args, vocab, mine, res) or {}  # noqa: E731
+        phase(mine, "ours", run, out)
+        if "ours_error" in mine and not args.disable_cuda_graph:
+            args.disable_cuda_graph = True  # still measure the kernels, without graphs
+            phase(mine, "ours_eager", run, out)
+    args.attention, args.disable_cuda_graph = ",".join(names), graphs_off
     if args.defaults:
         phase(res, "defaults", lambda: run_defaults(model_dir, args, vocab, res) or {}, out)
-    report(res, args)
+    if len(names) == 1:
+        report(res, args)
+    else:
+        shared = {k: v for k, v in res.items() if k != "attention"}
+        for name in names:
+            print(f"\nattention={name}")
+            view = {**shared, **res["attention"][name]}
+            report(view, args)  # adds the roofline and the bounds to view
+            res["attention"][name] = {k: v for k, v in view.items() if k not in shared}
+        compare_attention(res["attention"], names)
     if out:
         write_json(out, res)
+
+
+def compare_attention(by_name: dict[str, dict[str, Any]], names: list[str]) -> None:
+    """Each backend's rate on each workload against the first one named."""
+    base = names[0]
+    rows = []
+    for key in ("b1_tok_s", "tput_tok_s", "big_tok_s", "b1_graph_replay_ms"):
+        for name in names:
+            value, ref = by_name[name].get(key), by_name[base].get(key)
+            rows.append([f"{name} {key}", value, value / ref if value and ref else None,
+                         f"/ {base}"])  # fmt: skip
+    print(f"\nattention backends against {base}")
+    print(format_table(["measure", "value", "ratio", "against"], rows))
 
 
 def report(r: dict[str, Any], args: argparse.Namespace) -> None:

@@ -51,7 +51,9 @@ import statistics
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -113,6 +115,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="last, the serving run again with cProfile in the server's processes",
     )
+    p.add_argument(
+        "--client-processes",
+        type=int,
+        default=None,
+        help="bench/serving.py's client processes (default: its own, one per 64 streams)",
+    )
     p.add_argument("--workdir", default=None, help="where the model directory is written")
     p.add_argument("--json-out", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny shape, few short prompts, cpu")
@@ -172,6 +180,7 @@ def serving_args(args: argparse.Namespace, url: str, seed: int, output_len: int)
         "--input-len", str(args.input_len), "--output-len", str(output_len),
         "--max-concurrency", str(args.max_concurrency), "--vocab-size", str(vocab),
         "--seed", str(seed), "--disable-tqdm",
+        *(["--client-processes", str(args.client_processes)] if args.client_processes else []),
     ])  # fmt: skip
 
 
@@ -253,6 +262,82 @@ def busy_fractions(
     return out
 
 
+def kind_breakdown(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> dict[str, dict[str, float]]:
+    """Per step kind (decode-only: a CUDA graph's; mixed and prefill-only: eager), over a run
+    (the engine's counters after minus before): steps, their share of the run's step time,
+    ms per step, decodes and prefill tokens per step."""
+    diff = {
+        kind: {k: after[kind][k] - before.get(kind, {}).get(k, 0) for k in after[kind]}
+        for kind in after
+    }
+    total = sum(d["seconds"] for d in diff.values()) or 1.0
+    out = {}
+    for kind, d in diff.items():
+        n = d["steps"] or 1
+        out[kind] = {
+            "steps": int(d["steps"]),
+            "time_share": round(d["seconds"] / total, 3),
+            "ms_per_step": round(1000 * d["seconds"] / n, 3),
+            "decodes_per_step": round(d["decodes"] / n, 1),
+            "prefill_tokens_per_step": round(d["prefill_tokens"] / n, 1),
+        }
+    return out
+
+
+class Timeline:
+    """/server_info polled every ``period`` seconds in a thread during a run: requests live in
+    the HTTP process, running and waiting in the engine, steps, and seconds with a step in
+    flight; ``windows`` sums them up per slice of the run (when the engine idles, and why)."""
+
+    def __init__(self, url: str, period: float = 0.1) -> None:
+        self.url, self.period = url, period
+        self.samples: list[tuple[float, int, int, int, int, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> Timeline:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _poll(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=30) as client:
+            while not self._stop.is_set():
+                info = client.get("/server_info").json()
+                stepping = sum(k["seconds"] for k in info.get("steps_by_kind", {}).values())
+                self.samples.append((time.perf_counter(), info["num_live_requests"],
+                                     info["num_running_reqs"], info["num_waiting_reqs"],
+                                     info["num_steps"], stepping))  # fmt: skip
+                self._stop.wait(self.period)
+
+    def windows(self, width: float = 0.25) -> list[list[Any]]:
+        """[t, live, running, waiting, steps, share of the slice with a step in flight] per
+        ``width`` seconds, from the first sample with a live request to the last."""
+        busy = [i for i, x in enumerate(self.samples) if x[1] > 0]
+        if not busy:
+            return []
+        first, last = max(busy[0] - 1, 0), min(busy[-1] + 1, len(self.samples) - 1)
+        samples, t0 = self.samples[first : last + 1], self.samples[first][0]
+        rows, prev = [], samples[0]
+        for x in samples[1:]:
+            if x[0] - prev[0] < width and x is not samples[-1]:
+                continue
+            dt = x[0] - prev[0]
+            rows.append([round(x[0] - t0, 2), x[1], x[2], x[3], x[4] - prev[4],
+                         round((x[5] - prev[5]) / dt, 2)])  # fmt: skip
+            prev = x
+        return rows
+
+
+def offline_kinds(engine: Any) -> dict[str, dict[str, float]]:
+    return {k: v.to_json() for k, v in engine.core.scheduler.stats.by_kind.items()}
+
+
 def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path, timeout: float) -> float:
     start = time.perf_counter()
     while time.perf_counter() - start < timeout:
@@ -318,16 +403,48 @@ def run_server(
         print(f"  warm-up: {warm['completed']} requests, {warm['failed']} failed", flush=True)
         procs = server_processes(proc.pid)
         engine = procs.get("engine", proc.pid)
-        steps_before = httpx.get(url + "/server_info", timeout=30).json().get("num_steps")
+        info_before = httpx.get(url + "/server_info", timeout=30).json()
+        steps_before = info_before.get("num_steps")
         threads_before = thread_cpu_seconds(engine)
-        cpu_before, start = cpu_snapshot(procs), time.perf_counter()
-        summary = asyncio.run(serving.run(serving_args(args, url, 0, args.output_len)))
-        wall = time.perf_counter() - start
+        cpu_before = cpu_snapshot(procs)
+        with Timeline(url) as timeline:
+            summary = asyncio.run(serving.run(serving_args(args, url, 0, args.output_len)))
+        res["serving_timeline"] = timeline.windows()
+        print("  timeline [t s, live (HTTP), running, waiting (engine), steps, stepping share]:")
+        for row in res["serving_timeline"]:
+            print(f"    {row}")
+        res["serving_client_busy"] = summary.get("client_processes_busy")
+        print(f"  client processes busy (CPU s / wall s): {res['serving_client_busy']}")
+        # Over the timed run (the client's first send to its last end), not this call's wall
+        # time, which adds ~3 s of client start-up while the server idles.
+        wall = summary["duration_s"]
         res["serving_process_busy"] = busy_fractions(cpu_before, cpu_snapshot(procs), wall)
         threads = busiest_threads(threads_before, thread_cpu_seconds(engine), wall)
         res["serving_engine_threads"] = threads
         print(f"  engine process threads: {threads}", flush=True)
-        steps_after = httpx.get(url + "/server_info", timeout=30).json().get("num_steps")
+        info_after = httpx.get(url + "/server_info", timeout=30).json()
+        steps_after = info_after.get("num_steps")
+        if info_after.get("gc") and info_before.get("gc"):
+            res["serving_gc"] = {
+                proc: {
+                    "collections": [a - b for a, b in zip(after["collections"],
+                                    info_before["gc"][proc]["collections"], strict=True)],
+                    "seconds": [round(a - b, 4) for a, b in zip(after["seconds"],
+                                info_before["gc"][proc]["seconds"], strict=True)],
+                }
+                for proc, after in info_after["gc"].items()
+            }  # fmt: skip
+            print(f"  garbage collections in the run, per generation: {res['serving_gc']}")
+        if info_after.get("steps_by_kind"):
+            kinds = kind_breakdown(info_before["steps_by_kind"], info_after["steps_by_kind"])
+            res["serving_step_kinds"] = kinds
+            stepping = sum(
+                after["seconds"] - info_before["steps_by_kind"][kind]["seconds"]
+                for kind, after in info_after["steps_by_kind"].items()
+            )
+            res["serving_stepping_share"] = round(stepping / summary["duration_s"], 3)
+            print(f"  serve steps by kind: {kinds}; stepping {stepping:.2f} s of the run's "
+                  f"{summary['duration_s']:.2f} s", flush=True)  # fmt: skip
         if steps_before is not None and steps_after is not None:
             res["serving_steps"] = steps_after - steps_before
             res["serving_ms_per_step"] = 1000 * summary["duration_s"] / res["serving_steps"]
@@ -364,6 +481,10 @@ def run_profiled_server(
         pstats.Stats(str(path), stream=text).sort_stats("tottime").print_stats(30)
         print(f"--- {name} process, by own time (top 30) ---\n{text.getvalue()}", flush=True)
         out[f"profiled_{name}_pstats"] = str(path)
+    # one file to bring back (a device call returns a limited number of files)
+    with tarfile.open(profile_dir.with_suffix(".tgz"), "w:gz") as tar:
+        tar.add(profile_dir, arcname=profile_dir.name)
+    shutil.rmtree(profile_dir)
     return out
 
 
@@ -380,15 +501,9 @@ def run_offline(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         run_generate(engine, prompt_ids(args, 1, warm_len), warm_len)
         stats = engine.core.scheduler.stats
         steps_before, cpu_before = stats.steps, process_cpu_seconds(os.getpid())
-        threads_before = thread_cpu_seconds(os.getpid())
-        engine.core.scheduler.trace_steps = True  # (decodes, prefill tokens) per step
+        threads_before, kinds_before = thread_cpu_seconds(os.getpid()), offline_kinds(engine)
         seconds = run_generate(engine, prompt_ids(args, 0, args.output_len), args.output_len)
-        trace = stats.step_trace
-        res["offline_step_kinds"] = {
-            "decode_only": sum(1 for d, p in trace if d and not p),
-            "prefill_only": sum(1 for d, p in trace if p and not d),
-            "mixed": sum(1 for d, p in trace if d and p),
-        }
+        res["offline_step_kinds"] = kind_breakdown(kinds_before, offline_kinds(engine))
         print(f"  offline steps by kind: {res['offline_step_kinds']}", flush=True)
         cpu_after = process_cpu_seconds(os.getpid())
         threads = busiest_threads(threads_before, thread_cpu_seconds(os.getpid()), seconds)
@@ -490,8 +605,9 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
         r["serving_over_offline"] = r["serving_tok_s"] / r["offline_tuned_tok_s"]
         r["serving_meets_target"] = r["serving_over_offline"] >= args.target
     shape = f"{args.num_prompts} x ({args.input_len} + {args.output_len})"
+    flags = " ".join(args.server_arg + args.server_env) or "no flags"
     rows: list[list[Any]] = [
-        [f"serve, no flags: {shape}, c={args.max_concurrency}, stream, tok/s",
+        [f"serve, {flags}: {shape}, c={args.max_concurrency}, stream, tok/s",
          r.get("serving_tok_s"), r.get("serving_over_offline"), f">= {args.target} of offline"],
         ["offline Engine, tuned flags, same prompts, tok/s", r.get("offline_tuned_tok_s"), None,
          None],
@@ -504,6 +620,25 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
         ["busy (CPU s / wall s): serve's processes; offline", str(r.get("serving_process_busy")),
          r.get("offline_process_busy"), None],
     ]  # fmt: skip
+    for run in ("serving", "offline"):
+        for kind, k in (r.get(f"{run}_step_kinds") or {}).items():
+            rows.append([f"{run} {kind} steps: n, ms each, decodes + prefill tokens each",
+                         f"{k['steps']}, {k['ms_per_step']:.2f} ms, {k['decodes_per_step']:.0f} + "
+                         f"{k['prefill_tokens_per_step']:.0f}", k["time_share"],
+                         "share of step time"])  # fmt: skip
+    for proc, counts in (r.get("serving_gc") or {}).items():
+        rows.append([f"{proc} process: garbage collections per generation, seconds",
+                     f"{counts['collections']}, {counts['seconds']}", None, None])  # fmt: skip
+    if r.get("serving_client_busy"):
+        rows.append(["client processes busy (CPU s / wall s)", str(r["serving_client_busy"]),
+                     None, None])  # fmt: skip
+    if r.get("serving_stepping_share") is not None:
+        rows.append(["serve: seconds with a step in flight / run's seconds",
+                     r["serving_stepping_share"], None, None])  # fmt: skip
+    if r.get("serving", {}).get("ttft_median_ms_later") is not None:
+        rows.append(["serving TTFT median, ms: first wave / later requests",
+                     f"{r['serving']['ttft_median_ms_first_wave']:.1f} / "
+                     f"{r['serving']['ttft_median_ms_later']:.1f}", None, None])  # fmt: skip
     for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_latency_ms") if r.get("serving") else ():
         st = r["serving"][key]
         value = " / ".join(f"{st[k]:.1f}" for k in ("median", "p90", "p99"))

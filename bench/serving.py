@@ -192,9 +192,20 @@ async def _send_all(
 
 def _send_share(
     args: argparse.Namespace, model: str, reqs: list[Request], concurrency: int, start_at: float
-) -> tuple[list[Result], float, float]:
-    """One client process's share (run in a spawned process)."""
-    return asyncio.run(_send_all(args, model, reqs, concurrency, start_at))
+) -> tuple[list[Result], float, float, float]:
+    """One client process's share (run in a spawned process); with the CPU seconds it spent
+    from its first send to its last end (near the wall time: the client is what waits)."""
+    cpu = 0.0
+
+    async def timed() -> tuple[list[Result], float, float]:
+        nonlocal cpu
+        begin = time.process_time()  # (waiting for start_at costs no CPU)
+        out = await _send_all(args, model, reqs, concurrency, start_at)
+        cpu = time.process_time() - begin
+        return out
+
+    results, start, end = asyncio.run(timed())
+    return results, start, end, cpu
 
 
 def client_processes(args: argparse.Namespace, num_reqs: int) -> int:
@@ -236,10 +247,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         ]
         parts = await asyncio.gather(*futures)
     results = [Result()] * len(reqs)
-    for i, (part, _, _) in enumerate(parts):
+    for i, (part, _, _, _) in enumerate(parts):
         results[i::procs] = part
-    duration = max(e for _, _, e in parts) - min(s for _, s, _ in parts)
-    return summarize(args, results, duration, model)
+    duration = max(e for _, _, e, _ in parts) - min(s for _, s, _, _ in parts)
+    summary = summarize(args, results, duration, model)
+    summary["client_processes_busy"] = [round(cpu / (e - s), 3) for _, s, e, cpu in parts]
+    return summary
 
 
 STAT_KEYS = ("mean", "median", "std", "p90", "p95", "p99")
@@ -289,6 +302,10 @@ def summarize(
         "tpot_ms": _stats(tpot),
         "e2e_latency_ms": _stats([r.latency for r in ok]),
     }
+    wave = args.max_concurrency or len(results)
+    if len(results) > wave:  # the first wave is sent at once, the rest as earlier ones finish
+        for key, part in (("first_wave", results[:wave]), ("later", results[wave:])):
+            summary[f"ttft_median_ms_{key}"] = _stats([r.ttft for r in part if r.ok])["median"]
     if args.baseline_output_throughput:
         summary["ratio_to_baseline"] = (
             summary["output_throughput"] / args.baseline_output_throughput

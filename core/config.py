@@ -121,6 +121,14 @@ class EngineConfig:
         "for it (inter-token latency); 0: every step takes a full chunk "
         "(default: the hardware platform's)",
     )
+    prefill_gather_steps: int | None = _opt(
+        None,
+        "While requests decode and the waiting prompts would fill well under one chunk, hold "
+        "their admission for up to this many steps (and 50 ms) so that later arrivals share "
+        "one prefill step: fewer steps mix prefill with the decodes (such a step cannot replay "
+        "a CUDA graph), at that cost in time to first token; 0: admit at once "
+        "(default: the hardware platform's)",
+    )
     schedule_policy: str = _opt("lpm", "Waiting-queue order: lpm, dfs-weight, fcfs, random")
     schedule_conservativeness: float = _opt(
         1.0,
@@ -199,7 +207,10 @@ class EngineConfig:
         1, "Branching of draft trees (1: chains; trees come with the EAGLE plugins)"
     )
     speculative_draft_model_path: str | None = _opt(
-        None, "Draft model for STANDALONE: a directory or .gguf sharing the target's vocabulary"
+        None,
+        "Draft model for STANDALONE: a directory or .gguf sharing the target's vocabulary; "
+        "for EAGLE3, a head directory (config.json + model.safetensors, tools/train_draft.py; "
+        "default: the head shipped for SmolLM2-135M-Instruct)",
     )
     speculative_disable_batch_size: int = _opt(
         32,
@@ -285,6 +296,9 @@ class EngineConfig:
         shrink = self.prefill_shrink_after_decodes
         if shrink is not None and shrink < 0:
             raise ConfigError(f"prefill_shrink_after_decodes must be >= 0, got {shrink}")
+        gather = self.prefill_gather_steps
+        if gather is not None and gather < 0:
+            raise ConfigError(f"prefill_gather_steps must be >= 0, got {gather}")
         chunk = self.chunked_prefill_size
         if chunk is not None and (chunk == 0 or chunk < -1):
             raise ConfigError(
@@ -418,6 +432,7 @@ CORE_DEFAULTS: dict[str, Any] = {
     "chunked_prefill_size": 1024,
     "cuda_graph_max_bs": 256,
     "prefill_shrink_after_decodes": 0,
+    "prefill_gather_steps": 0,
 }
 
 
@@ -431,6 +446,7 @@ class PlatformSettings:
     chunked_prefill_size: int
     cuda_graph_max_bs: int
     prefill_shrink_after_decodes: int
+    prefill_gather_steps: int
     origins: dict[str, str]
 
     def describe(self) -> dict[str, dict[str, Any]]:

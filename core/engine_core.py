@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 class InFlightStep(NamedTuple):
     batch: ScheduledBatch
     launched: LaunchedStep
+    launched_at: float  # time.perf_counter()
 
 
 class EngineCore:
@@ -76,12 +77,14 @@ class EngineCore:
             and (self.runner.platform.asynchronous or config.enable_overlap_schedule)
         )
         self._in_flight: InFlightStep | None = None
+        self._last_result_at = 0.0  # when the previous step's result came (timing per kind)
         self._changed_outside_step: list[Req] = []
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_running_requests=settings.max_running_requests,
                 chunked_prefill_size=settings.chunked_prefill_size,
                 prefill_shrink_after_decodes=settings.prefill_shrink_after_decodes,
+                prefill_gather_steps=settings.prefill_gather_steps,
                 mixed_chunk=not config.disable_mixed_chunk,
                 schedule_policy=config.schedule_policy,
                 max_context=self.max_context,
@@ -143,6 +146,7 @@ class EngineCore:
                 page_size=config.page_size,
                 req_to_token=runner.req_to_token,
                 eos_token_ids=self.eos_token_ids,
+                target_model=runner.model,
             )
         )
         return Speculator(
@@ -295,6 +299,7 @@ class EngineCore:
             return changed + self._fail_unschedulable()
         prev_ids = self._in_flight.launched.next_ids if self._in_flight is not None else None
         sample_rows = self.scheduler.needs_sampling(batch)
+        launched_at = time.perf_counter()
         try:
             launched = self.runner.launch(batch, sample_rows, self.eos_token_ids, prev_ids)
         except Exception as e:  # noqa: BLE001 - a failing request must not end the engine
@@ -302,7 +307,7 @@ class EngineCore:
         self.scheduler.advance(batch)
         if self._in_flight is not None:
             changed += self._commit_in_flight()  # the device computes `batch` meanwhile
-        self._in_flight = InFlightStep(batch, launched)
+        self._in_flight = InFlightStep(batch, launched, launched_at)
         if not self.overlap:
             changed += self._commit_in_flight()
         if any(r.failed for r in batch.reqs):  # the sampler could not serve these alone
@@ -329,7 +334,14 @@ class EngineCore:
         """Wait for the step on the device and append its tokens."""
         assert self._in_flight is not None
         step, self._in_flight = self._in_flight, None
-        return self.scheduler.commit(step.batch, step.launched.result())
+        changed = self.scheduler.commit(step.batch, step.launched.result())
+        # A step's wall time: from its launch, or from the previous step's result where the
+        # device was still on that one (overlap), to its own result.
+        now = time.perf_counter()
+        spent = now - max(step.launched_at, self._last_result_at)
+        self._last_result_at = now
+        self.scheduler.stats.by_kind[step.batch.kind].seconds += spent
+        return changed
 
     def _fail_batch(self, batch: ScheduledBatch, error: Exception) -> list[Req]:
         """Launching ``batch`` raised: end its requests with an abort naming the error (the

@@ -195,6 +195,10 @@ class EngineState(msgspec.Struct, tag="state_reply", kw_only=True):
     # output tokens per second over the last few seconds of steps (core/gen_rate.py)
     gen_throughput: float = 0.0
     num_grammar_queue: int = 0  # requests waiting for their grammar to compile
+    # steps so far by kind (decode, mixed, prefill): StepKindStats.to_json() of each
+    steps_by_kind: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
+    # the engine process's garbage collections: per generation, count and seconds (GcTimer)
+    gc: dict[str, list[Any]] = msgspec.field(default_factory=dict)
 
 
 class ProfileReply(msgspec.Struct, tag="profile_reply", kw_only=True):

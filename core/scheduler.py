@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +55,13 @@ class SchedulerConfig:
     # Past this many decodes in a step, its prefill tokens shrink in proportion (0: never;
     # schedule_policy.prefill_budget).
     prefill_shrink_after_decodes: int = 0
+    # While decodes run and the waiting prompts would fill under the step's prefill budget,
+    # admission waits up to this many steps (0: never) and at most prefill_gather_max_wait_s
+    # after the oldest waiting request arrived, so that arrivals trickling in one by one share
+    # one mixed step instead of making each step mixed (a decode-only step replays a CUDA
+    # graph; a mixed one runs eagerly).
+    prefill_gather_steps: int = 0
+    prefill_gather_max_wait_s: float = 0.05
     # Requests whose uncached prompt shares at least this many tokens with one being prefilled
     # wait for that prefill to reach the cache instead of computing the same KV again.
     shared_prefill_min_tokens: int = 32
@@ -69,6 +77,38 @@ class ScheduledBatch:
     # Speculating decodes: batch index -> draft; such an entry extends over its last token and
     # the draft (1 + len(draft.tokens) new tokens) and its step emits 1 or more tokens.
     drafts: dict[int, Draft] = field(default_factory=dict)
+    kind: str = "decode"  # step_kind() of its decodes and prefill tokens
+
+
+STEP_KINDS = ("decode", "mixed", "prefill")
+
+
+def step_kind(num_decodes: int, prefill_tokens: int) -> str:
+    """A step's kind: "decode", decodes only (what a CUDA graph can replay); "prefill",
+    prefill chunks only; "mixed", both (runs eagerly)."""
+    if not prefill_tokens:
+        return "decode"
+    return "mixed" if num_decodes else "prefill"
+
+
+@dataclass(slots=True)
+class StepKindStats:
+    """Steps of one kind: how many, their decodes and prefill tokens, and their wall time
+    (timed by the engine core: each step from its launch, or the previous step's result if
+    that came later, to its own result)."""
+
+    steps: int = 0
+    decodes: int = 0
+    prefill_tokens: int = 0
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, float]:
+        return {
+            "steps": self.steps,
+            "decodes": self.decodes,
+            "prefill_tokens": self.prefill_tokens,
+            "seconds": round(self.seconds, 6),
+        }
 
 
 @dataclass(slots=True)
@@ -78,7 +118,11 @@ class SchedulerStats:
     cached_tokens: int = 0
     retractions: int = 0
     deferred_admissions: int = 0  # times a request waited for a shared prefill (per step)
+    gathering_steps: int = 0  # steps whose admission waited for more arrivals (gather)
     step_trace: list[tuple[int, int]] = field(default_factory=list)  # (decodes, prefill tokens)
+    by_kind: dict[str, StepKindStats] = field(
+        default_factory=lambda: {k: StepKindStats() for k in STEP_KINDS}
+    )
 
     @property
     def cache_hit_rate(self) -> float:
@@ -119,6 +163,7 @@ class Scheduler:
             config.new_token_ratio_decay_steps, 1
         )
         self._retracted_this_step = False
+        self._held_steps = 0  # steps in a row admission has waited for more arrivals
         self._scheduled: dict[str, int] = {}  # rid -> tokens given KV slots for this step
         # During admission: the running requests' KV reserve and those still prefilling, taken
         # once a step and kept up to date per admitted request (recomputed per admission, they
@@ -199,7 +244,8 @@ class Scheduler:
             self._unstall()
         # A request retracted this step would only be re-admitted into the same shortage.
         if budget > 0 and self.waiting and not self._retracted_this_step and not self.paused:
-            prefills += self._admit(budget)
+            if not self._gathering(bool(decodes) and not prefills, budget):
+                prefills += self._admit(budget)
         if not self._retracted_this_step:
             self.new_token_ratio = max(
                 self.new_token_ratio - self._ratio_decay, self.config.min_new_token_ratio
@@ -213,16 +259,41 @@ class Scheduler:
         ]
         entries = sorted(decode_entries + prefills, key=lambda e: e[1] != 1)
         num_decode = sum(1 for _, n in entries if n == 1)
-        if self.trace_steps:
-            self.stats.step_trace.append((len(decodes), sum(n for _, n in prefills)))
+        kind = self._count_step(len(decodes), sum(n for _, n in prefills))
         by_index = {
             i: drafts[r.rid]
             for i, (r, _) in enumerate(entries)
             if r.rid in drafts and r.state == ReqState.DECODE
         }
         return ScheduledBatch(
-            [r for r, _ in entries], [n for _, n in entries], num_decode, by_index
+            [r for r, _ in entries], [n for _, n in entries], num_decode, by_index, kind
         )
+
+    def _gathering(self, decode_only: bool, budget: int) -> bool:
+        """Whether this step's admission waits for more arrivals: the step would otherwise be
+        decode-only, the waiting prompts fill under ``budget``, and neither the step bound nor
+        the oldest waiting request's age bound has been reached."""
+        config = self.config
+        hold = (
+            decode_only
+            and self._held_steps < config.prefill_gather_steps
+            and self._waiting_tokens_under(budget)
+            and time.perf_counter() - min(r.arrival_time for r in self.waiting)
+            < config.prefill_gather_max_wait_s
+        )
+        self._held_steps = self._held_steps + 1 if hold else 0
+        self.stats.gathering_steps += hold
+        return hold
+
+    def _waiting_tokens_under(self, budget: int) -> bool:
+        """Whether the waiting requests' tokens sum to less than ``budget`` (stops summing
+        there: a long queue is not walked each step)."""
+        total = 0
+        for req in self.waiting:
+            total += req.seq_len
+            if total >= budget:
+                return False
+        return True
 
     def _schedule_prefill_alone(self) -> ScheduledBatch | None:
         """Without mixing: a step of prefill chunks only (running prefills, then admissions),
@@ -241,10 +312,21 @@ class Scheduler:
             self.new_token_ratio - self._ratio_decay, self.config.min_new_token_ratio
         )
         entries = sorted(prefills, key=lambda e: e[1] != 1)  # single-token extends first
-        if self.trace_steps:
-            self.stats.step_trace.append((0, sum(n for _, n in prefills)))
+        kind = self._count_step(0, sum(n for _, n in prefills))
         num_decode = sum(1 for _, n in entries if n == 1)
-        return ScheduledBatch([r for r, _ in entries], [n for _, n in entries], num_decode)
+        reqs, lens = [r for r, _ in entries], [n for _, n in entries]
+        return ScheduledBatch(reqs, lens, num_decode, kind=kind)
+
+    def _count_step(self, num_decodes: int, prefill_tokens: int) -> str:
+        """Count a scheduled step under its kind (and trace it when asked); return the kind."""
+        kind = step_kind(num_decodes, prefill_tokens)
+        counted = self.stats.by_kind[kind]
+        counted.steps += 1
+        counted.decodes += num_decodes
+        counted.prefill_tokens += prefill_tokens
+        if self.trace_steps:
+            self.stats.step_trace.append((num_decodes, prefill_tokens))
+        return kind
 
     def _stalled(self) -> bool:
         """Requests run, yet none could get KV for its next tokens (only prefills remain)."""

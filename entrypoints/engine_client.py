@@ -26,6 +26,8 @@ from radixserve.entrypoints import tp_workers
 logger = logging.getLogger(__name__)
 
 
+# Queued engine messages applied in a row before the loop lets other tasks run.
+MAX_DRAINED = 256
 # Replies to ``call``, matched to their caller by call_id.
 _REPLIES = (ipc.EngineState, ipc.FlushCacheReply, ipc.ProfileReply, ipc.UpdateWeightsReply)
 
@@ -132,16 +134,30 @@ class EngineClient:
                 if not self._alive():
                     self._die(self._why_dead())
                 continue
-            msg = ipc.decode_outbound(await self.pull.recv())
-            if isinstance(msg, ipc.StepOutput):
-                self.on_step(msg)
-            elif isinstance(msg, _REPLIES):
-                fut = self._calls.get(msg.call_id)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
-            elif isinstance(msg, ipc.EngineFailed):
-                # rank 0 fails when another rank died under it: name the cause
-                self._die(tp_workers.first_dead(self._ranks()[1:]) or msg.message)
+            self._dispatch(ipc.decode_outbound(await self.pull.recv()))
+            # Apply every output already queued before the streams run: each await above lets
+            # all of them send an event, so a server that fell behind the engine (256 streams,
+            # a step every 3 ms) sent one event per stream per step and stayed behind, seconds
+            # late on H200; drained, each stream sends one event with all its new tokens.
+            for _ in range(MAX_DRAINED):
+                if self.dead is not None:
+                    break
+                try:
+                    data = await self.pull.recv(zmq.NOBLOCK)  # done at once: no yield
+                except zmq.Again:
+                    break
+                self._dispatch(ipc.decode_outbound(data))
+
+    def _dispatch(self, msg: ipc.EngineOutbound) -> None:
+        if isinstance(msg, ipc.StepOutput):
+            self.on_step(msg)
+        elif isinstance(msg, _REPLIES):
+            fut = self._calls.get(msg.call_id)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, ipc.EngineFailed):
+            # rank 0 fails when another rank died under it: name the cause
+            self._die(tp_workers.first_dead(self._ranks()[1:]) or msg.message)
 
     def check_alive(self) -> str | None:
         """Notice a vanished engine now (health probes must not wait for the receive loop's

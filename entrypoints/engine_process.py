@@ -29,6 +29,7 @@ from radixserve.core.parallel import Rendezvous
 from radixserve.core.plugins import PluginError, PluginHost, default_host
 from radixserve.core.profiler import EngineProfiler, ProfilerError
 from radixserve.core.request import FinishReason, InvalidRequest, Req, SamplingParams
+from radixserve.entrypoints.gc_timer import freeze_if_asked, process_gc_timer
 from radixserve.entrypoints.step_output import StepOutputBuilder
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ def run_engine(
         core.runner.platform.bind_server_engine()
         push.send(ipc.encode(_ready(core)))
         _isolate_grammar_compiles(core)
+        freeze_if_asked()
         EngineLoop(core, pull, push).run()
     finally:
         if core is not None:
@@ -157,6 +159,7 @@ class EngineLoop:
         self.step_started: float | None = None  # read by the watchdog thread
         self.failed_steps = 0  # in a row
         self.gen_rate = GenRate()  # EngineState.gen_throughput
+        self.gc_timer = process_gc_timer()  # EngineState.gc
         self.profiler = EngineProfiler()  # /start_profile, /stop_profile
         # /update_weights_from_disk: waits (admission paused) until no request runs
         self.weight_update: ipc.UpdateWeightsRequest | None = None
@@ -370,4 +373,6 @@ class EngineLoop:
             speculative=self.core.spec_stats(),
             gen_throughput=self.gen_rate.per_second(),
             num_grammar_queue=len(self.core.grammars),
+            steps_by_kind={k: v.to_json() for k, v in sched.stats.by_kind.items()},
+            gc=self.gc_timer.to_json(),
         )

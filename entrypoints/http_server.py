@@ -18,6 +18,7 @@ import radixserve
 from radixserve.core.config import ModelConfig
 from radixserve.core.request import InvalidRequest, SamplingParams
 from radixserve.entrypoints.bootstrap import refused_rooms
+from radixserve.entrypoints.gc_timer import freeze_if_asked, process_gc_timer
 from radixserve.entrypoints.http_errors import (
     ApiError,
     GuardMiddleware,
@@ -98,6 +99,8 @@ def create_app(
         max_header_bytes=args.max_header_bytes,
     )
     install_error_handlers(app)
+    gc_timer = process_gc_timer()  # counts from here: /server_info's gc.http
+    freeze_if_asked()
     name = args.model_name
     aliases = [a for a in (args.engine.model_path, tm.info.model_dir) if a]
     strict = args.strict_model_name
@@ -189,6 +192,11 @@ def create_app(
             "cache_hit_rate": state.cache_hit_rate,
             "num_retractions": state.retractions,
             "num_steps": state.steps,
+            # steps by kind (decode-only, mixed, prefill-only): count, decodes, prefill tokens,
+            # wall seconds; where a server's step time goes
+            "steps_by_kind": state.steps_by_kind,
+            # garbage collections per generation (count, seconds) in each server process
+            "gc": {"engine": state.gc, "http": gc_timer.to_json()},
             # EngineCore.spec_stats(), live: settings and accept statistics (None: off)
             "speculative": state.speculative,
             # where SGLang's own scripts read the accept length (bench_serving, tests)

@@ -33,9 +33,17 @@ MODULE_EXTRAS = {
     "plugins/attention/triton/": "gpu",
     "plugins/models/fused_ops.py": "gpu",
     "plugins/models/fused_moe.py": "gpu",
+    "plugins/hardware/allreduce_norm.py": "gpu",
+    "plugins/hardware/gemv.py": "gpu",
+    "plugins/attention/flashinfer/": "flashinfer",
 }
 # Import name -> distribution where the two differ, for packages that may not be installed.
-KNOWN_DISTRIBUTIONS = {"zmq": "pyzmq", "yaml": "pyyaml", "PIL": "pillow"}
+KNOWN_DISTRIBUTIONS = {
+    "zmq": "pyzmq",
+    "yaml": "pyyaml",
+    "PIL": "pillow",
+    "flashinfer": "flashinfer-python",
+}
 
 
 def _normalize(name: str) -> str:

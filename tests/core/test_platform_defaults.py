@@ -44,7 +44,7 @@ def _engine(model_dir: Path, defaults: dict[str, Any], **flags: Any) -> Engine:
 
 
 def test_platform_defaults_flags_and_core_defaults(tiny_llama_dir: Path) -> None:
-    defaults = {"chunked_prefill_size": 96, "max_running_requests": 7}
+    defaults = {"chunked_prefill_size": 96, "max_running_requests": 7, "prefill_gather_steps": 3}
     with _engine(tiny_llama_dir, defaults, max_total_tokens=2048, mem_fraction_static=0.3) as eng:
         settings = eng.core.runner.settings
         assert settings.describe() == {
@@ -53,8 +53,10 @@ def test_platform_defaults_flags_and_core_defaults(tiny_llama_dir: Path) -> None
             "chunked_prefill_size": {"value": 96, "from": "tuned_cpu default"},
             "cuda_graph_max_bs": {"value": CORE_DEFAULTS["cuda_graph_max_bs"], "from": "default"},
             "prefill_shrink_after_decodes": {"value": 0, "from": "default"},
+            "prefill_gather_steps": {"value": 3, "from": "tuned_cpu default"},
         }
         assert eng.core.scheduler.config.chunked_prefill_size == 96
+        assert eng.core.scheduler.config.prefill_gather_steps == 3
         assert eng.core.scheduler.config.max_running_requests == 7
         assert eng.core.runner.req_to_token.table.shape[0] == 8
         out = eng.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})
@@ -71,6 +73,12 @@ def test_a_default_the_pool_cannot_hold_is_lowered_with_the_reason(tiny_llama_di
         assert settings.max_running_requests == eng.core.runner.kv_size // 128 < 1 << 20
         assert settings.origins["max_running_requests"].startswith(f"lowered from {1 << 20}")
         assert eng.core.scheduler.config.max_running_requests == settings.max_running_requests
+
+
+def test_a_negative_gather_step_count_is_refused() -> None:
+    with pytest.raises(ConfigError, match="prefill_gather_steps must be >= 0, got -1"):
+        EngineConfig(prefill_gather_steps=-1)
+    assert EngineConfig(prefill_gather_steps=0).prefill_gather_steps == 0
 
 
 def test_a_platform_setting_that_does_not_exist_is_refused(tiny_llama_dir: Path) -> None:

@@ -24,6 +24,7 @@ from radixserve.core.scheduler import (
     SchedulerConfig,
     SchedulerStats,
     new_token_ratios,
+    step_kind,
 )
 from radixserve.core.stop import StopChecker
 from radixserve.core.tokenizer import Tokenizer
@@ -1495,3 +1496,131 @@ def test_without_mixed_chunks_a_running_prefill_and_an_admission_share_the_budge
     add(sched, c)
     assert shape(step(sched)) == (["c", "b"], [1, 7], 1)
     assert shape(step(sched)) == (["c"], [4], 0)  # b decodes in the next mixed-free step
+
+
+# -- steps by kind, and admission gathering arrivals (--prefill-gather-steps) ---------------
+
+
+def test_step_kind_names_decode_only_mixed_and_prefill_only_steps() -> None:
+    assert step_kind(3, 0) == "decode"
+    assert step_kind(0, 5) == "prefill"
+    assert step_kind(2, 5) == "mixed"
+
+
+def test_steps_are_counted_by_kind_with_their_decodes_and_prefill_tokens(
+    tokenizer: Tokenizer,
+) -> None:
+    sched = make(tokenizer, chunk=8)
+    a, b = req("a", 5, max_new_tokens=10), req("b", 20, start=100)
+    add(sched, a)
+    kinds = [step(sched)]
+    add(sched, b)
+    kinds += [step(sched) for _ in range(4)]
+    assert [k.kind for k in kinds if k] == ["prefill", "mixed", "mixed", "mixed", "decode"]
+    by_kind = {k: v.to_json() for k, v in sched.stats.by_kind.items()}
+    assert by_kind == {
+        "prefill": {"steps": 1, "decodes": 0, "prefill_tokens": 5, "seconds": 0.0},
+        "mixed": {"steps": 3, "decodes": 3, "prefill_tokens": 20, "seconds": 0.0},
+        "decode": {"steps": 1, "decodes": 2, "prefill_tokens": 0, "seconds": 0.0},
+    }
+    # without mixed chunks, a step of prefill chunks alone is counted as prefill
+    alone = make(tokenizer, chunk=8, mixed_chunk=False)
+    add(alone, req("c", 3, max_new_tokens=10))
+    step(alone)
+    add(alone, req("d", 6, start=100))
+    batch = step(alone)
+    assert batch is not None and batch.kind == "prefill"
+    assert alone.stats.by_kind["prefill"].steps == 2
+    assert alone.stats.by_kind["prefill"].prefill_tokens == 9
+
+
+def held_steps(sched: Scheduler, r: Req) -> int:
+    """Add ``r`` and step until it is admitted; return how many steps it waited."""
+    add(sched, r)
+    for n in range(10):
+        step(sched)
+        if r.state != ReqState.WAITING:
+            return n
+    raise AssertionError(f"{r.rid} was never admitted")
+
+
+def gathering(tokenizer: Tokenizer, steps: int, chunk: int = 8, **config: Any) -> Scheduler:
+    """A scheduler that gathers arrivals for ``steps`` steps, with one request decoding."""
+    config.setdefault("prefill_gather_max_wait_s", 10.0)  # never reached unless a test says
+    sched = make(tokenizer, chunk=chunk, running=8, prefill_gather_steps=steps, **config)
+    a = req("a", 3, max_new_tokens=100)
+    assert held_steps(sched, a) == 0  # nothing decodes: the first admission is not held
+    return sched
+
+
+def test_by_default_admission_never_waits_and_a_wait_ends_after_50_ms(
+    tokenizer: Tokenizer,
+) -> None:
+    sched = make(tokenizer, chunk=8, running=8)
+    add(sched, req("a", 3, max_new_tokens=100))
+    step(sched)
+    assert held_steps(sched, req("b", 2, start=100)) == 0
+    late_sched = make(tokenizer, chunk=8, running=8, prefill_gather_steps=3)
+    add(late_sched, req("a", 3, max_new_tokens=100))
+    step(late_sched)
+    late = req("late", 2, start=100)
+    late.arrival_time -= 0.06  # arrived 60 ms ago: past the default bound
+    assert held_steps(late_sched, late) == 0
+
+
+@pytest.mark.parametrize("steps", [0, 1, 3])
+def test_while_decodes_run_a_small_arrival_waits_the_gather_steps(
+    tokenizer: Tokenizer, steps: int
+) -> None:
+    sched = gathering(tokenizer, steps)
+    assert held_steps(sched, req("b", 2, start=100)) == steps
+    assert sched.stats.by_kind["decode"].steps == steps  # the held steps decode alone
+    assert held_steps(sched, req("c", 2, start=200)) == steps  # the count starts again
+    assert sched.stats.gathering_steps == 2 * steps
+
+
+def test_arrivals_during_the_wait_are_admitted_together(tokenizer: Tokenizer) -> None:
+    sched = gathering(tokenizer, 2)
+    add(sched, req("b", 2, start=100))
+    assert shape(step(sched)) == (["a"], [1], 1)
+    add(sched, req("c", 2, start=200))
+    assert shape(step(sched)) == (["a"], [1], 1)
+    assert shape(step(sched)) == (["a", "b", "c"], [1, 2, 2], 1)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "held"), [((6,), True), ((7,), False), ((3, 3), True), ((3, 4), False)]
+)
+def test_waiting_prompts_that_fill_the_prefill_budget_are_admitted_at_once(
+    tokenizer: Tokenizer, prompts: tuple[int, ...], held: bool
+) -> None:
+    sched = gathering(tokenizer, 3)  # chunk 8 beside one decode: 7 prefill tokens
+    waiting = [req(f"w{i}", n, start=100 * (i + 1)) for i, n in enumerate(prompts)]
+    add(sched, *waiting)
+    step(sched)
+    assert [r.state == ReqState.WAITING for r in waiting] == [held] * len(waiting)
+
+
+@pytest.mark.parametrize(("ages", "held"), [((0.0, 9.0), True), ((0.0, 11.0), False)])
+def test_admission_waits_no_longer_than_the_oldest_arrival_allows(
+    tokenizer: Tokenizer, ages: tuple[float, ...], held: bool
+) -> None:
+    sched = gathering(tokenizer, 3)  # at most 10 s after the oldest waiting arrival
+    waiting = [req(f"w{i}", 2, start=100 * (i + 1)) for i in range(len(ages))]
+    for r, age in zip(waiting, ages, strict=True):
+        r.arrival_time -= age
+    add(sched, *waiting)
+    step(sched)
+    assert [r.state == ReqState.WAITING for r in waiting] == [held] * len(waiting)
+
+
+def test_a_step_that_prefills_anyway_admits_small_arrivals_at_once(
+    tokenizer: Tokenizer,
+) -> None:
+    sched = gathering(tokenizer, 3, chunk=16)
+    long = req("long", 20, start=100)
+    assert held_steps(sched, long) == 0  # 20 tokens fill the 15-token budget
+    assert long.kv_len == 15
+    b = req("b", 2, start=200)
+    add(sched, b)
+    assert shape(step(sched)) == (["a", "long", "b"], [1, 5, 2], 1)

@@ -183,9 +183,25 @@ def test_model_and_server_info(server: RunningServer) -> None:
         settings = info["engine_settings"]
         assert set(settings) == {"max_running_requests", "mem_fraction_static",
                                  "chunked_prefill_size", "cuda_graph_max_bs",
-                                 "prefill_shrink_after_decodes"}  # fmt: skip
+                                 "prefill_shrink_after_decodes",
+                                 "prefill_gather_steps"}  # fmt: skip
         for name, entry in settings.items():
             assert info[name] == entry["value"] is not None and entry["from"], name
+
+
+def test_server_info_counts_and_times_steps_by_kind(server: RunningServer) -> None:
+    generate(server, text="Hello world " * 4, sampling_params={"max_new_tokens": 3})
+    wait_idle(server)
+    info = get(server, "/server_info").json()
+    kinds = info["steps_by_kind"]
+    assert set(kinds) == {"decode", "mixed", "prefill"}
+    assert sum(k["steps"] for k in kinds.values()) == info["num_steps"]
+    for name in ("decode", "prefill"):  # this request's prefill step and its decodes
+        assert kinds[name]["steps"] > 0 and kinds[name]["seconds"] > 0, kinds
+    # garbage collections per generation (the engine's few allocations here may trigger none)
+    for process in ("engine", "http"):
+        assert len(info["gc"][process]["collections"]) == len(info["gc"][process]["seconds"]) == 3
+    assert sum(info["gc"]["http"]["collections"]) > 0, info["gc"]
 
 
 def test_health_routes(server: RunningServer) -> None:
@@ -316,3 +332,13 @@ def test_select_style_scoring_returns_prompt_logprobs(server: RunningServer) -> 
     entries = out["meta_info"]["input_token_logprobs"]
     assert [e[1] for e in entries] == ids
     assert entries[0][0] is None and all(e[0] is not None for e in entries[1:])
+
+
+@pytest.mark.parametrize(
+    "input_ids", [[1, True], [1, 2.0], [], [[1], [True]], [[1], []], ["1"], "12"]
+)
+def test_input_ids_must_be_lists_of_ints(server: RunningServer, input_ids: Any) -> None:
+    r = post(server, "/generate", {"input_ids": input_ids})
+    assert r.status_code == 400, r.text
+    assert "input_ids must be a non-empty list of token ids" in r.text
+    assert generate(server, input_ids=[[1, 2], [3]], sampling_params={"max_new_tokens": 1})
