@@ -20,7 +20,7 @@ def evaluate(args: argparse.Namespace, records: list[dict[str, Any]], head_dir: 
     result: dict[str, Any] = {}
     with Engine(
         args.model, dtype=args.engine_dtype, max_running_requests=args.gen_batch,
-        speculative_algorithm="EAGLE3", speculative_draft_model_path=head_dir,
+        speculative_algorithm=args.algorithm.upper(), speculative_draft_model_path=head_dir,
         speculative_num_draft_tokens=args.num_draft_tokens, speculative_disable_pause=True,
     ) as eng:  # fmt: skip
         for workload in WORKLOADS:
@@ -51,19 +51,21 @@ def evaluate(args: argparse.Namespace, records: list[dict[str, Any]], head_dir: 
 
 def speed(args: argparse.Namespace, records: list[dict[str, Any]], head_dir: str) -> dict:
     """Batch-1 tokens/s over the first held-out prompt of each workload (``--speed-tokens``
-    each, ignoring EOS): speculation off, EAGLE3 with the core's pause, and without it."""
+    each, ignoring EOS): speculation off, the head (EAGLE3 or EAGLE) with the core's pause, and
+    without it."""
     from radixserve import Engine
 
     first: dict[str, dict[str, Any]] = {}
     for r in records:
         if r["split"] == "heldout" and r["greedy"]:
             first.setdefault(r["workload"], r)
-    spec = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": head_dir,
+    name = args.algorithm
+    spec = {"speculative_algorithm": name.upper(), "speculative_draft_model_path": head_dir,
             "speculative_num_draft_tokens": args.num_draft_tokens}  # fmt: skip
     configs = {
         "off": {},
-        "eagle3": spec,
-        "eagle3_no_pause": {**spec, "speculative_disable_pause": True},
+        name: spec,
+        f"{name}_no_pause": {**spec, "speculative_disable_pause": True},
     }
     params = {"temperature": 0, "max_new_tokens": args.speed_tokens, "ignore_eos": True}
     result: dict[str, Any] = {}

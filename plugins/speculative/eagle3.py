@@ -1,216 +1,65 @@
 """Speculative algorithm ``eagle3``: an EAGLE-3 draft head (``eagle3_head.py``) drafts a chain
-of k tokens from the target's own hidden states.
+of k tokens from three of the target's layers, fused.
 
-Target features: the plugin asks the target to keep three layers' outputs
-(``capture_hidden_layers``) on every forward, and writes their concatenation into a feature
-pool indexed by KV slot, beside the target's KV (``target_hidden``). A slot's feature is a
-function of the tokens up to its position, exactly like its KV, so the prefix cache shares
-features with the KV for free: a request that reuses a cached prefix, or comes back after
-retraction, finds the features of every cached position at the slots its row points to.
-
-Draft KV: one layer, in a pool with one slot per target slot, written at the target's slots.
-Row p of the head reads token x(p+1) with the target feature of position p, so when a request
-proposes (its target KV covering ``[0, kv_len)``, its last token x(kv_len) not yet verified)
-the head can be complete up to position kv_len - 1, and that row drafts d1. Steps 2..k feed
-the previous draft token and the head's own output hidden state at the next position. Per
-request the plugin remembers how far its draft KV holds target features (kv_len at the last
-proposal: the positions drafted from the head's own states are never trusted later) and the
-slots it wrote; what is no longer trusted (rejected positions, slots the prefix cache
-re-pointed, a new or retracted request: everything) is recomputed from the feature pool by a
-catch-up extend, which is also the first draft step.
-
-Drafts are greedy (the head's argmax over its draft vocabulary, mapped to target ids) for every
-request, also sampled ones: the core then accepts a draft token while it equals the target's
-own sample, which keeps sampling exact at a lower acceptance than rejection sampling would.
-
-Not covered: KV that arrives without a target forward (the decode side of prefill/decode
-disaggregation) has no features, so its drafts are poor (never wrong: the target verifies).
+The drafting, the feature pool and the draft KV are shared with ``eagle`` (``head_draft.py``).
+Here: the target keeps three layers' outputs (the head's ``aux_layers``), their concatenation
+is the feature a slot holds (3d values), and the head's argmax over its reduced draft
+vocabulary is mapped to target ids.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from radixserve.core.batch import ForwardBatch, to_device
-from radixserve.core.config import ConfigError, ModelConfig
+from radixserve.core.config import ModelConfig
 from radixserve.core.hookspecs import hookimpl
-from radixserve.core.interfaces import Draft, SpeculativeAlgorithm, SpeculativeContext
-from radixserve.core.memory import KVPool
-from radixserve.core.request import Req, token_slice
-from radixserve.core.weights import count_parameters
-from radixserve.plugins.speculative.draft_kv import (
-    DraftKV,
-    draft_batch,
-    rows_by_request,
-    trusted_length,
-)
-from radixserve.plugins.speculative.eagle3_head import Eagle3Head, HeadConfig, load_head
+from radixserve.core.interfaces import SpeculativeContext
+from radixserve.plugins.speculative.eagle3_head import Eagle3Head, load_head
+from radixserve.plugins.speculative.head_draft import HEADS_DIR, HeadDraft
+from radixserve.plugins.speculative.head_layer import HeadConfig
 
-#: Heads shipped with radixserve, each for the target shape it was trained on.
-HEADS_DIR = Path(__file__).parent / "heads"
+__all__ = ["HEADS_DIR", "DEFAULT_HEADS", "Eagle3Draft"]
+
 DEFAULT_HEADS = {
     # (hidden_size, num_layers, vocab_size): head directory under HEADS_DIR
     (576, 30, 49152): "smollm2-135m-instruct-eagle3",
 }
 
 
-class Eagle3Draft(SpeculativeAlgorithm):
-    def __init__(self) -> None:
-        self._kv: dict[str, DraftKV] = {}
-        self.capture_hidden_layers: tuple[int, ...] = ()
+class Eagle3Draft(HeadDraft):
+    name = "eagle3"
+    kind = "EAGLE-3"
+    default_heads = DEFAULT_HEADS
+    head: Eagle3Head
 
-    def memory_needs(self, config: Any, host: Any, dtype: torch.dtype) -> tuple[int, int]:
-        path = head_dir(config, host)
-        hc = HeadConfig.from_dir(path)
-        weights = count_parameters(path) * dtype.itemsize
-        kv = KVPool.bytes_per_token(1, hc.num_kv_heads, hc.head_dim, dtype)
-        features = len(hc.aux_layers) * hc.target_hidden_size * dtype.itemsize
-        return weights, kv + features
+    def feature_width(self, hc: HeadConfig) -> int:
+        return len(hc.aux_layers) * hc.target_hidden_size
 
-    def setup(self, context: SpeculativeContext) -> None:
-        path = head_dir(context.config, context.host, context.model_config)
-        hc = HeadConfig.from_dir(path)
-        _check_fits(hc, context.model_config, path)
-        if context.target_model is None or not hasattr(context.target_model, "embed"):
-            raise ConfigError("speculative algorithm 'eagle3' needs the target's embed()")
-        self.embed = context.target_model.embed
-        self.device = context.device
-        self.req_to_token = context.req_to_token
-        self.capture_hidden_layers = hc.aux_layers
-        max_context = context.model_config.max_context
-        self.head: Eagle3Head = load_head(path, max_context, context.dtype, context.device)
-        self.head.eval()
-        self.target_ids = self.head.target_ids()
-        self.features = torch.zeros(
-            context.kv_size + 1, len(hc.aux_layers) * hc.target_hidden_size,
-            dtype=context.dtype, device=context.device,
-        )  # fmt: skip
-        self.kv_pool = KVPool(
-            context.kv_size, 1, hc.num_kv_heads, hc.head_dim, context.dtype, context.device,
-            page_size=context.page_size,
-        )  # fmt: skip
-        self.attention = (
-            context.host.registries["attention"]
-            .get(context.attention)
-            .factory(self.kv_pool, hc.model_config(max_context), context.device)
-        )
-
-    def target_hidden(self, batch: ForwardBatch) -> None:
-        hidden = batch.hidden_states
-        assert hidden is not None
-        fused = torch.cat([hidden[i] for i in self.capture_hidden_layers], dim=-1)
-        self.features[batch.out_cache_loc] = fused.to(self.features.dtype)
-
-    def release(self, rid: str) -> None:
-        self._kv.pop(rid, None)
-
-    @torch.inference_mode()
-    def propose(self, reqs: Sequence[Req], max_drafts: Sequence[int]) -> list[Draft]:
-        """Step 1 catches each request's draft KV up to position kv_len - 1 (from the feature
-        pool) and drafts d1 there; step s > 1 drafts d(s) at position kv_len + s - 2 from
-        d(s-1) and the head's own hidden state. The tokens stay on the device
-        (``Draft.pending``)."""
-        table = self.req_to_token.table
-        catch_up = []
-        for i, req in enumerate(reqs):
-            trusted = trusted_length(self._kv.get(req.rid), req, self.req_to_token)
-            start = min(trusted, req.kv_len - 1)
-            catch_up.append((i, start, req.kv_len - start))
-        steps: list[tuple[list[int], torch.Tensor]] = []  # (request indices, their tokens)
-        hidden: torch.Tensor | None = None
-        for step in range(max(max_drafts)):
-            if step == 0:
-                batch = sorted(catch_up, key=lambda e: e[2] != 1)  # decodes first
-                order = [i for i, _, _ in batch]
-                ids = [
-                    token_slice(reqs[i].input_ids, reqs[i].output_ids, s + 1, n)
-                    for i, s, n in batch
-                ]
-                input_ids = to_device(torch.tensor([t for x in ids for t in x]), self.device)
-                rows = torch.cat(
-                    [table[reqs[i].req_pool_idx, s : s + n] for i, s, n in batch]  # type: ignore[misc]
-                )
-                feature = self.features[to_device(rows, self.device)]
-            else:
-                prev_order, prev_ids = steps[-1]
-                active = [j for j, i in enumerate(prev_order) if max_drafts[i] > step]
-                if not active:
-                    break
-                pick = to_device(torch.tensor(active), self.device)
-                order = [prev_order[j] for j in active]
-                batch = [(i, reqs[i].kv_len + step - 1, 1) for i in order]
-                input_ids = prev_ids[pick]
-                assert hidden is not None
-                feature = hidden[pick]
-            token_ids, hidden = self._forward(reqs, batch, input_ids, feature)
-            steps.append((order, token_ids))
-        for req in reqs:  # positions [0, kv_len) hold KV from target features
-            self._kv[req.rid] = DraftKV.written(req, req.kv_len, self.req_to_token)
-        where = rows_by_request(steps, len(reqs))
-        flat = torch.cat([ids for _, ids in steps])
-        gather = to_device(torch.tensor([j for w in where for j in w]), self.device)
-        by_req = flat[gather].split([len(w) for w in where])
-        return [Draft([0] * len(w), None, t) for w, t in zip(where, by_req, strict=True)]
-
-    def _forward(
-        self,
-        reqs: Sequence[Req],
-        batch: list[tuple[int, int, int]],
-        input_ids: torch.Tensor,
-        feature: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the head over ``batch`` entries (request index, first position, tokens), decodes
-        first; return each entry's drafted target token id and its last row's hidden state."""
-        fb = draft_batch(reqs, batch, input_ids, self.req_to_token, self.kv_pool, self.device)
-        self.attention.prepare(fb)
-        head = self.head
-        feature = head.features(feature)
-        q, k, v = head.qkv(self.embed(input_ids), feature, fb.positions)
-        out = self.attention.forward(q, k, v, 0, fb)
-        h = head.finish(out, feature)[fb.logits_indices]
-        draft_ids = head.draft_logits(h).argmax(dim=-1)
-        return self.target_ids[draft_ids], h
-
-
-def head_dir(config: Any, host: Any, target: ModelConfig | None = None) -> str:
-    """--speculative-draft-model-path, or the shipped head for the target's shape."""
-    path = config.speculative_draft_model_path
-    if path:
-        resolved = Path(path).expanduser()
-        if not (resolved / "config.json").is_file():
-            raise ConfigError(
-                f"EAGLE-3 head path '{path}' is not a directory with config.json and "
-                "model.safetensors (tools/train_draft.py writes one)"
+    def check_fits(self, hc: HeadConfig, target: ModelConfig) -> list[str]:
+        problems = []
+        if hc.vocab_size != target.vocab_size:
+            problems.append(f"vocab_size {hc.vocab_size} (target {target.vocab_size})")
+        if hc.target_hidden_size != target.hidden_size:
+            problems.append(
+                f"target_hidden_size {hc.target_hidden_size} (target {target.hidden_size})"
             )
-        return str(resolved)
-    if target is None:
-        model = config.model_path
-        target = ModelConfig.from_dir(host.hook.resolve_model_dir(model_path=model) or model)
-    name = DEFAULT_HEADS.get((target.hidden_size, target.num_layers, target.vocab_size))
-    if name is None or not (HEADS_DIR / name / "config.json").is_file():
-        raise ConfigError(
-            "speculative algorithm 'eagle3' needs --speculative-draft-model-path (an EAGLE-3 "
-            "head directory; tools/train_draft.py trains one): no head ships for this target"
-        )
-    return str(HEADS_DIR / name)
+        if not hc.aux_layers or any(not 0 <= i < target.num_layers for i in hc.aux_layers):
+            problems.append(
+                f"aux layers {list(hc.aux_layers)} (the target has {target.num_layers} layers)"
+            )
+        return problems
 
+    def load(self, path: str, context: SpeculativeContext) -> Eagle3Head:
+        max_context = context.model_config.max_context
+        head = load_head(path, max_context, context.dtype, context.device)
+        self.capture_hidden_layers = head.config.aux_layers
+        self.target_ids = head.target_ids()
+        return head
 
-def _check_fits(hc: HeadConfig, target: ModelConfig, path: str) -> None:
-    problems = []
-    if hc.vocab_size != target.vocab_size:
-        problems.append(f"vocab_size {hc.vocab_size} (target {target.vocab_size})")
-    if hc.target_hidden_size != target.hidden_size:
-        problems.append(f"target_hidden_size {hc.target_hidden_size} (target {target.hidden_size})")
-    if not hc.aux_layers or any(not 0 <= i < target.num_layers for i in hc.aux_layers):
-        problems.append(
-            f"aux layers {list(hc.aux_layers)} (the target has {target.num_layers} layers)"
-        )
-    if problems:
-        raise ConfigError(f"EAGLE-3 head '{path}' does not fit the target: {'; '.join(problems)}")
+    def feature(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([hidden[i] for i in self.capture_hidden_layers], dim=-1)
 
 
 @hookimpl
