@@ -149,6 +149,15 @@ class EngineConfig:
         "default: the hardware platform's)",
     )
     disable_cuda_graph: bool = _opt(False, "Run decode steps eagerly instead of from CUDA graphs")
+    enable_torch_compile: bool = _opt(
+        False,
+        "CPU: run decode steps of up to --torch-compile-max-bs requests through torch.compile "
+        "(each size compiles once at start-up, about a minute on 2 cores; later starts reuse "
+        "inductor's cache); larger batches and prefill stay eager",
+    )
+    torch_compile_max_bs: int = _opt(
+        1, "Largest decode batch --enable-torch-compile compiles (sizes 1, 2, 4, 8, ... up to it)"
+    )
     disable_custom_all_reduce: bool = _opt(
         False,
         "Tensor parallelism: all-reduce every message through the distributed backend (NCCL) "
@@ -280,6 +289,8 @@ class EngineConfig:
             raise ConfigError(f"watchdog_timeout must be > 0 seconds, got {self.watchdog_timeout}")
         if self.tp_size < 1:
             raise ConfigError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.torch_compile_max_bs < 1:
+            raise ConfigError(f"torch_compile_max_bs must be >= 1, got {self.torch_compile_max_bs}")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ConfigError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:

@@ -127,6 +127,12 @@ class HardwarePlatform(ABC):
         batches); it must give the same logits and leave the KV pool as the default would.
         """
 
+        if config.enable_torch_compile:
+            raise ConfigError(
+                f"--enable-torch-compile is not supported on the {self.name} platform "
+                "(it compiles CPU decode steps; GPUs replay CUDA graphs instead)"
+            )
+
         def run(batch: ForwardBatch) -> torch.Tensor:
             attention.prepare(batch)
             return model.forward(batch)

@@ -50,6 +50,17 @@ class CpuPlatform(HardwarePlatform):
 
         quantize_model(model, method)  # type: ignore[arg-type]
 
+    def step_executor(self, model: Any, attention: Any, kv_pool: Any, req_to_token: Any,
+                      config: Any) -> Any:  # fmt: skip
+        """Eager steps, or with --enable-torch-compile compiled decode steps of up to
+        --torch-compile-max-bs requests (plugins/hardware/cpu_compile.py)."""
+        if not config.enable_torch_compile:
+            return super().step_executor(model, attention, kv_pool, req_to_token, config)
+        from radixserve.plugins.hardware.cpu_compile import CompiledDecode
+
+        max_bs = min(config.torch_compile_max_bs, config.max_running_requests)
+        return CompiledDecode(model, attention, kv_pool, req_to_token, max_bs)
+
     def seed_everything(self, seed: int) -> None:
         torch.manual_seed(seed)
 

@@ -153,11 +153,15 @@ class RotaryEmbedding:
         """x: [T, heads, head_dim]."""
         if self.fused is not None:
             return self.fused.rope(x, positions, self.cos, self.sin)
-        # NOTE: holding ``positions`` keeps its id from being reused by a later step's tensor.
-        if self._step is None or self._step[0] is not positions:
+        if torch.compiler.is_compiling():
+            # a traced step keeps no state between layers (the graph shares the lookup itself)
             cos, sin = self._cos2[positions].unsqueeze(1), self._sin2[positions].unsqueeze(1)
-            self._step = (positions, cos, sin)
-        _, cos, sin = self._step
+        else:
+            # NOTE: holding ``positions`` keeps its id from being reused by a later step's tensor.
+            if self._step is None or self._step[0] is not positions:
+                cos, sin = self._cos2[positions].unsqueeze(1), self._sin2[positions].unsqueeze(1)
+                self._step = (positions, cos, sin)
+            _, cos, sin = self._step
         x1, x2 = x.chunk(2, dim=-1)
         # x1 * cos - x2 * sin, x2 * cos + x1 * sin: the same products and sums, in 4 ops
         return x * cos + torch.cat((x2, x1), dim=-1) * sin
