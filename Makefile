@@ -55,7 +55,7 @@ lint: $(STAMP)
 	$(BIN)/mypy .mypy_src/radixserve/core
 
 bench: $(STAMP)
-	$(BIN)/pip install -q '.[bench]'
+	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python bench/offline.py
 
 # Mutation testing of the core, each module against only the tests that cover it (not part of

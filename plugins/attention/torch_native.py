@@ -126,8 +126,15 @@ class TorchNativeAttention(AttentionBackend):
         pool = self.kv_pool
         pool.store(layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.k[layer_id], pool.v[layer_id]
-        out = torch.empty_like(q)
         scale = self.scale if scale is None else scale
+        run = self._decode_run
+        if run is not None and batch.batch_size == 1 and not (sliding_window or logit_softcap):
+            # One decode over consecutive slots (one user on CPU): SDPA over the pool itself,
+            # with none of the general path's buffers and copies.
+            kd, vd = k_buf[run][None].transpose(1, 2), v_buf[run][None].transpose(1, 2)
+            qd = q.view(1, self.num_kv_heads, self.group, q.shape[-1])
+            return F.scaled_dot_product_attention(qd, kd, vd, scale=scale).view(1, -1)
+        out = torch.empty_like(q)
         nd = batch.num_decode
         if nd:
             kvh, d = self.num_kv_heads, q.shape[-1]
