@@ -213,7 +213,7 @@ class EngineConfig:
         "meaning: draft tokens + 1); overrides --speculative-num-steps",
     )
     speculative_eagle_topk: int = _opt(
-        1, "Branching of draft trees (1: chains; trees come with the EAGLE plugins)"
+        1, "Branching of draft trees (only 1, chains, is built: the EAGLE plugins draft chains)"
     )
     speculative_draft_model_path: str | None = _opt(
         None,
@@ -380,8 +380,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must give 1 to 64 draft tokens, got {value}")
         if self.speculative_eagle_topk != 1:
             raise ConfigError(
-                "speculative_eagle_topk must be 1: radixserve drafts chains; draft trees come "
-                "with the EAGLE plugins"
+                "speculative_eagle_topk must be 1: radixserve's speculative plugins (eagle, "
+                "eagle3, dflash, ngram, standalone) draft chains; tree drafting is not built yet"
             )
         if self.speculative_disable_batch_size < 1:
             raise ConfigError(

@@ -5,13 +5,14 @@ constraints, logprobs, n > 1 and streaming, for each built-in speculative plugin
 The n-gram plugin drafts from each request's own text (prompts that ask to copy text make it
 accept); the standalone plugin uses SmolLM2 itself as the draft, so nearly every draft is
 accepted and stops and grammars meet long accepted runs (a draft cut to SmolLM2's first layers
-was tried: it accepted almost nothing); the eagle3 plugin runs the EAGLE-3 head shipped for
-SmolLM2 (found with no path given), which accepts some of its drafts. Batches stay at 8
-requests, where every request drafts the full length.
+was tried: it accepted almost nothing); the eagle3, eagle and dflash plugins run the heads
+shipped for SmolLM2 (found with no path given), which accept some of their drafts. Batches stay
+at 8 requests, where every request drafts the full length.
 
-The eagle3 run takes the first 100 requests, the ones of every kind (stops, constraints, n > 1,
-penalties, min tokens), plus the logprob and streaming requests, and leaves out the 100 plain
-ones: its run was the suite's longest setup (75 s) and CI has 20 minutes.
+The eagle3, eagle and dflash runs take the first 100 requests, the ones of every kind (stops,
+constraints, n > 1, penalties, min tokens), plus the logprob and streaming requests, and leave
+out the 100 plain ones: eagle3's full run was the suite's longest setup (75 s) and CI has 20
+minutes.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def reference(smollm2_dir: Path) -> dict[str, Any]:
 
 @pytest.fixture(
     scope="module",
-    params=["ngram", "standalone", "eagle3"],
+    params=["ngram", "standalone", "eagle3", "eagle", "dflash"],
 )
 def speculative(request: pytest.FixtureRequest, smollm2_dir: Path) -> Iterator[dict[str, Any]]:
     # Every step drafts: pausing depends on measured step times, which would make the
@@ -149,10 +150,11 @@ def speculative(request: pytest.FixtureRequest, smollm2_dir: Path) -> Iterator[d
     if request.param == "standalone":
         kw["speculative_draft_model_path"] = str(smollm2_dir)
     num_requests = None
-    if request.param == "eagle3":
+    if request.param in ("eagle3", "eagle"):
         # Two drafts a step: the shipped CPU-trained head accepts about as many as with four
-        # here (373 of 4,703 against 374 of 8,745), and the run costs a sixth less.
+        # here (eagle3: 373 of 4,703 against 374 of 8,745), and the run costs a sixth less.
         kw["speculative_num_draft_tokens"] = 3
+    if request.param in ("eagle3", "eagle", "dflash"):  # the shipped heads, found with no path
         num_requests = MIXED
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(spec_policy, "FULL_DRAFT_BATCH", BATCH)
