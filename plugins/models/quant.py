@@ -13,6 +13,12 @@ quantized one, and the LM head gets an int8 copy (the embedding lookup keeps its
 Both kernels run with bfloat16 activations (with float32 ones they fall back to slow paths):
 a quantized layer casts its input to bfloat16 and its output back to the model's dtype.
 Quantization happens once, on the loaded float weights; nothing is dequantized per step.
+
+The kernels pay off where a step reads the weights for a few rows (decoding): they are
+compute-bound on many rows, so a prefill chunk of 256 tokens took twice float32's time to its
+first token. Each decoder layer also keeps its quantized weights dequantized to bfloat16 (the
+same values, twice the int4 bytes), and a step of ``DENSE_MIN_ROWS`` rows or more multiplies by
+those with bfloat16 GEMM (AMX or AVX-512 through oneDNN where the CPU has them).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from radixserve.plugins.models.parallel_layers import RowParallelLinear
 
 INT4_GROUP = 32
 _ACT = torch.bfloat16  # the activation dtype both kernels are fast with
+#: rows from which a step multiplies by the bfloat16 copy instead of the quantized kernel
+DENSE_MIN_ROWS = 16
 
 
 class QuantizedLinear(nn.Module):
@@ -36,6 +44,16 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
         self.tp = linear.tp if isinstance(linear, RowParallelLinear) else None
+        #: the quantized weights as bfloat16 [out, in], for steps of many rows (None: none kept)
+        self.dense: torch.Tensor | None = None
+
+    def keep_dense(self) -> None:
+        """Keep a bfloat16 copy of the quantized weights for prefill-sized steps."""
+        self.dense = self.dequantized().to(_ACT)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weights the kernel multiplies by, as float32 [out, in]."""
+        raise NotImplementedError
 
     @staticmethod
     def supports(linear: nn.Linear) -> bool:
@@ -47,7 +65,11 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        out = self.matmul(x.reshape(-1, self.in_features).to(_ACT)).to(x.dtype)
+        rows = x.reshape(-1, self.in_features).to(_ACT)
+        if self.dense is not None and rows.shape[0] >= DENSE_MIN_ROWS:
+            out = torch.nn.functional.linear(rows, self.dense).to(x.dtype)
+        else:
+            out = self.matmul(rows).to(x.dtype)
         out = out.view(*shape[:-1], self.out_features)
         if self.tp is not None and self.tp.size > 1:
             out = self.tp.all_reduce(out)
@@ -64,6 +86,9 @@ class Int8Linear(QuantizedLinear):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
 
+    def dequantized(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales.float()[:, None]
+
 
 class Int4Linear(QuantizedLinear):
     @staticmethod
@@ -77,6 +102,19 @@ class Int4Linear(QuantizedLinear):
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         self.register_buffer("qweight", packed)
         self.register_buffer("scale_zero", scale_zero)
+        self._codes: torch.Tensor | None = q.to(torch.uint8)  # for keep_dense, then dropped
+
+    def dequantized(self) -> torch.Tensor:
+        assert self._codes is not None, "the 4-bit codes are kept only until keep_dense"
+        out_f, in_f = self._codes.shape
+        scale = self.scale_zero[..., 0].float().t()[..., None]  # [out, groups, 1]
+        zero = self.scale_zero[..., 1].float().t()[..., None]
+        codes = self._codes.view(out_f, in_f // INT4_GROUP, INT4_GROUP).float()
+        return ((codes - 8.0) * scale + zero).view(out_f, in_f)
+
+    def keep_dense(self) -> None:
+        super().keep_dense()
+        self._codes = None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -133,7 +171,9 @@ def quantize_model(model: nn.Module, method: str) -> int:
                 continue
             parent_name, _, leaf = name.rpartition(".")
             parent = layer.get_submodule(parent_name) if parent_name else layer
-            setattr(parent, leaf, cls(child))
+            quantized = cls(child)
+            quantized.keep_dense()
+            setattr(parent, leaf, quantized)
             replaced += 1
     weight = model.lm_head.weight if hasattr(model, "lm_head") else model.embed_tokens.weight
     head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")

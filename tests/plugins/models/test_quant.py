@@ -19,7 +19,13 @@ from torch import nn
 
 from radixserve import Engine
 from radixserve.core.config import ConfigError, EngineConfig
-from radixserve.plugins.models.quant import Int4Linear, Int8Linear, quantize_int4, quantize_model
+from radixserve.plugins.models.quant import (
+    DENSE_MIN_ROWS,
+    Int4Linear,
+    Int8Linear,
+    quantize_int4,
+    quantize_model,
+)
 
 TEXT = (Path(__file__).parents[3] / "bench" / "data" / "perplexity.txt").read_text()
 PROMPTS = [
@@ -70,6 +76,25 @@ def test_quantized_linear_matches_the_float_layer(cls: type) -> None:
     assert got.dtype == x.dtype and got.shape == want.shape
     # bf16 activations (and int8's own rounding of the weights) bound the error
     torch.testing.assert_close(got, want, rtol=0.02, atol=0.02 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+def test_prefill_rows_use_the_dequantized_copy_of_the_same_weights(cls: type) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 48, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(_q4_1_weight(48, 96))
+    layer = cls(linear)
+    x = torch.randn(DENSE_MIN_ROWS, 96)
+    kernel = layer(x)  # no copy kept yet: the quantized kernel
+    layer.keep_dense()
+    assert layer.dense is not None and layer.dense.dtype == torch.bfloat16
+    dense = layer(x)
+    assert not torch.equal(dense, kernel)  # another product ...
+    # ... of the same weights: they differ by bf16 rounding only
+    torch.testing.assert_close(dense, kernel, rtol=0.01, atol=0.01 * kernel.abs().max().item())
+    few = x[: DENSE_MIN_ROWS - 1]  # a decode-sized step keeps the kernel
+    torch.testing.assert_close(layer(few), kernel[: DENSE_MIN_ROWS - 1], rtol=0, atol=0)
 
 
 def test_layers_the_int4_kernel_cannot_take_stay_in_float() -> None:
