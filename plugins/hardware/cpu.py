@@ -59,7 +59,10 @@ class CpuPlatform(HardwarePlatform):
         from radixserve.plugins.hardware.cpu_compile import CompiledDecode
 
         max_bs = min(config.torch_compile_max_bs, config.max_running_requests)
-        return CompiledDecode(model, attention, kv_pool, req_to_token, max_bs)
+        self._compiled = CompiledDecode(model, attention, kv_pool, req_to_token, max_bs)
+        return self._compiled
+
+    _compiled: Any = None  # the compiled step executor, when --enable-torch-compile
 
     def seed_everything(self, seed: int) -> None:
         torch.manual_seed(seed)
@@ -78,7 +81,13 @@ class CpuPlatform(HardwarePlatform):
         # Measured on the 2-core VM, alternating in one process (docs/BENCHMARKS.md): one
         # thread's decode steps were as fast as two threads' (float32) or faster (int4wo).
         if self._ranks == 1:
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 1))
+            threads = max(1, len(os.sched_getaffinity(0)) - 1)
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
+                if self._compiled is not None:
+                    # inductor's C++ kernels keep the thread count they were generated with
+                    # (2 threads run on 1 were 10% slower than eager): compile them again
+                    self._compiled.recompile()
 
 
 @hookimpl

@@ -116,7 +116,14 @@ class CompiledDecode:
         self.failed = False  # a compiled step raised: every later step runs eagerly
         self.warming_up = False
         self.compiled_steps = 0  # steps served compiled (tests read it)
+        self.kv_pool, self.req_to_token = kv_pool, req_to_token
         self._warm_up(kv_pool, req_to_token)
+
+    def recompile(self) -> None:
+        """Compile every size again (e.g. after the torch thread count changed). Drops every
+        graph dynamo holds in this process: a server's engine process has this engine only."""
+        torch._dynamo.reset()
+        self._warm_up(self.kv_pool, self.req_to_token)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> Any:
         assert self.batch is not None
