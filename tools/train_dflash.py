@@ -35,19 +35,16 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from radixserve.core.batch import ForwardBatch
 from radixserve.core.config import ModelConfig
-from radixserve.core.memory import KVPool, ReqToTokenPool
 from radixserve.core.weights import iter_weights
-from radixserve.plugins.attention.torch_native import TorchNativeAttention
-from radixserve.plugins.models.llama import build_llama
 from radixserve.plugins.speculative.dflash_head import (
     DFlashConfig,
     DFlashHead,
     block_attention_mask,
     default_target_layers,
-    save_head,
 )
+from radixserve.plugins.speculative.head_layer import save_head
+from radixserve.tools.draft_capture import Target, capture_grouped
 from radixserve.tools.draft_data import WORKLOADS, build_prompts, generate_answers
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -55,88 +52,21 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # -- train: the target's features by teacher forcing ------------------------------------------
 
 
-class Target:
-    """The target model (our model plugin, torch_native paged attention) run over whole
-    sequences, keeping the outputs of some layers; several sequences a forward."""
-
-    def __init__(self, model_dir: str, dtype: torch.dtype, device: str, max_tokens: int):
-        self.config = mc = ModelConfig.from_dir(model_dir)
-        self.kv = KVPool(max_tokens, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
-        self.attention = TorchNativeAttention(self.kv, mc, device)
-        self.model = build_llama(mc, self.attention, dtype, device)
-        self.model.load_weights(iter_weights(model_dir, dtype))
-        self.device = device
-
-    @torch.inference_mode()
-    def features(self, seqs: list[list[int]], layers: list[int]) -> list[torch.Tensor]:
-        """Per sequence [n, len(layers) * d]: the layers' outputs at every position."""
-        pool = ReqToTokenPool(len(seqs) + 1, max(len(s) for s in seqs) + 1)
-        positions, slots, rows = [], [], []
-        at = 1  # slot 0 is the padding row
-        for s in seqs:
-            row = pool.alloc()
-            assert row is not None
-            pool.write(row, 0, torch.arange(at, at + len(s)))
-            positions += range(len(s))
-            slots += range(at, at + len(s))
-            rows.append(row)
-            at += len(s)
-        dev = self.device
-        fb = ForwardBatch(
-            input_ids=torch.tensor([t for s in seqs for t in s], device=dev),
-            positions=torch.tensor(positions, device=dev),
-            out_cache_loc=torch.tensor(slots, device=dev),
-            req_pool_indices=torch.tensor(rows),
-            req_to_token=pool.table,
-            seq_lens=[len(s) for s in seqs],
-            extend_lens=[len(s) for s in seqs],
-            num_decode=0,
-            # one logits row: the features are what we keep, the LM head over every row
-            # would cost a fifth of the forward
-            logits_indices=torch.tensor([len(positions) - 1], device=dev),
-            kv_pool=self.kv,
-            req_to_token_pool=pool,
-            capture_hidden_layers=tuple(layers),
-        )
-        self.attention.prepare(fb)
-        self.model.forward(fb)
-        assert fb.hidden_states is not None
-        feats = torch.cat([fb.hidden_states[i] for i in layers], dim=-1)
-        return list(feats.to(torch.bfloat16).cpu().split([len(s) for s in seqs]))
-
-
 def capture(args: argparse.Namespace, records: list[dict[str, Any]], layers: list[int]) -> dict:
-    """Teacher-force every training sequence, grouped so forwards stay near
-    ``--capture-tokens`` tokens; keep tokens, where the answer starts, and the features."""
+    """Teacher-force every training sequence, in forwards near ``--capture-tokens`` tokens;
+    keep tokens, where the answer starts, and the features."""
     train = [r for r in records if r["split"] == "train"]
     seqs = [(r["prompt_ids"] + r["answer_ids"])[: args.max_len] for r in train]
-    starts = [len(r["prompt_ids"]) for r in train]
     target = Target(args.model, _DTYPES[args.dtype], args.device, args.capture_tokens + 1)
     out: dict[str, list[Any]] = {"tokens": [], "answer_start": [], "feats": []}
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    group: list[int] = []
-    bar = tqdm(total=sum(len(s) for s in seqs), desc="capture", unit="tok")
 
-    def flush() -> None:
-        for i, f in zip(group, target.features([seqs[i] for i in group], layers), strict=True):
-            out["tokens"].append(torch.tensor(seqs[i]))
-            out["answer_start"].append(starts[i])
-            out["feats"].append(f)
-            bar.update(len(seqs[i]))
-        group.clear()
+    def keep(i: int, feats: torch.Tensor, top_i: Any, top_p: Any) -> None:
+        out["tokens"].append(torch.tensor(seqs[i]))
+        out["answer_start"].append(len(train[i]["prompt_ids"]))
+        out["feats"].append(feats)
 
-    for i in order:
-        if group and sum(len(seqs[j]) for j in group) + len(seqs[i]) > args.capture_tokens:
-            flush()
-        group.append(i)
-    if group:
-        flush()
-    bar.close()
-    model = target.model
-    out["embed"] = [model.embed_tokens.weight.detach().float().cpu()]
-    lm = model.embed_tokens.weight if model.tie_word_embeddings else model.lm_head.weight
-    out["lm_head"] = [lm.detach().float().cpu()]
-    return out
+    capture_grouped(seqs, args.capture_tokens, lambda group: target.run(group, layers), keep)
+    return {**out, **target.embeddings()}
 
 
 def from_eagle_capture(

@@ -46,15 +46,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from radixserve.core.batch import ForwardBatch
 from radixserve.core.config import ModelConfig
-from radixserve.core.memory import KVPool, ReqToTokenPool
-from radixserve.core.weights import iter_weights
-from radixserve.plugins.attention.torch_native import TorchNativeAttention
-from radixserve.plugins.models.llama import build_llama
 from radixserve.plugins.speculative.eagle3_head import default_aux_layers, new_head
 from radixserve.plugins.speculative.eagle_head import new_eagle_head
 from radixserve.plugins.speculative.head_layer import DraftHead, save_head
+from radixserve.tools.draft_capture import Target, capture_grouped
 from radixserve.tools.draft_data import build_prompts, generate_answers
 from radixserve.tools.draft_eval import evaluate, speed
 
@@ -63,104 +59,29 @@ TOP_K = 32  # the target's distribution is kept as its top-k tokens (they carry 
 # -- train: teacher forcing through the target ------------------------------------------------
 
 
-class Target:
-    """The target model (our model plugin, torch_native paged attention) for teacher forcing:
-    one extend per sequence, several sequences per forward."""
-
-    def __init__(self, model_dir: str, dtype: torch.dtype, device: str, max_tokens: int):
-        self.config = mc = ModelConfig.from_dir(model_dir)
-        self.max_tokens = max_tokens
-        self.kv = KVPool(max_tokens, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
-        self.attention = TorchNativeAttention(self.kv, mc, device)
-        self.model = build_llama(mc, self.attention, dtype, device)
-        self.model.load_weights(iter_weights(model_dir, dtype))
-        self.device = device
-
-    @torch.inference_mode()
-    def run(
-        self, seqs: list[list[int]], layers: list[int], final_norm: bool = False
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """Per sequence: the features [n, len(layers) * d] (``final_norm``: the one layer's
-        output through the target's final norm, as the eagle plugin keeps it), top-k ids and
-        probs [n, TOP_K] of the target's next-token distribution at every position."""
-        pool = ReqToTokenPool(len(seqs) + 1, max(len(s) for s in seqs) + 1)
-        positions, slots, rows = [], [], []
-        at = 1  # slot 0 is the padding row
-        for s in seqs:
-            row = pool.alloc()
-            assert row is not None
-            pool.write(row, 0, torch.arange(at, at + len(s)))
-            positions += range(len(s))
-            slots += range(at, at + len(s))
-            rows.append(row)
-            at += len(s)
-        dev = self.device
-        n = len(positions)
-        fb = ForwardBatch(
-            input_ids=torch.tensor([t for s in seqs for t in s], device=dev),
-            positions=torch.tensor(positions, device=dev),
-            out_cache_loc=torch.tensor(slots, device=dev),
-            req_pool_indices=torch.tensor(rows),
-            req_to_token=pool.table,
-            seq_lens=[len(s) for s in seqs],
-            extend_lens=[len(s) for s in seqs],
-            num_decode=0,
-            logits_indices=torch.arange(n, device=dev),
-            kv_pool=self.kv,
-            req_to_token_pool=pool,
-            capture_hidden_layers=tuple(layers),
-        )
-        self.attention.prepare(fb)
-        logits = self.model.forward(fb)
-        assert fb.hidden_states is not None
-        feats = torch.cat([fb.hidden_states[i] for i in layers], dim=-1)
-        if final_norm:
-            feats = self.model.norm(feats)
-        probs = torch.softmax(logits, dim=-1)
-        top_p, top_i = probs.topk(TOP_K, dim=-1)
-        lens = [len(s) for s in seqs]
-        return (
-            list(feats.to(torch.bfloat16).cpu().split(lens)),
-            list(top_i.to(torch.int32).cpu().split(lens)),
-            list(top_p.to(torch.float16).cpu().split(lens)),
-        )
-
-
 def capture(args: argparse.Namespace, records: list[dict[str, Any]], layers: list[int]) -> dict:
-    """Teacher-force every training sequence; group by length so forwards stay near
-    ``--capture-tokens`` tokens."""
+    """Teacher-force every training sequence, in forwards near ``--capture-tokens`` tokens;
+    keep tokens, features and the target's top-k next-token distribution."""
     train = [r for r in records if r["split"] == "train"]
     seqs = [(r["prompt_ids"] + r["answer_ids"])[: args.max_len] for r in train]
     dtype = _DTYPES[args.dtype]
     target = Target(args.model, dtype, args.device, max(args.capture_tokens, args.max_len) + 1)
     out: dict[str, list[Any]] = {"tokens": [], "feats": [], "top_i": [], "top_p": []}
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    group: list[int] = []
-    bar = tqdm(total=sum(len(s) for s in seqs), desc="capture", unit="tok")
+    eagle = args.algorithm == "eagle"
 
-    def flush() -> None:
-        eagle = args.algorithm == "eagle"
-        feats, top_i, top_p = target.run([seqs[i] for i in group], layers, final_norm=eagle)
-        for i, f, ti, tp in zip(group, feats, top_i, top_p, strict=True):
-            out["tokens"].append(torch.tensor(seqs[i]))
-            out["feats"].append(f)
-            out["top_i"].append(ti)
-            out["top_p"].append(tp)
-            bar.update(len(seqs[i]))
-        group.clear()
+    def keep(i: int, feats: torch.Tensor, top_i: Any, top_p: Any) -> None:
+        out["tokens"].append(torch.tensor(seqs[i]))
+        out["feats"].append(feats)
+        out["top_i"].append(top_i)
+        out["top_p"].append(top_p)
 
-    for i in order:
-        if group and sum(len(seqs[j]) for j in group) + len(seqs[i]) > args.capture_tokens:
-            flush()
-        group.append(i)
-    if group:
-        flush()
-    bar.close()
-    out["embed"] = [target.model.embed_tokens.weight.detach().float().cpu()]
-    model = target.model
-    lm_head = model.embed_tokens if model.tie_word_embeddings else model.lm_head
-    out["lm_head"] = [lm_head.weight.detach().float().cpu()]
-    return out
+    capture_grouped(
+        seqs,
+        args.capture_tokens,
+        lambda group: target.run(group, layers, final_norm=eagle, top_k=TOP_K),
+        keep,
+    )
+    return {**out, **target.embeddings()}
 
 
 def choose_draft_vocab(data: dict, size: int) -> torch.Tensor:

@@ -31,9 +31,9 @@ from torch import nn
 
 from radixserve.core.config import ConfigError, ModelConfig
 from radixserve.plugins.models.decoder import RMSNorm, rope_inv_freq
+from radixserve.plugins.speculative.head_layer import WEIGHTS_FILE, load_checked_weights
 
 ARCHITECTURE = "LlamaDFlashDrafter"
-WEIGHTS_FILE = "model.safetensors"
 
 
 def default_target_layers(num_layers: int) -> list[int]:
@@ -257,41 +257,10 @@ class DFlashHead(nn.Module):
 
 
 def load_head(path: str | Path, max_context: int, dtype: torch.dtype, device: str) -> DFlashHead:
-    from safetensors.torch import load_file
-
     config = DFlashConfig.from_dir(path)
     file = Path(path) / WEIGHTS_FILE
     if not file.is_file():
         raise ConfigError(f"DFlash drafter directory '{path}' has no {WEIGHTS_FILE}")
     head = DFlashHead(config, max_context, dtype, device)
-    state = load_file(str(file), device=str(device))
-    expected = head.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ConfigError(
-            f"DFlash drafter '{file}' does not match its config.json: missing {missing[:4]}, "
-            f"unexpected {unexpected[:4]}"
-        )
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise ConfigError(
-                f"DFlash drafter '{file}': '{name}' has shape {tuple(tensor.shape)}, "
-                f"config.json implies {tuple(expected[name].shape)}"
-            )
-    head.load_state_dict({n: t.to(expected[n].dtype) for n, t in state.items()})
+    load_checked_weights(head, file, device, "DFlash drafter")
     return head
-
-
-def save_head(
-    head: DFlashHead, path: str | Path, dtype: torch.dtype, extra: dict[str, Any]
-) -> None:
-    """config.json (with ``extra`` under "radixserve") and model.safetensors in ``dtype``."""
-    from safetensors.torch import save_file
-
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    state = {n: t.to(dtype).detach().cpu().contiguous() for n, t in head.state_dict().items()}
-    save_file(state, str(out / WEIGHTS_FILE))
-    raw = {**head.config.raw, "torch_dtype": str(dtype).removeprefix("torch."), "radixserve": extra}
-    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")

@@ -217,34 +217,41 @@ def load_head(
     cls: type[H], path: str | Path, max_context: int, dtype: torch.dtype, device: str
 ) -> H:
     """A ``cls`` head from a head directory, its tensors checked against its config.json."""
-    from safetensors.torch import load_file
-
     config = HeadConfig.from_dir(path)
     file = Path(path) / WEIGHTS_FILE
     if not file.is_file():
         raise ConfigError(f"draft head directory '{path}' has no {WEIGHTS_FILE}")
     head = cls(config, max_context, dtype, device)
+    load_checked_weights(head, file, device, "draft head")
+    return head
+
+
+def load_checked_weights(head: nn.Module, file: Path, device: str, what: str) -> None:
+    """Load ``file`` into ``head``, refusing any tensor name or shape its config does not imply
+    (``what`` names the kind of head in the errors)."""
+    from safetensors.torch import load_file
+
     state = load_file(str(file), device=str(device))
     expected = head.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
         raise ConfigError(
-            f"draft head '{file}' does not match its config.json: missing {missing[:4]}, "
+            f"{what} '{file}' does not match its config.json: missing {missing[:4]}, "
             f"unexpected {unexpected[:4]}"
         )
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise ConfigError(
-                f"draft head '{file}': '{name}' has shape {tuple(tensor.shape)}, config.json "
+                f"{what} '{file}': '{name}' has shape {tuple(tensor.shape)}, config.json "
                 f"implies {tuple(expected[name].shape)}"
             )
     head.load_state_dict({n: t.to(expected[n].dtype) for n, t in state.items()})
-    return head
 
 
-def save_head(head: DraftHead, path: str | Path, dtype: torch.dtype, extra: dict[str, Any]) -> None:
-    """config.json (with ``extra`` under "radixserve") and model.safetensors in ``dtype``."""
+def save_head(head: Any, path: str | Path, dtype: torch.dtype, extra: dict[str, Any]) -> None:
+    """A head directory: config.json (``head.config.raw``, with ``extra`` under "radixserve")
+    and model.safetensors, floating-point tensors in ``dtype``."""
     from safetensors.torch import save_file
 
     out = Path(path)

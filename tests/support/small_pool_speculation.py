@@ -20,13 +20,19 @@ def traffic() -> tuple[list[list[int]], dict[str, Any]]:
     return prompts, {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
 
 
+def small_pool_engine(model: Path, **kw: Any) -> Engine:
+    """An engine whose paged pool is far too small for the traffic (it retracts), checking
+    the KV leak invariant whenever it idles."""
+    return Engine(
+        str(model), dtype="float32", page_size=4, max_total_tokens=POOL, debug_leak_check=True,
+        schedule_conservativeness=0.0, **kw,
+    )  # fmt: skip
+
+
 def run_small_pool(model: Path, **kw: Any) -> tuple[list[list[int]], int, Any]:
     """(output ids, retractions, speculation stats) of the traffic on a small-pool engine."""
     prompts, params = traffic()
-    with Engine(
-        str(model), dtype="float32", page_size=4, max_total_tokens=POOL, debug_leak_check=True,
-        schedule_conservativeness=0.0, **kw,
-    ) as engine:  # fmt: skip
+    with small_pool_engine(model, **kw) as engine:
         out = engine.generate(input_ids=prompts, sampling_params=params)
         engine.core.scheduler.check_no_leak()
         stats = engine.core.scheduler.stats

@@ -10,9 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from small_pool_speculation import POOL, traffic
+from small_pool_speculation import small_pool_engine, traffic
 
-from radixserve import Engine
 from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.plugins.hardware.cpu_compile import CompiledDecode, compile_sizes
 
@@ -20,10 +19,7 @@ from radixserve.plugins.hardware.cpu_compile import CompiledDecode, compile_size
 def _run(model: Path, **kw: Any) -> tuple[list[list[int]], int, Any]:
     """(output ids, retractions, the step executor) of the shared small-pool traffic."""
     prompts, params = traffic()
-    with Engine(
-        str(model), dtype="float32", page_size=4, max_total_tokens=POOL, debug_leak_check=True,
-        schedule_conservativeness=0.0, **kw,
-    ) as engine:  # fmt: skip
+    with small_pool_engine(model, **kw) as engine:
         out = engine.generate(input_ids=prompts, sampling_params=params)
         engine.core.scheduler.check_no_leak()
         lone = engine.generate(input_ids=prompts[0], sampling_params=params)  # a batch of one

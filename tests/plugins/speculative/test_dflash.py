@@ -32,8 +32,8 @@ from radixserve.plugins.speculative.dflash_head import (
     DFlashConfig,
     DFlashHead,
     block_attention_mask,
-    save_head,
 )
+from radixserve.plugins.speculative.head_layer import save_head
 
 LAYERS = [0, 1]  # the tiny Llama has two layers
 BLOCK = 4
