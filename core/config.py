@@ -155,6 +155,11 @@ class EngineConfig:
         "(each size compiles once at start-up, about a minute on 2 cores; later starts reuse "
         "inductor's cache); larger batches and prefill stay eager",
     )
+    cpu_threads: int | None = _opt(
+        None,
+        "CPU: torch threads of the engine (default: every core offline; in a server's engine "
+        "process one core is left to the HTTP process)",
+    )
     torch_compile_max_bs: int = _opt(
         1, "Largest decode batch --enable-torch-compile compiles (sizes 1, 2, 4, 8, ... up to it)"
     )
@@ -289,6 +294,8 @@ class EngineConfig:
             raise ConfigError(f"watchdog_timeout must be > 0 seconds, got {self.watchdog_timeout}")
         if self.tp_size < 1:
             raise ConfigError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ConfigError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.torch_compile_max_bs < 1:
             raise ConfigError(f"torch_compile_max_bs must be >= 1, got {self.torch_compile_max_bs}")
         if self.max_running_requests is not None and self.max_running_requests < 1:

@@ -54,6 +54,10 @@ class CpuPlatform(HardwarePlatform):
                       config: Any) -> Any:  # fmt: skip
         """Eager steps, or with --enable-torch-compile compiled decode steps of up to
         --torch-compile-max-bs requests (plugins/hardware/cpu_compile.py)."""
+        if config.cpu_threads is not None:  # before any compile: kernels keep their count
+            self._threads = config.cpu_threads
+            if config.cpu_threads != torch.get_num_threads():
+                torch.set_num_threads(config.cpu_threads)
         if not config.enable_torch_compile:
             return super().step_executor(model, attention, kv_pool, req_to_token, config)
         from radixserve.plugins.hardware.cpu_compile import CompiledDecode
@@ -63,6 +67,7 @@ class CpuPlatform(HardwarePlatform):
         return self._compiled
 
     _compiled: Any = None  # the compiled step executor, when --enable-torch-compile
+    _threads: int | None = None  # --cpu-threads
 
     def seed_everything(self, seed: int) -> None:
         torch.manual_seed(seed)
@@ -80,8 +85,9 @@ class CpuPlatform(HardwarePlatform):
         # token): a torch thread descheduled for it stalls every parallel region of a step.
         # Measured on the 2-core VM, alternating in one process (docs/BENCHMARKS.md): one
         # thread's decode steps were as fast as two threads' (float32) or faster (int4wo).
+        # On an Intel VM a second thread paid at concurrency 1 and 32: --cpu-threads chooses.
         if self._ranks == 1:
-            threads = max(1, len(os.sched_getaffinity(0)) - 1)
+            threads = self._threads or max(1, len(os.sched_getaffinity(0)) - 1)
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
                 if self._compiled is not None:

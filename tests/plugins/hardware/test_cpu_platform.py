@@ -31,3 +31,13 @@ def test_tensor_parallel_rank_keeps_its_share() -> None:
     share = torch.get_num_threads()
     platform.bind_server_engine()
     assert torch.get_num_threads() == share == max(1, len(os.sched_getaffinity(0)) // 2)
+
+
+def test_cpu_threads_is_kept_in_the_server_engine() -> None:
+    from radixserve.core.config import EngineConfig
+
+    platform = CpuPlatform()
+    platform.step_executor(None, None, None, None, EngineConfig(cpu_threads=3))
+    assert torch.get_num_threads() == 3
+    platform.bind_server_engine()
+    assert torch.get_num_threads() == 3  # not cores - 1
