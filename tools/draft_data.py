@@ -6,8 +6,11 @@ from __future__ import annotations
 import argparse
 import ast
 import gzip
+import json
 import random
 import sysconfig
+import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -179,3 +182,17 @@ def generate_answers(args: argparse.Namespace, items: list[dict[str, Any]]) -> l
             bar.update(len(part))
         bar.close()
     return records
+
+
+def data_phase(args: Any, data_file: Path, run: bool) -> list[dict[str, Any]]:
+    """The trainers' data phase: when ``run``, build the prompts, generate the target's answers
+    and write them to ``data_file`` (JSON lines); either way, the records read back from it."""
+    if run:
+        started = time.time()
+        items = build_prompts(args.prompts_per_workload, args.seed)
+        counts = Counter((i["workload"], i["split"]) for i in items)
+        print(f"prompts: {dict(sorted(counts.items()))}", flush=True)
+        records = generate_answers(args, items)
+        data_file.write_text("".join(json.dumps(r) + "\n" for r in records))
+        print(f"data: {len(records)} answers in {time.time() - started:.0f}s", flush=True)
+    return [json.loads(line) for line in data_file.read_text().splitlines()]

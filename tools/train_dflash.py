@@ -27,7 +27,6 @@ import math
 import random
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +44,7 @@ from radixserve.plugins.speculative.dflash_head import (
 )
 from radixserve.plugins.speculative.head_layer import save_head
 from radixserve.tools.draft_capture import Target, capture_grouped
-from radixserve.tools.draft_data import WORKLOADS, build_prompts, generate_answers
+from radixserve.tools.draft_data import WORKLOADS, data_phase
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -342,14 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     phases = set(args.phases.split(","))
     data_file = work / "data.jsonl"
     started = time.time()
-    if "data" in phases:
-        items = build_prompts(args.prompts_per_workload, args.seed)
-        counts = Counter((i["workload"], i["split"]) for i in items)
-        print(f"prompts: {dict(sorted(counts.items()))}", flush=True)
-        records = generate_answers(args, items)
-        data_file.write_text("".join(json.dumps(r) + "\n" for r in records))
-        print(f"data: {len(records)} answers in {time.time() - started:.0f}s", flush=True)
-    records = [json.loads(line) for line in data_file.read_text().splitlines()]
+    records = data_phase(args, data_file, run="data" in phases)
     if "train" in phases:
         t0 = time.time()
         # The capture depends on the data, the layers and the sequence cut only: kept in the

@@ -51,7 +51,7 @@ from radixserve.plugins.speculative.eagle3_head import default_aux_layers, new_h
 from radixserve.plugins.speculative.eagle_head import new_eagle_head
 from radixserve.plugins.speculative.head_layer import DraftHead, save_head
 from radixserve.tools.draft_capture import Target, capture_grouped
-from radixserve.tools.draft_data import build_prompts, generate_answers
+from radixserve.tools.draft_data import data_phase
 from radixserve.tools.draft_eval import evaluate, speed
 
 TOP_K = 32  # the target's distribution is kept as its top-k tokens (they carry ~all the mass)
@@ -370,14 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     phases = set(args.phases.split(","))
     data_file = work / "data.jsonl"
     started = time.time()
-    if "data" in phases:
-        items = build_prompts(args.prompts_per_workload, args.seed)
-        counts = Counter((i["workload"], i["split"]) for i in items)
-        print(f"prompts: {dict(sorted(counts.items()))}", flush=True)
-        records = generate_answers(args, items)
-        data_file.write_text("".join(json.dumps(r) + "\n" for r in records))
-        print(f"data: {len(records)} answers in {time.time() - started:.0f}s", flush=True)
-    records = [json.loads(line) for line in data_file.read_text().splitlines()]
+    records = data_phase(args, data_file, run="data" in phases)
     if "train" in phases:
         t0 = time.time()
         # The capture depends on the data, the layers and the sequence cut only: kept in the
