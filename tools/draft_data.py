@@ -28,6 +28,27 @@ CHAT_TOPICS = [
     "mountains", "music practice", "a first garden", "moving to a new city", "tea", "robots",
     "electric cars", "the moon", "honey bees", "libraries", "board games", "winter clothes",
 ]  # fmt: skip
+# ``--prompt-set large`` (the GPU recipe): more topics and forms for the chat workload
+MORE_CHAT_TOPICS = [
+    "volunteering", "a road trip", "swimming", "baking cookies", "the weather", "dinosaurs",
+    "yoga", "budgeting for a holiday", "learning to code", "the human heart", "rivers",
+    "cats", "dogs", "painting", "poetry", "the internet", "trains", "gardening in winter",
+    "making friends at work", "camping", "the stock market", "climate", "deserts", "forests",
+    "healthy breakfasts", "writing a story", "job hunting", "a wedding speech", "sharks",
+    "the brain", "solar panels", "ancient Egypt", "the Roman empire", "origami", "jazz",
+    "football", "tennis", "hiking boots", "a science fair project", "kindness", "patience",
+    "cleaning a kitchen", "studying for exams", "a birthday party", "vegetables", "soup",
+    "an old computer", "smartphones", "video calls", "museums", "the alphabet", "maps",
+    "clouds", "earthquakes", "glaciers", "penguins", "owls", "butterflies", "lighthouses",
+    "bridges", "pizza", "chocolate", "running a small shop", "negotiating a salary",
+]  # fmt: skip
+MORE_CHAT_FORMS = [
+    "Can you help me plan a week around {}?", "What should a beginner know about {}?",
+    "Write a short story that involves {}.", "Compare two ways of approaching {}.",
+    "List five questions someone might ask about {}, with short answers.",
+    "I feel unsure about {}. Any advice?", "Summarise the history of {} briefly.",
+    "Write a friendly email to a colleague about {}.",
+]  # fmt: skip
 CHAT_FORMS = [
     "What is a good way to get started with {}?", "Explain {} to a ten-year-old.",
     "Give me three tips about {}.", "Write a short paragraph about {}.",
@@ -44,8 +65,8 @@ def _held_out(key: str) -> bool:
     return sum(key.encode()) % 5 == 0
 
 
-def _functions(limit: int, rng: random.Random) -> list[tuple[str, str]]:
-    """(source key, function source) of small stdlib functions."""
+def _functions(limit: int, rng: random.Random, per_file: int = 1) -> list[tuple[str, str]]:
+    """(source key, function source) of small stdlib functions, up to ``per_file`` a file."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.glob("*.py") if p.stat().st_size < 200_000)
     rng.shuffle(files)
@@ -57,13 +78,16 @@ def _functions(limit: int, rng: random.Random) -> list[tuple[str, str]]:
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
         lines = text.splitlines()
+        taken = 0
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and node.end_lineno is not None:
                 n = node.end_lineno - node.lineno + 1
                 if 6 <= n <= 30:
                     src = "\n".join(lines[node.lineno - 1 : node.end_lineno])
                     out.append((f"{path.name}:{node.name}", src))
-                    break  # one per file: variety
+                    taken += 1
+                    if taken >= per_file:  # few per file: variety
+                        break
         if len(out) >= limit:
             break
     return out
@@ -124,16 +148,19 @@ def _json_task(i: int, rng: random.Random) -> tuple[str, str]:
     return f"json-{i}", text
 
 
-def build_prompts(per_workload: int, seed: int) -> list[dict[str, Any]]:
-    """Prompts for each workload, each marked train or held-out by its source."""
+def build_prompts(per_workload: int, seed: int, large: bool = False) -> list[dict[str, Any]]:
+    """Prompts for each workload, each marked train or held-out by its source. ``large`` adds
+    chat topics and forms and takes up to four functions a stdlib file (the GPU recipe)."""
     rng = random.Random(seed)
+    topics = CHAT_TOPICS + (MORE_CHAT_TOPICS if large else [])
+    forms = CHAT_FORMS + (MORE_CHAT_FORMS if large else [])
     items: list[dict[str, Any]] = []
 
     def add(workload: str, key: str, text: str) -> None:
         split = "heldout" if _held_out(key) else "train"
         items.append({"workload": workload, "key": key, "split": split, "prompt": text})
 
-    chats = [(f"{t}|{f}", f.format(t)) for t in CHAT_TOPICS for f in CHAT_FORMS]
+    chats = [(f"{t}|{f}", f.format(t)) for t in topics for f in forms]
     rng.shuffle(chats)
     for key, text in chats[:per_workload]:
         add("chat", key, text)
@@ -143,7 +170,7 @@ def build_prompts(per_workload: int, seed: int) -> list[dict[str, Any]]:
         "Explain what this Python function does, step by step.",
         "Rewrite this function to be shorter, keeping its behaviour.",
     ]
-    for j, (key, src) in enumerate(_functions(per_workload, rng)):
+    for j, (key, src) in enumerate(_functions(per_workload, rng, 4 if large else 1)):
         add("code", key, f"{edits[j % len(edits)]}\n\n```python\n{src}\n```")
     for key, text in _texts(per_workload, rng):
         add("summary", key, f"Summarise the following text in two or three sentences.\n\n{text}")
@@ -154,15 +181,20 @@ def build_prompts(per_workload: int, seed: int) -> list[dict[str, Any]]:
 
 
 def generate_answers(args: argparse.Namespace, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The target's answers by radixserve: greedy for every prompt, plus a sampled one
-    (temperature 0.7) for a share of the training prompts."""
+    """The target's answers by radixserve: greedy for every prompt, plus sampled ones
+    (temperature 0.7) for the training prompts: one for a share ``--sampled-share`` of them,
+    or ``--samples-per-prompt`` for each when that is set."""
     from radixserve import Engine
 
     rng = random.Random(args.seed)
+    per_prompt = getattr(args, "samples_per_prompt", 0)
     jobs: list[tuple[dict[str, Any], dict[str, Any]]] = []
     for item in items:
         jobs.append((item, {"temperature": 0, "max_new_tokens": args.max_new_tokens}))
-        if item["split"] == "train" and rng.random() < args.sampled_share:
+        if item["split"] != "train":
+            continue
+        samples = per_prompt if per_prompt else int(rng.random() < args.sampled_share)
+        for _ in range(samples):
             sampled = {"temperature": 0.7, "top_p": 0.95, "seed": rng.randrange(1 << 30)}
             jobs.append((item, {**sampled, "max_new_tokens": args.max_new_tokens}))
     records = []
@@ -184,12 +216,25 @@ def generate_answers(args: argparse.Namespace, items: list[dict[str, Any]]) -> l
     return records
 
 
+def add_data_options(parser: argparse.ArgumentParser) -> None:
+    """The data options both trainers share beyond their own defaults."""
+    parser.add_argument(
+        "--samples-per-prompt", type=int, default=0,
+        help="sampled answers per training prompt (0: --sampled-share decides, one at most)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prompt-set", default="small", choices=["small", "large"],
+        help="large: more chat topics and forms, up to 4 functions a stdlib file (GPU recipe)",
+    )  # fmt: skip
+
+
 def data_phase(args: Any, data_file: Path, run: bool) -> list[dict[str, Any]]:
     """The trainers' data phase: when ``run``, build the prompts, generate the target's answers
     and write them to ``data_file`` (JSON lines); either way, the records read back from it."""
     if run:
         started = time.time()
-        items = build_prompts(args.prompts_per_workload, args.seed)
+        large = getattr(args, "prompt_set", "small") == "large"
+        items = build_prompts(args.prompts_per_workload, args.seed, large)
         counts = Counter((i["workload"], i["split"]) for i in items)
         print(f"prompts: {dict(sorted(counts.items()))}", flush=True)
         records = generate_answers(args, items)

@@ -44,7 +44,7 @@ from radixserve.plugins.speculative.dflash_head import (
 )
 from radixserve.plugins.speculative.head_layer import save_head
 from radixserve.tools.draft_capture import Target, capture_grouped
-from radixserve.tools.draft_data import WORKLOADS, data_phase
+from radixserve.tools.draft_data import WORKLOADS, add_data_options, data_phase
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -295,6 +295,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--sampled-share", type=float, default=0.0, help="train prompts also sampled")
     p.add_argument("--gen-batch", type=int, default=32, help="engine requests at once")
+    add_data_options(p)
     p.add_argument("--max-len", type=int, default=384, help="tokens per training sequence")
     p.add_argument("--capture-tokens", type=int, default=2048, help="tokens per target forward")
     p.add_argument("--target-layers", default=None, help="e.g. 1,8,15,22,28")

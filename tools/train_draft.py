@@ -51,7 +51,7 @@ from radixserve.plugins.speculative.eagle3_head import default_aux_layers, new_h
 from radixserve.plugins.speculative.eagle_head import new_eagle_head
 from radixserve.plugins.speculative.head_layer import DraftHead, save_head
 from radixserve.tools.draft_capture import Target, capture_grouped
-from radixserve.tools.draft_data import data_phase
+from radixserve.tools.draft_data import add_data_options, data_phase
 from radixserve.tools.draft_eval import evaluate, speed
 
 TOP_K = 32  # the target's distribution is kept as its top-k tokens (they carry ~all the mass)
@@ -248,7 +248,11 @@ def train(args: argparse.Namespace, data: dict, mc: ModelConfig, layers: list[in
         if (args.dtype == "bfloat16")
         else None
     )
+    deadline = time.time() + args.max_train_seconds if args.max_train_seconds else math.inf
     for _ in bar:
+        if time.time() > deadline:
+            print(f"training stopped by --max-train-seconds after {bar.n} steps", flush=True)
+            break
         if len(order) < args.batch:
             order += rng.sample(range(n), n)
         batch, order = order[: args.batch], order[args.batch :]
@@ -276,26 +280,31 @@ def _batch(
 ) -> tuple[torch.Tensor, ...]:
     """Right-padded tensors of sequences ``idx``: tokens [B, L+1], features [B, L+1, 3d],
     soft labels over the draft vocabulary for row i (the target at i + 1) [B, L, Vd], a mask
-    of rows whose target argmax is in the draft vocabulary, and the lengths."""
+    of rows whose target argmax is in the draft vocabulary, and the lengths. The labels are
+    built on ``dev`` from the top-k (a [B, L, Vd] float tensor is the step's largest)."""
     lens = [len(data["tokens"][i]) for i in idx]
     width = max(lens)
     b = len(idx)
     feat_dim = data["feats"][0].shape[-1]
+    k = data["top_i"][0].shape[-1]
     tokens = torch.zeros(b, width, dtype=torch.int64)
     feats = torch.zeros(b, width, feat_dim, dtype=torch.bfloat16)
-    labels = torch.zeros(b, width - 1, vd)
-    lmask = torch.zeros(b, width - 1, dtype=torch.bool)
+    top_i = torch.zeros(b, width - 1, k, dtype=torch.int64)
+    top_p = torch.zeros(b, width - 1, k, dtype=torch.float16)
     for r, i in enumerate(idx):
         n = lens[r]
         tokens[r, :n] = data["tokens"][i]
         feats[r, :n] = data["feats"][i]
-        ti = t2d[data["top_i"][i][1:].long()]  # [n-1, K] draft ids of row i's target (i+1)
-        tp = data["top_p"][i][1:].float() * (ti >= 0)
-        labels[r, : n - 1].scatter_add_(1, ti.clamp_min(0), tp)
-        lmask[r, : n - 1] = ti[:, 0] >= 0
+        top_i[r, : n - 1] = data["top_i"][i][1:]  # row i's target: the distribution at i + 1
+        top_p[r, : n - 1] = data["top_p"][i][1:]
+    ti = t2d.to(dev)[top_i.to(dev)]  # [B, L, K] draft ids (-1: outside the draft vocabulary)
+    tp = top_p.to(dev).float() * (ti >= 0)
+    labels = torch.zeros(b, width - 1, vd, device=dev).scatter_add_(2, ti.clamp_min(0), tp)
     labels = labels / labels.sum(-1, keepdim=True).clamp_min(1e-9)
+    valid = torch.arange(width - 1)[None, :] < torch.tensor(lens)[:, None] - 1
+    lmask = (ti[..., 0] >= 0) & valid.to(dev)
     lengths = torch.tensor(lens)
-    return (tokens.to(dev), feats.to(dev), labels.to(dev), lmask.to(dev), lengths.to(dev))
+    return (tokens.to(dev), feats.to(dev), labels, lmask, lengths.to(dev))
 
 
 # -- the command ------------------------------------------------------------------------------
@@ -323,6 +332,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--sampled-share", type=float, default=0.3, help="train prompts also sampled")
     p.add_argument("--gen-batch", type=int, default=32, help="engine requests at once")
+    add_data_options(p)
     p.add_argument("--max-len", type=int, default=512, help="tokens per training sequence")
     p.add_argument("--capture-tokens", type=int, default=2048, help="tokens per target forward")
     p.add_argument("--aux-layers", default=None, help="e.g. 1,14,26 (default SpecForge's)")
@@ -336,6 +346,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="sequences per training step")
     p.add_argument("--epochs", type=float, default=4.0)
     p.add_argument("--steps", type=int, default=0, help="training steps (overrides --epochs)")
+    p.add_argument("--max-train-seconds", type=float, default=0, help="stop training after")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--save-dtype", default="bfloat16", choices=sorted(_DTYPES))
     p.add_argument("--eval-prompts", type=int, default=12, help="held-out prompts per workload")
