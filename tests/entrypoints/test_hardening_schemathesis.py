@@ -2,11 +2,12 @@
 modes, no 5xx and every documented response matching its schema.
 
 Up to 100 examples per operation and mode, schemathesis' and hypothesis' own default
-(RADIXSERVE_FUZZ_EXAMPLES raises or lowers it): the two modes take about 20 s on one loaded core;
-500 took about 100 s there, nearly all of it in the six operations with a body schema (embeddings, score, weights from disk,
-completions, chat completions, a model by name). The others take a single example: they declare
-no parameters or body in /openapi.json (the native routes read their raw body; the field-wise fuzz
-of /generate, /tokenize and /abort_request is test_hardening_fuzz.py).
+(RADIXSERVE_FUZZ_EXAMPLES raises or lowers it): the two modes take about 20 s on one loaded
+core; 500 took about 100 s there, nearly all of it in the six operations with a body schema
+(embeddings, score, weights from disk, completions, chat completions, a model by name). The
+others take a single example: they declare no parameters or body in /openapi.json (the native
+routes read their raw body; the field-wise fuzz of /generate, /tokenize and /abort_request is
+test_hardening_fuzz.py).
 """
 
 from __future__ import annotations
