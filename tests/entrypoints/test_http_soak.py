@@ -1,4 +1,7 @@
-"""Soak (issue 4): 32 concurrent streaming clients for 30 s against the shared tiny server.
+"""Soak (issue 4): 32 concurrent streaming clients for 30 s against the shared tiny server, and
+at the same time 32 more against the same server with overlap scheduling (each server gets its
+own 32 clients for the whole 30 s; the two soaks share the wall time instead of running one after
+the other).
 
 Every request completes with exactly ``max_new_tokens`` tokens and a ``[DONE]`` line, no client
 sees an error, and afterwards nothing runs and no KV token is held (the server also runs with
@@ -119,31 +122,42 @@ def _server_info(server: RunningServer) -> dict[str, Any]:
     return r.json()
 
 
-def test_32_streaming_clients_for_30s(any_server: RunningServer) -> None:
-    server = any_server
-    logs = [ClientLog() for _ in range(CLIENTS)]
-    deadline = time.monotonic() + SOAK_S
-    threads = [
-        threading.Thread(target=_client, args=(server, c, deadline, logs[c]), daemon=True)
-        for c in range(CLIENTS)
-    ]
-    for t in threads:
-        t.start()
-    join_until = deadline + JOIN_GRACE_S
-    for t in threads:
-        t.join(max(0.0, join_until - time.monotonic()))
-    stuck = [c for c, t in enumerate(threads) if t.is_alive()]
-    assert not stuck, f"clients still running {JOIN_GRACE_S} s after the soak: {stuck}"
-
-    errors = [e for log in logs for e in log.errors]
-    assert not errors, f"{len(errors)} failed requests, first: {errors[:5]}"
-    assert all(log.done >= 1 for log in logs), [log.done for log in logs]
-
+def _wait_idle(server: RunningServer, name: str) -> None:
     end = time.monotonic() + IDLE_TIMEOUT_S
     while True:
         info = _server_info(server)
         if info["num_running_reqs"] == 0 and info["kv"]["in_use"] == 0:
-            break
-        assert time.monotonic() < end, f"server not idle after {IDLE_TIMEOUT_S} s: {info}"
+            return
+        assert time.monotonic() < end, f"{name}: server not idle after {IDLE_TIMEOUT_S} s: {info}"
         time.sleep(0.2)
-    print(f"soak: {sum(log.done for log in logs)} requests in {SOAK_S:.0f} s, 0 errors")
+
+
+def test_32_streaming_clients_for_30s(server: RunningServer, overlap_server: RunningServer) -> None:
+    servers = {"sync": server, "overlap": overlap_server}
+    logs = {name: [ClientLog() for _ in range(CLIENTS)] for name in servers}
+    deadline = time.monotonic() + SOAK_S
+    threads = {
+        name: [
+            threading.Thread(target=_client, args=(srv, c, deadline, logs[name][c]), daemon=True)
+            for c in range(CLIENTS)
+        ]
+        for name, srv in servers.items()
+    }
+    for name in servers:
+        for t in threads[name]:
+            t.start()
+    join_until = deadline + JOIN_GRACE_S
+    for name in servers:
+        for t in threads[name]:
+            t.join(max(0.0, join_until - time.monotonic()))
+    for name, srv in servers.items():
+        stuck = [c for c, t in enumerate(threads[name]) if t.is_alive()]
+        assert not stuck, f"{name}: clients still running {JOIN_GRACE_S} s after the soak: {stuck}"
+
+        errors = [e for log in logs[name] for e in log.errors]
+        assert not errors, f"{name}: {len(errors)} failed requests, first: {errors[:5]}"
+        assert all(log.done >= 1 for log in logs[name]), [log.done for log in logs[name]]
+
+        _wait_idle(srv, name)
+        done = sum(log.done for log in logs[name])
+        print(f"soak {name}: {done} requests in {SOAK_S:.0f} s, 0 errors")
