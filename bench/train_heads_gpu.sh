@@ -47,11 +47,11 @@ while [ $# -gt 0 ]; do
         python3 -c "from pathlib import Path; import sys; sys.path.insert(0, 'bench')
 from gpu_model import write_random_llama; write_random_llama(Path('/tmp/heads/rand'), 'smollm2', 'cuda')"
         cp "$1"/data.jsonl "$WORK"/
-        phase smoke-eagle3 240 python3 tools/train_draft.py --model /tmp/heads/rand --tiny \
+        phase smoke-eagle3 150 python3 tools/train_draft.py --model /tmp/heads/rand --tiny \
             --out /tmp/heads/s3 --work "$WORK" --phases train $TRAIN_FLAGS --ttt 5
-        phase smoke-eagle 240 python3 tools/train_draft.py --model /tmp/heads/rand --tiny \
+        phase smoke-eagle 120 python3 tools/train_draft.py --model /tmp/heads/rand --tiny \
             --algorithm eagle --out /tmp/heads/s1 --work "$WORK" --phases train $TRAIN_FLAGS
-        phase smoke-dflash 240 python3 tools/train_dflash.py --model /tmp/heads/rand \
+        phase smoke-dflash 90 python3 tools/train_dflash.py --model /tmp/heads/rand \
             --out /tmp/heads/sd --work "$WORK" --phases train --device cuda --dtype bfloat16 \
             --eagle-capture "$WORK/capture-eagle.pt" --steps 10
         rm -f "$WORK"/*

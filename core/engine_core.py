@@ -428,6 +428,7 @@ class EngineCore:
         del self.runner, self.scheduler, self.cache
         gc.collect()
         platform.empty_cache()
+        platform.release()
 
     def _fail_unschedulable(self) -> list[Req]:
         """Nothing could run although requests wait: the head can never fit; end it."""

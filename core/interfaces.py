@@ -103,6 +103,11 @@ class HardwarePlatform(ABC):
         that process room (e.g. fewer CPU threads). Called once in the server's engine process,
         after the engine is built; the offline Engine never calls it. Default: nothing."""
 
+    def release(self) -> None:  # noqa: B027 - optional hook
+        """The engine shut down: undo what this platform changed for the whole process while
+        the engine ran (an offline Engine's process goes on, e.g. with its own thread count).
+        Default: nothing."""
+
     def quantize_model(self, model: CausalLM, method: str) -> None:
         """Quantize the loaded ``model``'s weights in place (``--quantization``, one of
         ``core.config.QUANTIZATIONS``) with this device's kernels. Called once, after the

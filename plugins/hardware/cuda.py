@@ -66,14 +66,25 @@ class CudaPlatform(HardwarePlatform):
 
     asynchronous = True
 
-    def bind_server_engine(self) -> None:
-        # The engine's host work is Python and small tensor ops, which torch's intra-op pool
-        # (a thread per core) does not speed up: under `serve` its 15 extra threads each kept
-        # ~8% of a core busy and the engine's steps took 15.9 ms against 8.5 ms with one
-        # thread (H200, SmolLM2 shape, 256 streams, one lease: 14,194 vs 26,366 tok/s;
-        # docs/BENCHMARKS.md). An OMP_NUM_THREADS the user set wins.
-        if "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(1)
+    def limit_host_threads(self, cpu_threads: int | None) -> None:
+        """The engine's host work is Python and small tensor ops, which torch's intra-op pool
+        (a thread per core) does not speed up but slows: with 16 threads, steps took 15.9 ms
+        against 8.5 ms with one under `serve` (14,194 vs 26,366 tok/s), and the offline Engine
+        ran at 16,295 and 23,204 tok/s against 28,896 with OMP_NUM_THREADS=1 (H200, SmolLM2
+        shape, 512 x (1,024 + 256); docs/BENCHMARKS.md). So the engine runs one thread, in the
+        offline Engine's process too (``release`` restores the count), unless --cpu-threads or
+        OMP_NUM_THREADS says otherwise."""
+        if cpu_threads is None and "OMP_NUM_THREADS" in os.environ:
+            return
+        self._threads_before = torch.get_num_threads()
+        torch.set_num_threads(cpu_threads or 1)
+
+    _threads_before: int | None = None
+
+    def release(self) -> None:
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -125,6 +136,7 @@ class CudaPlatform(HardwarePlatform):
                       config: Any) -> StepExecutor:  # fmt: skip
         """CUDA graphs for decode-only batches up to ``cuda_graph_max_bs``, unless disabled or
         the attention backend cannot prepare a decode step from device tensors alone."""
+        self.limit_host_threads(config.cpu_threads)
         eager = super().step_executor(model, attention, kv_pool, req_to_token, config)
         if config.disable_cuda_graph or config.cuda_graph_max_bs < 1:
             return eager

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from radixserve import Engine
 from radixserve.core.config import CORE_DEFAULTS, ConfigError, EngineConfig, ModelConfig
@@ -107,20 +106,3 @@ def test_cuda_defaults_scale_with_the_card(monkeypatch: pytest.MonkeyPatch) -> N
     assert 0.85 <= picked[141]["mem_fraction_static"] < 0.95
     assert set(picked[141]) <= set(CORE_DEFAULTS)
     assert EngineConfig(**picked[141])  # valid settings
-
-
-def test_cuda_server_engine_takes_one_torch_thread_unless_omp_is_set(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    platform = object.__new__(CudaPlatform)  # no device here
-    before = torch.get_num_threads()
-    try:
-        monkeypatch.setenv("OMP_NUM_THREADS", "2")
-        torch.set_num_threads(2)
-        platform.bind_server_engine()
-        assert torch.get_num_threads() == 2  # the user's setting wins
-        monkeypatch.delenv("OMP_NUM_THREADS")
-        platform.bind_server_engine()
-        assert torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(before)

@@ -116,3 +116,29 @@ def test_cuda_platform_on_a_gpu(host: PluginHost) -> None:
     platform = CudaPlatform()
     assert platform.kv_cache_bytes(GIB, 0.5) > 0
     assert host.registries["attention"].get("triton").unavailable_reason() is None
+
+
+@pytest.mark.parametrize(
+    ("cpu_threads", "omp", "during"),
+    [(None, None, 1), (3, None, 3), (None, "2", None), (2, "4", 2)],
+)
+def test_cuda_engine_runs_one_host_thread_until_released(
+    monkeypatch: pytest.MonkeyPatch, cpu_threads: int | None, omp: str | None, during: int | None
+) -> None:
+    """The engine's host thread count on CUDA: 1 by default, --cpu-threads if given, the
+    user's OMP_NUM_THREADS otherwise untouched; shutdown's release gives the process back its
+    count (an offline Engine's process goes on)."""
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        platform = _bare_cuda_platform()
+        platform.limit_host_threads(cpu_threads)
+        assert torch.get_num_threads() == (4 if during is None else during)
+        platform.release()
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)
