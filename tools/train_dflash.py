@@ -44,7 +44,8 @@ from radixserve.plugins.speculative.dflash_head import (
 )
 from radixserve.plugins.speculative.head_layer import save_head
 from radixserve.tools.draft_capture import Target, capture_grouped
-from radixserve.tools.draft_data import WORKLOADS, add_data_options, data_phase
+from radixserve.tools.draft_data import add_data_options, data_phase
+from radixserve.tools.draft_eval import evaluate
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -244,40 +245,6 @@ def train(args: argparse.Namespace, data: dict, mc: ModelConfig, layers: list[in
 # -- eval: acceptance on held-out prompts -----------------------------------------------------
 
 
-def evaluate(args: argparse.Namespace, records: list[dict[str, Any]], head_dir: str) -> dict:
-    """Acceptance length per workload over the held-out prompts (greedy, every step drafting);
-    and how many outputs equal the answers generated without speculation."""
-    from radixserve import Engine
-
-    held = [r for r in records if r["split"] == "heldout" and r["greedy"]]
-    result: dict[str, Any] = {}
-    with Engine(
-        args.model, dtype=args.engine_dtype, max_running_requests=args.gen_batch,
-        speculative_algorithm="DFLASH", speculative_draft_model_path=head_dir,
-        speculative_num_draft_tokens=args.num_draft_tokens, speculative_disable_pause=True,
-    ) as eng:  # fmt: skip
-        for workload in WORKLOADS:
-            part = [r for r in held if r["workload"] == workload][: args.eval_prompts]
-            if not part:
-                continue
-            outs = eng.generate(
-                input_ids=[r["prompt_ids"] for r in part],
-                sampling_params={"temperature": 0, "max_new_tokens": args.max_new_tokens},
-            )
-            verifies = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
-            accepted = sum(o["meta_info"].get("spec_accepted_tokens", 0) for o in outs)
-            same = sum(o["output_ids"] == r["answer_ids"] for o, r in zip(outs, part, strict=True))
-            result[workload] = {
-                "prompts": len(part),
-                "verify_steps": verifies,
-                "accepted_drafts": accepted,
-                "accept_length": round((verifies + accepted) / max(1, verifies), 3),
-                "outputs_equal_speculation_off": f"{same}/{len(part)}",
-            }
-            print(f"eval {workload}: {result[workload]}", flush=True)
-    return result
-
-
 # -- the command ------------------------------------------------------------------------------
 
 
@@ -380,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     if "eval" in phases:
         if not args.num_draft_tokens:
             args.num_draft_tokens = DFlashConfig.from_dir(out).block_size
-        result = evaluate(args, records, str(out))
+        result = evaluate(args, records, str(out), "DFLASH")
         (work / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result), flush=True)
     print(f"done in {time.time() - started:.0f}s", flush=True)

@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         save_head(head.cpu(), out, _DTYPES[args.save_dtype], recipe)
         print(f"head written to {out} ({recipe})", flush=True)
     if "eval" in phases:
-        result = evaluate(args, records, str(out))
+        result = evaluate(args, records, str(out), args.algorithm.upper())
         (work / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result), flush=True)
     if "speed" in phases:
