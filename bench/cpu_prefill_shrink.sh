@@ -3,7 +3,8 @@
 # (--prefill-shrink-after-decodes 0, "old") against the CPU default (no flag, "new"), one server
 # per run, alternating, each measured by bench/serving.py at concurrency 32 (the workload of
 # docs/BENCHMARKS.md "CPU serving, chunk size and inter-token latency"). Run it on a quiet
-# machine; the load average is printed before and after each run.
+# machine; the load average is printed before and after each run. Mode "t2" is the default
+# with the server's engine on two torch threads (--cpu-threads 2; issue 19's thread count).
 #
 #   sh bench/cpu_prefill_shrink.sh [OUTDIR] [ORDER]     # ORDER default: "old new old new"
 set -u
@@ -17,6 +18,7 @@ for mode in $ORDER; do
   n=$((n + 1))
   flags=""
   [ "$mode" = old ] && flags="--prefill-shrink-after-decodes 0"
+  [ "$mode" = t2 ] && flags="--cpu-threads 2"
   echo "=== run $n: $mode ($flags) $(date -u +%H:%M:%S), load $(cut -d' ' -f1-3 /proc/loadavg)"
   .venv/bin/radixserve serve --host 127.0.0.1 --port "$PORT" $flags >"$OUTDIR/server-$n-$mode.log" 2>&1 &
   server=$!

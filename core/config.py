@@ -157,8 +157,8 @@ class EngineConfig:
     )
     cpu_threads: int | None = _opt(
         None,
-        "torch threads of the engine (CPU default: every core offline, and one core left to the "
-        "HTTP process in a server's engine process; CUDA default: 1, for the host's Python)",
+        "torch threads of the engine (CPU default: every core, offline and in a server's engine "
+        "process; CUDA default: 1, for the host's Python)",
     )
     torch_compile_max_bs: int = _opt(
         1, "Largest decode batch --enable-torch-compile compiles (sizes 1, 2, 4, 8, ... up to it)"

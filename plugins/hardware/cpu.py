@@ -81,13 +81,13 @@ class CpuPlatform(HardwarePlatform):
     _ranks = 1
 
     def bind_server_engine(self) -> None:
-        # One core stays with the HTTP process (tokenizing, detokenizing and streaming each
-        # token): a torch thread descheduled for it stalls every parallel region of a step.
-        # Measured on the 2-core VM, alternating in one process (docs/BENCHMARKS.md): one
-        # thread's decode steps were as fast as two threads' (float32) or faster (int4wo).
-        # On an Intel VM a second thread paid at concurrency 1 and 32: --cpu-threads chooses.
+        # Every core, as offline: leaving one to the HTTP process (the earlier default) cost
+        # more than it gave. Same quiet 2-core Intel VM, alternating servers, concurrency 32:
+        # 39.2 / 35.7 tok/s with one engine thread against 63.6 / 63.9 with two, ITL and TTFT
+        # lower too; at concurrency 1 (int4wo + compile) 44.2 against 46-47.6 tok/s
+        # (docs/BENCHMARKS.md, issue 19). --cpu-threads chooses another count.
         if self._ranks == 1:
-            threads = self._threads or max(1, len(os.sched_getaffinity(0)) - 1)
+            threads = self._threads or len(os.sched_getaffinity(0))
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
                 if self._compiled is not None:

@@ -1,5 +1,5 @@
-"""The cpu platform's share of the host: the server's engine process leaves one core to the
-HTTP process; tensor-parallel ranks keep their own share."""
+"""The cpu platform's share of the host: the server's engine process takes every core unless
+--cpu-threads says otherwise; tensor-parallel ranks keep their own share."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ def _threads_restored() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def test_server_engine_leaves_one_core_to_the_http_process() -> None:
+def test_server_engine_takes_every_core() -> None:
     torch.set_num_threads(len(os.sched_getaffinity(0)) + 3)
     CpuPlatform().bind_server_engine()
-    assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) - 1)
+    assert torch.get_num_threads() == len(os.sched_getaffinity(0))
 
 
 def test_tensor_parallel_rank_keeps_its_share() -> None:
@@ -40,4 +40,4 @@ def test_cpu_threads_is_kept_in_the_server_engine() -> None:
     platform.step_executor(None, None, None, None, EngineConfig(cpu_threads=3))
     assert torch.get_num_threads() == 3
     platform.bind_server_engine()
-    assert torch.get_num_threads() == 3  # not cores - 1
+    assert torch.get_num_threads() == 3  # not every core
