@@ -31,10 +31,12 @@ class CpuPlatform(HardwarePlatform):
 
     def engine_defaults(self, model: ModelConfig, weight_bytes: int) -> dict[str, Any]:
         # A CPU step's time grows with its tokens, so the decodes sharing a step with a
-        # 1,024-token chunk wait for all of it (SmolLM2, 32 streams: ITL p99 7x p50). Past 8
-        # decodes the chunk shrinks in proportion; fewer decodes still get a full chunk.
-        # Measured in docs/BENCHMARKS.md (CPU serving, chunk size and inter-token latency).
-        return {"prefill_shrink_after_decodes": 8}
+        # 1,024-token chunk wait for all of it (SmolLM2, 32 streams: ITL p99 7x p50). Past 4
+        # decodes the chunk shrinks in proportion; fewer decodes still get a full chunk. 4
+        # rather than 8 once the engine ran on every core: 64 requests at once, 32 streams,
+        # alternating, ITL p99/p50 2.3-3.0 against 3.8-5.2 at the same throughput
+        # (docs/BENCHMARKS.md, CPU serving, chunk size and inter-token latency).
+        return {"prefill_shrink_after_decodes": 4}
 
     # A host has far more memory than a CPU-served model's traffic needs; reserving all of
     # --mem-fraction-static of it would starve the machine.
