@@ -187,13 +187,12 @@ def generate_answers(args: argparse.Namespace, items: list[dict[str, Any]]) -> l
     from radixserve import Engine
 
     rng = random.Random(args.seed)
-    per_prompt = getattr(args, "samples_per_prompt", 0)
     jobs: list[tuple[dict[str, Any], dict[str, Any]]] = []
     for item in items:
         jobs.append((item, {"temperature": 0, "max_new_tokens": args.max_new_tokens}))
         if item["split"] != "train":
             continue
-        samples = per_prompt if per_prompt else int(rng.random() < args.sampled_share)
+        samples = args.samples_per_prompt or int(rng.random() < args.sampled_share)
         for _ in range(samples):
             sampled = {"temperature": 0.7, "top_p": 0.95, "seed": rng.randrange(1 << 30)}
             jobs.append((item, {**sampled, "max_new_tokens": args.max_new_tokens}))
@@ -233,8 +232,7 @@ def data_phase(args: Any, data_file: Path, run: bool) -> list[dict[str, Any]]:
     and write them to ``data_file`` (JSON lines); either way, the records read back from it."""
     if run:
         started = time.time()
-        large = getattr(args, "prompt_set", "small") == "large"
-        items = build_prompts(args.prompts_per_workload, args.seed, large)
+        items = build_prompts(args.prompts_per_workload, args.seed, args.prompt_set == "large")
         counts = Counter((i["workload"], i["split"]) for i in items)
         print(f"prompts: {dict(sorted(counts.items()))}", flush=True)
         records = generate_answers(args, items)

@@ -85,7 +85,7 @@ class CpuPlatform(HardwarePlatform):
     def bind_server_engine(self) -> None:
         # Every core, as offline: leaving one to the HTTP process (the earlier default) cost
         # more than it gave. Same quiet 2-core Intel VM, alternating servers, concurrency 32:
-        # 39.2 / 35.7 tok/s with one engine thread against 63.6 / 63.9 with two, ITL and TTFT
+        # 39.2 / 35.7 tok/s with one engine thread against 63.6 / 66.5 with two, ITL and TTFT
         # lower too; at concurrency 1 (int4wo + compile) 44.2 against 46-47.6 tok/s
         # (docs/BENCHMARKS.md, issue 19). --cpu-threads chooses another count.
         if self._ranks == 1:
