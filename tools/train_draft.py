@@ -224,6 +224,7 @@ def train(args: argparse.Namespace, data: dict, mc: ModelConfig, layers: list[in
     head.train()
     t2d = torch.full((mc.vocab_size,), -1, dtype=torch.int64)
     t2d[draft_ids] = torch.arange(len(draft_ids))
+    t2d = t2d.to(dev)  # _batch maps every step's top-k through it on the device
     embed = embed.to(dev, _DTYPES[args.dtype])
     gen = torch.Generator().manual_seed(args.seed)
 
@@ -297,7 +298,7 @@ def _batch(
         feats[r, :n] = data["feats"][i]
         top_i[r, : n - 1] = data["top_i"][i][1:]  # row i's target: the distribution at i + 1
         top_p[r, : n - 1] = data["top_p"][i][1:]
-    ti = t2d.to(dev)[top_i.to(dev)]  # [B, L, K] draft ids (-1: outside the draft vocabulary)
+    ti = t2d[top_i.to(dev)]  # [B, L, K] draft ids (-1: outside the draft vocabulary)
     tp = top_p.to(dev).float() * (ti >= 0)
     labels = torch.zeros(b, width - 1, vd, device=dev).scatter_add_(2, ti.clamp_min(0), tp)
     labels = labels / labels.sum(-1, keepdim=True).clamp_min(1e-9)
