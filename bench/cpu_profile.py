@@ -71,6 +71,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="model path (default: the engine's default)")
     p.add_argument("--dtype", default=None, help="engine dtype (default: the platform's)")
     p.add_argument("--quantization", default=None, help="engine --quantization")
+    p.add_argument(
+        "--enable-torch-compile", action="store_true", help="engine --enable-torch-compile"
+    )
     p.add_argument("--threads", type=int, default=num_cores(), help="torch threads")
     p.add_argument("--batch", type=int, default=1, help="requests decoding together")
     p.add_argument("--input-len", type=int, default=256)
@@ -128,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings: dict[str, Any] = {
         "max_total_tokens": args.batch * (args.input_len + args.output_len) + 64
     }
-    for name in ("dtype", "quantization"):
+    for name in ("dtype", "quantization", "enable_torch_compile"):
         if getattr(args, name):
             settings[name] = getattr(args, name)
     t0 = time.perf_counter()

@@ -45,14 +45,24 @@ _owner_ids = itertools.count()
 COMPILE_OPTIONS = {"cpp_wrapper": True}
 
 
-@torch.library.custom_op("radixserve::opaque_attention", mutates_args=())
+# NOTE: a plain ``torch.library.Library`` op, not ``torch.library.custom_op``: the compiled
+# step calls it 30 times (once a layer) and custom_op's Python autograd and alias-check layers
+# cost ~5 us a call on top of a ~30 us attention. Its output must not alias an input (the
+# compiled graph may reuse an input's buffer): ``CompiledDecode.attend`` checks that.
+_LIB = torch.library.Library("radixserve", "FRAGMENT")
+_LIB.define("opaque_attention(Tensor q, Tensor k, Tensor v, int owner, int layer_id) -> Tensor")
+
+
 def opaque_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, owner: int, layer_id: int
 ) -> torch.Tensor:
     return _EXECUTORS[owner].attend(q, k, v, layer_id)
 
 
-@opaque_attention.register_fake
+_LIB.impl("opaque_attention", opaque_attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("radixserve::opaque_attention", lib=_LIB)
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, owner: int, layer_id: int) -> torch.Tensor:
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
@@ -105,6 +115,7 @@ class CompiledDecode:
         for i, layer in enumerate(layers):
             self.options[getattr(layer, "layer_id", i)] = dict(getattr(layer, "attn_options", {}))
             layer.attention = OpaqueAttention(layer.attention, self.owner)
+        self._forward = attention.forward  # bound once: attend runs once a layer
         self.batch: ForwardBatch | None = None
         # Each size (and each engine in this process) is its own graph of the same function:
         # make room in dynamo's per-function cache, or a miss would end compiled steps.
@@ -127,11 +138,20 @@ class CompiledDecode:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> Any:
         assert self.batch is not None
-        out = self.attention.forward(
-            q, k, v, layer_id, self.batch, **self.options.get(layer_id, {})
-        )
-        # a custom op may not return a view of its inputs
-        return out.clone() if out.data_ptr() in (q.data_ptr(), k.data_ptr(), v.data_ptr()) else out
+        options = self.options.get(layer_id)
+        if options:
+            out = self._forward(q, k, v, layer_id, self.batch, **options)
+        else:
+            out = self._forward(q, k, v, layer_id, self.batch)
+        # the op may not return (a view of) one of its inputs
+        ptr = out.untyped_storage().data_ptr()
+        if ptr in (
+            q.untyped_storage().data_ptr(),
+            k.untyped_storage().data_ptr(),
+            v.untyped_storage().data_ptr(),
+        ):
+            return out.clone()
+        return out
 
     def _warm_up(self, kv_pool: Any, req_to_token: ReqToTokenPool) -> None:
         """Compile every size now, on requests that point at the KV pool's padding slot."""
