@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +12,16 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 from tiny_models import make_tiny_llama_dir  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _interpreted_triton_patches_once() -> None:
+    """Under TRITON_INTERPRET=1 (set by the kernel tests' modules at collection on a CPU
+    machine), a kernel's helper calls do not re-patch triton.language (triton_interpret.py)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from triton_interpret import skip_nested_patching
+
+        skip_nested_patching()
 
 
 @pytest.fixture(scope="session")
