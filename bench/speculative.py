@@ -12,6 +12,7 @@ accepted drafts is drawn around the chosen mean, so the cost of the verify path 
 
     python bench/speculative.py cpu [--groups code_edit json_repeat ...]
     python bench/speculative.py gpu --shape llama3-8b --accept 1.5 2.5 3.5 --batches 1 8 64
+    python bench/speculative.py gpu --algorithm EAGLE3 --accept 3.0 --batches 1 8 32 --num-draft 3
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ def parse_args() -> argparse.Namespace:
     gpu = sub.add_parser("gpu", help="random weights on CUDA, simulated acceptance")
     gpu.add_argument("--shape", default="llama3-8b")
     gpu.add_argument("--draft-shape", default="draft-1layer", help="the standalone draft's shape")
+    gpu.add_argument(
+        "--algorithm",
+        default="STANDALONE",
+        choices=["STANDALONE", "EAGLE3"],
+        help="EAGLE3: a random-weight EAGLE-3 head for the target (32k draft vocabulary)",
+    )
     gpu.add_argument("--accept", type=float, nargs="+", default=[1.5, 2.5, 3.5])
     gpu.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     gpu.add_argument("--num-draft", type=int, default=4)
@@ -118,6 +125,25 @@ DRAFT_SHAPES = {
 }  # fmt: skip
 
 
+def write_random_eagle3(target: Path, out: Path, device: str, draft_vocab: int = 32000) -> None:
+    """A random-weight EAGLE-3 head shaped for ``target`` (its cost is what is measured; with
+    simulated acceptance its drafts' values do not matter), saved in the target's dtype."""
+    import torch
+
+    from radixserve.core.config import ModelConfig
+    from radixserve.plugins.speculative.eagle3_head import new_head
+    from radixserve.plugins.speculative.head_layer import save_head
+
+    mc = ModelConfig.from_dir(target)
+    vocab = min(draft_vocab, mc.vocab_size)
+    embed = torch.randn(mc.vocab_size, mc.hidden_size) * 0.02
+    n = mc.num_layers
+    aux = None if n >= 8 else [0, n // 2, n - 1]  # the smoke test's tiny target
+    head = new_head(mc, embed, torch.arange(vocab), aux_layers=aux, device="cpu")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    save_head(head, out, dtype, {"command": "bench/speculative.py gpu --algorithm EAGLE3"})
+
+
 def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
     import random
 
@@ -136,6 +162,10 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
             **DRAFT_SHAPES[args.draft_shape],
         }
         write_random_llama(draft, f"{args.shape}-{args.draft_shape}", args.device, seed=1)
+    if args.algorithm == "EAGLE3":
+        draft = work / f"{args.shape}-eagle3-random"
+        if not (draft / "config.json").exists():
+            write_random_eagle3(target, draft, args.device)
     vocab = SHAPES[args.shape]["vocab_size"]
     # Full drafts at every batch size measured (the default shrinks them past 8 requests).
     speculative.FULL_DRAFT_BATCH = max(args.batches)
@@ -192,7 +222,7 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for accept in args.accept:
         spec = dict(
-            speculative_algorithm="STANDALONE",
+            speculative_algorithm=args.algorithm,
             speculative_draft_model_path=str(draft),
             speculative_num_steps=args.num_draft,
             speculative_simulate_accept_len=accept,
