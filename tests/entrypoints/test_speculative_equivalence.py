@@ -123,15 +123,30 @@ def _run_all(engine: Engine) -> dict[str, Any]:
     # thread; results come back in prompt order.
     with ThreadPoolExecutor(len(STREAM_PROMPTS)) as pool:
         streams = list(pool.map(stream, STREAM_PROMPTS))
-    return {"plain": plain, "logprobs": lp, "streams": streams, "stats": engine.core.spec_stats()}
+    return {
+        "plain": plain,
+        "logprobs": lp,
+        "streams": streams,
+        "stats": engine.core.spec_stats(),
+        "retractions": engine.core.scheduler.stats.retractions,
+    }
 
 
 BATCH = 32  # requests a step with speculation on (the default disable_batch_size: all draft)
 REFERENCE_BATCH = 64  # speculation off: fewer, larger steps on the CPU
+# KV tokens: room for 64 running requests several times over (no run retracts; asserted). The
+# CPU default, a fifth of the machine's memory, took ~3 s an engine to allocate and zero.
+POOL = 16384
 
 
 def _engine(smollm2_dir: Path, batch: int = BATCH, **kw: Any) -> Engine:
-    return Engine(str(smollm2_dir), dtype="float32", max_running_requests=batch, **kw)
+    return Engine(
+        str(smollm2_dir),
+        dtype="float32",
+        max_running_requests=batch,
+        max_total_tokens=POOL,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +193,7 @@ def test_greedy_outputs_equal_speculation_off(
     finishes = [r["meta_info"]["finish_reason"] for r in ref]
     assert any(f["type"] == "stop" and isinstance(f.get("matched"), str) for f in finishes)
     assert any(f["type"] == "length" for f in finishes)
+    assert reference["retractions"] == speculative["retractions"] == 0
     stats = speculative["stats"]
     assert stats["verified_requests"] > 100 and stats["accepted_tokens"] > 50, stats
 
