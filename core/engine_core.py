@@ -68,6 +68,8 @@ class EngineCore:
         self.grammar_stepper = GrammarStepper(self.tokenizer, not config.disable_jump_forward)
         self.speculator = self._speculator(host, model_dir)
         self.runner.speculator = self.speculator
+        if self.speculator is not None and self.speculator.algorithm.capture_hidden_layers:
+            self.runner.keep_hidden_layers(self.speculator.algorithm.capture_hidden_layers)
         # Overlap scheduling: where the device runs asynchronously, step N+1 is scheduled and
         # queued while the device computes step N (see step()).
         # Speculating steps sample on the host (drafts need the last token), so no overlap.

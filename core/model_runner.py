@@ -353,6 +353,14 @@ class ModelRunner:
         )
         return fb, plans
 
+    def keep_hidden_layers(self, layers: tuple[int, ...]) -> None:
+        """The speculative plugin reads these target layers' outputs after every forward: an
+        executor that can keep them on its fast path (CUDA graphs: ``keep_hidden_layers``) is
+        told so; any other runs such forwards as it always does."""
+        keep = getattr(self.step, "keep_hidden_layers", None)
+        if keep is not None:
+            keep(tuple(layers))
+
     def launch(
         self,
         batch: ScheduledBatch,

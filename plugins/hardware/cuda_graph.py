@@ -12,6 +12,8 @@ Speculative decoding adds verify graphs: a batch of ``bs`` requests that each ve
 number ``q`` of tokens (the last one plus q - 1 drafts) replays the graph captured for
 (padded bs, q); padding requests verify q tokens at positions 0..q-1 of the padding row.
 Other batches (prefill chunks, larger batches, input logprobs, uneven drafts) run eagerly.
+A speculative plugin that drafts from the target's hidden states (EAGLE, EAGLE-3, DFlash) gets
+graphs captured again that also keep those layers' outputs (``keep_hidden_layers``).
 """
 
 from __future__ import annotations
@@ -92,7 +94,12 @@ class CudaGraphRunner:
         self._req_to_token = req_to_token
         self._kv_pool = kv_pool
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        pool = torch.cuda.graph_pool_handle()
+        # Target layers whose outputs every graph also keeps (``keep_hidden_layers``), and
+        # those static outputs per graph: {batch size: {layer: [rows, hidden]}}.
+        self.capture_layers: tuple[int, ...] = ()
+        self.hidden_out: dict[int, dict[int, torch.Tensor]] = {}
+        self.v_hidden_out: dict[int, dict[int, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle()
         # Verify graphs: {padded batch size: tokens per request}.
         self.verify_shapes = dict(verify_shapes or {})
         if self.verify_shapes and not hasattr(attention, "prepare_verify_graph"):
@@ -105,13 +112,34 @@ class CudaGraphRunner:
         self.v_logits_indices = torch.arange(most, **long)  # type: ignore[arg-type]
         self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verify_replays = 0  # verify steps served from a graph (tests read it)
+        self._capture_all()
+
+    def _capture_all(self) -> None:
         for bs in sorted(self.verify_shapes, reverse=True):
-            self.verify_graphs[bs] = self._capture_verify(bs, self.verify_shapes[bs], pool)
+            self.verify_graphs[bs] = self._capture_verify(bs, self.verify_shapes[bs], self._pool)
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
-            self.graphs[bs] = self._capture(bs, pool)
+            self.graphs[bs] = self._capture(bs, self._pool)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
         if self.verify_shapes:
             logger.info("captured verify graphs (batch size: tokens) %s", self.verify_shapes)
+        if self.capture_layers:
+            logger.info("the graphs keep the outputs of layers %s", self.capture_layers)
+
+    def keep_hidden_layers(self, layers: tuple[int, ...]) -> None:
+        """Capture the graphs again so that each also keeps these layers' outputs (a
+        speculative plugin that drafts from the target's hidden states needs them after every
+        forward); until then such forwards run eagerly. Called once, after the plugin's setup,
+        which comes after the graphs' first capture."""
+        layers = tuple(layers)
+        if layers == self.capture_layers or self.max_bs == 0:
+            return
+        torch.cuda.synchronize()
+        for graph, _ in [*self.graphs.values(), *self.verify_graphs.values()]:
+            graph.reset()
+        self.graphs.clear()
+        self.verify_graphs.clear()
+        self.capture_layers = layers
+        self._capture_all()
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         return ForwardBatch(
@@ -126,6 +154,7 @@ class CudaGraphRunner:
             logits_indices=self.logits_indices[:bs],
             kv_pool=self._kv_pool,
             req_to_token_pool=self._req_to_token,
+            capture_hidden_layers=self.capture_layers,
         )
 
     def _run_static(self, bs: int, batch: ForwardBatch) -> torch.Tensor:
@@ -136,7 +165,9 @@ class CudaGraphRunner:
     def _capture(self, bs: int, pool: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         batch = self._static_batch(bs)
         self._plan(bs, [self.pad_row] * bs, [1] * bs)
-        return capture_graph(lambda: self._run_static(bs, batch), pool)
+        captured = capture_graph(lambda: self._run_static(bs, batch), pool)
+        self.hidden_out[bs] = batch.hidden_states or {}
+        return captured
 
     def _plan(self, bs: int, rows: list[int], seq_lens: list[int]) -> None:
         """Backends whose per-step setup runs on the host (FlashInfer's ``plan``) do it here,
@@ -161,6 +192,7 @@ class CudaGraphRunner:
             logits_indices=self.v_logits_indices[:n],
             kv_pool=self._kv_pool,
             req_to_token_pool=self._req_to_token,
+            capture_hidden_layers=self.capture_layers,
         )
         meta = self.meta[:, :bs]
         meta[1, :bs].fill_(q)
@@ -171,6 +203,7 @@ class CudaGraphRunner:
 
         captured = capture_graph(run, pool)
         self.meta[1].fill_(1)
+        self.v_hidden_out[bs] = batch.hidden_states or {}
         return captured
 
     def _replay_verify(self, batch: ForwardBatch, q: int) -> torch.Tensor | None:
@@ -196,7 +229,13 @@ class CudaGraphRunner:
         graph, logits = self.verify_graphs[padded]
         graph.replay()
         self.verify_replays += 1
+        self._hand_hidden(batch, self.v_hidden_out[padded], n)
         return logits[:n]
+
+    def _hand_hidden(self, batch: ForwardBatch, kept: dict[int, torch.Tensor], rows: int) -> None:
+        """The replayed graph's kept layer outputs, as an eager forward leaves them."""
+        if batch.capture_hidden_layers:
+            batch.hidden_states = {i: h[:rows] for i, h in kept.items()}
 
     def release(self) -> None:
         """Free every captured graph now (the engine is shutting down). Graphs that captured
@@ -207,13 +246,16 @@ class CudaGraphRunner:
             graph.reset()
         self.graphs.clear()
         self.verify_graphs.clear()
+        self.hidden_out.clear()
+        self.v_hidden_out.clear()
         self.verify_shapes = {}
         self.max_bs = 0  # every later batch runs eagerly
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         bs = batch.batch_size
-        if batch.hidden_rows is not None or batch.capture_hidden_layers:
-            # a graph keeps no hidden states: run eagerly
+        wanted = tuple(batch.capture_hidden_layers)
+        if batch.hidden_rows is not None or (wanted and wanted != self.capture_layers):
+            # the graphs keep no such hidden states: run eagerly
             self.attention.prepare(batch)
             return self.model.forward(batch)
         if batch.num_decode == 0 and self.verify_shapes:
@@ -243,4 +285,5 @@ class CudaGraphRunner:
         self._plan(padded, rows[:padded], lens[:padded])
         graph, logits = self.graphs[padded]
         graph.replay()
+        self._hand_hidden(batch, self.hidden_out[padded], bs)
         return logits[:bs]

@@ -2,7 +2,8 @@
 replayed from captured graphs) gives the same greedy tokens as ``torch_native`` without
 speculation, on traffic that reuses KV: identical and repeated prompts, n=2, a small paged
 pool that forces retraction, stop tokens and logprobs; for the n-gram plugin, the standalone
-plugin with the target as its own draft, and a random draft. Skipped without CUDA.
+plugin with the target as its own draft, a random draft, and random EAGLE and EAGLE-3 heads
+(whose graphs also keep the target layers the heads read). Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -30,6 +31,25 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     target = make_tiny_llama_dir(tmp_path_factory.mktemp("target"), **shape)
     other = make_tiny_llama_dir(tmp_path_factory.mktemp("random-draft"), seed=7, **shape)
     return target, other
+
+
+@pytest.fixture(scope="module")
+def heads(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Random EAGLE and EAGLE-3 heads for the target (what is tested is the plumbing: the
+    features the graphs keep, not what the heads draft)."""
+    from radixserve.core.config import ModelConfig
+    from radixserve.core.weights import iter_weights
+    from radixserve.plugins.speculative.eagle3_head import new_head
+    from radixserve.plugins.speculative.eagle_head import new_eagle_head
+    from radixserve.plugins.speculative.head_layer import save_head
+
+    mc = ModelConfig.from_dir(models[0])
+    embed = dict(iter_weights(models[0], torch.float32))["model.embed_tokens.weight"]
+    out = {"eagle": tmp_path_factory.mktemp("eagle"), "eagle3": tmp_path_factory.mktemp("eagle3")}
+    save_head(new_eagle_head(mc, seed=3), out["eagle"], torch.float32, {})
+    eagle3 = new_head(mc, embed, torch.arange(min(256, mc.vocab_size)), seed=3)
+    save_head(eagle3, out["eagle3"], torch.float32, {})
+    return out
 
 
 def _traffic(engine: Engine) -> list[list[int]]:
@@ -85,12 +105,24 @@ CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("case", list(CASES))
+HEAD_CASES = {
+    "eagle3-random-head": ("EAGLE3", "eagle3"),
+    "eagle-random-head": ("EAGLE", "eagle"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES) + list(HEAD_CASES))
 def test_triton_graphs_speculation_equals_torch_native(
-    models: tuple[Path, Path], reference: list[list[int]], case: str
+    models: tuple[Path, Path], heads: dict[str, Path], reference: list[list[int]], case: str
 ) -> None:
     target, other = models
-    outputs, (stats, replays) = _run(target, "triton", **CASES[case](target, other))
+    if case in HEAD_CASES:
+        algorithm, head = HEAD_CASES[case]
+        flags = {"speculative_algorithm": algorithm,
+                 "speculative_draft_model_path": str(heads[head])}  # fmt: skip
+    else:
+        flags = CASES[case](target, other)
+    outputs, (stats, replays) = _run(target, "triton", **flags)
     differ = [i for i, (a, b) in enumerate(zip(reference, outputs, strict=True)) if a != b]
     assert not differ, f"{len(differ)} of {len(outputs)} differ, first {differ[:5]}"
     assert stats["verified_requests"] > 0
@@ -99,3 +131,5 @@ def test_triton_graphs_speculation_equals_torch_native(
         verify_replays, chain_replays = replays
         assert verify_replays > 0, "no verify step was replayed from a CUDA graph"
         assert chain_replays > 0, "no draft chain was replayed from a CUDA graph"
+    if case in HEAD_CASES:  # the graphs keep the layers the head reads
+        assert replays[0] > 0, "no verify step was replayed from a CUDA graph"
