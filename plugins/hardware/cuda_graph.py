@@ -138,6 +138,10 @@ class CudaGraphRunner:
             graph.reset()
         self.graphs.clear()
         self.verify_graphs.clear()
+        self.hidden_out.clear()
+        self.v_hidden_out.clear()
+        # a new memory pool: the old one went with its last graph
+        self._pool = torch.cuda.graph_pool_handle()
         self.capture_layers = layers
         self._capture_all()
 
