@@ -3,7 +3,8 @@
 #   1. bench/offline.py: HF generate() at batch 1 and 8, llama-cpp-python at batch 1 on the same
 #      GGUF (all cores), our offline Engine on 32 requests (float32 default, then bfloat16);
 #   2. `radixserve serve` at concurrency 1, one server per weight mode (float32 default;
-#      --quantization int4wo; int4wo with --enable-torch-compile), 8 requests each;
+#      --quantization int4wo; int4wo with --enable-torch-compile, on every core and on one
+#      thread), 8 requests each;
 #   3. `radixserve serve` with no flag at concurrency 32, 64 requests.
 # Results: OUTDIR (default bench/results/cpu-issue19); the load average is printed per step.
 #
@@ -41,5 +42,8 @@ serve_and_measure() {  # NAME CONCURRENCY PROMPTS SERVER-FLAGS...
 serve_and_measure f32-c1 1 8
 serve_and_measure int4wo-c1 1 8 --quantization int4wo
 serve_and_measure int4wo-compile-c1 1 8 --quantization int4wo --enable-torch-compile
+# the same with the engine on one thread, leaving a core to the HTTP process and the client
+serve_and_measure int4wo-compile-1thread-c1 1 8 --quantization int4wo --enable-torch-compile \
+  --cpu-threads 1
 serve_and_measure default-c32 32 64
 echo "=== end $(date -u +%H:%M:%S), load $(load)"
