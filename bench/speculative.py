@@ -1,16 +1,19 @@
 """Speculative decoding against speculation off, in the same run.
 
-``cpu`` (the default model, greedy, one request at a time): each workload group of
-bench/spec_workloads.py runs with speculation off, then with the n-gram drafter, on engines
-given no tuning flags. Prints output tokens per second, the ratio and the accept length per
-group (tokens a request gains per verify step).
+``model`` (alias ``cpu``; the default model, greedy, real acceptance): each workload group of
+bench/spec_workloads.py runs with speculation off, then with each drafter asked for, on engines
+given no tuning flags, one request at a time or ``--batches`` at once, on the CPU or
+``--device cuda``. Prints output tokens per second, the ratio and the accept length per group
+and batch (tokens a request gains per verify step).
 
 ``gpu`` (a random-weight model of a real shape on CUDA, --simulate): throughput at several batch
 sizes with speculation off, then with a drafter whose acceptance is simulated
 (--speculative-simulate-accept-len): the real draft and verify work runs, the number of
 accepted drafts is drawn around the chosen mean, so the cost of the verify path is visible.
 
-    python bench/speculative.py cpu [--groups code_edit json_repeat ...]
+    python bench/speculative.py cpu [--groups code_edit json_repeat ...] [--algorithm NGRAM EAGLE3]
+    python bench/speculative.py model --device cuda --model-path X.gguf --algorithm EAGLE3 EAGLE \\
+        DFLASH --batches 1 8 32
     python bench/speculative.py gpu --shape llama3-8b --accept 1.5 2.5 3.5 --batches 1 8 64
     python bench/speculative.py gpu --algorithm EAGLE3 --accept 3.0 --batches 1 8 32 --num-draft 3
 """
@@ -34,10 +37,15 @@ from radixserve import Engine  # noqa: E402
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="mode", required=True)
-    cpu = sub.add_parser("cpu", help="the default model on this CPU, n-gram vs off")
-    cpu.add_argument("--groups", nargs="*", default=None, help="workload groups (default: all)")
-    cpu.add_argument("--algorithm", default="NGRAM")
-    cpu.add_argument("--json-out", default=None)
+    model = sub.add_parser(
+        "model", aliases=["cpu"], help="the default model, real acceptance, speculation vs off"
+    )
+    model.add_argument("--groups", nargs="*", default=None, help="workload groups (default: all)")
+    model.add_argument("--algorithm", nargs="+", default=["NGRAM"], help="one engine each")
+    model.add_argument("--batches", type=int, nargs="+", default=[1])
+    model.add_argument("--device", default="cpu", help="the hardware plugin: cpu or cuda")
+    model.add_argument("--model-path", default=None, help="default: the default model")
+    model.add_argument("--json-out", default=None)
     gpu = sub.add_parser("gpu", help="random weights on CUDA, simulated acceptance")
     gpu.add_argument("--shape", default="llama3-8b")
     gpu.add_argument("--draft-shape", default="draft-1layer", help="the standalone draft's shape")
@@ -58,54 +66,76 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-# -- CPU: the default model, real acceptance -------------------------------------------------
+# -- The default model, real acceptance ------------------------------------------------------
 
 
-def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
+def run_model(args: argparse.Namespace) -> dict[str, Any]:
+    """Each workload group with speculation off, then with each algorithm, on engines given
+    no tuning flags (only the model path and the device's hardware plugin). At batch B the
+    group's prompts go B at a time (cycled to fill the batch)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from spec_workloads import all_workloads
 
     groups = all_workloads()
     names = args.groups or list(groups)
-    results: dict[str, Any] = {"machine": machine_info(), "groups": {}}
-    modes = {"off": {}, "spec": {"speculative_algorithm": args.algorithm}}
-    timings: dict[str, dict[str, tuple[int, float, Any]]] = {n: {} for n in names}
+    results: dict[str, Any] = {"machine": machine_info(), "device": args.device, "groups": {}}
+    base: dict[str, Any] = {"plugins": [f"hardware={args.device}"]}
+    if args.model_path:
+        base["model_path"] = args.model_path
+    modes = {"off": {}} | {a: {"speculative_algorithm": a} for a in args.algorithm}
+    # timings[group][batch][mode] = (output tokens, seconds, verify steps, accepted drafts)
+    timings: dict[str, dict[int, dict[str, tuple[int, float, int, int]]]] = {
+        n: {b: {} for b in args.batches} for n in names
+    }
     for mode, flags in modes.items():
-        with Engine(**flags) as engine:  # the default model, no tuning flags
+        with Engine(**base, **flags) as engine:
             warm = engine.tokenizer.encode_chat([{"role": "user", "content": "Hi there!"}])
-            engine.generate(input_ids=warm, sampling_params={"max_new_tokens": 8})
+            for bs in args.batches:  # compile every kernel shape before anything is timed
+                engine.generate(input_ids=[warm] * bs, sampling_params={"max_new_tokens": 16})
             for name in names:
-                tokens, seconds, verify, accepted = 0, 0.0, 0, 0
-                for w in tqdm(groups[name], desc=f"{mode} {name}", leave=False):
-                    ids = engine.tokenizer.encode_chat(w.messages)
-                    params = {"temperature": 0, "max_new_tokens": w.max_new_tokens}
-                    start = time.perf_counter()
-                    out = engine.generate(input_ids=ids, sampling_params=params)
-                    seconds += time.perf_counter() - start
-                    tokens += len(out["output_ids"])
-                    verify += out["meta_info"].get("spec_verify_ct", 0)
-                    accepted += out["meta_info"].get("spec_accepted_tokens", 0)
-                timings[name][mode] = (tokens, seconds, (verify, accepted))
+                prompts = [engine.tokenizer.encode_chat(w.messages) for w in groups[name]]
+                limits = [w.max_new_tokens for w in groups[name]]
+                for bs in args.batches:
+                    count = max(len(prompts), bs)
+                    tokens, seconds, verify, accepted = 0, 0.0, 0, 0
+                    for at in tqdm(range(0, count, bs), desc=f"{mode} {name} bs{bs}", leave=False):
+                        picks = [(at + j) % len(prompts) for j in range(bs)]
+                        params = [{"temperature": 0, "max_new_tokens": limits[j]} for j in picks]
+                        start = time.perf_counter()
+                        outs = engine.generate(
+                            input_ids=[prompts[j] for j in picks], sampling_params=params
+                        )
+                        seconds += time.perf_counter() - start
+                        for out in outs:
+                            tokens += len(out["output_ids"])
+                            verify += out["meta_info"].get("spec_verify_ct", 0)
+                            accepted += out["meta_info"].get("spec_accepted_tokens", 0)
+                    timings[name][bs][mode] = (tokens, seconds, verify, accepted)
     rows = []
     for name in names:
-        (t_off, s_off, _), (t_on, s_on, (verify, accepted)) = (
-            timings[name]["off"],
-            timings[name]["spec"],
-        )
-        off, on = t_off / s_off, t_on / s_on
-        accept_len = (verify + accepted) / verify if verify else 1.0
-        results["groups"][name] = {
-            "off_tok_s": round(off, 2),
-            "spec_tok_s": round(on, 2),
-            "ratio": round(on / off, 3),
-            "accept_length": round(accept_len, 3),
-            "verify_steps": verify,
-            "output_tokens": [t_off, t_on],
-        }
-        rows.append([name, f"{off:.1f}", f"{on:.1f}", f"{on / off:.2f}x", f"{accept_len:.2f}"])
-    print(
-        format_table(["group", "off tok/s", f"{args.algorithm} tok/s", "ratio", "accept len"], rows)
-    )
+        for bs in args.batches:
+            t_off, s_off, _, _ = timings[name][bs]["off"]
+            off = t_off / s_off
+            entry: dict[str, Any] = {"off_tok_s": round(off, 2), "off_tokens": t_off}
+            row = [name, bs, f"{off:.1f}"]
+            for algorithm in args.algorithm:
+                t_on, s_on, verify, accepted = timings[name][bs][algorithm]
+                on = t_on / s_on
+                accept_len = (verify + accepted) / verify if verify else 1.0
+                entry[algorithm] = {
+                    "tok_s": round(on, 2),
+                    "ratio": round(on / off, 3),
+                    "accept_length": round(accept_len, 3),
+                    "verify_steps": verify,
+                    "output_tokens": t_on,
+                }
+                row += [f"{on:.1f}", f"{on / off:.2f}x", f"{accept_len:.2f}"]
+            results["groups"][f"{name}-bs{bs}"] = entry
+            rows.append(row)
+    head = ["group", "batch", "off tok/s"]
+    for algorithm in args.algorithm:
+        head += [f"{algorithm} tok/s", "ratio", "accept len"]
+    print(format_table(head, rows))
     return results
 
 
@@ -250,7 +280,7 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     args = parse_args()
-    results = run_cpu(args) if args.mode == "cpu" else run_gpu(args)
+    results = run_gpu(args) if args.mode == "gpu" else run_model(args)
     if args.json_out:
         write_json(args.json_out, results)
 

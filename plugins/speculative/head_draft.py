@@ -123,6 +123,7 @@ class HeadDraft(SpeculativeAlgorithm):
             .get(context.attention)
             .factory(self.kv_pool, hc.model_config(max_context), context.device)
         )
+        self.chain = _chain_graphs(self, context)
 
     def target_hidden(self, batch: ForwardBatch) -> None:
         assert batch.hidden_states is not None
@@ -140,10 +141,15 @@ class HeadDraft(SpeculativeAlgorithm):
         d(s-1) and the head's own hidden state. The tokens stay on the device
         (``Draft.pending``)."""
         table = self.req_to_token.table
+        trusted = [trusted_length(self._kv.get(r.rid), r, self.req_to_token) for r in reqs]
+        if self.chain is not None and self.chain.serves(reqs, max_drafts, trusted):
+            chained = self.chain.launch(reqs)
+            for req in reqs:
+                self._kv[req.rid] = DraftKV.written(req, req.kv_len, self.req_to_token)
+            return [Draft([0] * self.chain.k, None, chained[i]) for i in range(len(reqs))]
         catch_up = []
-        for i, req in enumerate(reqs):
-            trusted = trusted_length(self._kv.get(req.rid), req, self.req_to_token)
-            start = min(trusted, req.kv_len - 1)
+        for i, (req, t) in enumerate(zip(reqs, trusted, strict=True)):
+            start = min(t, req.kv_len - 1)
             catch_up.append((i, start, req.kv_len - start))
         steps: list[tuple[list[int], torch.Tensor]] = []  # (request indices, their tokens)
         hidden: torch.Tensor | None = None
@@ -220,3 +226,30 @@ class HeadDraft(SpeculativeAlgorithm):
                 "for this target"
             )
         return str(HEADS_DIR / name)
+
+
+#: Largest batch a head's proposal graph serves: above FULL_DRAFT_BATCH the core shortens
+#: drafts, which the graph does not take.
+HEAD_CHAIN_MAX_BATCH = 8
+
+
+def _chain_graphs(drafter: HeadDraft, context: SpeculativeContext) -> Any:
+    """The head's proposal as one CUDA graph per batch size, where the platform and the
+    attention backend can capture it (plugins/speculative/head_chain.py)."""
+    config, attention = context.config, drafter.attention
+    if (
+        not context.device.startswith("cuda")
+        or config.disable_cuda_graph
+        or not hasattr(attention, "prepare_decode_graph")
+        or not hasattr(attention, "prepare_verify_graph")
+    ):
+        return None
+    from radixserve.core.speculative import FULL_DRAFT_BATCH
+    from radixserve.plugins.hardware.cuda_graph import capture_sizes
+    from radixserve.plugins.speculative.head_chain import HeadChainGraphs
+
+    limit = min(HEAD_CHAIN_MAX_BATCH, FULL_DRAFT_BATCH, config.speculative_disable_batch_size)
+    return HeadChainGraphs(
+        drafter, context.req_to_token, config.num_draft_tokens, capture_sizes(limit),
+        context.device,
+    )  # fmt: skip

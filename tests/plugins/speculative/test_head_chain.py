@@ -1,0 +1,147 @@
+"""The EAGLE / EAGLE-3 proposal graph (plugins/speculative/head_chain.py), checked on the CPU:
+CUDA graphs cannot be captured here, so each "graph" replays the captured function eagerly,
+with the Triton attention kernels under TRITON_INTERPRET. What is checked is what the graph
+computes from its staged inputs (the fixed-length catch-up, the draft steps' positions, slots
+and sequence lengths).
+
+Every proposal the graph serves is also drafted by the eager steps from the same draft KV
+record, and the tokens must be the same, over catch-ups of every length a verify leaves (the
+random heads' attention is sharpened so that a wrong position or slot shows in the drafts).
+Greedy outputs must equal speculation off.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+
+from radixserve import Engine  # noqa: E402
+from radixserve.plugins.speculative import head_chain, head_draft  # noqa: E402
+from radixserve.plugins.speculative.head_chain import HeadChainGraphs  # noqa: E402
+
+K = 3
+
+
+class _EagerGraph:
+    def __init__(self, chain: HeadChainGraphs, bs: int) -> None:
+        self.chain, self.bs = chain, bs
+
+    def replay(self) -> None:
+        self.chain._chain(self.bs)
+
+
+def eager_chain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Build the head's graphs on the CPU, each replayed eagerly."""
+    monkeypatch.setattr(HeadChainGraphs, "_capture", lambda self, bs, pool: _EagerGraph(self, bs))
+    monkeypatch.setattr(head_chain.torch.cuda, "graph_pool_handle", lambda: None)
+
+    def build(drafter: Any, context: Any) -> HeadChainGraphs:
+        return HeadChainGraphs(drafter, context.req_to_token, K, [1, 2, 4], context.device)
+
+    monkeypatch.setattr(head_draft, "_chain_graphs", build)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tiny_models import make_tiny_llama_dir
+
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("head-chain"), num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module")
+def heads(target: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from radixserve.core.config import ModelConfig
+    from radixserve.core.weights import iter_weights
+    from radixserve.plugins.speculative.eagle3_head import new_head
+    from radixserve.plugins.speculative.eagle_head import new_eagle_head
+    from radixserve.plugins.speculative.head_layer import save_head
+
+    mc = ModelConfig.from_dir(target)
+    embed = dict(iter_weights(target, torch.float32))["model.embed_tokens.weight"]
+    out = {"EAGLE": tmp_path_factory.mktemp("eagle"), "EAGLE3": tmp_path_factory.mktemp("eagle3")}
+    eagle = new_eagle_head(mc, seed=3)
+    eagle3 = new_head(
+        mc, embed, torch.arange(min(256, mc.vocab_size)), seed=3, aux_layers=[0, 1, 1]
+    )
+    for head, name in ((eagle, "EAGLE"), (eagle3, "EAGLE3")):
+        with torch.no_grad():  # sharp attention: a wrong position or slot changes the drafts
+            head.layer.self_attn.q_proj.weight.mul_(30)
+            head.layer.self_attn.k_proj.weight.mul_(30)
+        save_head(head, out[name], torch.float32, {})
+    return out
+
+
+def _generate(model: Path, **kw: Any) -> tuple[list[list[int]], Any, Any]:
+    prompts = [[5 + i, 40 + 3 * i, 77, 9 + i] * (i + 1) for i in range(4)]
+    prompts.append(prompts[1][:6])  # shares a prefix with a running request
+    params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    with Engine(
+        str(model), plugins=["attention=triton", "hardware=cpu"], dtype="float32",
+        max_running_requests=4, debug_leak_check=True, **kw,
+    ) as engine:  # fmt: skip
+        out = engine.generate(input_ids=prompts, sampling_params=params)
+        algorithm = getattr(engine.core.speculator, "algorithm", None)
+        chain = getattr(algorithm, "chain", None)
+        return [o["output_ids"] for o in out], engine.core.spec_stats(), chain
+
+
+def _flags(heads: dict[str, Path], algorithm: str, **extra: Any) -> dict[str, Any]:
+    return {"speculative_algorithm": algorithm,
+            "speculative_draft_model_path": str(heads[algorithm]),
+            "speculative_num_steps": K, "speculative_disable_pause": True, **extra}  # fmt: skip
+
+
+def compare_with_eager_steps(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Every proposal the graph serves is first drafted by the eager steps from the same draft
+    KV record; returns, per such proposal, whether the two drafted the same tokens."""
+    original = head_draft.HeadDraft.propose
+    same: list[bool] = []
+
+    def propose(self: Any, reqs: Any, max_drafts: Any) -> Any:
+        trusted = [head_draft.trusted_length(self._kv.get(r.rid), r, self.req_to_token)
+                   for r in reqs]  # fmt: skip
+        chain = self.chain
+        if chain is None or not chain.serves(reqs, max_drafts, trusted):
+            return original(self, reqs, max_drafts)
+        saved, self.chain = dict(self._kv), None
+        eager = original(self, reqs, max_drafts)
+        self.chain, self._kv = chain, saved
+        graphed = original(self, reqs, max_drafts)
+        same.append([d.pending.tolist() for d in eager] == [d.pending.tolist() for d in graphed])
+        return graphed
+
+    monkeypatch.setattr(head_draft.HeadDraft, "propose", propose)
+    return same
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE3", "EAGLE"])
+def test_graph_drafts_what_the_eager_steps_draft(
+    algorithm: str, target: Path, heads: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Simulated acceptance varies how many positions each catch-up must cover (1 to k + 1)."""
+    eager_chain(monkeypatch)
+    same = compare_with_eager_steps(monkeypatch)
+    _, stats, chain = _generate(
+        target, **_flags(heads, algorithm, speculative_simulate_accept_len=2.5)
+    )
+    assert chain is not None and chain.replays == len(same) > 5, "too few proposals were graphed"
+    assert all(same), f"{same.count(False)} of {len(same)} graphed proposals differ"
+    assert stats["accepted_tokens"] > 0
+
+
+def test_graph_keeps_greedy_outputs(
+    target: Path, heads: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reference = _generate(target)[0]
+    eager_chain(monkeypatch)
+    outputs, stats, chain = _generate(target, **_flags(heads, "EAGLE3"))
+    assert chain is not None and chain.replays > 5
+    assert stats["verified_requests"] > 0
+    assert outputs == reference
