@@ -69,15 +69,53 @@ def parse_args() -> argparse.Namespace:
 # -- The default model, real acceptance ------------------------------------------------------
 
 
-def run_model(args: argparse.Namespace) -> dict[str, Any]:
-    """Each workload group with speculation off, then with each algorithm, on engines given
-    no tuning flags (only the model path and the device's hardware plugin). At batch B the
-    group's prompts go B at a time (cycled to fill the batch)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+def time_mode(
+    flags: dict[str, Any], base: dict[str, Any], names: list[str], batches: list[int]
+) -> dict[str, dict[int, tuple[int, float, int, int]]]:
+    """One engine's (output tokens, seconds, verify steps, accepted drafts) per workload group
+    and batch size."""
     from spec_workloads import all_workloads
 
     groups = all_workloads()
-    names = args.groups or list(groups)
+    timings: dict[str, dict[int, tuple[int, float, int, int]]] = {n: {} for n in names}
+    mode = flags.get("speculative_algorithm", "off")
+    with Engine(**base, **flags) as engine:
+        warm = engine.tokenizer.encode_chat([{"role": "user", "content": "Hi there!"}])
+        for bs in batches:  # compile every kernel shape before anything is timed
+            engine.generate(input_ids=[warm] * bs, sampling_params={"max_new_tokens": 16})
+        for name in names:
+            prompts = [engine.tokenizer.encode_chat(w.messages) for w in groups[name]]
+            limits = [w.max_new_tokens for w in groups[name]]
+            for bs in batches:
+                tokens, seconds, verify, accepted = 0, 0.0, 0, 0
+                count = max(len(prompts), bs)
+                for at in tqdm(range(0, count, bs), desc=f"{mode} {name} bs{bs}", leave=False):
+                    picks = [(at + j) % len(prompts) for j in range(bs)]
+                    params = [{"temperature": 0, "max_new_tokens": limits[j]} for j in picks]
+                    start = time.perf_counter()
+                    outs = engine.generate(
+                        input_ids=[prompts[j] for j in picks], sampling_params=params
+                    )
+                    seconds += time.perf_counter() - start
+                    for out in outs:
+                        tokens += len(out["output_ids"])
+                        verify += out["meta_info"].get("spec_verify_ct", 0)
+                        accepted += out["meta_info"].get("spec_accepted_tokens", 0)
+                timings[name][bs] = (tokens, seconds, verify, accepted)
+    return timings
+
+
+def run_model(args: argparse.Namespace) -> dict[str, Any]:
+    """Each workload group with speculation off, then with each algorithm, on engines given
+    no tuning flags (only the model path and the device's hardware plugin). At batch B the
+    group's prompts go B at a time (cycled to fill the batch). Each engine runs in a process
+    of its own, so no engine's device memory is left to the next one's sizing."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from spec_workloads import all_workloads
+
+    names = args.groups or list(all_workloads())
     results: dict[str, Any] = {"machine": machine_info(), "device": args.device, "groups": {}}
     base: dict[str, Any] = {"plugins": [f"hardware={args.device}"]}
     if args.model_path:
@@ -87,30 +125,14 @@ def run_model(args: argparse.Namespace) -> dict[str, Any]:
     timings: dict[str, dict[int, dict[str, tuple[int, float, int, int]]]] = {
         n: {b: {} for b in args.batches} for n in names
     }
+    spawn = multiprocessing.get_context("spawn")
     for mode, flags in modes.items():
-        with Engine(**base, **flags) as engine:
-            warm = engine.tokenizer.encode_chat([{"role": "user", "content": "Hi there!"}])
-            for bs in args.batches:  # compile every kernel shape before anything is timed
-                engine.generate(input_ids=[warm] * bs, sampling_params={"max_new_tokens": 16})
-            for name in names:
-                prompts = [engine.tokenizer.encode_chat(w.messages) for w in groups[name]]
-                limits = [w.max_new_tokens for w in groups[name]]
-                for bs in args.batches:
-                    count = max(len(prompts), bs)
-                    tokens, seconds, verify, accepted = 0, 0.0, 0, 0
-                    for at in tqdm(range(0, count, bs), desc=f"{mode} {name} bs{bs}", leave=False):
-                        picks = [(at + j) % len(prompts) for j in range(bs)]
-                        params = [{"temperature": 0, "max_new_tokens": limits[j]} for j in picks]
-                        start = time.perf_counter()
-                        outs = engine.generate(
-                            input_ids=[prompts[j] for j in picks], sampling_params=params
-                        )
-                        seconds += time.perf_counter() - start
-                        for out in outs:
-                            tokens += len(out["output_ids"])
-                            verify += out["meta_info"].get("spec_verify_ct", 0)
-                            accepted += out["meta_info"].get("spec_accepted_tokens", 0)
-                    timings[name][bs][mode] = (tokens, seconds, verify, accepted)
+        with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+            measured = pool.submit(time_mode, flags, base, names, args.batches).result()
+        for name in names:
+            for bs in args.batches:
+                timings[name][bs][mode] = measured[name][bs]
+        print(f"{mode}: done", flush=True)
     rows = []
     for name in names:
         for bs in args.batches:
