@@ -425,8 +425,11 @@ class EngineCore:
         self.runner.close()  # the other tensor-parallel ranks stop with this one
         self._in_flight = None
         self._changed_outside_step = []
-        # NOTE: these three hold every device tensor. Some sit in reference cycles (closures
-        # over this core), so collect before the platform empties its cache.
+        if self.speculator is not None:
+            self.speculator.close()
+        # NOTE: these three hold every device tensor (and the speculator's algorithm did). Some
+        # sit in reference cycles (closures over this core), so collect before the platform
+        # empties its cache.
         del self.runner, self.scheduler, self.cache
         gc.collect()
         platform.empty_cache()

@@ -122,6 +122,11 @@ class Speculator:
         # verifies 5 tokens at ~1.8x a decode, a GPU at ~1.0x).
         self._step_time: dict[tuple[bool, int], float] = {}
 
+    def close(self) -> None:
+        """Let go of the algorithm and everything it holds on the device (draft weights, draft
+        KV, feature pools, graphs); the settings and stats stay readable."""
+        self.algorithm = None  # type: ignore[assignment]
+
     def wants(self, req: Req) -> bool:
         """Whether ``req`` should draft this step: not while it is paused for not paying."""
         payoff = self._payoff.get(req.rid)

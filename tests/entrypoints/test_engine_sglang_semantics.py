@@ -101,13 +101,20 @@ def test_streamed_text_is_never_taken_back_at_a_stop_string(tiny_llama_dir: Path
     assert "".join(deltas) == texts[-1] == whole["text"]
 
 
-def test_shutdown_frees_device_memory_for_a_second_engine(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "draft-model"])
+def test_shutdown_frees_device_memory_for_a_second_engine(
+    tiny_llama_dir: Path, speculative: bool
+) -> None:
     """On a device whose KV pool is sized from free memory (the CUDA rule), the first engine's
     pool takes the budget; after its shutdown() a second engine gets the same pool, although
-    the caller still holds the first Engine object."""
+    the caller still holds the first Engine object. With a draft model, its own KV pool is
+    freed too (on the H200 an EAGLE-3 engine kept 128 GiB until the Engine was dropped)."""
     memory = DeviceMemory(capacity=256 << 20)
     host = PluginHost(extra_plugins=[("device_memory", memory)])
     settings: dict[str, Any] = {"plugins": ["hardware=metered_cpu"]}
+    if speculative:
+        settings |= {"speculative_algorithm": "STANDALONE",
+                     "speculative_draft_model_path": str(tiny_llama_dir)}  # fmt: skip
     params = {"max_new_tokens": 6, **GREEDY}
     first = Engine(str(tiny_llama_dir), host=host, **settings)
     kv_size = first.core.runner.kv_size
