@@ -1,14 +1,16 @@
-"""Where a speculative step's time goes at batch 1, for the 8B shape on CUDA with simulated
-acceptance: a cProfile of the engine loop (host time), then a torch.profiler trace of a shorter
-run, which gives the device's busy time per step against the step's wall time (the difference
-is time the GPU waits for the host) and the kernels it spends it on. A diagnostic, not a
-benchmark.
+"""Where a speculative step's time goes at batch 1, on CUDA with simulated acceptance: a
+cProfile of the engine loop (host time), then a torch.profiler trace of a shorter run, which
+gives the device's busy time per step against the step's wall time (the difference is time the
+GPU waits for the host) and the kernels it spends it on. A diagnostic, not a benchmark.
 
-    python bench/spec_profile.py TARGET_DIR DRAFT_DIR
+    python bench/spec_profile.py TARGET_DIR DRAFT_DIR                 # STANDALONE, accept 3.5
+    python bench/spec_profile.py --shape smollm2 --algorithm EAGLE3 --accept 3.0
+        # random weights of a bench/gpu_model.py shape and a random EAGLE-3 head
 """
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import pstats
 import random
@@ -25,18 +27,42 @@ from radixserve.core.engine_core import EngineCore  # noqa: E402
 from radixserve.core.plugins import default_host  # noqa: E402
 from radixserve.core.request import Req, SamplingParams  # noqa: E402
 
-target, draft = Path(sys.argv[1]), sys.argv[2]
+p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+p.add_argument("target", nargs="?", help="target model directory (default: --shape)")
+p.add_argument("draft", nargs="?", help="STANDALONE's draft model directory")
+p.add_argument("--shape", default="llama3-8b", help="random weights of this shape")
+p.add_argument("--algorithm", default="STANDALONE")
+p.add_argument("--accept", type=float, default=3.5, help="simulated accept length")
+p.add_argument("--workdir", default="/tmp/models")
+p.add_argument("--sort", default="cumulative", help="pstats order: cumulative or tottime")
+args = p.parse_args()
+if args.target:
+    target = Path(args.target)
+else:
+    from gpu_model import write_random_llama
+
+    target = Path(args.workdir) / args.shape
+    if not (target / "config.json").exists():
+        write_random_llama(target, args.shape, "cuda")
+draft = args.draft
+if args.algorithm == "EAGLE3" and draft is None:
+    from speculative import write_random_eagle3
+
+    draft = str(Path(args.workdir) / f"{target.name}-eagle3-random")
+    if not (Path(draft) / "config.json").exists():
+        write_random_eagle3(target, Path(draft), "cuda")
+vocab = int(__import__("json").loads((target / "config.json").read_text())["vocab_size"])
 spec = dict(
-    speculative_algorithm="STANDALONE",
-    speculative_draft_model_path=draft,
-    speculative_simulate_accept_len=3.5,
+    speculative_algorithm=args.algorithm,
+    speculative_simulate_accept_len=args.accept,
+    **({"speculative_draft_model_path": draft} if draft else {}),
 )
 for name, kw in (("off", {}), ("spec", spec)):
     core = EngineCore(target, EngineConfig(model_path=str(target), **kw), default_host())
     rng = random.Random(0)
 
     def run(n: int, core: EngineCore = core, rng: random.Random = rng) -> int:
-        ids = [rng.randrange(3, 128000) for _ in range(512)]
+        ids = [rng.randrange(3, vocab) for _ in range(512)]
         core.add_request(
             Req(
                 str(rng.random()),
@@ -58,7 +84,7 @@ for name, kw in (("off", {}), ("spec", spec)):
     seconds = time.perf_counter() - start
     prof.disable()
     print(f"{name}: {steps} steps, {seconds / steps * 1e3:.2f} ms/step, {256 / seconds:.1f} tok/s")
-    pstats.Stats(prof).sort_stats("cumulative").print_stats(28)
+    pstats.Stats(prof).sort_stats(args.sort).print_stats(40)
     if torch.cuda.is_available():
         from torch.profiler import ProfilerActivity, profile
 
