@@ -21,8 +21,10 @@ from radixserve import Engine
 from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.plugins.models.quant import (
     DENSE_MIN_ROWS,
+    SCREEN_TOP,
     Int4Linear,
     Int8Linear,
+    ScreenedHead,
     quantize_int4,
     quantize_model,
 )
@@ -99,7 +101,8 @@ def test_prefill_rows_use_the_dequantized_copy_of_the_same_weights(cls: type) ->
 
 def test_layers_the_int4_kernel_cannot_take_stay_in_float() -> None:
     """Outputs not in sixteens (or inputs not in whole groups) keep their float layer; the
-    rest of the model is quantized and the LM head is int8."""
+    rest of the model is quantized, and the LM head, whose 100 rows the int4 kernel cannot
+    take either, is int8."""
     model = nn.Module()
     layer = nn.Module()
     layer.ok, layer.odd_out, layer.odd_in = nn.Linear(64, 32), nn.Linear(64, 50), nn.Linear(48, 32)
@@ -111,6 +114,33 @@ def test_layers_the_int4_kernel_cannot_take_stay_in_float() -> None:
     assert type(layer.odd_out) is nn.Linear and type(layer.odd_in) is nn.Linear
     logits = model.head(torch.randn(2, 64))
     assert logits.shape == (2, 100)
+
+
+def test_screened_head_gives_float_logits_to_its_candidates() -> None:
+    """A decode step's rows: the 4-bit screen's best SCREEN_TOP candidates carry the float
+    head's logits (so greedy picks float's token), the rest the screen's; many rows are the
+    float product itself. A vocabulary the int4 kernel cannot take keeps the int8 head."""
+    torch.manual_seed(0)
+    weight = torch.randn(1024, 128) * 0.05
+    head = ScreenedHead(weight)
+    x = torch.randn(3, 128)
+    want, got = F.linear(x, weight), head(x)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    screened = head.screen(x)
+    top = screened.topk(SCREEN_TOP, dim=-1).indices
+    torch.testing.assert_close(got.gather(-1, top), want.gather(-1, top))
+    rest = torch.ones_like(got, dtype=torch.bool).scatter(-1, top, False)
+    assert torch.equal(got[rest], screened[rest])
+    many = torch.randn(DENSE_MIN_ROWS, 128)
+    assert torch.equal(head(many), F.linear(many, weight))
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Module()])
+    model.embed_tokens = nn.Embedding(1024, 128)
+    model.head = None
+    quantize_model(model, "int4wo")
+    assert isinstance(model.head, ScreenedHead)
+    assert model.head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()  # no copy
 
 
 def test_unknown_quantization_is_refused_with_the_choices() -> None:
