@@ -50,6 +50,11 @@ _EMA = 0.3
 #: A request whose speculation does not pay is paused this many steps at first, doubling up to
 #: the maximum while it keeps not paying.
 _FIRST_PAUSE, _MAX_PAUSE = 4, 64
+#: Times a batch size's requests pause for one step so that a decode-only step of that size is
+#: measured, while none is: drafts that always gain 2+ tokens never pause otherwise, however
+#: much more than two decode steps their verify costs (on an H200 the default model's verify
+#: steps took 3.3x a decode step, and EAGLE-3 ran at half the speed of speculation off).
+_DECODE_PROBES = 3
 
 
 @dataclass(slots=True)
@@ -121,6 +126,8 @@ class Speculator:
         # is what a verify step must gain to pay (measured, as it differs by device: a CPU
         # verifies 5 tokens at ~1.8x a decode, a GPU at ~1.0x).
         self._step_time: dict[tuple[bool, int], float] = {}
+        self._probes: dict[int, int] = {}  # batch size -> steps paused to measure its decode
+        self._probe_step: int | None = None  # the verify step whose requests probe
 
     def close(self) -> None:
         """Let go of the algorithm and everything it holds on the device (draft weights, draft
@@ -157,13 +164,31 @@ class Speculator:
             payoff = self._payoff[req.rid] = _Payoff(float(gained))
         else:
             payoff.gain += _EMA * (gained - payoff.gain)
+        needed = self._break_even(batch_size)
+        if needed is None and (False, batch_size) not in self._step_time:
+            if self._probe(batch_size):
+                payoff.paused = max(payoff.paused, 1)
+                return
         # With no decode step measured yet, a pause is what measures one.
-        needed = self._break_even(batch_size) or 1.0 + 1e-9
+        needed = needed or 1.0 + 1e-9
         if payoff.gain < needed:
             payoff.paused = payoff.pause
             payoff.pause = min(2 * payoff.pause, _MAX_PAUSE)
         else:
             payoff.pause = _FIRST_PAUSE
+
+    def _probe(self, batch_size: int) -> bool:
+        """Whether this verify step's requests pause once so that the next step, decodes
+        only, measures a decode step of ``batch_size`` (every request of the step pauses
+        together; a size is probed at most _DECODE_PROBES times)."""
+        step = self.stats.verify_steps
+        if self._probe_step == step:
+            return True
+        if self._probes.get(batch_size, 0) >= _DECODE_PROBES:
+            return False
+        self._probes[batch_size] = self._probes.get(batch_size, 0) + 1
+        self._probe_step = step
+        return True
 
     def draft_length(self, batch_size: int) -> int:
         """Draft tokens per request for a step of ``batch_size`` decodes (0: do not speculate)."""

@@ -61,6 +61,24 @@ def test_a_request_whose_drafts_do_not_pay_pauses_with_doubling_pauses() -> None
     assert spec.wants(poor)
 
 
+def test_a_batch_size_with_no_decode_step_measured_pauses_once_to_measure_one() -> None:
+    """Drafts that always gain 2 tokens never pause by the gain rule alone: the requests of a
+    verify step at a batch size with no decode step measured pause together for one step (a
+    decode-only step, which measures one), at most three times per size; once measured, a
+    verify step costing three decode steps makes gains of 2 pause."""
+    spec = _speculator()
+    a, b = _req("a"), _req("b")
+    spec.verified([a, b], [4, 4], [1, 1], batch_size=2)
+    assert _pauses(spec, a, 2) == _pauses(spec, b, 2) == [False, True]  # paused together
+    for probed in (True, True, False):  # probes two and three, then no more
+        spec.verified([a, b], [4, 4], [1, 1], batch_size=2)
+        assert _pauses(spec, a, 1) == [not probed]
+    spec.observe_step(False, 1, 0.010)  # batch 1: a decode step measured ...
+    spec.observe_step(True, 1, 0.030)  # ... and a verify costing three
+    spec.verified([a], [4], [1], batch_size=1)
+    assert _pauses(spec, a, 5) == [False] * 4 + [True]
+
+
 def test_pausing_can_be_turned_off() -> None:
     spec = _speculator(pause_unprofitable=False)
     spec.observe_step(False, 1, 0.010)
