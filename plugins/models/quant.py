@@ -17,9 +17,11 @@ Quantization happens once, on the loaded float weights; nothing is dequantized p
 
 The kernels pay off where a step reads the weights for a few rows (decoding): they are
 compute-bound on many rows, so a prefill chunk of 256 tokens took twice float32's time to its
-first token. Each decoder layer also keeps its quantized weights dequantized to bfloat16 (the
-same values, twice the int4 bytes), and a step of ``DENSE_MIN_ROWS`` rows or more multiplies by
-those with bfloat16 GEMM (AMX or AVX-512 through oneDNN where the CPU has them).
+first token. Each decoder layer also keeps its quantized weights dequantized (the same values),
+and a step of ``DENSE_MIN_ROWS`` rows or more multiplies by those: in bfloat16 (twice the int4
+bytes) where oneDNN has fast bfloat16 GEMM (AVX-512 or AMX), in float32 elsewhere, since on an
+AVX2-only CPU a bfloat16 GEMM is emulated (256 x 576 -> 3,072 on one core of the AMD EPYC VM:
+145 ms in bfloat16, 23 ms in float32, 40 ms with the int4 kernel).
 
 The LM head is a decode step's largest single read (49,152 x 576 on the default model: 28 MB in
 int8). ``ScreenedHead`` scores a decode step's rows with 4-bit weights (about 16 MB) and rescores
@@ -39,7 +41,7 @@ from radixserve.plugins.models.parallel_layers import RowParallelLinear
 
 INT4_GROUP = 32
 _ACT = torch.bfloat16  # the activation dtype both kernels are fast with
-#: rows from which a step multiplies by the bfloat16 copy instead of the quantized kernel
+#: rows from which a step multiplies by the dequantized copy instead of the quantized kernel
 DENSE_MIN_ROWS = 16
 #: candidates per row that ``ScreenedHead`` rescores with the float weights
 SCREEN_TOP = 64
@@ -54,12 +56,12 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
         self.tp = linear.tp if isinstance(linear, RowParallelLinear) else None
-        #: the quantized weights as bfloat16 [out, in], for steps of many rows (None: none kept)
+        #: the quantized weights dequantized [out, in], for steps of many rows (None: none kept)
         self.dense: torch.Tensor | None = None
 
     def keep_dense(self) -> None:
-        """Keep a bfloat16 copy of the quantized weights for prefill-sized steps."""
-        self.dense = self.dequantized().to(_ACT)
+        """Keep a dequantized copy of the quantized weights for prefill-sized steps."""
+        self.dense = self.dequantized().to(dense_dtype())
 
     def dequantized(self) -> torch.Tensor:
         """The weights the kernel multiplies by, as float32 [out, in]."""
@@ -75,11 +77,11 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        rows = x.reshape(-1, self.in_features).to(_ACT)
+        rows = x.reshape(-1, self.in_features)
         if self.dense is not None and rows.shape[0] >= DENSE_MIN_ROWS:
-            out = torch.nn.functional.linear(rows, self.dense).to(x.dtype)
+            out = torch.nn.functional.linear(rows.to(self.dense.dtype), self.dense).to(x.dtype)
         else:
-            out = self.matmul(rows).to(x.dtype)
+            out = self.matmul(rows.to(_ACT)).to(x.dtype)
         out = out.view(*shape[:-1], self.out_features)
         if self.tp is not None and self.tp.size > 1:
             out = self.tp.all_reduce(out)
@@ -169,6 +171,12 @@ class ScreenedHead(nn.Module):
         top = approx.topk(self.top, dim=-1).indices  # [rows, top]
         exact = torch.bmm(self.weight[top], rows.unsqueeze(-1)).squeeze(-1)
         return approx.scatter(-1, top, exact)
+
+
+def dense_dtype() -> torch.dtype:
+    """The dtype of the quantized layers' dequantized copies: bfloat16 where oneDNN multiplies
+    it natively, else float32 (twice the memory, six times faster on AVX2)."""
+    return _ACT if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

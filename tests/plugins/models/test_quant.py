@@ -25,6 +25,7 @@ from radixserve.plugins.models.quant import (
     Int4Linear,
     Int8Linear,
     ScreenedHead,
+    dense_dtype,
     quantize_int4,
     quantize_model,
 )
@@ -90,7 +91,7 @@ def test_prefill_rows_use_the_dequantized_copy_of_the_same_weights(cls: type) ->
     x = torch.randn(DENSE_MIN_ROWS, 96)
     kernel = layer(x)  # no copy kept yet: the quantized kernel
     layer.keep_dense()
-    assert layer.dense is not None and layer.dense.dtype == torch.bfloat16
+    assert layer.dense is not None and layer.dense.dtype == dense_dtype()
     dense = layer(x)
     assert not torch.equal(dense, kernel)  # another product ...
     # ... of the same weights: they differ by bf16 rounding only
