@@ -38,6 +38,7 @@ class InFlightStep(NamedTuple):
     batch: ScheduledBatch
     launched: LaunchedStep
     launched_at: float  # time.perf_counter()
+    scheduled_at: float  # when the step that launched it began (drafting included)
 
 
 class EngineCore:
@@ -71,14 +72,15 @@ class EngineCore:
         if self.speculator is not None and self.speculator.algorithm.capture_hidden_layers:
             self.runner.keep_hidden_layers(self.speculator.algorithm.capture_hidden_layers)
         # Overlap scheduling: where the device runs asynchronously, step N+1 is scheduled and
-        # queued while the device computes step N (see step()).
-        # Speculating steps sample on the host (drafts need the last token), so no overlap.
-        self.overlap = (
-            not config.disable_overlap_schedule
-            and self.speculator is None
-            and (self.runner.platform.asynchronous or config.enable_overlap_schedule)
+        # queued while the device computes step N (see step()). A speculating step is not
+        # overlapped (drafts need the last token on the host, and verify samples there), but
+        # decode-only steps are, also with speculation on: while every request's drafting is
+        # paused, decoding runs as fast as with speculation off.
+        self.overlap = not config.disable_overlap_schedule and (
+            self.runner.platform.asynchronous or config.enable_overlap_schedule
         )
         self._in_flight: InFlightStep | None = None
+        self.overlapped_steps = 0  # steps launched while the previous one was on the device
         self._last_result_at = 0.0  # when the previous step's result came (timing per kind)
         self._changed_outside_step: list[Req] = []
         self.scheduler = Scheduler(
@@ -284,7 +286,9 @@ class EngineCore:
         changed, self._changed_outside_step = self._changed_outside_step, []
         if len(self.grammars):
             changed += self._admit_compiled()
-        if self._in_flight is not None and not self._in_flight.launched.overlappable:
+        if self._in_flight is not None and (
+            not self._in_flight.launched.overlappable or self._drafts_next()
+        ):
             changed += self._commit_in_flight()
         try:
             batch = self.scheduler.schedule(allow_retract=self._in_flight is None)
@@ -308,17 +312,13 @@ class EngineCore:
             return changed + self._fail_batch(batch, e)
         self.scheduler.advance(batch)
         if self._in_flight is not None:
+            self.overlapped_steps += 1
             changed += self._commit_in_flight()  # the device computes `batch` meanwhile
-        self._in_flight = InFlightStep(batch, launched, launched_at)
+        self._in_flight = InFlightStep(batch, launched, launched_at, start)
         if not self.overlap:
             changed += self._commit_in_flight()
         if any(r.failed for r in batch.reqs):  # the sampler could not serve these alone
             changed += self._end_failed(batch)
-        if self.speculator is not None and len(batch.reqs) == batch.num_decode + len(batch.drafts):
-            # only decodes (and verifies): what speculation costs against plain decoding
-            self.speculator.observe_step(
-                bool(batch.drafts), len(batch.reqs), time.perf_counter() - start
-            )
         self.host.hook.step_finished(
             stats={
                 "num_decode": batch.num_decode,
@@ -341,9 +341,24 @@ class EngineCore:
         # device was still on that one (overlap), to its own result.
         now = time.perf_counter()
         spent = now - max(step.launched_at, self._last_result_at)
+        batch = step.batch
+        if self.speculator is not None and len(batch.reqs) == batch.num_decode + len(batch.drafts):
+            # Only decodes (and verifies): what speculation costs against plain decoding, per
+            # step from its scheduling (drafting included) or, overlapped, the last result.
+            cycle = now - max(step.scheduled_at, self._last_result_at)
+            self.speculator.observe_step(bool(batch.drafts), len(batch.reqs), cycle)
         self._last_result_at = now
-        self.scheduler.stats.by_kind[step.batch.kind].seconds += spent
+        self.scheduler.stats.by_kind[batch.kind].seconds += spent
         return changed
+
+    def _drafts_next(self) -> bool:
+        """Whether the next step may draft for a running request, which needs its last token
+        on the host: the step in flight is then committed before scheduling."""
+        sp = self.speculator
+        if sp is None:
+            return False
+        running = self.scheduler.running
+        return sp.draft_length(len(running)) > 0 and any(sp.may_draft(r) for r in running)
 
     def _fail_batch(self, batch: ScheduledBatch, error: Exception) -> list[Req]:
         """Launching ``batch`` raised: end its requests with an abort naming the error (the

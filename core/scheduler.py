@@ -467,7 +467,9 @@ class Scheduler:
                 self.config.max_context - req.seq_len,
             )
             limit = min(k, left - 1)
-            if limit <= 0 or not speculating(req) or not self.speculator.wants(req):
+            # wants() first: a paused request's pause counts every step, also one whose last
+            # token is still on the device (overlap scheduling)
+            if not self.speculator.wants(req) or limit <= 0 or not speculating(req):
                 continue
             assert req.req_pool_idx is not None
             row = self.req_to_token.table[req.req_pool_idx]

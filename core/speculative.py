@@ -142,6 +142,14 @@ class Speculator:
         payoff.paused -= 1
         return False
 
+    def may_draft(self, req: Req) -> bool:
+        """Whether ``req`` drafts in the next step if its last token is on the host by then
+        (``wants`` without counting the step: a request in the prefill or paused does not)."""
+        if req.state != ReqState.DECODE or req.logprob_start_len >= 0:
+            return False
+        payoff = self._payoff.get(req.rid)
+        return payoff is None or payoff.paused <= 0
+
     def forget(self, rid: str) -> None:
         self._payoff.pop(rid, None)
         self._carry.pop(rid, None)

@@ -114,6 +114,37 @@ def test_overlap_gives_the_same_outputs_as_synchronous_steps(
     assert [len(o[0]) for o in outputs["overlap"][:10]] == [1 + 3 * i for i in range(10)]
 
 
+def test_overlap_with_speculation_on_gives_the_same_outputs(
+    tiny_llama_dir: Path, stop_token: int
+) -> None:
+    """With speculation on, decode-only steps still overlap (here: while more requests run than
+    the speculation cut-off), and steps that draft wait for the step in flight: greedy outputs
+    equal synchronous steps without speculation, over the switches between the two."""
+    import radixserve_test_drafters as drafters
+
+    from radixserve.core.plugins import PluginHost
+
+    jobs = [job for job in workload(stop_token) if job[1].get("temperature") == 0.0]
+    jobs = [job for job in jobs if not job[2]]  # logprobs: verify and decode round apart
+    settings = {"max_total_tokens": 4096, "chunked_prefill_size": 16, "max_running_requests": 6}
+    with Engine(str(tiny_llama_dir), **settings) as engine:
+        reference = [comparable(r)[:3] for r in run_all(engine, jobs)]
+    spec = {"speculative_algorithm": drafters.NAME, "speculative_disable_batch_size": 2,
+            "speculative_num_steps": drafters.DRAFT_TOKENS, "speculative_disable_pause": True}
+    host = PluginHost(extra_plugins=[("test_drafters", drafters)])
+    with Engine(
+        str(tiny_llama_dir), host=host, enable_overlap_schedule=True, **settings, **spec
+    ) as engine:  # fmt: skip
+        assert engine.core.overlap
+        outputs = [comparable(r)[:3] for r in run_all(engine, jobs)]
+        core = engine.core
+        stats = core.spec_stats()
+        assert stats is not None and stats["verified_requests"] > 0, stats
+        assert core.overlapped_steps > 0
+        core.scheduler.check_no_leak()
+    assert outputs == reference
+
+
 def test_abort_while_a_step_is_in_flight_loses_nothing(tiny_llama_dir: Path) -> None:
     """Aborts arrive between steps, when the newest step is still in flight: the aborted
     request ends with 'abort', the others finish normally, and no KV leaks."""
