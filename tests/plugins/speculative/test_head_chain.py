@@ -78,12 +78,14 @@ def heads(target: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, P
     return out
 
 
-def _generate(model: Path, **kw: Any) -> tuple[list[list[int]], Any, Any]:
+def _generate(
+    model: Path, attention: str = "triton", **kw: Any
+) -> tuple[list[list[int]], Any, Any]:
     prompts = [[5 + i, 40 + 3 * i, 77, 9 + i] * (i + 1) for i in range(4)]
     prompts.append(prompts[1][:6])  # shares a prefix with a running request
     params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
     with Engine(
-        str(model), plugins=["attention=triton", "hardware=cpu"], dtype="float32",
+        str(model), plugins=[f"attention={attention}", "hardware=cpu"], dtype="float32",
         max_running_requests=4, debug_leak_check=True, **kw,
     ) as engine:  # fmt: skip
         out = engine.generate(input_ids=prompts, sampling_params=params)
@@ -139,7 +141,7 @@ def test_graph_drafts_what_the_eager_steps_draft(
 def test_graph_keeps_greedy_outputs(
     target: Path, heads: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    reference = _generate(target)[0]
+    reference = _generate(target, "torch_native")[0]  # no interpreted kernels: quicker
     eager_chain(monkeypatch)
     outputs, stats, chain = _generate(target, **_flags(heads, "EAGLE3"))
     assert chain is not None and chain.replays > 5
