@@ -145,7 +145,7 @@ class Speculator:
     def may_draft(self, req: Req) -> bool:
         """Whether ``req`` drafts in the next step if its last token is on the host by then
         (``wants`` without counting the step: a request in the prefill or paused does not)."""
-        if req.state != ReqState.DECODE or req.logprob_start_len >= 0:
+        if not _decodes_without_prompt_logprobs(req):
             return False
         payoff = self._payoff.get(req.rid)
         return payoff is None or payoff.paused <= 0
@@ -172,13 +172,11 @@ class Speculator:
             payoff = self._payoff[req.rid] = _Payoff(float(gained))
         else:
             payoff.gain += _EMA * (gained - payoff.gain)
-        needed = self._break_even(batch_size)
-        if needed is None and (False, batch_size) not in self._step_time:
-            if self._probe(batch_size):
-                payoff.paused = max(payoff.paused, 1)
-                return
+        if (False, batch_size) not in self._step_time and self._probe(batch_size):
+            payoff.paused = max(payoff.paused, 1)
+            return
         # With no decode step measured yet, a pause is what measures one.
-        needed = needed or 1.0 + 1e-9
+        needed = self._break_even(batch_size) or 1.0 + 1e-9
         if payoff.gain < needed:
             payoff.paused = payoff.pause
             payoff.pause = min(2 * payoff.pause, _MAX_PAUSE)
@@ -502,4 +500,8 @@ def _generator(view: Req, device: torch.device) -> torch.Generator | None:
 
 def speculating(req: Req) -> bool:
     """Whether ``req`` may draft this step: decoding, with its last token on the host."""
-    return req.state == ReqState.DECODE and not req.num_pending and req.logprob_start_len < 0
+    return _decodes_without_prompt_logprobs(req) and not req.num_pending
+
+
+def _decodes_without_prompt_logprobs(req: Req) -> bool:
+    return req.state == ReqState.DECODE and req.logprob_start_len < 0

@@ -119,14 +119,30 @@ class DraftChainGraphs:
             [r.req_pool_idx for r in reqs] + [self.pad_row] * len(pad),
             [r.kv_len for r in reqs] + [1] * len(pad),
         ]
-        staged = torch.tensor(host, dtype=torch.int64)
-        self.req_to_token.sync()
-        if self.staged.device.type != "cpu":
-            staged = staged.pin_memory()  # pinned: the copy does not wait on the GPU
-        self.staged.copy_(staged, non_blocking=True)
+        stage(self.staged, host, self.req_to_token)
         self.meta.copy_(self.staged[4 + self.k :])
         self.graphs[padded, refresh].replay()
         self.replays += 1
         self.refreshes += refresh
         # A copy: the next replay overwrites ``out`` while these may still wait to be read.
         return self.out[:, :bs].T.clone()
+
+
+def graphs_capturable(context: Any, attention: Any, *needs: str) -> bool:
+    """Whether a drafter's steps can be captured in CUDA graphs: a CUDA device, graphs not
+    turned off, and an attention backend with the graph-preparing methods ``needs``."""
+    return (
+        context.device.startswith("cuda")
+        and not context.config.disable_cuda_graph
+        and all(hasattr(attention, name) for name in needs)
+    )
+
+
+def stage(staged: torch.Tensor, host: list[list[int]], req_to_token: ReqToTokenPool) -> None:
+    """Copy a proposal's ``host`` rows into the graph's input buffer ``staged`` in one copy,
+    after the slot table's device mirror is current."""
+    rows = torch.tensor(host, dtype=torch.int64)
+    req_to_token.sync()
+    if staged.device.type != "cpu":
+        rows = rows.pin_memory()  # pinned: the copy does not wait on the GPU
+    staged.copy_(rows, non_blocking=True)

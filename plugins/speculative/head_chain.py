@@ -29,6 +29,7 @@ import torch
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.memory import ReqToTokenPool
 from radixserve.core.request import Req, token_slice
+from radixserve.plugins.speculative.draft_chain import stage
 
 
 class HeadChainGraphs:
@@ -150,11 +151,7 @@ class HeadChainGraphs:
             [r.req_pool_idx for r in reqs] + [self.pad_row] * len(pad),
             [r.kv_len for r in reqs] + [n] * len(pad),
         ]
-        staged = torch.tensor(host, dtype=torch.int64)
-        self.req_to_token.sync()
-        if self.staged.device.type != "cpu":
-            staged = staged.pin_memory()  # pinned: the copy does not wait on the GPU
-        self.staged.copy_(staged, non_blocking=True)
+        stage(self.staged, host, self.req_to_token)
         self.meta.copy_(self.staged[2 * n + k :])
         self.graphs[padded].replay()
         self.replays += 1

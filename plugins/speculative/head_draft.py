@@ -228,27 +228,20 @@ class HeadDraft(SpeculativeAlgorithm):
         return str(HEADS_DIR / name)
 
 
-#: Largest batch a head's proposal graph serves: above FULL_DRAFT_BATCH the core shortens
-#: drafts, which the graph does not take.
-HEAD_CHAIN_MAX_BATCH = 8
-
-
 def _chain_graphs(drafter: HeadDraft, context: SpeculativeContext) -> Any:
-    """The head's proposal as one CUDA graph per batch size, where the platform and the
+    """The head's proposal as one CUDA graph per batch size up to FULL_DRAFT_BATCH (above it
+    the core shortens drafts, which the graph does not take), where the platform and the
     attention backend can capture it (plugins/speculative/head_chain.py)."""
-    config, attention = context.config, drafter.attention
-    if (
-        not context.device.startswith("cuda")
-        or config.disable_cuda_graph
-        or not hasattr(attention, "prepare_decode_graph")
-        or not hasattr(attention, "prepare_verify_graph")
-    ):
-        return None
     from radixserve.core.speculative import FULL_DRAFT_BATCH
     from radixserve.plugins.hardware.cuda_graph import capture_sizes
+    from radixserve.plugins.speculative.draft_chain import graphs_capturable
     from radixserve.plugins.speculative.head_chain import HeadChainGraphs
 
-    limit = min(HEAD_CHAIN_MAX_BATCH, FULL_DRAFT_BATCH, config.speculative_disable_batch_size)
+    needs = ("prepare_decode_graph", "prepare_verify_graph")
+    if not graphs_capturable(context, drafter.attention, *needs):
+        return None
+    config = context.config
+    limit = min(FULL_DRAFT_BATCH, config.speculative_disable_batch_size)
     return HeadChainGraphs(
         drafter, context.req_to_token, config.num_draft_tokens, capture_sizes(limit),
         context.device,

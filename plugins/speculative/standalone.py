@@ -214,17 +214,13 @@ CHAIN_MAX_BATCH = 1
 def _chain_graphs(context: SpeculativeContext, model: Any, attention: Any, kv_pool: KVPool) -> Any:
     """The draft's k steps as one CUDA graph per batch size up to CHAIN_MAX_BATCH, where the
     platform and attention backend can capture them."""
-    config = context.config
-    if (
-        not context.device.startswith("cuda")
-        or config.disable_cuda_graph
-        or not hasattr(attention, "prepare_decode_graph")
-    ):
-        return None
     from radixserve.core.speculative import FULL_DRAFT_BATCH
     from radixserve.plugins.hardware.cuda_graph import capture_sizes
-    from radixserve.plugins.speculative.draft_chain import DraftChainGraphs
+    from radixserve.plugins.speculative.draft_chain import DraftChainGraphs, graphs_capturable
 
+    if not graphs_capturable(context, attention, "prepare_decode_graph"):
+        return None
+    config = context.config
     limit = min(CHAIN_MAX_BATCH, FULL_DRAFT_BATCH, config.speculative_disable_batch_size)
     return DraftChainGraphs(
         model, attention, kv_pool, context.req_to_token, config.num_draft_tokens,
