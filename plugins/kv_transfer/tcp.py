@@ -37,6 +37,10 @@ from radixserve.core.memory import KVPool
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0
+# The decode engine's deadline (--disaggregation-transfer-timeout) decides when a transfer has
+# taken too long, with one clear message; the connector's own timers wait this much longer so
+# that they only catch an engine too wedged to check its deadlines, and never race it.
+BACKSTOP_GRACE_S = 10.0
 _LEN = struct.Struct("!I")
 MAX_HEADER_BYTES = 1 << 20
 
@@ -311,7 +315,7 @@ class TcpKVConnector(KVConnector):
     def _wait_for(self, room: int, conn: socket.socket) -> _Ready | str | None:
         """The room's KV (taken), why the prefill gave it up, or None when the decode went
         away or the wait timed out (the room is then given up here too)."""
-        deadline = self._deadline()
+        deadline = self._deadline() + BACKSTOP_GRACE_S
         with self._lock:
             while True:
                 if room in self._ready:
@@ -364,7 +368,7 @@ class TcpKVConnector(KVConnector):
                 want = Want(room=room, layout=self.layout, num_tokens=len(slots),
                             target=self.want_target(slots))  # fmt: skip
                 write_frame(conn, want)
-                conn.settimeout(self.timeout)
+                conn.settimeout(self.timeout + BACKSTOP_GRACE_S)
                 frame = read_frame(conn)
                 if isinstance(frame, Gone):
                     self._fail(room, f"{where}: {frame.message}")
