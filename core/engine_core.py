@@ -89,6 +89,7 @@ class EngineCore:
                 chunked_prefill_size=settings.chunked_prefill_size,
                 prefill_shrink_after_decodes=settings.prefill_shrink_after_decodes,
                 prefill_gather_steps=settings.prefill_gather_steps,
+                uniform_drafts=getattr(self.runner.step, "uniform_verify", False),
                 mixed_chunk=not config.disable_mixed_chunk,
                 schedule_policy=config.schedule_policy,
                 max_context=self.max_context,

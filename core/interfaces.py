@@ -130,6 +130,9 @@ class HardwarePlatform(ABC):
         The default prepares attention and calls ``model.forward``. A platform may return a
         faster executor for some batches (e.g. replay captured CUDA graphs for decode-only
         batches); it must give the same logits and leave the KV pool as the default would.
+        An executor whose verify steps are much faster when every request verifies as many
+        tokens (captured graphs) sets ``uniform_verify = True``: the scheduler then pads
+        token-only drafts to one length.
         """
 
         if config.enable_torch_compile:

@@ -62,6 +62,11 @@ class SchedulerConfig:
     # graph; a mixed one runs eagerly).
     prefill_gather_steps: int = 0
     prefill_gather_max_wait_s: float = 0.05
+    # Pad token-only drafts to the step's full draft length, and give paused requests filler
+    # drafts while others speculate, so that a verify step keeps one shape: set where the step
+    # executor replays verify graphs of one length (a ragged or mixed step runs eagerly, on an
+    # H200 ~30 ms against ~3 ms for the default model at batch 8: bench/spec_steps.py).
+    uniform_drafts: bool = False
     # Requests whose uncached prompt shares at least this many tokens with one being prefilled
     # wait for that prefill to reach the cache instead of computing the same KV again.
     shared_prefill_min_tokens: int = 32
@@ -461,6 +466,7 @@ class Scheduler:
             return {}
         reqs: list[Req] = []
         limits: list[int] = []
+        paused: list[tuple[Req, int]] = []
         for req in decodes:
             left = min(
                 req.sampling.max_new_tokens - req.num_output_tokens,
@@ -469,17 +475,16 @@ class Scheduler:
             limit = min(k, left - 1)
             # wants() first: a paused request's pause counts every step, also one whose last
             # token is still on the device (overlap scheduling)
-            if not self.speculator.wants(req) or limit <= 0 or not speculating(req):
+            wants = self.speculator.wants(req)
+            if limit <= 0 or not speculating(req):
                 continue
-            assert req.req_pool_idx is not None
-            row = self.req_to_token.table[req.req_pool_idx]
-            start = req.kv_len + 1  # the decode slot of position kv_len is already allocated
-            slots = self.allocator.alloc_extend(row, start, limit)
-            if slots is None:
-                continue  # no room for drafts: this request decodes normally
-            self.req_to_token.write(req.req_pool_idx, start, slots)
-            reqs.append(req)
-            limits.append(limit)
+            if not wants:
+                if self.config.uniform_drafts:
+                    paused.append((req, limit))
+                continue
+            if self._alloc_draft_slots(req, limit):
+                reqs.append(req)
+                limits.append(limit)
         if not reqs:
             return {}
         try:
@@ -487,6 +492,13 @@ class Scheduler:
         except Exception:  # noqa: BLE001 - a failing drafter must not take the engine down
             logger.exception("speculative plugin '%s' failed to propose", self.speculator.name)
             drafts = [Draft([]) for _ in reqs]
+        if self.config.uniform_drafts:
+            for req, limit in paused:  # they verify filler only: the step keeps one shape
+                if self._alloc_draft_slots(req, limit):
+                    reqs.append(req)
+                    limits.append(limit)
+                    drafts.append(Draft([]))
+            drafts = [_padded(r, n, d) for r, n, d in zip(reqs, limits, drafts, strict=True)]
         out = {}
         for req, limit, draft in zip(reqs, limits, drafts, strict=True):
             m = len(draft.tokens)
@@ -494,6 +506,18 @@ class Scheduler:
             if m:
                 out[req.rid] = draft
         return out
+
+    def _alloc_draft_slots(self, req: Req, limit: int) -> bool:
+        """KV slots for ``limit`` draft positions after ``req``'s decode slot; False when
+        the pool has no room (the request then decodes normally)."""
+        assert req.req_pool_idx is not None
+        row = self.req_to_token.table[req.req_pool_idx]
+        start = req.kv_len + 1  # the decode slot of position kv_len is already allocated
+        slots = self.allocator.alloc_extend(row, start, limit)
+        if slots is None:
+            return False
+        self.req_to_token.write(req.req_pool_idx, start, slots)
+        return True
 
     def _free_positions(self, req: Req, keep: int, end: int) -> None:
         """Give back the slots of positions [keep, end) of ``req``'s row, except those in the
@@ -747,6 +771,20 @@ class Scheduler:
             raise AssertionError(f"KV leak at idle: {acct}")
         if not self.running and acct["locked"] != 0:
             raise AssertionError(f"cache nodes still locked at idle: {acct}")
+
+
+def _padded(req: Req, limit: int, draft: Draft) -> Draft:
+    """``draft`` filled up to ``limit`` tokens, so that every request of the step verifies as
+    many (a captured verify graph has one length). The filler repeats the last token: the
+    target verifies it like any draft, and accepts it only where it is the target's own token,
+    so outputs do not change. Left alone: drafts drawn from a distribution (rejection sampling
+    needs its probabilities), drafts still on the device (full length already) and constrained
+    requests (their drafts must stay inside the grammar)."""
+    missing = limit - len(draft.tokens)
+    if missing <= 0 or draft.probs is not None or draft.pending is not None or req.grammar:
+        return draft
+    last = draft.tokens[-1] if draft.tokens else (req.output_ids or req.input_ids)[-1]
+    return Draft(draft.tokens + [last] * missing)
 
 
 def new_token_ratios(conservativeness: float) -> dict[str, Any]:

@@ -52,6 +52,7 @@ class StepBroadcaster:
         self.req_to_token = req_to_token
         self.on_host = torch.device(device).type == "cpu"
         self.run = step
+        self.uniform_verify = getattr(step, "uniform_verify", False)  # the scheduler reads it
         self.stopped = False
         req_to_token.record_writes()
 

@@ -113,6 +113,8 @@ class CudaGraphRunner:
         self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verify_replays = 0  # verify steps served from a graph (tests read it)
         self._capture_all()
+        # the scheduler pads drafts to one length so that verify steps replay these graphs
+        self.uniform_verify = bool(self.verify_graphs)
 
     def _capture_all(self) -> None:
         for bs in sorted(self.verify_shapes, reverse=True):

@@ -133,6 +133,8 @@ def test_triton_graphs_speculation_equals_torch_native(
         verify_replays, chain_replays = replays
         assert verify_replays > 0, "no verify step was replayed from a CUDA graph"
         assert chain_replays > 0, "no draft chain was replayed from a CUDA graph"
+    if case == "ngram":  # lookups of every length, padded to one, replay the verify graphs
+        assert replays[0] > 0, "no n-gram verify step was replayed from a CUDA graph"
     if case in HEAD_CASES:  # the graphs keep the layers the head reads
         assert replays[0] > 0, "no verify step was replayed from a CUDA graph"
         assert replays[1] > 0, "no head proposal was replayed from a CUDA graph"

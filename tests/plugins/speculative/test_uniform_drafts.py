@@ -1,0 +1,74 @@
+"""Drafts padded to one length (``SchedulerConfig.uniform_drafts``, set where the step executor
+replays verify graphs of one length, i.e. CUDA): every request of a speculating step verifies
+the step's full draft length, whether its n-gram lookup found a shorter draft, none at all, or
+the request is paused; and greedy outputs still equal speculation off. Checked on the CPU with
+the setting forced on."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from radixserve import Engine
+from radixserve.core.scheduler import Scheduler
+from radixserve.core.speculative import Speculator, speculating
+
+K = 4
+NEW_TOKENS = 40
+PROMPTS = [
+    [7, 8, 9, 10, 11] * 6,  # repeats: the lookup finds full drafts
+    [30, 31, 32, 30, 31, 33, 30, 31],  # short matches: short drafts
+    [101, 57, 230, 12, 199, 64, 3, 88],  # nothing repeats at first: no draft
+    [40, 41, 42, 43] * 5,  # paused every other step (below)
+]
+
+
+def _generate(model: Path, uniform: bool, **kw: Any) -> list[list[int]]:
+    with Engine(
+        str(model), plugins=["attention=torch_native", "hardware=cpu"], dtype="float32",
+        debug_leak_check=True, **kw,
+    ) as engine:  # fmt: skip
+        scheduler = engine.core.scheduler
+        scheduler.config = dataclasses.replace(scheduler.config, uniform_drafts=uniform)
+        params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+        out = engine.generate(input_ids=PROMPTS, sampling_params=params)
+        return [o["output_ids"] for o in out]
+
+
+def test_every_request_of_a_speculating_step_verifies_the_full_length(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reference = _generate(tiny_llama_dir, uniform=False)
+
+    wants, calls = Speculator.wants, {"n": 0}
+
+    def paused_every_other_step(self: Speculator, req: Any) -> bool:
+        if req.input_ids == PROMPTS[3]:
+            calls["n"] += 1
+            return calls["n"] % 2 == 0
+        return wants(self, req)
+
+    draft = Scheduler._draft
+    checked = {"steps": 0}
+
+    def checked_draft(self: Scheduler, decodes: list[Any]) -> Any:
+        drafts = draft(self, decodes)
+        if drafts:
+            checked["steps"] += 1
+            for req in decodes:
+                left = req.sampling.max_new_tokens - req.num_output_tokens
+                if left - 1 >= K and speculating(req):
+                    assert len(drafts[req.rid].tokens) == K, (req.input_ids, drafts)
+        return drafts
+
+    monkeypatch.setattr(Speculator, "wants", paused_every_other_step)
+    monkeypatch.setattr(Scheduler, "_draft", checked_draft)
+    outputs = _generate(
+        tiny_llama_dir, uniform=True, speculative_algorithm="NGRAM",
+        speculative_num_steps=K, speculative_disable_pause=True,
+    )  # fmt: skip
+    assert checked["steps"] >= 5
+    assert outputs == reference
