@@ -86,3 +86,37 @@ def test_decode_paths_match_dense_reference(case: str, window: int) -> None:
     out = backend.forward(q, k, v, 0, batch, **options).view(n, HEADS, DIM)
     ref = _reference(q, pool, slots, window)  # the step's own K/V are in the pool by now
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("case", ["one-consecutive", "mixed-lengths"])
+def test_small_decode_attention_runs_on_one_thread(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Up to SERIAL_DECODE_TOKENS keys a decode attention runs on one thread (waking the
+    intra-op pool cost more than it saved), past them on all, and the count is restored."""
+    from radixserve.plugins.attention import torch_native
+
+    slots = CASES[case][0]
+    sdpa, seen = torch_native.F.scaled_dot_product_attention, []
+
+    def counting(*args: object, **kwargs: object) -> torch.Tensor:
+        seen.append(torch.get_num_threads())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch_native.F, "scaled_dot_product_attention", counting)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        pool = KVPool(POOL, 1, KV_HEADS, DIM, torch.float32, "cpu")
+        backend = TorchNativeAttention(pool, CONFIG, "cpu")
+        n = len(slots)
+        q, kv = torch.randn(n, HEADS, DIM), torch.randn(n, KV_HEADS, DIM)
+        for limit, expected in ((torch_native.SERIAL_DECODE_TOKENS, 1), (4, 2)):
+            monkeypatch.setattr(torch_native, "SERIAL_DECODE_TOKENS", limit)
+            batch = _decode_batch(ReqToTokenPool(4, 32), slots)
+            backend.prepare(batch)
+            seen.clear()
+            backend.forward(q, kv, kv, 0, batch)
+            assert seen == [expected] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
