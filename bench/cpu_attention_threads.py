@@ -43,7 +43,9 @@ def main() -> None:
     args = p.parse_args()
     model = convert_gguf_to_hf_dir(default_model_gguf_path())
     serial = torch_native.SERIAL_DECODE_TOKENS
-    print(f"{'format':16s} {'batch':>5s} {'one thread tok/s':>17s} {'pool tok/s':>11s} {'ratio':>6s}")
+    print(
+        f"{'format':16s} {'batch':>5s} {'one thread tok/s':>17s} {'pool tok/s':>11s} {'ratio':>6s}"
+    )
     for name in args.formats:
         with Engine(str(model), plugins=["hardware=cpu"], **FORMATS[name]) as engine:
             tokens_per_s(engine, 1, 16, -1)  # warm-up

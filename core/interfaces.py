@@ -108,6 +108,12 @@ class HardwarePlatform(ABC):
         the engine ran (an offline Engine's process goes on, e.g. with its own thread count).
         Default: nothing."""
 
+    def prepare_model(self, model: CausalLM, config: EngineConfig) -> None:  # noqa: B027
+        """Ready the loaded (and quantized) ``model`` for this device's kernels, e.g. repack
+        its weights. Called once, after the weights are loaded. A module that keeps a copy
+        of its weights defines ``weights_reloaded()``, which a weight reload calls (it must
+        not change the parameters themselves). Default: nothing."""
+
     def quantize_model(self, model: CausalLM, method: str) -> None:
         """Quantize the loaded ``model``'s weights in place (``--quantization``, one of
         ``core.config.QUANTIZATIONS``) with this device's kernels. Called once, after the

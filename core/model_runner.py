@@ -36,7 +36,12 @@ from radixserve.core.sampling import SampleResult, presample_logits, sample, sam
 from radixserve.core.scheduler import SampledToken, ScheduledBatch
 from radixserve.core.speculative import Speculator, verify_drafts
 from radixserve.core.tp_step import StepBroadcaster, release_step
-from radixserve.core.weights import count_parameters, iter_weights, reload_in_place
+from radixserve.core.weights import (
+    count_parameters,
+    iter_weights,
+    reload_in_place,
+    weights_reloaded,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +143,7 @@ class ModelRunner:
         self.model.load_weights(self._weights(model_dir))
         if config.quantization is not None:
             self.platform.quantize_model(self.model, config.quantization)
+        self.platform.prepare_model(self.model, config)
         # The platform decides how a step runs (eagerly here; e.g. CUDA graphs for decodes).
         self.step = self.platform.step_executor(
             self.model, self.attention, self.kv_pool, self.req_to_token, config
@@ -201,6 +207,7 @@ class ModelRunner:
                 )
         weights = iter_weights(model_dir, self.dtype)
         reload_in_place(self.model, lambda: self.model.load_weights(weights))  # type: ignore[arg-type]
+        weights_reloaded(self.model)  # type: ignore[arg-type]
 
     def _select_model(self, host: PluginHost, requested: str | None) -> Any:
         arch = self.model_config.architecture

@@ -50,3 +50,12 @@ def reload_in_place(model: torch.nn.Module, load: Callable[[], None]) -> None:
             for name, p in model.named_parameters():
                 p.copy_(backup[name])
         raise
+
+
+def weights_reloaded(model: torch.nn.Module) -> None:
+    """Tell the modules that keep copies of their weights (e.g. repacked for a kernel by the
+    hardware platform) that the weights changed: each ``weights_reloaded()`` rebuilds them."""
+    for module in model.modules():
+        hook = getattr(module, "weights_reloaded", None)
+        if hook is not None:
+            hook()

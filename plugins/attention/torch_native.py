@@ -7,10 +7,11 @@ Index tensors are built once per step in ``prepare`` and reused by every layer. 
 with ``index_select`` (about 3x faster than advanced indexing on CPU) and query heads are grouped
 by their KV head, so GQA never repeats K/V in memory.
 
-On CPU a small decode attention (at most SERIAL_DECODE_TOKENS keys over the batch) runs on one
-thread: split over the intra-op pool, each call paid ~110 us of waking the other thread between
-the layer's other ops (SmolLM2 at batch 1 on a 2-core AVX2 VM, in the engine: 153-181 us a call
-on 2 threads, 62-65 on one, where SDPA alone takes ~50 either way).
+On CPU a small decode attention (at most SERIAL_DECODE_TOKENS keys over the batch: its KV store,
+gather and SDPA) runs on one thread. Split over the intra-op pool, each of those ops paid ~110 us
+of waking the other thread between the layer's other ops (SmolLM2 at batch 1 on a 2-core AVX2
+VM, in the engine: SDPA 153-181 us a call on 2 threads, 62-65 on one, ~50 in a loop of its own;
+a 200-row gather 182 us against 12).
 
 Per-layer options (keywords of ``forward``, all off by default): ``sliding_window`` W (a token at
 position p sees keys at positions p - W + 1 .. p, transformers' convention), ``logit_softcap`` c
@@ -63,14 +64,14 @@ class TorchNativeAttention(AttentionBackend):
         self._decode_lens: torch.Tensor | None = None
         self._decode_windowed: dict[int, torch.Tensor] = {}
         self._extends: list[_Extend] = []
-        self._serial_threads = 0  # >0: the decode attention runs on one thread, then these
+        self._one_thread = _OneThread()  # small decode attentions run on one thread
 
     def prepare(self, batch: ForwardBatch) -> None:
         nd = batch.num_decode
         rows = batch.req_pool_indices
         self._decode_slots = self._decode_mask = self._decode_lens = self._decode_run = None
         self._decode_windowed = {}
-        self._serial_threads = 0
+        self._one_thread.threads = 0
         if nd:
             lens = batch.seq_lens[:nd]
             max_len = max(lens)
@@ -85,7 +86,7 @@ class TorchNativeAttention(AttentionBackend):
             self._decode_lens = lens_t
             threads = torch.get_num_threads() if self._in_place else 1
             serial = threads > 1 and nd * max_len <= SERIAL_DECODE_TOKENS
-            self._serial_threads = threads if serial else 0
+            self._one_thread.threads = threads if serial else 0
         self._extends = []
         start = nd
         for i in range(nd, batch.batch_size):
@@ -138,36 +139,18 @@ class TorchNativeAttention(AttentionBackend):
         logit_softcap: float = 0.0,
         scale: float | None = None,
     ) -> torch.Tensor:
-        pool = self.kv_pool
-        pool.store(layer_id, batch.out_cache_loc, k, v)
-        k_buf, v_buf = pool.k[layer_id], pool.v[layer_id]
         scale = self.scale if scale is None else scale
-        run = self._decode_run
-        if run is not None and batch.batch_size == 1 and not (sliding_window or logit_softcap):
-            # One decode over consecutive slots (one user on CPU): SDPA over the pool itself,
-            # with none of the general path's buffers and copies.
-            kd, vd = k_buf[run][None].transpose(1, 2), v_buf[run][None].transpose(1, 2)
-            qd = q.view(1, self.num_kv_heads, self.group, q.shape[-1])
-            return self._decode_sdpa(qd, kd, vd, None, scale).view(1, -1)
-        out = torch.empty_like(q)
         nd = batch.num_decode
+        if nd == batch.batch_size:  # decodes only: the KV store too is a small op
+            with self._one_thread:
+                self.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
+                return self._decodes(q, layer_id, sliding_window, logit_softcap, scale).flatten(1)
+        self.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
+        out = torch.empty_like(q)
         if nd:
-            kvh, d = self.num_kv_heads, q.shape[-1]
-            if self._decode_run is not None:  # read the pool in place
-                run = self._decode_run
-                kd, vd = k_buf[run][None].transpose(1, 2), v_buf[run][None].transpose(1, 2)
-            else:
-                assert self._decode_slots is not None
-                kd = _gather(k_buf, self._decode_slots).view(nd, -1, kvh, d).transpose(1, 2)
-                vd = _gather(v_buf, self._decode_slots).view(nd, -1, kvh, d).transpose(1, 2)
-            # [B, H, d] -> [B, kvh, group, d]: HF's GQA maps query head h to KV head h // group
-            qd = q[:nd].view(nd, kvh, self.group, d)
-            mask = self._decode_mask_for(sliding_window) if sliding_window else self._decode_mask
-            if logit_softcap:
-                od = _softcapped_attention(qd, kd, vd, mask, scale, logit_softcap)
-            else:
-                od = self._decode_sdpa(qd, kd, vd, mask, scale)
-            out[:nd] = od.reshape(nd, -1, d)
+            with self._one_thread:
+                out[:nd] = self._decodes(q[:nd], layer_id, sliding_window, logit_softcap, scale)
+        k_buf, v_buf = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
         for ext in self._extends:
             qe = q[ext.start : ext.end].transpose(0, 1)  # [H, n, d]
             ke = _gather(k_buf, ext.kv_slots).transpose(0, 1)  # [kvh, L, d]
@@ -194,19 +177,47 @@ class TorchNativeAttention(AttentionBackend):
             out[ext.start : ext.end] = oe.transpose(0, 1)
         return out.flatten(1)
 
-
-    def _decode_sdpa(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+    def _decodes(
+        self, q: torch.Tensor, layer_id: int, sliding_window: int, logit_softcap: float,
         scale: float,
     ) -> torch.Tensor:  # fmt: skip
-        threads = self._serial_threads
-        if not threads:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        torch.set_num_threads(1)
-        try:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        finally:
-            torch.set_num_threads(threads)
+        """[nd, H, d]: the attention of the step's decodes (their KV already stored)."""
+        nd, d = q.shape[0], q.shape[-1]
+        kvh = self.num_kv_heads
+        k_buf, v_buf = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
+        run = self._decode_run
+        if run is not None:  # read the pool in place
+            kd, vd = k_buf[run][None].transpose(1, 2), v_buf[run][None].transpose(1, 2)
+        else:
+            assert self._decode_slots is not None
+            kd = _gather(k_buf, self._decode_slots).view(nd, -1, kvh, d).transpose(1, 2)
+            vd = _gather(v_buf, self._decode_slots).view(nd, -1, kvh, d).transpose(1, 2)
+        # [B, H, d] -> [B, kvh, group, d]: HF's GQA maps query head h to KV head h // group
+        qd = q.view(nd, kvh, self.group, d)
+        mask = self._decode_mask_for(sliding_window) if sliding_window else self._decode_mask
+        if logit_softcap:
+            od = _softcapped_attention(qd, kd, vd, mask, scale, logit_softcap)
+        else:
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
+        return od.reshape(nd, -1, d)
+
+
+class _OneThread:
+    """Inside: torch's intra-op pool set to one thread, restored after (``threads`` 0: left
+    alone)."""
+
+    __slots__ = ("threads",)
+
+    def __init__(self) -> None:
+        self.threads = 0
+
+    def __enter__(self) -> None:
+        if self.threads:
+            torch.set_num_threads(1)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)
 
 
 def _gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

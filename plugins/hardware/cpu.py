@@ -4,6 +4,7 @@ weight-only quantization on torch's CPU kernels, and a core left to the server's
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from typing import Any
 
@@ -12,6 +13,8 @@ import torch
 from radixserve.core.config import ModelConfig
 from radixserve.core.hookspecs import hookimpl
 from radixserve.core.interfaces import CausalLM, HardwarePlatform
+
+logger = logging.getLogger(__name__)
 
 
 class CpuPlatform(HardwarePlatform):
@@ -45,6 +48,16 @@ class CpuPlatform(HardwarePlatform):
     def kv_cache_bytes(self, weight_bytes: int, mem_fraction: float) -> int:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return max(int(total * mem_fraction) - weight_bytes, 0)
+
+    def prepare_model(self, model: CausalLM, config: Any) -> None:
+        # float32 linears of several rows multiply by oneDNN's packed weights (cpu_linear.py)
+        from radixserve.plugins.hardware.cpu_linear import pack_linears, packed_linears_unavailable
+
+        reason = packed_linears_unavailable(model, config)
+        if reason is None:
+            logger.debug("packed %d linear layers for oneDNN", pack_linears(model))
+        else:
+            logger.debug("linear layers stay on MKL: %s", reason)
 
     def quantize_model(self, model: CausalLM, method: str) -> None:
         # torch's own CPU weight-only kernels (int8 per row, int4 in groups of 32)
