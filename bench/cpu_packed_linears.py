@@ -75,8 +75,8 @@ def main() -> None:
             same = total = 0
             for r in tqdm(range(args.rounds), desc=f"batch {batch}", leave=False):
                 # fresh prompts each round and engine: no prefix-cache hits across runs
-                prompts = [f"Round {r}, text {i}: tell me about the sea, the boats and the "
-                           f"lighthouse at the end of the harbour." for i in range(batch)]  # fmt: skip
+                text = "tell me about the sea, the boats and the lighthouse of the harbour."
+                prompts = [f"Round {r}, text {i}: {text}" for i in range(batch)]
                 outs = {}
                 order = list(engines) if r % 2 == 0 else list(reversed(engines))
                 for name in order:
