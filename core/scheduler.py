@@ -156,6 +156,9 @@ class Scheduler:
         self.stop_checker = stop_checker
         self.grammar = grammar or GrammarStepper(stop_checker.tokenizer, jump_forward=False)
         self.speculator = speculator
+        # paused requests verifying filler only this step (uniform_drafts): not judged, not
+        # counted in the accept statistics, so their pause runs its course
+        self._filler_only: set[str] = set()
         self.waiting: deque[Req] = deque()
         # Requests ended outside any batch (the KV pool cannot hold them); see pop_ended().
         self.ended: list[Req] = []
@@ -393,7 +396,8 @@ class Scheduler:
             if i in batch.drafts:
                 assert isinstance(token, list), "a verify entry samples a list of tokens"
                 self._commit_verified(req, batch.extend_lens[i], token)
-                verified.append((req, batch.extend_lens[i] - 1, len(token) - 1))
+                if req.rid not in self._filler_only:
+                    verified.append((req, batch.extend_lens[i] - 1, len(token) - 1))
             elif token is not None:
                 req.num_pending -= 1
                 self._append_sampled(req, *token)
@@ -493,11 +497,13 @@ class Scheduler:
             logger.exception("speculative plugin '%s' failed to propose", self.speculator.name)
             drafts = [Draft([]) for _ in reqs]
         if self.config.uniform_drafts:
+            self._filler_only.clear()
             for req, limit in paused:  # they verify filler only: the step keeps one shape
                 if self._alloc_draft_slots(req, limit):
                     reqs.append(req)
                     limits.append(limit)
                     drafts.append(Draft([]))
+                    self._filler_only.add(req.rid)
             drafts = [_padded(r, n, d) for r, n, d in zip(reqs, limits, drafts, strict=True)]
         out = {}
         for req, limit, draft in zip(reqs, limits, drafts, strict=True):

@@ -1,8 +1,8 @@
 """Drafts padded to one length (``SchedulerConfig.uniform_drafts``, set where the step executor
 replays verify graphs of one length, i.e. CUDA): every request of a speculating step verifies
 the step's full draft length, whether its n-gram lookup found a shorter draft, none at all, or
-the request is paused; and greedy outputs still equal speculation off. Checked on the CPU with
-the setting forced on."""
+the request is paused (its filler then counts in no accept statistic); and greedy outputs still
+equal speculation off. Checked on the CPU with the setting forced on."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ PROMPTS = [
 ]
 
 
-def _generate(model: Path, uniform: bool, **kw: Any) -> list[list[int]]:
+def _generate(model: Path, uniform: bool, **kw: Any) -> tuple[list[list[int]], dict]:
     with Engine(
         str(model), plugins=["attention=torch_native", "hardware=cpu"], dtype="float32",
         debug_leak_check=True, **kw,
@@ -35,13 +35,13 @@ def _generate(model: Path, uniform: bool, **kw: Any) -> list[list[int]]:
         scheduler.config = dataclasses.replace(scheduler.config, uniform_drafts=uniform)
         params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
         out = engine.generate(input_ids=PROMPTS, sampling_params=params)
-        return [o["output_ids"] for o in out]
+        return [o["output_ids"] for o in out], engine.core.spec_stats()
 
 
 def test_every_request_of_a_speculating_step_verifies_the_full_length(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    reference = _generate(tiny_llama_dir, uniform=False)
+    reference, _ = _generate(tiny_llama_dir, uniform=False)
 
     wants, calls = Speculator.wants, {"n": 0}
 
@@ -52,12 +52,13 @@ def test_every_request_of_a_speculating_step_verifies_the_full_length(
         return wants(self, req)
 
     draft = Scheduler._draft
-    checked = {"steps": 0}
+    checked = {"steps": 0, "own_drafts": 0}
 
     def checked_draft(self: Scheduler, decodes: list[Any]) -> Any:
         drafts = draft(self, decodes)
         if drafts:
             checked["steps"] += 1
+            checked["own_drafts"] += len(drafts) - len(self._filler_only)
             for req in decodes:
                 left = req.sampling.max_new_tokens - req.num_output_tokens
                 if left - 1 >= K and speculating(req):
@@ -66,9 +67,11 @@ def test_every_request_of_a_speculating_step_verifies_the_full_length(
 
     monkeypatch.setattr(Speculator, "wants", paused_every_other_step)
     monkeypatch.setattr(Scheduler, "_draft", checked_draft)
-    outputs = _generate(
+    outputs, stats = _generate(
         tiny_llama_dir, uniform=True, speculative_algorithm="NGRAM",
         speculative_num_steps=K, speculative_disable_pause=True,
     )  # fmt: skip
     assert checked["steps"] >= 5
     assert outputs == reference
+    # a paused request's filler is verified, but neither judged nor counted as its drafts
+    assert stats["verified_requests"] == checked["own_drafts"], (stats, checked)
