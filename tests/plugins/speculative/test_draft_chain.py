@@ -20,7 +20,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 
 # These tests run the graphs' functions eagerly on CPU tensors; on a CUDA device
-# tests/plugins/hardware/test_cuda_speculative.py captures and replays the standalone drafter's real graphs.
+# tests/plugins/hardware/test_cuda_speculative.py captures and replays the standalone
+# drafter's real graphs.
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU emulation of the graphs")
 
 from radixserve import Engine  # noqa: E402
