@@ -57,8 +57,9 @@ class TorchNativeAttention(AttentionBackend):
         self.num_kv_heads = model_config.num_kv_heads
         self.group = model_config.num_heads // model_config.num_kv_heads
         self._decode_slots: torch.Tensor | None = None
-        # NOTE: CPU only: a CUDA graph captured over a slice would replay the same slice.
-        self._in_place = torch.device(device).type == "cpu"
+        # CPU only: reading a lone decode's KV in place (a CUDA graph captured over a slice
+        # would replay the same slice), and small decode attentions on one thread.
+        self._on_cpu = torch.device(device).type == "cpu"
         self._decode_run: slice | None = None  # a lone decode's slots, when consecutive
         self._decode_mask: torch.Tensor | None = None
         self._decode_lens: torch.Tensor | None = None
@@ -76,7 +77,7 @@ class TorchNativeAttention(AttentionBackend):
             lens = batch.seq_lens[:nd]
             max_len = max(lens)
             table = batch.req_to_token[rows[:nd], :max_len]
-            self._decode_run = _slot_run(table) if nd == 1 and self._in_place else None
+            self._decode_run = _slot_run(table) if nd == 1 and self._on_cpu else None
             if self._decode_run is None:
                 self._decode_slots = table.flatten().to(self.device)
             lens_t = torch.tensor(lens, device=self.device)
@@ -84,7 +85,7 @@ class TorchNativeAttention(AttentionBackend):
                 mask = torch.arange(max_len, device=self.device)[None, :] < lens_t[:, None]
                 self._decode_mask = mask[:, None, None, :]
             self._decode_lens = lens_t
-            threads = torch.get_num_threads() if self._in_place else 1
+            threads = torch.get_num_threads() if self._on_cpu else 1
             serial = threads > 1 and nd * max_len <= SERIAL_DECODE_TOKENS
             self._one_thread.threads = threads if serial else 0
         self._extends = []

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from radixserve.core.config import ModelConfig
+from radixserve.core.config import EngineConfig, ModelConfig
 from radixserve.core.hookspecs import hookimpl
 from radixserve.core.interfaces import CausalLM, HardwarePlatform
 
@@ -49,7 +49,7 @@ class CpuPlatform(HardwarePlatform):
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return max(int(total * mem_fraction) - weight_bytes, 0)
 
-    def prepare_model(self, model: CausalLM, config: Any) -> None:
+    def prepare_model(self, model: CausalLM, config: EngineConfig) -> None:
         # float32 linears of several rows multiply by oneDNN's packed weights (cpu_linear.py)
         from radixserve.plugins.hardware.cpu_linear import pack_linears, packed_linears_unavailable
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.core.config import EngineConfig
 from radixserve.plugins.models.parallel_layers import RowParallelLinear
 
 #: rows the packed layout is tuned for (a decode batch; it serves every count, best near it)
@@ -73,15 +74,15 @@ class PackedHead(nn.Module):
         return _packed_linear(h, self.packed, None)
 
 
-def packed_linears_unavailable(model: nn.Module, config: object) -> str | None:
+def packed_linears_unavailable(model: nn.Module, config: EngineConfig) -> str | None:
     """Why the model's linears stay on MKL here, or None when they can be packed."""
     if not torch.backends.mkldnn.is_available():
         return "this torch has no oneDNN"
-    if getattr(config, "enable_torch_compile", False):
+    if config.enable_torch_compile:
         return "--enable-torch-compile compiles the linears itself"
-    if getattr(config, "quantization", None) is not None:
+    if config.quantization is not None:
         return "the linears are quantized"
-    if getattr(config, "tp_size", 1) != 1:
+    if config.tp_size != 1:
         return "tensor parallelism all-reduces inside the row-parallel layers"
     layers = getattr(model, "layers", None)
     if layers is None or not hasattr(model, "head") or model.head is not None:
