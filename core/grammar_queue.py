@@ -73,8 +73,10 @@ class GrammarQueue:
         self._make_backend = make_backend
         self._backend: GrammarBackend | None = None
         self._backend_lock = threading.Lock()
-        # Building the backend (once) does not count against a request's timeout.
+        # Building the backend (once) does not count against a request's timeout, nor does
+        # starting a sandbox (a first one, or one replacing a sandbox a runaway ended).
         self._backend_ready = math.inf
+        self._sandboxes_starting = 0
         self._cache: OrderedDict[GrammarKey, _Compile] = OrderedDict()
         self._cache_lock = threading.Lock()  # done-callbacks run on the worker threads
         self._pending: list[_Pending] = []
@@ -145,10 +147,15 @@ class GrammarQueue:
         with self._cache_lock:
             box = self._idle_sandboxes.pop() if self._idle_sandboxes else None
         if box is None:
-            box = GrammarSandbox(sandbox)
-            self.backend  # noqa: B018 - built now too: neither start-up counts against a timeout
             with self._backend_lock:
-                self._backend_ready = time.monotonic()
+                self._sandboxes_starting += 1
+            try:
+                box = GrammarSandbox(sandbox)
+                self.backend  # noqa: B018 - built now too: no start-up counts against a timeout
+            finally:
+                with self._backend_lock:
+                    self._sandboxes_starting -= 1
+                    self._backend_ready = time.monotonic()
         try:
             return box.probe(kind, spec, self.timeout_s)
         finally:
@@ -203,7 +210,10 @@ class GrammarQueue:
         return ready, failed
 
     def _deadline(self, p: _Pending) -> float:
-        # Building the backend (once) does not count against a request's timeout.
+        # Building the backend or starting a sandbox does not count against a request's
+        # timeout: none is due while one starts (its own start is bounded, START_TIMEOUT_S).
+        if self._sandboxes_starting:
+            return math.inf
         return max(p.deadline, self._backend_ready + self.timeout_s)
 
     @staticmethod

@@ -223,3 +223,49 @@ def test_the_cache_is_bounded_by_the_compiled_grammars_size(
     queue.submit(req("again", "a0"))  # left the cache: compiled anew
     drain(queue, 1)
     assert backend.compiled.count("a0") == 2
+
+
+class HeldSandbox:
+    """Stands in for GrammarSandbox: a start that waits for the test (``starts``) and a probe
+    that a spec named "runaway" ends as a sandbox past its limits does."""
+
+    starts: list[threading.Event] = []
+    starting = threading.Event()  # set once a held start has begun
+
+    def __init__(self, spec: Any) -> None:
+        self.alive = True
+        if HeldSandbox.starts:
+            HeldSandbox.starting.set()
+            HeldSandbox.starts.pop(0).wait(HANG_GUARD_S)
+
+    def probe(self, kind: str, spec: str, timeout_s: float) -> int:
+        if spec == "runaway":
+            self.alive = False
+            raise grammar_queue.SandboxRefused("it did not compile in time; stopped")
+        return 0
+
+
+def test_starting_a_sandbox_that_replaces_a_stopped_one_does_not_count_against_a_timeout(
+    backend: FakeBackend, clock: SplitClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A runaway ends its sandbox; the next spec waits for a new one to start (imports, on a
+    loaded machine, for seconds). However late the engine polls meanwhile, that request is not
+    refused; its timeout runs from when the sandbox is up."""
+    monkeypatch.setattr(grammar_queue, "GrammarSandbox", HeldSandbox)
+    queue = make_queue(backend, timeout_s=1.0)
+    queue.isolate(object())  # type: ignore[arg-type]
+    queue.submit(req("runaway", "runaway"))
+    _, failed = drain(queue, 1)
+    assert [r.rid for r in failed] == ["runaway"]
+    start = threading.Event()
+    HeldSandbox.starts = [start]
+    queue.submit(req("next", "x+"))  # its compile waits for the replacement sandbox
+    assert HeldSandbox.starting.wait(HANG_GUARD_S)
+    clock.engine = 100.0  # polled far past the request's own deadline while it starts
+    queue.wait(timeout_s=0.05)
+    ready, failed = queue.pop_done()
+    assert not ready and not failed
+    clock.worker = 100.0  # the replacement is up at t=100: the timeout runs from there
+    start.set()
+    ready, failed = drain(queue, 1)
+    assert [r.rid for r in ready] == ["next"] and not failed
