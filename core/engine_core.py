@@ -39,6 +39,7 @@ class InFlightStep(NamedTuple):
     launched: LaunchedStep
     launched_at: float  # time.perf_counter()
     scheduled_at: float  # when the step that launched it began (drafting included)
+    overlapped: bool  # launched while the previous step was still on the device
 
 
 class EngineCore:
@@ -312,10 +313,11 @@ class EngineCore:
         except Exception as e:  # noqa: BLE001 - a failing request must not end the engine
             return changed + self._fail_batch(batch, e)
         self.scheduler.advance(batch)
-        if self._in_flight is not None:
+        overlapped = self._in_flight is not None
+        if overlapped:
             self.overlapped_steps += 1
             changed += self._commit_in_flight()  # the device computes `batch` meanwhile
-        self._in_flight = InFlightStep(batch, launched, launched_at, start)
+        self._in_flight = InFlightStep(batch, launched, launched_at, start, overlapped)
         if not self.overlap:
             changed += self._commit_in_flight()
         if any(r.failed for r in batch.reqs):  # the sampler could not serve these alone
@@ -343,14 +345,24 @@ class EngineCore:
         now = time.perf_counter()
         spent = now - max(step.launched_at, self._last_result_at)
         batch = step.batch
-        if self.speculator is not None and len(batch.reqs) == batch.num_decode + len(batch.drafts):
-            # Only decodes (and verifies): what speculation costs against plain decoding, per
-            # step from its scheduling (drafting included) or, overlapped, the last result.
+        if self.speculator is not None and self._is_reference_step(step):
+            # What speculation costs against plain decoding, per step from its scheduling
+            # (drafting included) or, overlapped, the last result.
             cycle = now - max(step.scheduled_at, self._last_result_at)
             self.speculator.observe_step(bool(batch.drafts), len(batch.reqs), cycle)
         self._last_result_at = now
         self.scheduler.stats.by_kind[batch.kind].seconds += spent
         return changed
+
+    def _is_reference_step(self, step: InFlightStep) -> bool:
+        """Whether ``step`` measures a verify step or plain decoding for the speculation policy:
+        only decodes (and verifies); with the overlap schedule, a decode-only step counts only
+        when it overlapped the step before, as decoding does while no request drafts (one
+        launched alone after a verify step costs the host's work on top)."""
+        batch = step.batch
+        if len(batch.reqs) != batch.num_decode + len(batch.drafts):
+            return False
+        return bool(batch.drafts) or step.overlapped or not self.overlap
 
     def _drafts_next(self) -> bool:
         """Whether the next step may draft for a running request, which needs its last token

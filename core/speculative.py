@@ -55,6 +55,11 @@ _FIRST_PAUSE, _MAX_PAUSE = 4, 64
 #: much more than two decode steps their verify costs (on an H200 the default model's verify
 #: steps took 3.3x a decode step, and EAGLE-3 ran at half the speed of speculation off).
 _DECODE_PROBES = 3
+#: Steps a probe pauses: with the overlap schedule the first decode step after a verify step
+#: runs alone (the verify's tokens were read first), and only the later ones show what
+#: decoding costs when it overlaps the host (on an H200, ~1.0 ms a step for the default model
+#: where one alone took ~1.5 ms, which let drafts gaining 2.1 tokens keep a 3 ms verify).
+_PROBE_STEPS = 3
 
 
 @dataclass(slots=True)
@@ -173,7 +178,7 @@ class Speculator:
         else:
             payoff.gain += _EMA * (gained - payoff.gain)
         if (False, batch_size) not in self._step_time and self._probe(batch_size):
-            payoff.paused = max(payoff.paused, 1)
+            payoff.paused = max(payoff.paused, _PROBE_STEPS)
             return
         # With no decode step measured yet, a pause is what measures one.
         needed = self._break_even(batch_size) or 1.0 + 1e-9

@@ -61,18 +61,20 @@ def test_a_request_whose_drafts_do_not_pay_pauses_with_doubling_pauses() -> None
     assert spec.wants(poor)
 
 
-def test_a_batch_size_with_no_decode_step_measured_pauses_once_to_measure_one() -> None:
+def test_a_batch_size_with_no_decode_step_measured_pauses_to_measure_one() -> None:
     """Drafts that always gain 2 tokens never pause by the gain rule alone: the requests of a
-    verify step at a batch size with no decode step measured pause together for one step (a
-    decode-only step, which measures one), at most three times per size; once measured, a
-    verify step costing three decode steps makes gains of 2 pause."""
+    verify step at a batch size with no decode step measured pause together for three steps
+    (decode-only steps, the later of which overlap as plain decoding does, and measure it), at
+    most three times per size; once measured, a verify step costing three decode steps makes
+    gains of 2 pause."""
     spec = _speculator()
     a, b = _req("a"), _req("b")
     spec.verified([a, b], [4, 4], [1, 1], batch_size=2)
-    assert _pauses(spec, a, 2) == _pauses(spec, b, 2) == [False, True]  # paused together
+    probe = [False, False, False, True]
+    assert _pauses(spec, a, 4) == _pauses(spec, b, 4) == probe  # paused together
     for probed in (True, True, False):  # probes two and three, then no more
         spec.verified([a, b], [4, 4], [1, 1], batch_size=2)
-        assert _pauses(spec, a, 1) == [not probed]
+        assert _pauses(spec, a, 4) == (probe if probed else [True] * 4)
     spec.observe_step(False, 1, 0.010)  # batch 1: a decode step measured ...
     spec.observe_step(True, 1, 0.030)  # ... and a verify costing three
     spec.verified([a], [4], [1], batch_size=1)
@@ -173,3 +175,31 @@ def test_pending_drafts_are_cut_to_the_limit_and_read_with_the_verify_result() -
     assert draft.pending is None and draft.tokens == [5, 6, 60]
     assert [[t for t, _, _ in e] for e in emitted] == [[5, 9], [7]]
     assert read_pending([None, Draft([1])], torch.tensor([4, 2])) == [4, 2]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_plain_decoding_is_measured_by_steps_that_overlapped_under_the_overlap_schedule(
+    overlap: bool,
+) -> None:
+    """The policy's decode reference is plain decoding's step cycle. Under the overlap schedule
+    a decode-only step launched alone (the first after a verify step) also carries the host's
+    work, so it does not count; without overlap every step runs alone and all count. Verify
+    steps always count, steps with a prefill never do."""
+    from types import SimpleNamespace
+
+    from radixserve.core.engine_core import EngineCore, InFlightStep
+
+    def step(decodes: int, drafts: int, prefills: int, overlapped: bool) -> InFlightStep:
+        batch = SimpleNamespace(
+            reqs=[object()] * (decodes + drafts + prefills),
+            num_decode=decodes,
+            drafts={i: Draft([1]) for i in range(drafts)},
+        )
+        return InFlightStep(batch, None, 0.0, 0.0, overlapped)  # type: ignore[arg-type]
+
+    core = SimpleNamespace(overlap=overlap)
+    counts = lambda s: EngineCore._is_reference_step(core, s)  # noqa: E731
+    assert counts(step(4, 0, 0, overlapped=True))
+    assert counts(step(4, 0, 0, overlapped=False)) is not overlap
+    assert counts(step(2, 2, 0, overlapped=False))
+    assert not counts(step(3, 0, 1, overlapped=True))
