@@ -51,6 +51,7 @@ FORMATS: dict[str, dict[str, str]] = {
     "bfloat16": {"dtype": "bfloat16"},
     "int8wo": {"dtype": "float32", "quantization": "int8wo"},
     "int4wo": {"dtype": "float32", "quantization": "int4wo"},
+    "w8a8_int8": {"dtype": "float32", "quantization": "w8a8_int8"},
     "bfloat16+int8wo": {"dtype": "bfloat16", "quantization": "int8wo"},
     "bfloat16+int4wo": {"dtype": "bfloat16", "quantization": "int4wo"},
 }

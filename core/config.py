@@ -91,9 +91,10 @@ class EngineConfig:
     dtype: str = _opt("auto", "Weight and KV dtype: auto, float32, bfloat16, float16")
     quantization: str | None = _opt(
         None,
-        "Weight-only quantization of the linear layers at load: int8wo (int8, a scale per "
-        "row) or int4wo (4-bit groups of 32 with scale and zero, the layout of GGUF Q4_1); "
-        "activations run in bfloat16 there. Default: none (the weights as loaded)",
+        "Quantization of the linear layers at load: int8wo (int8, a scale per row) or int4wo "
+        "(4-bit groups of 32 with scale and zero, the layout of GGUF Q4_1), both weight-only "
+        "with bfloat16 activations; or w8a8_int8 (int8 weights and int8 activations "
+        "quantized per step, on fbgemm). Default: none (the weights as loaded)",
     )
     context_length: int | None = _opt(None, "Maximum tokens per request (prompt + output)")
     max_running_requests: int | None = _opt(
@@ -479,5 +480,9 @@ PAGE_SIZES = tuple(1 << i for i in range(9))  # 1 .. 256
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("int8wo", "int4wo")  # the hardware platform runs them (quantize_model)
+QUANTIZATIONS = (
+    "int8wo",
+    "int4wo",
+    "w8a8_int8",
+)  # the hardware platform runs them (quantize_model)
 DISAGGREGATION_MODES = ("null", "prefill", "decode")

@@ -11,8 +11,17 @@ float weights):
             get back the file's own 4-bit codes, with d and the kernel's zero point (m + 8 d)
             rounded to bf16 (an error far below one code step).
 
-Both kernels run with bfloat16 activations (with float32 ones they fall back to slow paths):
-a quantized layer casts its input to bfloat16 and its output back to the model's dtype.
+``w8a8_int8``  int8 weights, one symmetric scale per output row, and int8 activations
+            quantized per step with one scale per tensor (SGLang's name for the scheme);
+            fbgemm's dynamic quantized linear (``quantized.linear_dynamic``), which on an
+            AVX2 CPU multiplies int8 by int8 in integer arithmetic where the weight-only
+            kernels convert every weight to float. Not weight-only: the activations' rounding
+            (7 bits, fbgemm's reduced range) is an error of its own, reported beside the others
+            in docs/BENCHMARKS.md. It takes float32 activations; on the 2-core AVX2 VM it
+            was not faster than ``int4wo`` end to end (docs/BENCHMARKS.md).
+
+The weight-only kernels run with bfloat16 activations (with float32 ones they fall back to slow
+paths): such a layer casts its input to bfloat16 and its output back to the model's dtype.
 Quantization happens once, on the loaded float weights; nothing is dequantized per step.
 
 The kernels pay off where a step reads the weights for a few rows (decoding): they are
@@ -32,6 +41,8 @@ weights in full.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import nn
@@ -72,6 +83,9 @@ class QuantizedLinear(nn.Module):
         """Whether the kernel takes this layer's shape (one that does not stays in float)."""
         return True
 
+    #: the activation dtype the kernel is fast with
+    activation_dtype = _ACT
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -81,7 +95,7 @@ class QuantizedLinear(nn.Module):
         if self.dense is not None and rows.shape[0] >= DENSE_MIN_ROWS:
             out = torch.nn.functional.linear(rows.to(self.dense.dtype), self.dense).to(x.dtype)
         else:
-            out = self.matmul(rows.to(_ACT)).to(x.dtype)
+            out = self.matmul(rows.to(self.activation_dtype)).to(x.dtype)
         out = out.view(*shape[:-1], self.out_features)
         if self.tp is not None and self.tp.size > 1:
             out = self.tp.all_reduce(out)
@@ -100,6 +114,59 @@ class Int8Linear(QuantizedLinear):
 
     def dequantized(self) -> torch.Tensor:
         return self.qweight.float() * self.scales.float()[:, None]
+
+
+class Int8DynamicLinear(QuantizedLinear):
+    """int8 weights and dynamically quantized int8 activations on fbgemm (torch's own CPU
+    quantized backend). fbgemm packs the weights once, for its own blocked layout."""
+
+    activation_dtype = torch.float32
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        q, scales = quantize_int8(linear.weight.data)
+        self.scales = scales.float()
+        with warnings.catch_warnings():  # quantized tensors are deprecated, fbgemm is not
+            warnings.simplefilter("ignore", UserWarning)
+            qweight = torch._make_per_channel_quantized_tensor(
+                q, self.scales.double(), torch.zeros_like(self.scales, dtype=torch.long), 0
+            )
+        self._codes: torch.Tensor | None = q  # for keep_dense, then dropped
+        self.packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self._key = _register_packed(self.packed)
+
+    def dequantized(self) -> torch.Tensor:
+        assert self._codes is not None, "the int8 codes are kept only until keep_dense"
+        return self._codes.float() * self.scales[:, None]
+
+    def keep_dense(self) -> None:
+        super().keep_dense()
+        self._codes = None
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.radixserve.w8a8_int8_linear(x, self._key, self.out_features)
+
+
+# torch.compile cannot trace fbgemm's packed weights (a TorchScript object), so the product is
+# an opaque custom op that finds them by a key: compiled graphs call it like any extern kernel.
+_PACKED: dict[int, object] = {}
+
+
+def _register_packed(packed: object) -> int:
+    key = len(_PACKED)
+    _PACKED[key] = packed
+    return key
+
+
+@torch.library.custom_op("radixserve::w8a8_int8_linear", mutates_args=())
+def _w8a8_int8_linear(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    # reduce_range: 7-bit activations, so AVX2's 16-bit pairwise sums cannot saturate
+    return torch.ops.quantized.linear_dynamic(x, _PACKED[key], True)
+
+
+@_w8a8_int8_linear.register_fake
+def _(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
 
 
 class Int4Linear(QuantizedLinear):
@@ -204,7 +271,11 @@ def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     return q.view(out_f, in_f).to(torch.int32), scale_zero
 
 
-_METHODS: dict[str, type[QuantizedLinear]] = {"int8wo": Int8Linear, "int4wo": Int4Linear}
+_METHODS: dict[str, type[QuantizedLinear]] = {
+    "int8wo": Int8Linear,
+    "int4wo": Int4Linear,
+    "w8a8_int8": Int8DynamicLinear,
+}
 
 
 def quantize_model(model: nn.Module, method: str) -> int:
