@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from radixserve.core.interfaces import Draft, SpeculativeAlgorithm
-from radixserve.core.request import Req, SamplingParams
+from radixserve.core.request import Req, ReqState, SamplingParams
 from radixserve.core.speculative import FULL_DRAFT_BATCH, Speculator, read_pending, verify_drafts
 
 
@@ -203,3 +203,23 @@ def test_plain_decoding_is_measured_by_steps_that_overlapped_under_the_overlap_s
     assert counts(step(4, 0, 0, overlapped=False)) is not overlap
     assert counts(step(2, 2, 0, overlapped=False))
     assert not counts(step(3, 0, 1, overlapped=True))
+
+
+def test_a_new_request_starts_paused_while_the_last_judged_one_did_not_pay() -> None:
+    """Requests of one workload gain alike: after a request's drafts did not pay, the next
+    request starts paused (half the last pause), not from a fresh retry; after one paid, a
+    new request drafts at once."""
+    spec = _speculator()
+    spec.observe_step(False, 1, 0.010)
+    spec.observe_step(True, 1, 0.030)  # a verify costs three decodes
+    first = _req("first")
+    for _ in range(3):  # gains 1 token a verify: pauses of 4, then 8, then 16
+        spec.verified([first], [4], [0], batch_size=1)
+    second, third = _req("second"), _req("third")
+    for req in (second, third):
+        req.state = ReqState.DECODE
+    assert not spec.may_draft(second)
+    assert _pauses(spec, second, 17) == [False] * 16 + [True]  # half of the next pause, 32
+    rich = _req("rich")
+    spec.verified([rich], [4], [4], batch_size=1)  # gains 5: pays
+    assert spec.may_draft(third) and spec.wants(third)
