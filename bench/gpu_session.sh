@@ -39,6 +39,7 @@ while [ $# -gt 0 ]; do
     fi
     if [ "$job" = spec-equiv ]; then  # issue 15: greedy equivalence, the mixed set, float32
         python3 -m pytest -q -p no:cacheprovider tests/entrypoints/test_speculative_equivalence.py \
+            tests/entrypoints/test_speculative_equivalence_heads.py \
             -k "eagle or dflash" 2>&1 | tee "$OUT/spec-equiv.log" | tail -15
         continue
     fi

@@ -12,6 +12,21 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
+
+def _pin_to_this_workers_cores() -> None:
+    """Under pytest-xdist, each worker (and every engine or server it starts, which inherit
+    it) runs on its own share of the cores: engines size their thread pools from the affinity,
+    so two workers' engines do not each spin a thread on every core."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = sorted(os.sched_getaffinity(0))
+    if not worker.startswith("gw") or count < 2 or len(cores) < count:
+        return
+    os.sched_setaffinity(0, cores[int(worker[2:]) :: count])
+
+
+_pin_to_this_workers_cores()
+
 from tiny_models import make_tiny_llama_dir  # noqa: E402
 
 
