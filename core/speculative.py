@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 import os
 import random
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -45,8 +47,12 @@ SampledToken = tuple[int, float | None, TopLogprobs | None]
 
 #: Batch size up to which every request drafts the full length; beyond it the length shrinks.
 FULL_DRAFT_BATCH = 8
-#: Smoothing of the per-request gain and of step times (weight of the newest observation).
+#: Smoothing of the per-request gain (weight of the newest observation).
 _EMA = 0.3
+#: Step times are the median of the last this many of their kind and batch size: a one-off
+#: step (a kernel compiled for a new shape took 1.3 s on the H200, where verify steps take
+#: ~2.5 ms) must not make speculation look unprofitable for the next hundred verify steps.
+_STEP_WINDOW = 15
 #: A request whose speculation does not pay is paused this many steps at first, doubling up to
 #: the maximum while it keeps not paying.
 _FIRST_PAUSE, _MAX_PAUSE = 4, 64
@@ -127,10 +133,11 @@ class Speculator:
         self.stats = SpecStats()
         self._payoff: dict[str, _Payoff] = {}
         self.pause_unprofitable = pause_unprofitable
-        # Smoothed seconds of pure decode and pure verify steps, per batch size: their ratio
+        # Recent (median) seconds of pure decode and pure verify steps, per batch size: their ratio
         # is what a verify step must gain to pay (measured, as it differs by device: a CPU
         # verifies 5 tokens at ~1.8x a decode, a GPU at ~1.0x).
         self._step_time: dict[tuple[bool, int], float] = {}
+        self._step_samples: dict[tuple[bool, int], deque[float]] = {}
         self._probes: dict[int, int] = {}  # batch size -> steps paused to measure its decode
         self._probe_step: int | None = None  # the verify step whose requests probe
         self._last_verdict: _Payoff | None = None  # the last request judged, as judged
@@ -180,8 +187,9 @@ class Speculator:
     def observe_step(self, verify: bool, batch_size: int, seconds: float) -> None:
         """A step with only decodes (or only decodes and verifies, ``verify``) took this long."""
         key = (verify, batch_size)
-        old = self._step_time.get(key)
-        self._step_time[key] = seconds if old is None else old + _EMA * (seconds - old)
+        samples = self._step_samples.setdefault(key, deque(maxlen=_STEP_WINDOW))
+        samples.append(seconds)
+        self._step_time[key] = statistics.median(samples)
 
     def _break_even(self, batch_size: int) -> float | None:
         """Tokens a verify step must yield to beat decoding, once both were measured."""

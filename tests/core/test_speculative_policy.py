@@ -223,3 +223,15 @@ def test_a_new_request_starts_paused_while_the_last_judged_one_did_not_pay() -> 
     rich = _req("rich")
     spec.verified([rich], [4], [4], batch_size=1)  # gains 5: pays
     assert spec.may_draft(third) and spec.wants(third)
+
+
+def test_a_one_off_slow_verify_step_does_not_make_drafts_look_unprofitable() -> None:
+    """Step times are a recent median: one verify step that took 100 decode steps (a kernel
+    compiled for its shape) leaves drafts gaining 3 tokens at a 2-decode verify paying."""
+    spec = _speculator()
+    spec.observe_step(False, 1, 0.010)
+    for seconds in (0.020, 1.0, 0.020):
+        spec.observe_step(True, 1, seconds)
+    req = _req()
+    spec.verified([req], [4], [2], batch_size=1)
+    assert spec.wants(req)
