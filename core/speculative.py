@@ -186,7 +186,7 @@ class Speculator:
 
     def observe_step(self, verify: bool, batch_size: int, seconds: float) -> None:
         """A step with only decodes (or only decodes and verifies, ``verify``) took this long."""
-        key = (verify, batch_size)
+        key = (verify, size_class(batch_size))
         samples = self._step_samples.setdefault(key, deque(maxlen=_STEP_WINDOW))
         samples.append(seconds)
         self._step_time[key] = statistics.median(samples)
@@ -198,6 +198,7 @@ class Speculator:
         return None if verify is None or decode is None else verify / decode
 
     def _judge(self, req: Req, gained: int, batch_size: int) -> None:
+        batch_size = size_class(batch_size)
         payoff = self._payoff.get(req.rid)
         if payoff is None:
             payoff = self._payoff[req.rid] = _Payoff(float(gained))
@@ -299,6 +300,14 @@ class Speculator:
         carried += mean - low
         self._carry[rid] = carried - int(carried)
         return min(low + int(carried), num_drafted)
+
+
+def size_class(batch_size: int) -> int:
+    """The batch sizes whose step times the policy keeps apart: powers of two (a step of 5-8
+    requests replays the same CUDA graph, and costs about the same on a CPU). Exact sizes split
+    the measurements so thinly, as requests finish, that a size's decode step was often never
+    measured and its verify steps went unjudged."""
+    return 1 << (batch_size - 1).bit_length()
 
 
 def _valid_prefix(draft: Draft, limit: int, vocab_size: int) -> list[int]:

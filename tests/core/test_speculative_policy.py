@@ -235,3 +235,18 @@ def test_a_one_off_slow_verify_step_does_not_make_drafts_look_unprofitable() -> 
     req = _req()
     spec.verified([req], [4], [2], batch_size=1)
     assert spec.wants(req)
+
+
+def test_step_times_are_shared_by_batch_sizes_of_one_power_of_two() -> None:
+    """A decode step measured at 7 requests and a verify at 6 judge a verify at 5: requests
+    finishing one by one leave every size of the class measured."""
+    spec = _speculator()
+    spec.observe_step(False, 7, 0.010)
+    spec.observe_step(True, 6, 0.030)
+    reqs = [_req(f"r{i}") for i in range(5)]
+    spec.verified(reqs, [4] * 5, [1] * 5, batch_size=5)  # gains 2 against 3 needed
+    assert not spec.wants(reqs[0])
+    spec.observe_step(False, 9, 0.001)  # another class: no effect on size 5's
+    rich = _req("rich")
+    spec.verified([rich], [4], [3], batch_size=5)  # gains 4: pays
+    assert spec.wants(rich)
