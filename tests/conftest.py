@@ -27,6 +27,22 @@ def _pin_to_this_workers_cores() -> None:
 
 _pin_to_this_workers_cores()
 
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest files first (a module that sets ``RUN_FIRST = True``), then files with slow
+    (end-to-end) tests, then the rest, each file's tests in their order: parallel workers take
+    files in this order, so the long ones start at once and the many short unit-test files
+    fill the end, rather than one long file starting last."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+
+    def rank(item: pytest.Item) -> int:
+        if getattr(getattr(item, "module", None), "RUN_FIRST", False):
+            return 0
+        return 1 if item.path in slow_files else 2
+
+    items.sort(key=rank)
+
+
 from tiny_models import make_tiny_llama_dir  # noqa: E402
 
 

@@ -13,5 +13,6 @@ from speculative_equivalence import (  # noqa: F401 - the fixtures and tests run
 )
 
 pytestmark = pytest.mark.slow
+RUN_FIRST = True  # the suite's longest files (tests/conftest.py)
 
 speculative = speculative_fixture(["ngram", "standalone", "eagle3"])

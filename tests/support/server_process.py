@@ -60,7 +60,30 @@ def start_server(
     env: dict[str, str] | None = None,
 ) -> RunningServer:
     """Start a server on a free loopback port and wait (up to ``timeout`` s) for its ready line.
-    ``env`` adds to (or overrides) the inherited environment."""
+    ``env`` adds to (or overrides) the inherited environment. A port taken between choosing it
+    and the server's bind (parallel test workers choose too) is chosen again."""
+    for _ in range(PORT_ATTEMPTS - 1):
+        try:
+            return _start_server(args, log_path, api_key, timeout, env)
+        except PortTaken:
+            continue
+    return _start_server(args, log_path, api_key, timeout, env)
+
+
+PORT_ATTEMPTS = 5
+
+
+class PortTaken(RuntimeError):
+    """The chosen port was bound by someone else first."""
+
+
+def _start_server(
+    args: list[str],
+    log_path: Path,
+    api_key: str | None,
+    timeout: float,
+    env: dict[str, str] | None,
+) -> RunningServer:
     port = free_port()
     cmd = [sys.executable, "-m", "radixserve.launch_server", "--host", "127.0.0.1"]
     cmd += ["--port", str(port), *args]
@@ -77,7 +100,10 @@ def start_server(
         if READY_LINE in server.log():
             return server
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()[-4000:]}")
+            log = server.log()
+            if "address already in use" in log:
+                raise PortTaken(f"port {port} was taken before the server bound it")
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log[-4000:]}")
         time.sleep(0.25)
     stop_server(server)
     raise RuntimeError(f"server not ready within {timeout:.0f} s:\n{server.log()[-4000:]}")

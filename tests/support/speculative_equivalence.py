@@ -21,6 +21,7 @@ tests live here and two modules run them, for three plugins and for two: paralle
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from filelock import FileLock
 
 import radixserve.core.speculative as spec_policy
 from radixserve import Engine
@@ -149,10 +151,22 @@ def _engine(smollm2_dir: Path, batch: int = BATCH, **kw: Any) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_dir: Path) -> dict[str, Any]:
-    """Speculation off, once for every plugin's tests."""
-    with _engine(smollm2_dir, REFERENCE_BATCH) as engine:
-        return _run_all(engine)
+def reference(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Speculation off, once for every plugin's tests: under pytest-xdist the first worker to
+    get here computes it and leaves it in the run's shared temporary folder for the others
+    (as plain JSON, which is also what every reader gets)."""
+
+    def compute() -> dict[str, Any]:
+        with _engine(smollm2_dir, REFERENCE_BATCH) as engine:
+            return json.loads(json.dumps(_run_all(engine)))
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return compute()
+    shared = tmp_path_factory.getbasetemp().parent / "speculative-reference.json"  # this run's
+    with FileLock(f"{shared}.lock"):
+        if not shared.exists():
+            shared.write_text(json.dumps(compute()))
+        return json.loads(shared.read_text())
 
 
 def speculative_fixture(plugins: list[str]) -> Any:
