@@ -87,7 +87,14 @@ def measure(flags: dict[str, Any], group: str, batch: int, device: str) -> dict[
             by_kind[s["kind"]][0] += 1
             by_kind[s["kind"]][1] += s["overlapped"]
         kept = core.speculator.stats.to_json() if core.speculator is not None else {}
-        step_time = getattr(core.speculator, "_step_time", {})
+        sp = core.speculator
+        classes = {b for _, b in getattr(sp, "_step_samples", {})}
+        policy = {
+            f"{'verify' if v else 'decode'}@{b}": round(t * 1e3, 3)
+            for b in sorted(classes)
+            for v in (True, False)
+            if (t := sp.step_time(v, b)) is not None
+        }
         return {
             "tokens": tokens,
             "seconds": seconds,
@@ -95,8 +102,7 @@ def measure(flags: dict[str, Any], group: str, batch: int, device: str) -> dict[
             "steps": {k: {"count": v[0], "overlapped": v[1]} for k, v in by_kind.items()},
             "host_s": dict(host),
             "spec": kept,
-            "policy_step_ms": {f"{'verify' if v else 'decode'}@{b}": round(t * 1e3, 3)
-                               for (v, b), t in step_time.items()},  # fmt: skip
+            "policy_step_ms": policy,
         }
 
 

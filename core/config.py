@@ -480,9 +480,6 @@ PAGE_SIZES = tuple(1 << i for i in range(9))  # 1 .. 256
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = (
-    "int8wo",
-    "int4wo",
-    "w8a8_int8",
-)  # the hardware platform runs them (quantize_model)
+# the hardware platform runs them (quantize_model)
+QUANTIZATIONS = ("int8wo", "int4wo", "w8a8_int8")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")

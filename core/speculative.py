@@ -133,10 +133,9 @@ class Speculator:
         self.stats = SpecStats()
         self._payoff: dict[str, _Payoff] = {}
         self.pause_unprofitable = pause_unprofitable
-        # Recent (median) seconds of pure decode and pure verify steps, per batch size: their ratio
-        # is what a verify step must gain to pay (measured, as it differs by device: a CPU
-        # verifies 5 tokens at ~1.8x a decode, a GPU at ~1.0x).
-        self._step_time: dict[tuple[bool, int], float] = {}
+        # Recent seconds of pure decode and pure verify steps, per batch size class: their
+        # ratio is what a verify step must gain to pay (measured, as it differs by device: a
+        # CPU verifies 5 tokens at ~1.8x a decode, a GPU at ~1.0x).
         self._step_samples: dict[tuple[bool, int], deque[float]] = {}
         self._probes: dict[int, int] = {}  # batch size -> steps paused to measure its decode
         self._probe_step: int | None = None  # the verify step whose requests probe
@@ -187,14 +186,16 @@ class Speculator:
     def observe_step(self, verify: bool, batch_size: int, seconds: float) -> None:
         """A step with only decodes (or only decodes and verifies, ``verify``) took this long."""
         key = (verify, size_class(batch_size))
-        samples = self._step_samples.setdefault(key, deque(maxlen=_STEP_WINDOW))
-        samples.append(seconds)
-        self._step_time[key] = statistics.median(samples)
+        self._step_samples.setdefault(key, deque(maxlen=_STEP_WINDOW)).append(seconds)
+
+    def step_time(self, verify: bool, batch_size: int) -> float | None:
+        """Recent seconds of a verify (or plain decode) step at ``batch_size``'s size class."""
+        samples = self._step_samples.get((verify, size_class(batch_size)))
+        return statistics.median(samples) if samples else None
 
     def _break_even(self, batch_size: int) -> float | None:
         """Tokens a verify step must yield to beat decoding, once both were measured."""
-        verify = self._step_time.get((True, batch_size))
-        decode = self._step_time.get((False, batch_size))
+        verify, decode = self.step_time(True, batch_size), self.step_time(False, batch_size)
         return None if verify is None or decode is None else verify / decode
 
     def _judge(self, req: Req, gained: int, batch_size: int) -> None:
@@ -204,7 +205,7 @@ class Speculator:
             payoff = self._payoff[req.rid] = _Payoff(float(gained))
         else:
             payoff.gain += _EMA * (gained - payoff.gain)
-        if (False, batch_size) not in self._step_time and self._probe(batch_size):
+        if self.step_time(False, batch_size) is None and self._probe(batch_size):
             payoff.paused = max(payoff.paused, _PROBE_STEPS)
             return
         # With no decode step measured yet, a pause is what measures one.

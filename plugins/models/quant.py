@@ -42,7 +42,10 @@ weights in full.
 
 from __future__ import annotations
 
+import itertools
 import warnings
+import weakref
+from typing import Any
 
 import torch
 from torch import nn
@@ -149,11 +152,13 @@ class Int8DynamicLinear(QuantizedLinear):
 
 # torch.compile cannot trace fbgemm's packed weights (a TorchScript object), so the product is
 # an opaque custom op that finds them by a key: compiled graphs call it like any extern kernel.
-_PACKED: dict[int, object] = {}
+# The layer owns its weights; the registry only finds them, and forgets them with the layer.
+_PACKED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_PACKED_KEYS = itertools.count()
 
 
-def _register_packed(packed: object) -> int:
-    key = len(_PACKED)
+def _register_packed(packed: Any) -> int:
+    key = next(_PACKED_KEYS)
     _PACKED[key] = packed
     return key
 
