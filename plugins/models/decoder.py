@@ -32,6 +32,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import math
+import os
 import re
 from collections.abc import Callable, Iterable
 from types import ModuleType
@@ -231,6 +232,8 @@ class DecoderLayer(nn.Module):
         # the Triton GEMV for one-row steps (DecoderForCausalLM sets it on CUDA)
         self.gemv_cfg: tuple[int, int, int] | None = None
         self.gemv_silu = False  # SiLU(gate) * up inside down_proj's GEMV
+        # q and k go to the attention backend unrotated, its K/V store applies RoPE
+        self.rope_in_attention = False
 
     # ---- extension points ----
 
@@ -319,10 +322,14 @@ class DecoderLayer(nn.Module):
             q = self.q_norm(qk[:, : self.num_heads].reshape(-1, self.head_dim))
             k = self.k_norm(qk[:, self.num_heads :].reshape(-1, self.head_dim))
             qk = torch.cat((q.view(t, -1, self.head_dim), k.view(t, -1, self.head_dim)), dim=1)
-        qk = rope.apply(qk, batch.positions)
+        options = self.attn_options
+        if self.rope_in_attention:
+            options = {**options, "rotary": (batch.positions, rope.cos, rope.sin)}
+        else:
+            qk = rope.apply(qk, batch.positions)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
-        out = self.attention.forward(q, k, v, self.layer_id, batch, **self.attn_options)
+        out = self.attention.forward(q, k, v, self.layer_id, batch, **options)
         # mlp_input's add + RMSNorm all-reduces it (a quantized o_proj reduces its own)
         part = self.product(self.o_proj, out)
         if self.defer_o_reduce and isinstance(self.o_proj, RowParallelLinear):
@@ -399,6 +406,9 @@ class DecoderForCausalLM(nn.Module, CausalLM):
         for part in (self.rope, *self.modules()):
             if hasattr(part, "fused"):
                 part.fused = fused
+        rope_in_attention = takes_rotary(attention, fused is not None)
+        for layer in self.layers:
+            layer.rope_in_attention = rope_in_attention
         gemv_cfg = triton_gemv_config(device)
         if gemv_cfg is not None:
             from radixserve.plugins.hardware.gemv import fuse_silu
@@ -521,6 +531,17 @@ def check_attention_options(attention: AttentionBackend, options: list[dict[str,
             f"{', '.join(missing)}, which this model needs; use --plugin attention=torch_native "
             "or attention=triton"
         )
+
+
+def takes_rotary(attention: AttentionBackend, fused_rope: bool) -> bool:
+    """Whether q and k go to ``attention`` unrotated, for its K/V store to apply RoPE in the
+    same launch (one launch a layer less): where its ``forward`` takes ``rotary`` and the model
+    would otherwise run the Triton RoPE kernel (RADIXSERVE_ROPE_IN_ATTENTION: "0" never, "1"
+    wherever the backend takes it, as on the CPU's interpreted kernels in tests)."""
+    mode = os.environ.get("RADIXSERVE_ROPE_IN_ATTENTION", "auto")
+    if mode == "0" or "rotary" not in inspect.signature(attention.forward).parameters:
+        return False
+    return fused_rope or mode == "1"
 
 
 def triton_gemv_config(device: str) -> tuple[int, int, int] | None:

@@ -13,6 +13,7 @@ request's positions [k * P, (k + 1) * P) sit in consecutive slots (see core/memo
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -21,9 +22,13 @@ from radixserve.core.batch import ForwardBatch, to_device
 from radixserve.core.config import ModelConfig
 from radixserve.core.interfaces import AttentionBackend
 from radixserve.core.memory import KVPool, ReqToTokenPool
-from radixserve.plugins.attention.triton.decode_kernel import decode_attention, num_decode_splits
+from radixserve.plugins.attention.triton.decode_kernel import (
+    decode_attention,
+    new_counters,
+    num_decode_splits,
+)
 from radixserve.plugins.attention.triton.extend_kernel import extend_attention
-from radixserve.plugins.attention.triton.store_kernel import store_kv
+from radixserve.plugins.attention.triton.store_kernel import store_kv, store_kv_rotary
 
 
 @dataclass(slots=True)
@@ -36,6 +41,7 @@ class StepMeta:
     max_ext_len: int  # longest prefill chunk (0 without one)
     part_out: torch.Tensor  # [num_decode, H, splits, D] float32 decode scratch
     part_lse: torch.Tensor  # [num_decode, H, splits] float32
+    counters: torch.Tensor  # [num_decode, KVH] int32: the decode splits' merge (zero between)
 
 
 class TritonAttention(AttentionBackend):
@@ -54,6 +60,9 @@ class TritonAttention(AttentionBackend):
         else:
             self.num_sms = 4
         self.table: torch.Tensor | None = None  # the pool's device mirror (+ 1 padding row)
+        # Decode splits merged in their own launch, by the last split of each group; "kernel":
+        # by a second kernel (RADIXSERVE_TRITON_SPLIT_MERGE, for comparison)
+        self.merge_in_launch = os.environ.get("RADIXSERVE_TRITON_SPLIT_MERGE") != "kernel"
         self._meta: StepMeta | None = None
 
     def bind_table(self, pool: ReqToTokenPool) -> int:
@@ -110,6 +119,7 @@ class TritonAttention(AttentionBackend):
             max_ext_len=max_ext_len,
             part_out=torch.empty((*shape, self.head_dim), dtype=torch.float32, device=self.device),
             part_lse=torch.empty(shape, dtype=torch.float32, device=self.device),
+            counters=new_counters(nd, self.num_kv_heads, self.device),
         )
 
     def forward(
@@ -123,23 +133,28 @@ class TritonAttention(AttentionBackend):
         sliding_window: int = 0,
         logit_softcap: float = 0.0,
         scale: float | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The AttentionBackend call; the keywords are per-layer options (Gemma 2 style models):
         a sliding window of W keys (0: none), score soft-capping c * tanh(s / c) (0: none) and
-        the score scale (None: head_dim ** -0.5)."""
+        the score scale (None: head_dim ** -0.5). ``rotary``: (positions, cos, sin) when q and
+        k come unrotated; the K/V store rotates them (rotate-half RoPE) in its launch."""
         meta, table = self._meta, self.table
         scale = self.scale if scale is None else scale
         options = {"sliding_window": sliding_window, "logit_softcap": logit_softcap}
         assert meta is not None and table is not None, "prepare() must run before forward()"
         k_buf, v_buf = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
-        store_kv(k, v, k_buf, v_buf, batch.out_cache_loc)
+        if rotary is None:
+            store_kv(k, v, k_buf, v_buf, batch.out_cache_loc)
+        else:
+            q = store_kv_rotary(q, k, v, k_buf, v_buf, batch.out_cache_loc, *rotary)
         out = torch.empty_like(q)
         nd = meta.num_decode
         if nd:
             decode_attention(
                 q[:nd], k_buf, v_buf, table, meta.req_rows[:nd], meta.seq_lens[:nd],
                 out[:nd], meta.part_out, meta.part_lse, scale, page_size=self.page_size,
-                **options,
+                counters=meta.counters if self.merge_in_launch else None, **options,
             )  # fmt: skip
         if meta.max_ext_len:
             extend_attention(

@@ -1,4 +1,5 @@
-"""The KV store path: one Triton launch writes the new tokens' K and V into their pool slots."""
+"""The KV store path: one Triton launch writes the new tokens' K and V into their pool slots
+(optionally rotating q and k by RoPE on the way: the model's own RoPE launch is then saved)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,84 @@ def store_kv(
         NUM_KV_HEADS=num_kv_heads, BLOCK_H=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
     )  # fmt: skip
+
+
+@triton.jit
+def _rotate_half(src, dst, cos, sin, mask, HALF: tl.constexpr):
+    """dst = RoPE(src) for a [heads, HALF] block pair, in float32, rounded to dst's dtype."""
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    dtype = dst.dtype.element_ty
+    tl.store(dst, (x1 * cos[None, :] - x2 * sin[None, :]).to(dtype), mask=mask)
+    tl.store(dst + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(dtype), mask=mask)
+
+
+@triton.jit
+def _store_kv_rotary_kernel(
+    Q, K, V, QOut, KBuf, VBuf, Slots, Positions, Cos, Sin,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_bt, stride_bh, stride_ct, stride_ch, stride_cos,
+    NUM_HEADS: tl.constexpr, BLOCK_Q: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    slot = tl.load(Slots + t).to(tl.int64)
+    pos = tl.load(Positions + t).to(tl.int64)
+    offs_half = tl.arange(0, BLOCK_HALF)
+    mask_half = offs_half < HALF
+    cos = tl.load(Cos + pos * stride_cos + offs_half, mask=mask_half, other=0.0).to(tl.float32)
+    sin = tl.load(Sin + pos * stride_cos + offs_half, mask=mask_half, other=0.0).to(tl.float32)
+    offs_q = tl.arange(0, BLOCK_Q)
+    mask_q = (offs_q < NUM_HEADS)[:, None] & mask_half[None, :]
+    _rotate_half(
+        Q + t * stride_qt + offs_q[:, None] * stride_qh + offs_half[None, :],
+        QOut + t * stride_ot + offs_q[:, None] * stride_oh + offs_half[None, :],
+        cos, sin, mask_q, HALF,
+    )  # fmt: skip
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_k = (offs_h < NUM_KV_HEADS)[:, None] & mask_half[None, :]
+    _rotate_half(
+        K + t * stride_kt + offs_h[:, None] * stride_kh + offs_half[None, :],
+        KBuf + slot * stride_bt + offs_h[:, None] * stride_bh + offs_half[None, :],
+        cos, sin, mask_k, HALF,
+    )  # fmt: skip
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_v = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    src_v = V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+    dst_v = VBuf + slot * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :]
+    tl.store(dst_v, tl.load(src_v, mask=mask_v).to(VBuf.dtype.element_ty), mask=mask_v)
+
+
+def store_kv_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """``store_kv`` with rotate-half RoPE applied on the way, in the same launch: K is rotated
+    into its slots and the rotated q [T, H, D] is returned (a new contiguous tensor), with the
+    rounding of the model's own RoPE kernel. q, k, v: [T, heads, D] (any token and head
+    strides, unit stride in D); cos, sin: [max_positions, D / 2] tables; positions: [T]."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return q_out
+    half = head_dim // 2
+    _store_kv_rotary_kernel[(num_tokens,)](
+        q, k, v, q_out, k_buf, v_buf, slots, positions, cos, sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1),
+        k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), cos.stride(0),
+        NUM_HEADS=num_heads, BLOCK_Q=triton.next_power_of_2(num_heads),
+        NUM_KV_HEADS=num_kv_heads, BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+    )  # fmt: skip
+    return q_out

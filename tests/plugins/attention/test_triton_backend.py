@@ -84,7 +84,12 @@ def _greedy(model_dir: Path, plugins: list[str], prompts: list[list[int]], new: 
     return [r["output_ids"] for r in results]
 
 
-def test_engine_greedy_tokens_equal_torch_native(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("rope", ["model", "store"])
+def test_engine_greedy_tokens_equal_torch_native(
+    tiny_llama_dir: Path, rope: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``rope``: applied by the model, or (as on a GPU by default) by the K/V store."""
+    monkeypatch.setenv("RADIXSERVE_ROPE_IN_ATTENTION", "1" if rope == "store" else "0")
     shared = list(range(5, 30))  # a shared prefix: the second round hits the radix cache
     prompts = [shared + [40, 41], shared + [50], [7, 8, 9]]
     settings = dict(max_total_tokens=2048, dtype="float32")

@@ -19,11 +19,16 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="the 'triton' package is not installed")
 
 from radixserve.plugins.attention.triton.decode_kernel import (  # noqa: E402
+    MERGE_IN_LAUNCH_SPLITS,
     decode_attention,
+    new_counters,
     num_decode_splits,
 )
 from radixserve.plugins.attention.triton.extend_kernel import extend_attention  # noqa: E402
-from radixserve.plugins.attention.triton.store_kernel import store_kv  # noqa: E402
+from radixserve.plugins.attention.triton.store_kernel import (  # noqa: E402
+    store_kv,
+    store_kv_rotary,
+)
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -106,20 +111,28 @@ def test_decode_matches_reference(group: int, dtype: torch.dtype, page_size: int
         _reference(q[b : b + 1], k_buf, v_buf, table, int(req_rows[b]), n, torch.tensor([n - 1]))
         for b, n in enumerate(lens)
     ]
-    for splits in sorted({1, 3, num_decode_splits(bs, KV_HEADS, 132 if GPU else 4)}):
+    # One split (no merge); the default count merged by a second kernel; the most merged by
+    # the last split of each group (counters) in the same launch.
+    default = num_decode_splits(bs, KV_HEADS, 132 if GPU else 4)
+    for splits, merge_last in [(1, False), (default, False), (MERGE_IN_LAUNCH_SPLITS, True)]:
         out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
         part_out = torch.empty(bs, heads, splits, HEAD_DIM)
         part_lse = torch.empty(bs, heads, splits)
         dq, dk, dv, dt, drows, dlens, dout, dpo, dpl = _dev(
             q, k_buf, v_buf, table, req_rows, seq_lens, out, part_out, part_lse
         )
-        decode_attention(dq, dk, dv, dt, drows, dlens, dout, dpo, dpl, HEAD_DIM**-0.5,
-                         page_size=page_size)  # fmt: skip
-        out = dout.cpu()
-        assert not out.isnan().any()
-        for b, n in enumerate(lens):
-            err = _rel_err(out[b : b + 1], refs[b])
-            assert err < _tolerance(dtype), f"splits={splits} len={n}: rel err {err:.2e}"
+        counters = new_counters(bs, KV_HEADS, dq.device) if merge_last else None
+        for _ in range(2 if merge_last else 1):  # a second launch finds the counters reset
+            dout.fill_(float("nan"))
+            decode_attention(dq, dk, dv, dt, drows, dlens, dout, dpo, dpl, HEAD_DIM**-0.5,
+                             page_size=page_size, counters=counters)  # fmt: skip
+            out = dout.cpu()
+            assert not out.isnan().any()
+            for b, n in enumerate(lens):
+                err = _rel_err(out[b : b + 1], refs[b])
+                assert err < _tolerance(dtype), f"splits={splits} len={n}: rel err {err:.2e}"
+        if counters is not None:
+            assert not counters.any(), "the merge must leave the counters at zero"
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
@@ -165,6 +178,43 @@ def test_store_kv_writes_exactly_the_slots(dtype: torch.dtype) -> None:
     dk, dv, dkb, dvb, ds = _dev(k, v, k_buf, v_buf, slots)
     store_kv(dk, dv, dkb, dvb, ds)
     assert torch.equal(dkb.cpu(), want_k) and torch.equal(dvb.cpu(), want_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_rotary_equals_rope_then_store(dtype: torch.dtype) -> None:
+    """The store that applies RoPE on the way writes what the model's RoPE followed by the
+    plain store writes, bit for bit, and returns the rotated q."""
+    from radixserve.core.config import ModelConfig
+    from radixserve.plugins.models.decoder import RotaryEmbedding
+
+    heads = 3 * KV_HEADS
+    tokens, size = (300, 1000) if GPU else (9, 40)
+    config = ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": heads * HEAD_DIM,
+        "num_attention_heads": heads, "num_key_value_heads": KV_HEADS,
+        "num_hidden_layers": 1, "vocab_size": 10, "max_position_embeddings": 4096,
+    })  # fmt: skip
+    from radixserve.plugins.models import fused_ops
+
+    rope = RotaryEmbedding(config, DEVICE, dtype)
+    rope.fused = fused_ops  # the model's Triton RoPE (interpreted on a CPU), as on a GPU
+    qkv = torch.randn(tokens, (heads + 2 * KV_HEADS) * HEAD_DIM).to(dtype)
+    qk = qkv[:, : (heads + KV_HEADS) * HEAD_DIM].view(tokens, heads + KV_HEADS, HEAD_DIM)
+    v = qkv[:, (heads + KV_HEADS) * HEAD_DIM :].view(tokens, KV_HEADS, HEAD_DIM)
+    positions = torch.randint(0, 4000, (tokens,))
+    slots = torch.randperm(size)[:tokens] + 1
+    k_buf = torch.randn(size + 1, KV_HEADS, HEAD_DIM).to(dtype)
+    v_buf = torch.randn(size + 1, KV_HEADS, HEAD_DIM).to(dtype)
+    dqk, dv, dpos, ds = _dev(qk, v, positions, slots)
+    want_kb, want_vb = _dev(k_buf, v_buf)
+    rotated = rope.apply(dqk, dpos)
+    store_kv(rotated[:, heads:], dv, want_kb, want_vb, ds)
+    got_kb, got_vb = _dev(k_buf, v_buf)
+    q = store_kv_rotary(dqk[:, :heads], dqk[:, heads:], dv, got_kb, got_vb, ds, dpos,
+                        rope.cos, rope.sin)  # fmt: skip
+    torch.testing.assert_close(q, rotated[:, :heads], rtol=0, atol=0)
+    torch.testing.assert_close(got_kb, want_kb, rtol=0, atol=0)
+    assert torch.equal(got_vb, want_vb)
 
 
 def _decode_err(lens: list[int], group: int, setup_page: int, kernel_page: int) -> float:
