@@ -91,7 +91,7 @@ def _requests() -> list[tuple[str, dict[str, Any]]]:
             out.append((text, params))
     for k in range(100):
         topic = TOPICS[k % len(TOPICS)]
-        out.append((f"Tell me about {topic} (#{k}).", {"temperature": 0, "max_new_tokens": 16}))
+        out.append((f"Tell me about {topic} (#{k}).", {"temperature": 0, "max_new_tokens": 8}))
     return out
 
 
