@@ -46,7 +46,7 @@ serve: $(STAMP)
 # One worker per core (pytest-xdist), each test file on one worker (a file's module fixtures,
 # such as its server, start once), each worker pinned to its own cores (tests/conftest.py).
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q -n auto --dist loadfile --durations=25
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=25
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

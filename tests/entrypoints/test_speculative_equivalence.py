@@ -13,6 +13,8 @@ from speculative_equivalence import (  # noqa: F401 - the fixtures and tests run
 )
 
 pytestmark = pytest.mark.slow
-RUN_FIRST = True  # the suite's longest files (tests/conftest.py)
+# The suite's longest file, first (tests/conftest.py): it computes the speculation-off
+# reference that test_speculative_equivalence_heads.py shares.
+RUN_FIRST = 1
 
 speculative = speculative_fixture(["ngram", "standalone", "eagle3"])

@@ -13,6 +13,6 @@ from speculative_equivalence import (  # noqa: F401 - the fixtures and tests run
 )
 
 pytestmark = pytest.mark.slow
-RUN_FIRST = True  # the suite's longest files (tests/conftest.py)
+RUN_FIRST = 3  # among the suite's longest files; after test_head_chain (tests/conftest.py)
 
 speculative = speculative_fixture(["eagle", "dflash"])

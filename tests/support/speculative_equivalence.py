@@ -15,7 +15,7 @@ at 16, 64 and 256 a step were checked identical).
 
 Every plugin runs the whole set (issues 14 and 15 ask for the same mixed set for each). The
 tests live here and two modules run them, for three plugins and for two: parallel test workers
-(make test) then share the five runs, each worker with its own reference run.
+(make test) then share the five runs, and the reference is computed once for both.
 """
 
 from __future__ import annotations

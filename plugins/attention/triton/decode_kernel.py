@@ -28,6 +28,32 @@ GPU_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm"
 
 
 @triton.jit
+def _merge_splits(
+    part_ptrs, lse_ptrs, stride_ps, mask_g, mask_gd,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """The group's output from its splits' partials (stored by other programs: read past L1)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    all_lse = tl.load(
+        lse_ptrs[:, None] + offs_s[None, :],
+        mask=mask_g[:, None] & (offs_s < NUM_SPLITS)[None, :],
+        other=float("-inf"),
+        cache_modifier=".cg",
+    )
+    top = tl.max(all_lse, 1)
+    top = tl.where(top == float("-inf"), 0.0, top)  # padding heads: no split at all
+    merged = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    total = tl.zeros([BLOCK_G], dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        lse = tl.load(lse_ptrs + s, mask=mask_g, other=float("-inf"), cache_modifier=".cg")
+        w = tl.exp2(lse - top)  # an empty split has lse = -inf: weight 0
+        part = tl.load(part_ptrs + s * stride_ps, mask=mask_gd, other=0.0, cache_modifier=".cg")
+        merged += w[:, None] * part
+        total += w
+    return merged / tl.where(total > 0, total, 1.0)[:, None]
+
+
+@triton.jit
 def _decode_partial_kernel(
     Q, K, V, Table, ReqRows, SeqLens, PartOut, PartLse, Out, Counters,
     sm_scale_log2, window, softcap_log2,
@@ -98,26 +124,9 @@ def _decode_partial_kernel(
             tl.debug_barrier()
             counter = Counters + b * tl.num_programs(1) + kvh
             if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
-                offs_s = tl.arange(0, BLOCK_S)
-                all_lse = tl.load(
-                    lse_ptrs[:, None] + offs_s[None, :],
-                    mask=mask_g[:, None] & (offs_s < NUM_SPLITS)[None, :],
-                    other=float("-inf"),
-                    cache_modifier=".cg",
-                )
-                top = tl.max(all_lse, 1)
-                top = tl.where(top == float("-inf"), 0.0, top)
-                merged = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-                total = tl.zeros([BLOCK_G], dtype=tl.float32)
-                for s in tl.static_range(NUM_SPLITS):
-                    w = tl.exp2(tl.load(lse_ptrs + s, mask=mask_g, other=float("-inf"),
-                                        cache_modifier=".cg") - top)  # fmt: skip
-                    part = tl.load(part_ptrs + s * stride_ps, mask=mask_gd, other=0.0,
-                                   cache_modifier=".cg")  # fmt: skip
-                    merged += w[:, None] * part
-                    total += w
-                total = tl.where(total > 0, total, 1.0)
-                tl.store(out_ptrs, (merged / total[:, None]).to(Out.dtype.element_ty), mask=mask_gd)
+                merged = _merge_splits(part_ptrs, lse_ptrs, stride_ps, mask_g, mask_gd,
+                                       BLOCK_G, BLOCK_D, NUM_SPLITS, BLOCK_S)  # fmt: skip
+                tl.store(out_ptrs, merged.to(Out.dtype.element_ty), mask=mask_gd)
                 tl.atomic_xchg(counter, 0)
 
 
