@@ -28,23 +28,6 @@ def _pin_to_this_workers_cores() -> None:
 _pin_to_this_workers_cores()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The longest files first (a module that sets ``RUN_FIRST = N``, in the order of N), then
-    files with slow (end-to-end) tests, then the rest, each file's tests in their order:
-    parallel workers take files in this order (``make test`` passes --no-loadscope-reorder, or
-    pytest-xdist would order them by their number of tests), so the long ones start at once
-    and the many short unit-test files fill the end, rather than one long file starting last."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-
-    def rank(item: pytest.Item) -> tuple[int, int]:
-        first = getattr(getattr(item, "module", None), "RUN_FIRST", 0)
-        if first:
-            return 0, int(first)
-        return (1 if item.path in slow_files else 2), 0
-
-    items.sort(key=rank)
-
-
 from tiny_models import make_tiny_llama_dir  # noqa: E402
 
 

@@ -13,8 +13,5 @@ from speculative_equivalence import (  # noqa: F401 - the fixtures and tests run
 )
 
 pytestmark = pytest.mark.slow
-# The suite's longest file, first (tests/conftest.py): it computes the speculation-off
-# reference that test_speculative_equivalence_heads.py shares.
-RUN_FIRST = 1
 
 speculative = speculative_fixture(["ngram", "standalone", "eagle3"])

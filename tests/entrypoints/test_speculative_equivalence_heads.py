@@ -13,6 +13,5 @@ from speculative_equivalence import (  # noqa: F401 - the fixtures and tests run
 )
 
 pytestmark = pytest.mark.slow
-RUN_FIRST = 3  # among the suite's longest files; after test_head_chain (tests/conftest.py)
 
 speculative = speculative_fixture(["eagle", "dflash"])

@@ -25,9 +25,6 @@ if not torch.cuda.is_available():
 # These tests run the graphs' functions eagerly on CPU tensors; on a CUDA device
 # tests/plugins/hardware/test_cuda_speculative.py captures and replays the heads' real graphs.
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU emulation of the graphs")
-# Among the suite's longest files, second (tests/conftest.py): the other worker then finds the
-# speculation-off reference computed when it reaches test_speculative_equivalence_heads.py.
-RUN_FIRST = 2
 
 from radixserve import Engine  # noqa: E402
 from radixserve.plugins.speculative import head_chain, head_draft  # noqa: E402
