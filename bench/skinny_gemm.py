@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,6 +27,7 @@ import triton
 import triton.language as tl
 from common import format_table, machine_info, write_json
 from gpu import ceilings
+from tp_micro import graph_us
 
 Config = tuple[int, int, int, int, bool]  # (BLOCK_N, BLOCK_K, warps, stages, swap)
 
@@ -90,27 +89,6 @@ CONFIGS = [
     )
     if not (bn == 128 and bk == 256)  # shared memory
 ]
-
-
-def graph_us(run: Callable[[], Any], reps: int = 20) -> float:
-    """Median us of one replay of ``run`` captured in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()  # compile / warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
 
 
 def bench_shape(name: str, rows: list[int]) -> list[dict[str, Any]]:

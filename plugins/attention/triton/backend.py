@@ -24,6 +24,7 @@ from radixserve.core.interfaces import AttentionBackend
 from radixserve.core.memory import KVPool, ReqToTokenPool
 from radixserve.plugins.attention.triton.decode_kernel import (
     decode_attention,
+    merges_in_launch,
     new_counters,
     num_decode_splits,
 )
@@ -41,7 +42,9 @@ class StepMeta:
     max_ext_len: int  # longest prefill chunk (0 without one)
     part_out: torch.Tensor  # [num_decode, H, splits, D] float32 decode scratch
     part_lse: torch.Tensor  # [num_decode, H, splits] float32
-    counters: torch.Tensor  # [num_decode, KVH] int32: the decode splits' merge (zero between)
+    # [num_decode, KVH] int32 for the decode splits' merge in their launch (None: a second
+    # kernel merges them)
+    counters: torch.Tensor | None
 
 
 class TritonAttention(AttentionBackend):
@@ -110,6 +113,9 @@ class TritonAttention(AttentionBackend):
     def _step_meta(self, nd: int, dev: torch.Tensor, max_ext_len: int) -> StepMeta:
         splits = num_decode_splits(nd, self.num_kv_heads, self.num_sms)
         shape = (nd, self.num_heads, splits)
+        counters = None
+        if self.merge_in_launch and merges_in_launch(splits):
+            counters = new_counters(nd, self.num_kv_heads, self.device)
         return StepMeta(
             num_decode=nd,
             req_rows=dev[0],
@@ -119,7 +125,7 @@ class TritonAttention(AttentionBackend):
             max_ext_len=max_ext_len,
             part_out=torch.empty((*shape, self.head_dim), dtype=torch.float32, device=self.device),
             part_lse=torch.empty(shape, dtype=torch.float32, device=self.device),
-            counters=new_counters(nd, self.num_kv_heads, self.device),
+            counters=counters,
         )
 
     def forward(
@@ -154,7 +160,7 @@ class TritonAttention(AttentionBackend):
             decode_attention(
                 q[:nd], k_buf, v_buf, table, meta.req_rows[:nd], meta.seq_lens[:nd],
                 out[:nd], meta.part_out, meta.part_lse, scale, page_size=self.page_size,
-                counters=meta.counters if self.merge_in_launch else None, **options,
+                counters=meta.counters, **options,
             )  # fmt: skip
         if meta.max_ext_len:
             extend_attention(

@@ -197,7 +197,7 @@ def decode_attention(
     on_cpu = q.device.type == "cpu"  # the Triton interpreter (CI)
     block_n = block_n or (16 if on_cpu else GPU_CONFIG["block_n"])
     precise = on_cpu or q.dtype == torch.float32
-    merge_last = counters is not None and 1 < num_splits <= MERGE_IN_LAUNCH_SPLITS
+    merge_last = counters is not None and merges_in_launch(num_splits)
     _decode_partial_kernel[(bs, num_kv_heads, num_splits)](
         q, k_buf, v_buf, table, req_rows, seq_lens, part_out, part_lse, out,
         counters if merge_last else seq_lens,
@@ -228,6 +228,11 @@ def decode_attention(
         NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
         num_warps=4,
     )  # fmt: skip
+
+
+def merges_in_launch(num_splits: int) -> bool:
+    """Whether ``decode_attention`` given counters merges this many splits in its own launch."""
+    return 1 < num_splits <= MERGE_IN_LAUNCH_SPLITS
 
 
 def new_counters(batch_size: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
