@@ -47,6 +47,9 @@ class _Compile:
     """One compilation, shared by every request with its spec."""
 
     future: Future[Grammar] = field(init=False)
+    # When a worker took it up: waiting for a free worker (behind other slow compiles) does
+    # not count against a request's timeout, which judges the spec, not the queue.
+    started_at: float = math.inf
     # NOTE: the worker stamps this before its future completes, so a done future always has it.
     finished_at: float = math.inf
     nbytes: int = 0  # the compiled grammar's size, once compiled
@@ -122,6 +125,7 @@ class GrammarQueue:
         self._pending.append(_Pending(req, job, time.monotonic() + self.timeout_s))
 
     def _compile(self, job: _Compile, kind: str, spec: str) -> Grammar:
+        job.started_at = time.monotonic()
         try:
             if self._sandbox is not None:
                 job.min_tokens = self._probe(self._sandbox, kind, spec)
@@ -212,9 +216,12 @@ class GrammarQueue:
     def _deadline(self, p: _Pending) -> float:
         # Building the backend or starting a sandbox does not count against a request's
         # timeout: none is due while one starts (its own start is bounded, START_TIMEOUT_S).
+        # Nor does waiting for a worker: a compile still queued has no deadline yet (the ones
+        # ahead of it are each bounded by the timeout in the sandbox).
         if self._sandboxes_starting:
             return math.inf
-        return max(p.deadline, self._backend_ready + self.timeout_s)
+        started = max(p.job.started_at, self._backend_ready)
+        return max(p.deadline, started + self.timeout_s)
 
     @staticmethod
     def _refuse(req: Req, message: str) -> None:

@@ -185,10 +185,15 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> SplitClock:
 def test_a_compile_that_ends_after_the_deadline_is_refused_however_early_the_poll(
     backend: FakeBackend, clock: SplitClock
 ) -> None:
+    backend.release.clear()
     queue = make_queue(backend, timeout_s=1.0)
     assert queue.backend is backend  # built at t=0, so the deadline is t=1
+    queue.submit(req("late", "slow+"))
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not backend.compiled and time.monotonic() < deadline:
+        time.sleep(0.001)  # until a worker has taken it up, at t=0
     clock.worker = 2.0  # the compile finishes at t=2
-    queue.submit(req("late", "x+"))
+    backend.release.set()
     ready, failed = drain(queue, 1)  # every poll at t=0: the result is there before the deadline
     assert not ready and [r.rid for r in failed] == ["late"]
     message = failed[0].finish_reason.message  # type: ignore[union-attr]
@@ -269,3 +274,25 @@ def test_starting_a_sandbox_that_replaces_a_stopped_one_does_not_count_against_a
     start.set()
     ready, failed = drain(queue, 1)
     assert [r.rid for r in ready] == ["next"] and not failed
+
+
+def test_waiting_for_a_free_worker_does_not_count_against_a_timeout(
+    backend: FakeBackend, clock: SplitClock
+) -> None:
+    """Every worker is held by a slow compile; a spec queued behind them is not refused however
+    late the engine polls meanwhile: its timeout runs from when a worker takes it up."""
+    backend.release.clear()
+    queue = make_queue(backend, timeout_s=1.0)
+    assert queue.backend is backend  # built at t=0
+    held = [f"slow{i}" for i in range(grammar_queue.WORKERS)]
+    for name in held:
+        queue.submit(req(name, name))
+    queue.submit(req("queued", "x+"))
+    clock.engine = 5.0  # every request's own deadline (t=1) is long past
+    ready, failed = queue.pop_done()
+    assert not ready and sorted(r.rid for r in failed) == held
+    clock.worker = 5.0  # the workers come free at t=5: "queued" compiles then, in no time
+    backend.release.set()
+    ready, failed = drain(queue, 1)
+    assert [r.rid for r in ready] == ["queued"] and not failed
+    queue.shutdown()
