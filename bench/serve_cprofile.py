@@ -43,10 +43,10 @@ def run_engine_profiled(*args: Any) -> None:
 def main(argv: list[str]) -> int:
     import serve_cprofile  # this file by its module name, so the child can import it
 
-    from radixserve.entrypoints import cli, engine_process
+    from radixserve.entrypoints import cli, engine_client
 
-    # EngineClient.start_process imports run_engine from engine_process when it starts it
-    engine_process.run_engine = serve_cprofile.run_engine_profiled  # type: ignore[assignment]
+    # EngineClient.start_process starts the engine process at the entry it names
+    engine_client.ENGINE_ENTRY = f"{serve_cprofile.__name__}:run_engine_profiled"
     return int(_profiled("http", cli.main, argv) or 0)
 
 

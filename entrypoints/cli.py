@@ -55,6 +55,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fail(str(e))
 
 
+def console_main() -> None:
+    """The ``radixserve`` executable: ``main``, then the process ends without the interpreter's
+    teardown (a stopped server would spend seconds in it; entrypoints/process_exit.py)."""
+    from radixserve.entrypoints.process_exit import run_then_exit
+
+    run_then_exit(main)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="radixserve", description="radixserve: LLM serving with a radix-tree KV prefix cache"

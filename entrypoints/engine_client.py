@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 # Queued engine messages applied in a row before the loop lets other tasks run.
 MAX_DRAINED = 256
+# The engine process's entry, by name: the new process imports it, so this one (the HTTP
+# process) never imports torch or the model code to start it.
+ENGINE_ENTRY = "radixserve.entrypoints.engine_process:run_engine"
 # Replies to ``call``, matched to their caller by call_id.
 _REPLIES = (ipc.EngineState, ipc.FlushCacheReply, ipc.ProfileReply, ipc.UpdateWeightsReply)
 
@@ -60,15 +63,20 @@ class EngineClient:
         self._task: asyncio.Task[None] | None = None
 
     def start_process(self, settings: dict[str, Any]) -> None:
-        from radixserve.entrypoints.engine_process import run_engine
+        from radixserve.entrypoints.process_exit import run_then_exit
 
         ctx = multiprocessing.get_context("spawn")
         size = int(settings.get("tp_size") or 1)
-        ranks = tp_workers.rendezvous(size, float(settings.get("watchdog_timeout") or 300))
+        ranks = (  # (with one rank, none: torch.distributed is not imported here)
+            tp_workers.rendezvous(size, float(settings.get("watchdog_timeout") or 300))
+            if size > 1
+            else []
+        )
         self.process = ctx.Process(
-            target=run_engine,
+            target=run_then_exit,  # no interpreter teardown after the engine stopped
             args=(
-                settings, f"ipc://{self.ipc_dir}/engine_in", f"ipc://{self.ipc_dir}/engine_out",
+                ENGINE_ENTRY, settings,
+                f"ipc://{self.ipc_dir}/engine_in", f"ipc://{self.ipc_dir}/engine_out",
                 ranks[0] if size > 1 else None,
             ),
             name="radixserve-engine",

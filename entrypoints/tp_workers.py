@@ -69,6 +69,7 @@ def run_worker(settings: dict[str, Any], rdv: Rendezvous) -> None:
     from radixserve.core.plugins import PluginError
     from radixserve.core.tp_step import follow_steps, release_step
     from radixserve.entrypoints.engine_process import engine_config
+    from radixserve.entrypoints.process_exit import exit_now
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when ranks stop
     logging.basicConfig(
@@ -92,10 +93,7 @@ def run_worker(settings: dict[str, Any], rdv: Rendezvous) -> None:
         teardown()
     # Nothing of this process is needed any more: skip the interpreter's finalisers (device
     # and communicator destructors have hung at exit after CUDA graphs held collectives).
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now(0)
 
 
 def _exit_with_parent() -> None:
