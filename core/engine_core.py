@@ -153,6 +153,7 @@ class EngineCore:
                 req_to_token=runner.req_to_token,
                 eos_token_ids=self.eos_token_ids,
                 target_model=runner.model,
+                free_counts=runner.allocator.free_counts,
             )
         )
         return Speculator(

@@ -334,6 +334,11 @@ class SpeculativeContext:
     #: the target CausalLM itself, for drafters that share its modules (a draft head reads the
     #: target's token embedding); None where no model is at hand
     target_model: Any = None
+    #: how often the pages of the given slots were freed (TokenAllocator.free_counts): a
+    #: drafter whose KV at a position depends only on the tokens up to it may reuse what it
+    #: wrote at a slot for another request sharing the prefix (the radix cache), while the
+    #: count has not moved since; None where not available
+    free_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 class SpeculativeAlgorithm(ABC):

@@ -35,6 +35,9 @@ class TokenAllocator:
         self._free = torch.arange(1, num_pages + 1, dtype=torch.int64)
         self._released: list[torch.Tensor] = []
         self._offsets = torch.arange(page_size, dtype=torch.int64)
+        # How often each page went back to the free list: KV that a drafter wrote at a slot is
+        # still there, for the same tokens, while its page's count has not moved.
+        self._page_frees = torch.zeros(num_pages + 1, dtype=torch.int64)
 
     def available(self) -> int:
         return (len(self._free) + sum(len(t) for t in self._released)) * self.page_size
@@ -96,7 +99,12 @@ class TokenAllocator:
         pages = slots.to(torch.int64)
         if self.page_size > 1:
             pages = torch.unique_consecutive(pages // self.page_size)
+        self._page_frees[pages] += 1
         self._released.append(pages)
+
+    def free_counts(self, slots: torch.Tensor) -> torch.Tensor:
+        """How often the pages of ``slots`` were freed so far (one count per slot)."""
+        return self._page_frees[slots // self.page_size]
 
     def _take_pages(self, num_pages: int) -> torch.Tensor | None:
         if num_pages > len(self._free) and self._released:

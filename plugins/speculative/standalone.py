@@ -8,7 +8,8 @@ the same positions: no allocator of its own, nothing to free. Per request the dr
 how far its KV is computed and the slots it was written at; after verification, and whenever
 the prefix cache re-points a row at shared slots, only positions whose slots are unchanged and
 below the target's KV length are trusted, and the rest is computed again (a catch-up extend,
-the whole prompt the first time).
+the whole prompt the first time, less any prefix the radix cache matched whose slots still hold
+the draft KV an earlier request wrote there: ``_shared_prefix``).
 
 Greedy requests draft the draft model's argmax; sampled requests draw from the draft's own
 distribution under the request's sampling parameters and return it, so the core can verify by
@@ -79,6 +80,11 @@ class StandaloneDraft(SpeculativeAlgorithm):
         )
         self.eos_ids = context.eos_token_ids
         self.chain = _chain_graphs(context, self.model, attention, self.kv_pool)
+        # Per slot, the target allocator's free count when this drafter last wrote a committed
+        # token's KV there (-1: never). Equal counts: the KV is still that token's, after the
+        # same prefix, and a request that the radix cache gave the slot may use it.
+        self._free_counts = context.free_counts
+        self._stamps = torch.full((context.kv_size + 1,), -1, dtype=torch.int64)
 
     def release(self, rid: str) -> None:
         self._kv.pop(rid, None)
@@ -88,7 +94,7 @@ class StandaloneDraft(SpeculativeAlgorithm):
         next and in the drafts returned (``Draft.pending``: the core reads them with the
         verify result, so no host sync waits for the draft), unless a request has penalties,
         which read them on the host after each step."""
-        trusted = [trusted_length(self._kv.get(r.rid), r, self.req_to_token) for r in reqs]
+        trusted = [self._trusted(r) for r in reqs]
         if self._chainable(reqs, max_drafts, trusted):
             assert self.chain is not None
             refresh = any(t < r.kv_len for r, t in zip(reqs, trusted, strict=True))
@@ -120,6 +126,8 @@ class StandaloneDraft(SpeculativeAlgorithm):
                 input_ids = prev_ids[to_device(torch.tensor(active), self.device)]
             order = [i for i, _, _ in batch]
             logits = self._forward(reqs, batch, input_ids)
+            if step == 0:
+                self._stamp(reqs, first)
             ids = self._choose(logits, [reqs[i] for i in order], step, order, probs, on_host)
             steps.append((order, ids))
         where = rows_by_request(steps, len(reqs))
@@ -136,6 +144,36 @@ class StandaloneDraft(SpeculativeAlgorithm):
         gather = to_device(torch.tensor([j for w in where for j in w]), self.device)
         by_req = flat[gather].split([len(w) for w in where])
         return [Draft([0] * len(w), p, t) for w, p, t in zip(where, stacked, by_req, strict=True)]
+
+    def _trusted(self, req: Req) -> int:
+        """Leading positions of ``req`` whose draft KV is there to use."""
+        kv = self._kv.get(req.rid)
+        if kv is None and self._free_counts is not None:
+            return self._shared_prefix(req)
+        return trusted_length(kv, req, self.req_to_token)
+
+    def _shared_prefix(self, req: Req) -> int:
+        """For a request new to the drafter: how many leading positions hold draft KV written
+        for another request with the same prefix (the radix cache gave this one the slots), at
+        slots not freed since. The draft model's KV at a position depends only on the tokens
+        up to it, so a shared system prompt is not drafted again."""
+        assert req.req_pool_idx is not None and self._free_counts is not None
+        slots = self.req_to_token.table[req.req_pool_idx, : req.kv_len]
+        same = self._stamps[slots] == self._free_counts(slots)
+        return len(slots) if bool(same.all()) else int((~same).nonzero()[0, 0])
+
+    def _stamp(self, reqs: Sequence[Req], caught_up: list[tuple[int, int, list[int]]]) -> None:
+        """Mark the slots a catch-up step wrote: its tokens are committed ones (positions below
+        each request's sequence length), unlike the drafted tokens of the later steps."""
+        if self._free_counts is None:
+            return
+        rows: list[int] = []
+        positions: list[int] = []
+        for i, start, ids in caught_up:
+            rows += [reqs[i].req_pool_idx] * len(ids)  # type: ignore[list-item]
+            positions += range(start, start + len(ids))
+        slots = self.req_to_token.table[torch.tensor(rows), torch.tensor(positions)]
+        self._stamps[slots] = self._free_counts(slots)
 
     def _chainable(
         self, reqs: Sequence[Req], max_drafts: Sequence[int], trusted: Sequence[int]

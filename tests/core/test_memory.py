@@ -238,3 +238,20 @@ def test_kv_pool_buffers_per_layer() -> None:
     assert not pool.k[0].any() and not pool.v[0].any()
     assert KVPool.bytes_per_token(2, 3, 4, torch.float16) == 2 * 2 * 3 * 4 * 2
     assert KVPool.bytes_per_token(30, 3, 64, torch.float32) == 2 * 30 * 3 * 64 * 4
+
+
+def test_free_counts_move_for_every_slot_of_a_freed_page() -> None:
+    """A drafter trusts its KV at a slot while the slot's free count has not moved: freeing a
+    request's slots moves the count of every slot of their pages (a partial last page goes back
+    whole), and of no other."""
+    alloc = TokenAllocator(64, page_size=4)
+    kept = alloc.alloc(8)
+    slots = alloc.alloc(6)  # a page and a half
+    assert kept is not None and slots is not None
+    before = alloc.free_counts(torch.arange(alloc.size + 4))
+    alloc.free(slots)
+    after = alloc.free_counts(torch.arange(alloc.size + 4))
+    moved = set(torch.nonzero(after != before).flatten().tolist())
+    pages = {int(s) // 4 for s in slots}
+    assert moved == {p * 4 + i for p in pages for i in range(4)}
+    assert not moved & set(kept.tolist())
