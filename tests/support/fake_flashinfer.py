@@ -61,7 +61,8 @@ class _PagedWrapper:
             scores = torch.einsum("qhd,khd->hqk", q[rows].float(), k) * self.scale
             m = scores.shape[1]
             if self.causal:
-                later = torch.arange(n)[None, :] > torch.arange(n - m, n)[:, None]
+                at = torch.arange(n, device=scores.device)
+                later = at[None, :] > at[n - m :, None]
                 scores = scores.masked_fill(later, float("-inf"))
             out[rows] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
         return out

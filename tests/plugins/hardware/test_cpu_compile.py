@@ -19,6 +19,7 @@ from radixserve.plugins.hardware.cpu_compile import CompiledDecode, compile_size
 def _run(model: Path, **kw: Any) -> tuple[list[list[int]], int, Any]:
     """(output ids, retractions, the step executor) of the shared small-pool traffic."""
     prompts, params = traffic()
+    kw.setdefault("plugins", ["hardware=cpu"])  # CPU decode steps, also on a CUDA machine
     with small_pool_engine(model, **kw) as engine:
         out = engine.generate(input_ids=prompts, sampling_params=params)
         engine.core.scheduler.check_no_leak()

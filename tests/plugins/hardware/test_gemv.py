@@ -59,6 +59,10 @@ def test_the_configuration_by_shape() -> None:
     assert not takes(torch.randn(1, 96, device=DEVICE), torch.randn(8, 96), AUTO, silu=False)
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="a CPU engine with the interpreted kernel; on a CUDA device the engines use it",
+)
 def test_a_model_with_the_gemv_decodes_as_without(tmp_path: Path) -> None:
     """The decoder skeleton's one-row products through the kernel (qkv, o, gate_up, and down
     with SiLU inside) give the same greedy tokens as the plain products, float32."""
