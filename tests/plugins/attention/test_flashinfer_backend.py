@@ -255,12 +255,13 @@ def test_graph_plans_with_the_stand_in(stand_in: type, page_size: int) -> None:
         dec = _batch(pool, alloc, rows, batch.seq_lens, [1, 1, 1], 3, kv_pool)
         lens = dec.seq_lens
         q, k, v = _qkv(config, 4)  # padded to 4: the padding row writes slot 0
-        loc = torch.cat([dec.out_cache_loc, torch.zeros(1, dtype=torch.int64)])
+        pad_slot = torch.zeros(1, dtype=torch.int64, device=dec.out_cache_loc.device)
+        loc = torch.cat([dec.out_cache_loc, pad_slot])
         dec_padded = ForwardBatch(**{**{f: getattr(dec, f) for f in dec.__slots__},
                                      "out_cache_loc": loc})  # fmt: skip
         pool.sync()  # as the model runner does before every step
         backend.plan_decode_graph(4, rows + [pad], lens + [1])
-        backend.prepare_decode_graph(torch.zeros(4), torch.zeros(4))
+        backend.prepare_decode_graph(torch.zeros(4, device=DEVICE), torch.zeros(4, device=DEVICE))
         out = backend.forward(q, k, v, 0, dec_padded)
         assert _rel_err(out[:3], _reference(q[:3], kv_pool, pool, dec)) < 1e-2
     backend.plan_decode_graph(2, [pad] * 2, [1] * 2)
