@@ -37,8 +37,12 @@ def trusted_length(kv: DraftKV | None, req: Req, req_to_token: ReqToTokenPool) -
         return 0
     n = min(kv.length, req.kv_len)
     assert req.req_pool_idx is not None
-    same = req_to_token.table[req.req_pool_idx, :n] == kv.slots[:n]
-    return n if bool(same.all()) else int((~same).nonzero()[0, 0])
+    return leading_true(req_to_token.table[req.req_pool_idx, :n] == kv.slots[:n])
+
+
+def leading_true(mask: torch.Tensor) -> int:
+    """How many leading entries of the boolean ``mask`` are true."""
+    return len(mask) if bool(mask.all()) else int((~mask).nonzero()[0, 0])
 
 
 def draft_batch(

@@ -36,6 +36,7 @@ from radixserve.core.weights import count_parameters, iter_weights
 from radixserve.plugins.speculative.draft_kv import (
     DraftKV,
     draft_batch,
+    leading_true,
     rows_by_request,
     trusted_length,
 )
@@ -159,20 +160,17 @@ class StandaloneDraft(SpeculativeAlgorithm):
         up to it, so a shared system prompt is not drafted again."""
         assert req.req_pool_idx is not None and self._free_counts is not None
         slots = self.req_to_token.table[req.req_pool_idx, : req.kv_len]
-        same = self._stamps[slots] == self._free_counts(slots)
-        return len(slots) if bool(same.all()) else int((~same).nonzero()[0, 0])
+        return leading_true(self._stamps[slots] == self._free_counts(slots))
 
     def _stamp(self, reqs: Sequence[Req], caught_up: list[tuple[int, int, list[int]]]) -> None:
         """Mark the slots a catch-up step wrote: its tokens are committed ones (positions below
         each request's sequence length), unlike the drafted tokens of the later steps."""
         if self._free_counts is None:
             return
-        rows: list[int] = []
-        positions: list[int] = []
-        for i, start, ids in caught_up:
-            rows += [reqs[i].req_pool_idx] * len(ids)  # type: ignore[list-item]
-            positions += range(start, start + len(ids))
-        slots = self.req_to_token.table[torch.tensor(rows), torch.tensor(positions)]
+        table = self.req_to_token.table
+        slots = torch.cat(
+            [table[reqs[i].req_pool_idx, start : start + len(ids)] for i, start, ids in caught_up]
+        )
         self._stamps[slots] = self._free_counts(slots)
 
     def _chainable(
