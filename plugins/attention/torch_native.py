@@ -76,15 +76,7 @@ class TorchNativeAttention(AttentionBackend):
         if nd:
             lens = batch.seq_lens[:nd]
             max_len = max(lens)
-            table = batch.req_to_token[rows[:nd], :max_len]
-            self._decode_run = _slot_run(table) if nd == 1 and self._on_cpu else None
-            if self._decode_run is None:
-                self._decode_slots = table.flatten().to(self.device)
-            lens_t = torch.tensor(lens, device=self.device)
-            if min(lens) < max_len:  # rows padded to the longest: mask the padding
-                mask = torch.arange(max_len, device=self.device)[None, :] < lens_t[:, None]
-                self._decode_mask = mask[:, None, None, :]
-            self._decode_lens = lens_t
+            self._prepare_decodes(batch.req_to_token[rows[:nd], :max_len], lens)
             threads = torch.get_num_threads() if self._on_cpu else 1
             serial = threads > 1 and nd * max_len <= SERIAL_DECODE_TOKENS
             self._one_thread.threads = threads if serial else 0
@@ -100,6 +92,18 @@ class TorchNativeAttention(AttentionBackend):
             slots = batch.req_to_token[rows[i], :total].to(self.device)
             self._extends.append(_Extend(start, start + new, slots, mask, prefix, {}))
             start += new
+
+    def _prepare_decodes(self, table: torch.Tensor, lens: list[int]) -> None:
+        """The step's decode tensors from their slot rows ``table`` [nd, longest] (host)."""
+        nd, max_len = table.shape
+        self._decode_run = _slot_run(table) if nd == 1 and self._on_cpu else None
+        if self._decode_run is None:
+            self._decode_slots = table.flatten().to(self.device)
+        lens_t = torch.tensor(lens, device=self.device)
+        if min(lens) < max_len:  # rows padded to the longest: mask the padding
+            mask = torch.arange(max_len, device=self.device)[None, :] < lens_t[:, None]
+            self._decode_mask = mask[:, None, None, :]
+        self._decode_lens = lens_t
 
     def _decode_mask_for(self, window: int) -> torch.Tensor:
         """[nd, 1, 1, max_len]: keys inside each decode's sequence and its last ``window``."""

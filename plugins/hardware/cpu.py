@@ -1,4 +1,4 @@
-"""The ``cpu`` hardware platform: float32, torch_native attention, KV sized from host memory,
+"""The ``cpu`` hardware platform: float32, cpu_paged attention, KV sized from host memory,
 weight-only quantization on torch's CPU kernels, and a core left to the server's HTTP process."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class CpuPlatform(HardwarePlatform):
 
     def default_plugins(self) -> dict[str, str]:
         return {
-            "attention": "torch_native",
+            "attention": "cpu_paged" if _cpu_paged_reason() is None else "torch_native",
             "grammar": "xgrammar" if importlib.util.find_spec("xgrammar") else "none",
             "speculative": "none",
             "kv_transfer": "none",
@@ -109,6 +109,17 @@ class CpuPlatform(HardwarePlatform):
                     # inductor's C++ kernels keep the thread count they were generated with
                     # (2 threads run on 1 were 10% slower than eager): compile them again
                     self._compiled.recompile()
+
+
+def _cpu_paged_reason() -> str | None:
+    """Why the cpu_paged attention (a C++ decode kernel, built on first use) cannot be the
+    default here; torch_native is then."""
+    from radixserve.plugins.attention.cpu_paged.kernel import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        logger.debug("attention defaults to torch_native: cpu_paged unavailable (%s)", reason)
+    return reason
 
 
 @hookimpl

@@ -39,6 +39,8 @@ CPU_IDS = [f"page{page}-{'overlap' if overlap else 'sync'}" for page, overlap in
 # Backends that compute in bfloat16/float16 only: the float32 tests leave them out; they run the
 # traffic in bfloat16 against torch_native's bfloat16 run (test_gpu_reuse_traffic_bf16_...).
 HALF_ONLY = {"flashinfer"}
+# Backends that run on the CPU only: on a CUDA machine they still run there, on the CPU.
+CPU_ONLY = {"cpu_paged"}
 
 
 def _backends_under_test(half_only: bool = False) -> list[str]:
@@ -96,7 +98,8 @@ def test_reuse_traffic_equals_torch_native(
     page: int,
     overlap: bool,
 ) -> None:
-    ours = _run(one_layer_llama, attention, HARDWARE, page, overlap, max_total_tokens=POOL)
+    hardware = "hardware=cpu" if attention in CPU_ONLY else HARDWARE
+    ours = _run(one_layer_llama, attention, hardware, page, overlap, max_total_tokens=POOL)
     assert ours["retractions"] > 0
     ref = comparable(references[page, overlap])
     for name, outputs in comparable(ours).items():

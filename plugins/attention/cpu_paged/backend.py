@@ -1,0 +1,58 @@
+"""The ``cpu_paged`` attention backend: torch_native's, with decodes in a C++ kernel.
+
+torch_native attends a step's decodes by gathering every sequence's KV into a copy padded to the
+longest one, then calling SDPA. At batch 32 with ~300-token contexts (SmolLM2 on 2 AVX2 cores)
+that gather and SDPA took 3.3 + 3.7 ms a layer, two thirds of the decode step. The kernel
+(``decode_attention.cpp``) reads each sequence's keys and values in place through its slot row,
+with an online softmax, and spreads (request, KV head) pairs over torch's threads. Prefill and
+the KV store stay torch_native's. float32 KV only; other dtypes run torch_native's path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.core.config import ModelConfig
+from radixserve.core.memory import KVPool
+from radixserve.plugins.attention.cpu_paged.kernel import decode_attention
+from radixserve.plugins.attention.torch_native import TorchNativeAttention
+
+
+class CpuPagedAttention(TorchNativeAttention):
+    def __init__(self, kv_pool: KVPool, model_config: ModelConfig, device: str) -> None:
+        if torch.device(device).type != "cpu":
+            raise ValueError(
+                f"the cpu_paged attention backend runs on the CPU, not {device}; "
+                "choose --plugin attention=torch_native or triton"
+            )
+        super().__init__(kv_pool, model_config, device)
+        fused = kv_pool.k[0].dtype == torch.float32
+        self._kernel = decode_attention() if fused else None
+        self._slots: torch.Tensor | None = None  # [nd, longest] each decode's slots
+        self._lens: torch.Tensor | None = None  # [nd] int64
+        self._starts: dict[int, torch.Tensor] = {}  # sliding window -> first key attended
+
+    def _prepare_decodes(self, table: torch.Tensor, lens: list[int]) -> None:
+        if self._kernel is None:
+            super()._prepare_decodes(table, lens)
+            return
+        self._slots = table.contiguous()
+        self._lens = torch.tensor(lens, dtype=torch.int64)
+        self._starts = {}
+
+    def _decodes(
+        self, q: torch.Tensor, layer_id: int, sliding_window: int, logit_softcap: float,
+        scale: float,
+    ) -> torch.Tensor:  # fmt: skip
+        if self._kernel is None:
+            return super()._decodes(q, layer_id, sliding_window, logit_softcap, scale)
+        assert self._slots is not None and self._lens is not None
+        starts = self._starts.get(sliding_window)
+        if starts is None:
+            starts = (self._lens - sliding_window).clamp_(min=0) if sliding_window else \
+                torch.zeros_like(self._lens)  # fmt: skip
+            self._starts[sliding_window] = starts
+        k_buf, v_buf = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
+        return self._kernel(
+            q.contiguous(), k_buf, v_buf, self._slots, starts, self._lens, scale, logit_softcap
+        )

@@ -1,0 +1,196 @@
+"""cpu_paged's C++ decode kernel against a dense float64 reference and against torch_native:
+GQA groups 1/3/4/8, odd and mixed lengths, scattered and consecutive slots, sliding windows and
+soft-capping, decodes beside a prefill chunk, and one thread or the pool. End-to-end reuse
+traffic (retraction, cache hits, pages 1 and 16) is in test_reuse_traffic.py, where every
+available backend runs against torch_native."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve.core.batch import ForwardBatch
+from radixserve.core.config import ModelConfig
+from radixserve.core.memory import KVPool, ReqToTokenPool
+from radixserve.plugins.attention.cpu_paged.kernel import unavailable_reason
+from radixserve.plugins.attention.torch_native import TorchNativeAttention
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+
+DIM, POOL = 16, 512
+
+
+def _config(heads: int, kv_heads: int) -> ModelConfig:
+    return ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": heads * DIM,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "num_hidden_layers": 1,
+            "vocab_size": 10,
+        }
+    )
+
+
+def _batch(slots: list[list[int]], prefill: list[int] | None = None) -> ForwardBatch:
+    """One decode per row of ``slots`` (its new token's slot last), then optionally one
+    prefill chunk whose new tokens are the last ``prefill[1]`` of the slots ``prefill[0]``."""
+    table = ReqToTokenPool(len(slots) + 1, POOL)
+    for row, s in enumerate(slots):
+        table.write(row, 0, torch.tensor(s))
+    seq_lens, extend_lens, out = [len(s) for s in slots], [1] * len(slots), [s[-1] for s in slots]
+    if prefill is not None:
+        chunk_slots, new = prefill
+        table.write(len(slots), 0, torch.tensor(chunk_slots))
+        seq_lens.append(len(chunk_slots))
+        extend_lens.append(new)
+        out += chunk_slots[-new:]
+    tokens = sum(extend_lens)
+    return ForwardBatch(
+        input_ids=torch.zeros(tokens, dtype=torch.int64),
+        positions=torch.zeros(tokens, dtype=torch.int64),
+        out_cache_loc=torch.tensor(out),
+        req_pool_indices=torch.arange(len(seq_lens)),
+        req_to_token=table.table,
+        seq_lens=seq_lens,
+        extend_lens=extend_lens,
+        num_decode=len(slots),
+        logits_indices=torch.zeros(0, dtype=torch.int64),
+        kv_pool=None,
+        req_to_token_pool=table,
+    )
+
+
+def _reference(q: torch.Tensor, pool: KVPool, slots: list[list[int]], group: int, window: int,
+               cap: float) -> torch.Tensor:  # fmt: skip
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i, s in enumerate(slots):
+        idx = torch.tensor(s[-window:] if window else s)
+        k = pool.k[0][idx].double().repeat_interleave(group, 1)  # [L, H, D]
+        v = pool.v[0][idx].double().repeat_interleave(group, 1)
+        scores = torch.einsum("hd,lhd->hl", q[i].double(), k) * DIM**-0.5
+        if cap:
+            scores = cap * torch.tanh(scores / cap)
+        out[i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+    return out
+
+
+def _pool(kv_heads: int, seed: int) -> KVPool:
+    gen = torch.Generator().manual_seed(seed)
+    pool = KVPool(POOL, 1, kv_heads, DIM, torch.float32, "cpu")
+    pool.k[0].copy_(torch.randn(POOL + 1, kv_heads, DIM, generator=gen))
+    pool.v[0].copy_(torch.randn(POOL + 1, kv_heads, DIM, generator=gen))
+    return pool
+
+
+def _scattered(lengths: list[int], seed: int) -> list[list[int]]:
+    """Disjoint slot rows: up to 40 consecutive slots each (as a prefill gets them, from the
+    pool's first half), the rest scattered over its second half (as decodes get them)."""
+    assert len(lengths) <= 6
+    scattered = (torch.randperm(POOL // 2, generator=torch.Generator().manual_seed(seed)) + 1 +
+                 POOL // 2).tolist()  # fmt: skip
+    rows = []
+    for i, n in enumerate(lengths):
+        head = list(range(1 + 40 * i, 1 + 40 * i + min(n // 2, 40)))
+        rows.append(head + [scattered.pop() for _ in range(n - len(head))])
+    return rows
+
+
+GQA = [(4, 4), (6, 2), (8, 2), (8, 1)]  # groups 1, 3, 4, 8
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), GQA, ids=[f"group{h // k}" for h, k in GQA])
+@pytest.mark.parametrize(("window", "cap"), [(0, 0.0), (5, 0.0), (0, 2.0)],
+                         ids=["plain", "window5", "softcap2"])  # fmt: skip
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decodes_match_dense_reference_and_torch_native(
+    heads: int, kv_heads: int, window: int, cap: float, threads: int
+) -> None:
+    from radixserve.plugins.attention.cpu_paged.backend import CpuPagedAttention
+
+    config, group = _config(heads, kv_heads), heads // kv_heads
+    slots = _scattered([1, 7, 64, 65, 100, 3], seed=heads + kv_heads)
+    pool = _pool(kv_heads, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    n = len(slots)
+    q = torch.randn(n, heads, DIM, generator=gen)
+    k = torch.randn(n, kv_heads, DIM, generator=gen)
+    v = torch.randn(n, kv_heads, DIM, generator=gen)
+    options = {"sliding_window": window, "logit_softcap": cap}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        paged = CpuPagedAttention(pool, config, "cpu")
+        batch = _batch(slots)
+        paged.prepare(batch)
+        ours = paged.forward(q, k, v, 0, batch, **options).view(n, heads, DIM)
+        native = TorchNativeAttention(pool, config, "cpu")
+        native.prepare(batch)
+        theirs = native.forward(q, k, v, 0, batch, **options).view(n, heads, DIM)
+    finally:
+        torch.set_num_threads(before)
+    ref = _reference(q, pool, slots, group, window, cap)  # the step's K/V are stored by now
+    torch.testing.assert_close(ours.double(), ref, rtol=0, atol=2e-6)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-6)
+
+
+def test_decodes_beside_a_prefill_chunk_match_torch_native() -> None:
+    """A mixed step: the decodes go through the kernel, the chunk (with a cached prefix) through
+    torch_native's path; the whole output equals torch_native's."""
+    from radixserve.plugins.attention.cpu_paged.backend import CpuPagedAttention
+
+    config = _config(6, 2)
+    decodes = _scattered([9, 40, 2], seed=3)
+    chunk = list(range(300, 337))  # 37 slots: 25 cached, 12 new
+    batch = _batch(decodes, prefill=[chunk, 12])
+    tokens = len(decodes) + 12
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(tokens, 6, DIM, generator=gen)
+    k, v = torch.randn(tokens, 2, DIM, generator=gen), torch.randn(tokens, 2, DIM, generator=gen)
+    outs = []
+    for backend_cls in (CpuPagedAttention, TorchNativeAttention):
+        pool = _pool(2, seed=5)
+        backend = backend_cls(pool, config, "cpu")
+        backend.prepare(batch)
+        outs.append(backend.forward(q, k, v, 0, batch))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=2e-6)
+
+
+def test_other_dtypes_take_torch_natives_path() -> None:
+    """bfloat16 KV is not the kernel's: the backend attends it as torch_native does."""
+    from radixserve.plugins.attention.cpu_paged.backend import CpuPagedAttention
+
+    config = _config(6, 2)
+    pool = KVPool(POOL, 1, 2, DIM, torch.bfloat16, "cpu")
+    pool.k[0].normal_()
+    pool.v[0].normal_()
+    slots = _scattered([5, 11], seed=6)
+    batch = _batch(slots)
+    q = torch.randn(2, 6, DIM, dtype=torch.bfloat16)
+    kv = torch.randn(2, 2, DIM, dtype=torch.bfloat16)
+    paged, native = CpuPagedAttention(pool, config, "cpu"), TorchNativeAttention(pool, config, "cpu")
+    assert paged._kernel is None
+    paged.prepare(batch)
+    native.prepare(batch)
+    torch.testing.assert_close(paged.forward(q, kv, kv, 0, batch), native.forward(q, kv, kv, 0, batch))
+
+
+def test_kernel_rejects_bad_inputs_with_a_reason() -> None:
+    from radixserve.plugins.attention.cpu_paged.kernel import decode_attention
+
+    kernel = decode_attention()
+    pool = _pool(2, seed=7)
+    q = torch.randn(1, 6, DIM)
+    slots, starts = torch.tensor([[1, 2, 3]]), torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="starts <= lens <= slots.size"):
+        kernel(q, pool.k[0], pool.v[0], slots, starts, torch.tensor([4]), 0.25, 0.0)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel(q.double(), pool.k[0], pool.v[0], slots, starts, torch.tensor([3]), 0.25, 0.0)
+
+
+def test_refuses_a_non_cpu_device() -> None:
+    from radixserve.plugins.attention.cpu_paged.backend import CpuPagedAttention
+
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        CpuPagedAttention(_pool(2, seed=8), _config(6, 2), "cuda")
