@@ -1,9 +1,10 @@
 // Paged decode attention on CPU: each decode's query against its KV, read in place from the
 // pool through its row of slots (no gathered copy, no padding to the longest sequence).
 //
-// Work items are (request, KV head) pairs spread over torch's intra-op pool. An item streams its
-// keys in blocks: the block's scores for the head's query group, an online softmax across
-// blocks (running max and sum), then the block's values. Rows of the next keys are prefetched,
+// Work items are requests (or, with fewer requests than twice the threads, (request, KV head)
+// pairs) spread over torch's intra-op pool. An item streams its keys in blocks: the block's
+// scores for its query heads, an online softmax across blocks (running max and sum), then the
+// block's values. Rows of the next keys are prefetched,
 // since a sequence's slots are runs the allocator handed out, not one contiguous range.
 // float32 only; the Python side keeps other dtypes on torch_native's path.
 
@@ -13,6 +14,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -26,65 +29,109 @@ struct Shape {
   float scale, softcap;     // softcap > 0: scores become softcap * tanh(score / softcap)
 };
 
-inline void prefetch(const float* row, int64_t d) {
-  for (int64_t c = 0; c < d; c += 16) __builtin_prefetch(row + c);  // 64-byte lines
+// exp(x) for x <= 0 (a score minus the running max) in branch-free float arithmetic that the
+// compiler vectorizes (std::exp stays a scalar call): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by
+// Cephes' expf polynomial (about 1 ulp), 2^n from the exponent bits. Below -87 it returns
+// ~1e-38 rather than 0, which no softmax weight notices.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln 2 in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
 }
 
-// One KV head of one request: queries q [group, dim] -> out [group, dim].
-void attend(const Shape& s, const float* q, const float* k_head, const float* v_head,
-            const int64_t* slots, int64_t start, int64_t end, float* out, float* scores,
-            float* acc, float* run_max, float* run_sum) {
-  const int64_t g = s.group, d = s.dim;
-  std::fill(acc, acc + g * d, 0.f);
-  std::fill(run_max, run_max + g, -std::numeric_limits<float>::infinity());
-  std::fill(run_sum, run_sum + g, 0.f);
+inline void prefetch(const float* row, int64_t floats) {
+  for (int64_t c = 0; c < floats; c += 16) __builtin_prefetch(row + c);  // 64-byte lines
+}
+
+// Heads h0 .. h0 + nh - 1 of one request: queries q [nh * group, dim] -> out [nh * group, dim].
+// D > 0: the head dim known at compile time (the dot products and value rows unroll into whole
+// vector registers); D == 0: s.dim at run time.
+template <int D>
+void attend(const Shape& s, int64_t nh, const float* q, const float* k_base,
+            const float* v_base, const int64_t* slots, int64_t start, int64_t end, float* out,
+            float* scores, float* acc, float* run_max, float* run_sum) {
+  const int64_t d = D > 0 ? D : s.dim;
+  const int64_t rows = nh * s.group;  // query rows handled here
+  std::fill(acc, acc + rows * d, 0.f);
+  std::fill(run_max, run_max + rows, -std::numeric_limits<float>::infinity());
+  std::fill(run_sum, run_sum + rows, 0.f);
   for (int64_t t0 = start; t0 < end; t0 += kBlock) {
     const int64_t n = std::min(kBlock, end - t0);
     for (int64_t i = 0; i < n; ++i) {
-      if (i + kAhead < n) prefetch(k_head + slots[t0 + i + kAhead] * s.row, d);
-      const float* key = k_head + slots[t0 + i] * s.row;
-      for (int64_t j = 0; j < g; ++j) {
-        const float* qj = q + j * d;
-        float dot = 0.f;
+      if (i + kAhead < n) prefetch(k_base + slots[t0 + i + kAhead] * s.row, nh * d);
+      const float* key_row = k_base + slots[t0 + i] * s.row;
+      for (int64_t h = 0, r = 0; h < nh; ++h) {
+        const float* key = key_row + h * d;
+        for (int64_t j = 0; j < s.group; ++j, ++r) {
+          const float* qr = q + r * d;
+          float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t c = 0; c < d; ++c) dot += qj[c] * key[c];
-        const float score = dot * s.scale;
-        scores[j * kBlock + i] = s.softcap > 0.f ? s.softcap * std::tanh(score / s.softcap) : score;
+          for (int64_t c = 0; c < d; ++c) dot += qr[c] * key[c];
+          scores[r * kBlock + i] = dot * s.scale;
+        }
       }
     }
-    for (int64_t j = 0; j < g; ++j) {
-      float* sj = scores + j * kBlock;
-      float block_max = run_max[j];
-      for (int64_t i = 0; i < n; ++i) block_max = std::max(block_max, sj[i]);
-      const float rescale = std::exp(run_max[j] - block_max);
-      run_max[j] = block_max;
+    if (s.softcap > 0.f) {
+      for (int64_t x = 0; x < rows * kBlock; ++x) scores[x] = s.softcap * std::tanh(scores[x] / s.softcap);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = scores + r * kBlock;
+      float block_max = run_max[r];
+      for (int64_t i = 0; i < n; ++i) block_max = std::max(block_max, sr[i]);
+      const float rescale = std::exp(run_max[r] - block_max);
+      run_max[r] = block_max;
       float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
       for (int64_t i = 0; i < n; ++i) {
-        sj[i] = std::exp(sj[i] - block_max);
-        sum += sj[i];
+        sr[i] = exp_nonpositive(sr[i] - block_max);
+        sum += sr[i];
       }
-      run_sum[j] = run_sum[j] * rescale + sum;
+      run_sum[r] = run_sum[r] * rescale + sum;
       if (rescale != 1.f) {
-        float* aj = acc + j * d;
+        float* ar = acc + r * d;
 #pragma omp simd
-        for (int64_t c = 0; c < d; ++c) aj[c] *= rescale;
+        for (int64_t c = 0; c < d; ++c) ar[c] *= rescale;
       }
     }
     for (int64_t i = 0; i < n; ++i) {
-      if (i + kAhead < n) prefetch(v_head + slots[t0 + i + kAhead] * s.row, d);
-      const float* value = v_head + slots[t0 + i] * s.row;
-      for (int64_t j = 0; j < g; ++j) {
-        const float p = scores[j * kBlock + i];
-        float* aj = acc + j * d;
+      if (i + kAhead < n) prefetch(v_base + slots[t0 + i + kAhead] * s.row, nh * d);
+      const float* value_row = v_base + slots[t0 + i] * s.row;
+      for (int64_t h = 0, r = 0; h < nh; ++h) {
+        const float* value = value_row + h * d;
+        for (int64_t j = 0; j < s.group; ++j, ++r) {
+          const float p = scores[r * kBlock + i];
+          float* ar = acc + r * d;
 #pragma omp simd
-        for (int64_t c = 0; c < d; ++c) aj[c] += p * value[c];
+          for (int64_t c = 0; c < d; ++c) ar[c] += p * value[c];
+        }
       }
     }
   }
-  for (int64_t j = 0; j < g; ++j) {
-    const float inv = run_sum[j] > 0.f ? 1.f / run_sum[j] : 0.f;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = run_sum[r] > 0.f ? 1.f / run_sum[r] : 0.f;
 #pragma omp simd
-    for (int64_t c = 0; c < d; ++c) out[j * d + c] = acc[j * d + c] * inv;
+    for (int64_t c = 0; c < d; ++c) out[r * d + c] = acc[r * d + c] * inv;
+  }
+}
+
+using AttendFn = decltype(&attend<0>);
+
+AttendFn attend_for(int64_t dim) {
+  switch (dim) {
+    case 64: return &attend<64>;
+    case 128: return &attend<128>;
+    default: return &attend<0>;
   }
 }
 
@@ -123,13 +170,20 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
                 "decode_attention: need 0 <= starts <= lens <= slots.size(1)");
   }
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, nd * kvh, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(kBlock * s.group), acc(s.group * s.dim), run(2 * s.group);
+  // A work item is one request's heads when there are enough requests to go round the threads
+  // (its rows are then read once, whole), else one KV head of a request.
+  const int64_t heads_per_item = nd >= 2 * at::get_num_threads() ? kvh : 1;
+  const int64_t items_per_request = kvh / heads_per_item;
+  const AttendFn fn = attend_for(s.dim);
+  at::parallel_for(0, nd * items_per_request, 1, [&](int64_t begin, int64_t end) {
+    const int64_t rows = heads_per_item * s.group;
+    std::vector<float> scores(kBlock * rows), acc(rows * s.dim), run(2 * rows);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / kvh, h = item % kvh;
-      const int64_t q_off = (b * heads + h * s.group) * s.dim;
-      attend(s, qp + q_off, kp + h * s.dim, vp + h * s.dim, sp + b * max_len, st[b], ln[b],
-             op + q_off, scores.data(), acc.data(), run.data(), run.data() + s.group);
+      const int64_t b = item / items_per_request;
+      const int64_t h0 = (item % items_per_request) * heads_per_item;
+      const int64_t q_off = (b * heads + h0 * s.group) * s.dim;
+      fn(s, heads_per_item, qp + q_off, kp + h0 * s.dim, vp + h0 * s.dim, sp + b * max_len,
+         st[b], ln[b], op + q_off, scores.data(), acc.data(), run.data(), run.data() + rows);
     }
   });
   return out;

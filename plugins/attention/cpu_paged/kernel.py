@@ -3,8 +3,8 @@
 torch's ``cpp_extension`` compiles it once per machine (~20 s on two cores) into
 ``~/.cache/radixserve/kernels`` (``RADIXSERVE_KERNEL_CACHE`` elsewhere), under a key of the
 source, torch's version, the flags and the CPU, since ``-march=native`` code is this CPU's; later
-processes only load the library. ``python -m radixserve.plugins.attention.cpu_paged.kernel``
-builds it ahead of time (``make serve`` and ``make test`` do).
+processes only load the library. ``python -m radixserve.plugins.attention.cpu_paged`` builds it
+ahead of time (``make serve`` and ``make test`` do).
 """
 
 from __future__ import annotations
@@ -96,10 +96,11 @@ def _cpu_signature() -> str:
     return "\n".join(sorted({ln for ln in lines if ln.split(":")[0].strip() in wanted}))
 
 
-if __name__ == "__main__":
+def build_main() -> None:
+    """``python -m radixserve.plugins.attention.cpu_paged``: build (or find) the kernel now."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     reason = unavailable_reason()
     if reason is not None:
-        raise SystemExit(f"cpu_paged kernel not built: {reason}")
+        raise SystemExit(f"cpu_paged kernel not built: {reason}; the CPU uses torch_native")
     decode_attention()
     print(f"cpu_paged kernel ready: {_library_path()}")

@@ -20,11 +20,11 @@ pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(una
 DIM, POOL = 16, 512
 
 
-def _config(heads: int, kv_heads: int) -> ModelConfig:
+def _config(heads: int, kv_heads: int, dim: int = DIM) -> ModelConfig:
     return ModelConfig.from_dict(
         {
             "architectures": ["LlamaForCausalLM"],
-            "hidden_size": heads * DIM,
+            "hidden_size": heads * dim,
             "num_attention_heads": heads,
             "num_key_value_heads": kv_heads,
             "num_hidden_layers": 1,
@@ -64,23 +64,24 @@ def _batch(slots: list[list[int]], prefill: list[int] | None = None) -> ForwardB
 
 def _reference(q: torch.Tensor, pool: KVPool, slots: list[list[int]], group: int, window: int,
                cap: float) -> torch.Tensor:  # fmt: skip
+    dim = q.shape[-1]
     out = torch.empty(q.shape, dtype=torch.float64)
     for i, s in enumerate(slots):
         idx = torch.tensor(s[-window:] if window else s)
         k = pool.k[0][idx].double().repeat_interleave(group, 1)  # [L, H, D]
         v = pool.v[0][idx].double().repeat_interleave(group, 1)
-        scores = torch.einsum("hd,lhd->hl", q[i].double(), k) * DIM**-0.5
+        scores = torch.einsum("hd,lhd->hl", q[i].double(), k) * dim**-0.5
         if cap:
             scores = cap * torch.tanh(scores / cap)
         out[i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
     return out
 
 
-def _pool(kv_heads: int, seed: int) -> KVPool:
+def _pool(kv_heads: int, seed: int, dim: int = DIM) -> KVPool:
     gen = torch.Generator().manual_seed(seed)
-    pool = KVPool(POOL, 1, kv_heads, DIM, torch.float32, "cpu")
-    pool.k[0].copy_(torch.randn(POOL + 1, kv_heads, DIM, generator=gen))
-    pool.v[0].copy_(torch.randn(POOL + 1, kv_heads, DIM, generator=gen))
+    pool = KVPool(POOL, 1, kv_heads, dim, torch.float32, "cpu")
+    pool.k[0].copy_(torch.randn(POOL + 1, kv_heads, dim, generator=gen))
+    pool.v[0].copy_(torch.randn(POOL + 1, kv_heads, dim, generator=gen))
     return pool
 
 
@@ -98,25 +99,29 @@ def _scattered(lengths: list[int], seed: int) -> list[list[int]]:
 
 
 GQA = [(4, 4), (6, 2), (8, 2), (8, 1)]  # groups 1, 3, 4, 8
+# Six decodes go round 1 or 2 threads a request at a time; one decode is split by KV head.
+DECODES = {"six": [1, 7, 64, 65, 100, 3], "one": [77]}
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), GQA, ids=[f"group{h // k}" for h, k in GQA])
 @pytest.mark.parametrize(("window", "cap"), [(0, 0.0), (5, 0.0), (0, 2.0)],
                          ids=["plain", "window5", "softcap2"])  # fmt: skip
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dim", [16, 64])  # 64: the kernel's compiled-in head dim
+@pytest.mark.parametrize("decodes", list(DECODES))
 def test_decodes_match_dense_reference_and_torch_native(
-    heads: int, kv_heads: int, window: int, cap: float, threads: int
+    heads: int, kv_heads: int, window: int, cap: float, threads: int, dim: int, decodes: str
 ) -> None:
     from radixserve.plugins.attention.cpu_paged.backend import CpuPagedAttention
 
-    config, group = _config(heads, kv_heads), heads // kv_heads
-    slots = _scattered([1, 7, 64, 65, 100, 3], seed=heads + kv_heads)
-    pool = _pool(kv_heads, seed=1)
+    config, group = _config(heads, kv_heads, dim), heads // kv_heads
+    slots = _scattered(DECODES[decodes], seed=heads + kv_heads)
+    pool = _pool(kv_heads, seed=1, dim=dim)
     gen = torch.Generator().manual_seed(2)
     n = len(slots)
-    q = torch.randn(n, heads, DIM, generator=gen)
-    k = torch.randn(n, kv_heads, DIM, generator=gen)
-    v = torch.randn(n, kv_heads, DIM, generator=gen)
+    q = torch.randn(n, heads, dim, generator=gen)
+    k = torch.randn(n, kv_heads, dim, generator=gen)
+    v = torch.randn(n, kv_heads, dim, generator=gen)
     options = {"sliding_window": window, "logit_softcap": cap}
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -124,10 +129,10 @@ def test_decodes_match_dense_reference_and_torch_native(
         paged = CpuPagedAttention(pool, config, "cpu")
         batch = _batch(slots)
         paged.prepare(batch)
-        ours = paged.forward(q, k, v, 0, batch, **options).view(n, heads, DIM)
+        ours = paged.forward(q, k, v, 0, batch, **options).view(n, heads, dim)
         native = TorchNativeAttention(pool, config, "cpu")
         native.prepare(batch)
-        theirs = native.forward(q, k, v, 0, batch, **options).view(n, heads, DIM)
+        theirs = native.forward(q, k, v, 0, batch, **options).view(n, heads, dim)
     finally:
         torch.set_num_threads(before)
     ref = _reference(q, pool, slots, group, window, cap)  # the step's K/V are stored by now
