@@ -45,9 +45,9 @@ $(STAMP): pyproject.toml examples/radixserve-example-plugin/pyproject.toml
 # ~35k lines of the checkout again when it starts (~0.3 s each on one core).
 bytecode: $(STAMP)
 	@$(BIN)/python -m compileall -q -j0 __init__.py launch_server.py core plugins entrypoints lang
-	@# The CPU decode-attention kernel (attention plugin cpu_paged), compiled once per machine
-	@# (~25 s) rather than by the first engine; without a compiler the CPU uses torch_native.
-	-@$(BIN)/python -m radixserve.plugins.attention.cpu_paged
+	@# radixserve's C++ CPU kernels (cpu_paged attention, fused ops), compiled once per machine
+	@# (~30 s) rather than by the first engine; without a compiler the CPU uses torch's ops.
+	-@$(BIN)/python -m radixserve.plugins.hardware.cpu_kernels
 
 serve: $(STAMP) bytecode
 	$(BIN)/radixserve serve --host $(HOST) --port $(PORT)

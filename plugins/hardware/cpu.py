@@ -114,7 +114,7 @@ class CpuPlatform(HardwarePlatform):
 def _cpu_paged_reason() -> str | None:
     """Why the cpu_paged attention (a C++ decode kernel, built on first use) cannot be the
     default here; torch_native is then."""
-    from radixserve.plugins.attention.cpu_paged.kernel import unavailable_reason
+    from radixserve.plugins.hardware.cpu_kernels import unavailable_reason
 
     reason = unavailable_reason()
     if reason is not None:

@@ -557,8 +557,19 @@ def triton_gemv_config(device: str) -> tuple[int, int, int] | None:
 
 
 def fused_ops_for(device: str) -> ModuleType | None:
-    """The Triton ops module on a CUDA/ROCm device with Triton installed, else None."""
-    if torch.device(device).type != "cuda" or importlib.util.find_spec("triton") is None:
+    """The Triton ops module on a CUDA/ROCm device with Triton installed; on the CPU the C++
+    ops of ``plugins/hardware/cpu_fused_ops.py`` where they can be built (and
+    RADIXSERVE_CPU_FUSED_OPS is not "0"); else None (eager torch)."""
+    kind = torch.device(device).type
+    if kind == "cpu":
+        from radixserve.plugins.hardware.cpu_kernels import unavailable_reason
+
+        if os.environ.get("RADIXSERVE_CPU_FUSED_OPS") == "0" or unavailable_reason() is not None:
+            return None
+        from radixserve.plugins.hardware import cpu_fused_ops
+
+        return cpu_fused_ops
+    if kind != "cuda" or importlib.util.find_spec("triton") is None:
         return None
     from radixserve.plugins.models import fused_ops
 

@@ -1,13 +1,14 @@
 """Attention plugin ``cpu_paged``: decode attention in a C++ kernel that reads the paged KV pool
 in place (CPU, float32), prefill as torch_native. The CPU platform's default where the kernel can
-be built (a C++ compiler and ninja on PATH); built once per machine (``kernel.py``)."""
+be built (a C++ compiler and ninja on PATH); built once per machine
+(``plugins/hardware/cpu_kernels``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from radixserve.core.hookspecs import hookimpl
-from radixserve.plugins.attention.cpu_paged.kernel import unavailable_reason
+from radixserve.plugins.hardware.cpu_kernels import unavailable_reason
 
 
 def build_backend(*args: Any, **kwargs: Any) -> Any:

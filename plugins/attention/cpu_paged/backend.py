@@ -3,8 +3,8 @@
 torch_native attends a step's decodes by gathering every sequence's KV into a copy padded to the
 longest one, then calling SDPA. At batch 32 with ~300-token contexts (SmolLM2 on 2 AVX2 cores)
 that gather and SDPA took 3.3 + 3.7 ms a layer, two thirds of the decode step. The kernel
-(``decode_attention.cpp``) reads each sequence's keys and values in place through its slot row,
-with an online softmax, and spreads (request, KV head) pairs over torch's threads. Prefill and
+(``plugins/hardware/cpu_kernels/decode_attention.cpp``) reads each sequence's keys and values in
+place through its slot row, with an online softmax, over torch's threads. Prefill and
 the KV store stay torch_native's. float32 KV only; other dtypes run torch_native's path.
 """
 
@@ -14,8 +14,8 @@ import torch
 
 from radixserve.core.config import ModelConfig
 from radixserve.core.memory import KVPool
-from radixserve.plugins.attention.cpu_paged.kernel import decode_attention
 from radixserve.plugins.attention.torch_native import TorchNativeAttention
+from radixserve.plugins.hardware import cpu_kernels
 
 
 class CpuPagedAttention(TorchNativeAttention):
@@ -27,7 +27,7 @@ class CpuPagedAttention(TorchNativeAttention):
             )
         super().__init__(kv_pool, model_config, device)
         fused = kv_pool.k[0].dtype == torch.float32
-        self._kernel = decode_attention() if fused else None
+        self._kernel = cpu_kernels.load().decode_attention if fused else None
         self._slots: torch.Tensor | None = None  # [nd, longest] each decode's slots
         self._lens: torch.Tensor | None = None  # [nd] int64
         self._starts: dict[int, torch.Tensor] = {}  # sliding window -> first key attended

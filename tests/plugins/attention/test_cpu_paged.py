@@ -12,7 +12,7 @@ import torch
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.config import ModelConfig
 from radixserve.core.memory import KVPool, ReqToTokenPool
-from radixserve.plugins.attention.cpu_paged.kernel import unavailable_reason
+from radixserve.plugins.hardware.cpu_kernels import unavailable_reason
 from radixserve.plugins.attention.torch_native import TorchNativeAttention
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
@@ -182,9 +182,9 @@ def test_other_dtypes_take_torch_natives_path() -> None:
 
 
 def test_kernel_rejects_bad_inputs_with_a_reason() -> None:
-    from radixserve.plugins.attention.cpu_paged.kernel import decode_attention
+    from radixserve.plugins.hardware.cpu_kernels import load
 
-    kernel = decode_attention()
+    kernel = load().decode_attention
     pool = _pool(2, seed=7)
     q = torch.randn(1, 6, DIM)
     slots, starts = torch.tensor([[1, 2, 3]]), torch.zeros(1, dtype=torch.int64)

@@ -151,6 +151,13 @@ def test_unknown_quantization_is_refused_with_the_choices() -> None:
         EngineConfig(quantization="int3")
 
 
+# w8a8_int8 rounds every layer's activations per tensor, so a last-ulp change upstream flips its
+# greedy path: with torch_native and cpu_paged attention (float32 outputs identical) its tokens
+# matched float32's 30.6% and 22.9% of the time here, and each other's 28.5%. Its quality bound
+# is the perplexity below; the floor only catches a broken kernel.
+AGREEMENT_FLOOR = {"int8wo": 0.3, "int4wo": 0.3, "w8a8_int8": 0.15}
+
+
 def _run(model_dir: Path, **settings: str) -> tuple[list[list[int]], float]:
     engine = Engine(str(model_dir), max_total_tokens=4096, **settings)
     try:
@@ -178,5 +185,5 @@ def test_quantized_smollm2_agrees_with_float32(
     assert all(len(o) == NEW_TOKENS for o in outs)
     same = sum(a == b for r, o in zip(ref, outs, strict=True) for a, b in zip(r, o, strict=True))
     share = same / (len(PROMPTS) * NEW_TOKENS)
-    assert share >= 0.3, f"{method}: {share:.1%} of greedy tokens equal float32's"
+    assert share >= AGREEMENT_FLOOR[method], f"{method}: {share:.1%} of greedy tokens equal float32's"
     assert abs(ppl / ref_ppl - 1) < 0.05, f"{method}: perplexity {ppl:.3f} vs {ref_ppl:.3f}"

@@ -191,7 +191,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
 
 }  // namespace
 
-TORCH_LIBRARY(radixserve_cpu_paged, m) {
+TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def(
       "decode_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor slots, Tensor starts, "
       "Tensor lens, float scale, float softcap) -> Tensor");

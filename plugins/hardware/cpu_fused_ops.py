@@ -1,0 +1,66 @@
+"""The model's fused per-token ops on CPU (the interface of ``plugins/models/fused_ops.py``):
+RMSNorm, residual add + RMSNorm, SiLU(gate) * up and RoPE, each one C++ pass
+(``cpu_kernels/fused_ops.cpp``) where eager torch runs 2-6 ops with their temporaries.
+
+A float32 decode step of the default model at batch 32 spent ~40 ms of ~330 in those small ops
+(profile in docs/BENCHMARKS.md, issue 19). Inputs the kernels do not take (other dtypes) and
+steps dynamo traces (``--enable-torch-compile``: inductor fuses the eager code itself) run the
+eager formulas, which are the model's own (``plugins/models/decoder.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.plugins.hardware import cpu_kernels
+
+
+def _kernel(*tensors: torch.Tensor) -> bool:
+    return not torch.compiler.is_compiling() and all(t.dtype == torch.float32 for t in tensors)
+
+
+def _eager_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not _kernel(x, weight) or x.dim() != 2:
+        return _eager_norm(x, weight, eps)
+    x2 = x if x.stride(-1) == 1 else x.contiguous()
+    return cpu_kernels.load().rms_norm(x2, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual)."""
+    if not _kernel(x, residual, weight) or x.dim() != 2 or x.shape != residual.shape:
+        total = x + residual
+        return _eager_norm(total, weight, eps), total
+    x2 = x if x.stride(-1) == 1 else x.contiguous()
+    r2 = residual if residual.stride(-1) == 1 else residual.contiguous()
+    return cpu_kernels.load().add_rms_norm(x2, r2, weight, eps)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2 * N] = [gate | up] -> SiLU(gate) * up, [T, N]."""
+    if not _kernel(x) or x.dim() != 2:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return cpu_kernels.load().silu_mul(x if x.stride(-1) == 1 else x.contiguous())
+
+
+def rope(
+    x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Rotate-half RoPE of x [T, heads, D] into a new contiguous tensor; cos, sin:
+    [max_positions, D / 2] tables."""
+    if not _kernel(x, cos, sin):
+        half = x.shape[-1] // 2
+        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    x2 = x if x.stride(-1) == 1 else x.contiguous()
+    return cpu_kernels.load().rope(x2, positions.to(torch.int64).contiguous(), cos, sin)
