@@ -82,7 +82,8 @@ def main() -> None:
             tok_s: dict[str, list[float]] = {n: [] for n in BACKENDS}
             same = total = 0
             for r in tqdm(range(args.rounds), desc=f"batch {batch}", leave=False):
-                prompts = random_prompts(batch, args.input_len, 49152, avoid, seed=1000 * batch + r)
+                seed = 1000 * batch + r
+                prompts = random_prompts(batch, args.input_len, 49152, avoid, seed=seed)
                 outs = {}
                 for name in BACKENDS if r % 2 == 0 else BACKENDS[::-1]:
                     ms, tps, outs[name] = run_round(engines[name], clocks[name], prompts,
@@ -91,10 +92,11 @@ def main() -> None:
                     tok_s[name].append(tps)
                 same += sum(a == b for a, b in zip(*outs.values(), strict=True))
                 total += batch
-            med = {n: (statistics.median(step_ms[n]), statistics.median(tok_s[n])) for n in BACKENDS}
+            med = {n: (statistics.median(step_ms[n]), statistics.median(tok_s[n]))
+                   for n in BACKENDS}  # fmt: skip
             (ms_p, tps_p), (ms_t, tps_t) = med["cpu_paged"], med["torch_native"]
-            rows.append([batch, f"{ms_p:.1f}", f"{ms_t:.1f}", f"{ms_t / ms_p:.2f}x",
-                         f"{tps_p:.2f}", f"{tps_t:.2f}", f"{tps_p / tps_t:.2f}x", f"{same}/{total}"])  # fmt: skip
+            rows.append([batch, f"{ms_p:.1f}", f"{ms_t:.1f}", f"{ms_t / ms_p:.2f}x", f"{tps_p:.2f}",
+                         f"{tps_t:.2f}", f"{tps_p / tps_t:.2f}x", f"{same}/{total}"])  # fmt: skip
             results.append({"batch": batch, "step_ms": step_ms, "tok_s": tok_s,
                             "same_outputs": same, "requests": total})  # fmt: skip
     finally:
@@ -104,7 +106,8 @@ def main() -> None:
                "cpu_paged tok/s", "torch_native tok/s", "tok/s ratio", "same outputs"]  # fmt: skip
     print(format_table(headers, rows))
     if args.json_out:
-        write_json(args.json_out, {"machine": machine_info(), "args": vars(args), "results": results})
+        payload = {"machine": machine_info(), "args": vars(args), "results": results}
+        write_json(args.json_out, payload)
 
 
 if __name__ == "__main__":

@@ -38,8 +38,11 @@ class CpuPlatform(HardwarePlatform):
         # decodes the chunk shrinks in proportion; fewer decodes still get a full chunk. 4
         # rather than 8 once the engine ran on every core: 64 requests at once, 32 streams,
         # alternating, ITL p99/p50 2.3-3.0 against 3.8-5.2 at the same throughput
-        # (docs/BENCHMARKS.md, CPU serving, chunk size and inter-token latency).
-        return {"prefill_shrink_after_decodes": 4}
+        # (docs/BENCHMARKS.md, CPU serving, chunk size and inter-token latency). 2 once the C++
+        # kernels made decode steps ~1.5x faster while a chunk's cost stayed: at 4, ITL p99/p50
+        # rose to 3.2x (p50 245-282 ms, p99 794-901), at 2 it was 2.3x (288 / 674 ms) at
+        # 63.7 tok/s, against 51.9 before the kernels (same VM, same hour; issue 19).
+        return {"prefill_shrink_after_decodes": 2}
 
     # A host has far more memory than a CPU-served model's traffic needs; reserving all of
     # --mem-fraction-static of it would starve the machine.

@@ -80,7 +80,8 @@ def _build_dir() -> Path:
     root = os.environ.get("RADIXSERVE_KERNEL_CACHE")
     base = Path(root) if root else Path.home() / ".cache" / "radixserve" / "kernels"
     key = hashlib.sha256()
-    parts = [src.read_bytes() for src in SOURCES] + [torch.__version__.encode(), " ".join(CFLAGS).encode()]
+    parts = [src.read_bytes() for src in SOURCES]
+    parts += [torch.__version__.encode(), " ".join(CFLAGS).encode()]
     for part in parts:
         key.update(part)
     key.update(_cpu_signature().encode())

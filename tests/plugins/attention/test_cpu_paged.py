@@ -12,8 +12,8 @@ import torch
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.config import ModelConfig
 from radixserve.core.memory import KVPool, ReqToTokenPool
-from radixserve.plugins.hardware.cpu_kernels import unavailable_reason
 from radixserve.plugins.attention.torch_native import TorchNativeAttention
+from radixserve.plugins.hardware.cpu_kernels import unavailable_reason
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 
@@ -174,11 +174,13 @@ def test_other_dtypes_take_torch_natives_path() -> None:
     batch = _batch(slots)
     q = torch.randn(2, 6, DIM, dtype=torch.bfloat16)
     kv = torch.randn(2, 2, DIM, dtype=torch.bfloat16)
-    paged, native = CpuPagedAttention(pool, config, "cpu"), TorchNativeAttention(pool, config, "cpu")
+    paged = CpuPagedAttention(pool, config, "cpu")
+    native = TorchNativeAttention(pool, config, "cpu")
     assert paged._kernel is None
     paged.prepare(batch)
     native.prepare(batch)
-    torch.testing.assert_close(paged.forward(q, kv, kv, 0, batch), native.forward(q, kv, kv, 0, batch))
+    ours, theirs = paged.forward(q, kv, kv, 0, batch), native.forward(q, kv, kv, 0, batch)
+    torch.testing.assert_close(ours, theirs)
 
 
 def test_kernel_rejects_bad_inputs_with_a_reason() -> None:

@@ -76,7 +76,8 @@ def test_other_dtypes_run_the_eager_formulas() -> None:
 
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     w = torch.randn(64, dtype=torch.bfloat16)
-    expected = w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+    xf = x.float()
+    expected = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
     assert torch.equal(cpu_fused_ops.rms_norm(x, w, 1e-6), expected)
     gate, up = x.chunk(2, dim=-1)
     assert torch.equal(cpu_fused_ops.silu_mul(x), F.silu(gate) * up)
