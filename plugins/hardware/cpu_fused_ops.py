@@ -14,20 +14,16 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.plugins.hardware import cpu_kernels
+from radixserve.plugins.models.decoder import rms_norm_eager
 
 
 def _kernel(*tensors: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling() and all(t.dtype == torch.float32 for t in tensors)
 
 
-def _eager_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if not _kernel(x, weight) or x.dim() != 2:
-        return _eager_norm(x, weight, eps)
+        return rms_norm_eager(x, weight, eps)
     x2 = x if x.stride(-1) == 1 else x.contiguous()
     return cpu_kernels.load().rms_norm(x2, weight, eps)
 
@@ -38,7 +34,7 @@ def add_rms_norm(
     """(rms_norm(x + residual), x + residual)."""
     if not _kernel(x, residual, weight) or x.dim() != 2 or x.shape != residual.shape:
         total = x + residual
-        return _eager_norm(total, weight, eps), total
+        return rms_norm_eager(total, weight, eps), total
     x2 = x if x.stride(-1) == 1 else x.contiguous()
     r2 = residual if residual.stride(-1) == 1 else residual.contiguous()
     return cpu_kernels.load().add_rms_norm(x2, r2, weight, eps)

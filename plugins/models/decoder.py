@@ -23,8 +23,9 @@ only the pieces it changes. The extension points:
 Projections are fused (qkv, gate_up) to cut per-step kernel launches; attention goes through the
 selected attention plugin, which owns the paged KV access. The residual stream is carried beside
 each layer's output so the residual add and the next RMSNorm can be one kernel: on CUDA/ROCm
-devices add+RMSNorm, RoPE and SiLU-mul run as single Triton kernels (``fused_ops.py``), elsewhere
-as the eager torch code below (same rounding steps).
+devices add+RMSNorm, RoPE and SiLU-mul run as single Triton kernels (``fused_ops.py``), on the CPU
+as C++ ones (``plugins/hardware/cpu_fused_ops.py``), elsewhere as the eager torch code below
+(same rounding steps).
 """
 
 from __future__ import annotations
@@ -55,6 +56,13 @@ from radixserve.plugins.models.parallel_layers import (
 )
 
 
+def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in eager torch: normalized in float32, rounded to x's dtype, times ``weight``."""
+    normed = x.float()
+    normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -65,10 +73,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
             return self.fused.rms_norm(x, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm_eager(x, self.weight, self.eps)
 
     def add_forward(
         self, x: torch.Tensor, residual: torch.Tensor

@@ -4,8 +4,8 @@
 // Work items are requests (or, with fewer requests than twice the threads, (request, KV head)
 // pairs) spread over torch's intra-op pool. An item streams its keys in blocks: the block's
 // scores for its query heads, an online softmax across blocks (running max and sum), then the
-// block's values. Rows of the next keys are prefetched,
-// since a sequence's slots are runs the allocator handed out, not one contiguous range.
+// block's values. Rows of the next keys are prefetched, since a sequence's slots are runs the
+// allocator handed out, not one contiguous range.
 // float32 only; the Python side keeps other dtypes on torch_native's path.
 
 #include <ATen/ATen.h>
@@ -83,7 +83,10 @@ void attend(const Shape& s, int64_t nh, const float* q, const float* k_base,
       }
     }
     if (s.softcap > 0.f) {
-      for (int64_t x = 0; x < rows * kBlock; ++x) scores[x] = s.softcap * std::tanh(scores[x] / s.softcap);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sr = scores + r * kBlock;
+        for (int64_t i = 0; i < n; ++i) sr[i] = s.softcap * std::tanh(sr[i] / s.softcap);
+      }
     }
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = scores + r * kBlock;
