@@ -45,6 +45,12 @@ EXTEND_CASES = (  # (cached prefix, new tokens)
 )
 DTYPES = [torch.bfloat16] if GPU else [torch.float32, torch.bfloat16]
 PAGE_SIZES = [1, 16]
+# Query heads per KV head: 1 (MHA), 3 (not a power of two: SmolLM2's), 4 (Llama-3.1-8B's), 8.
+# Under the interpreter 8 is left out: it takes the same path as 4 in both kernels (decode pads
+# the group to BLOCK_G = max(16, next_power_of_2(group)) rows and masks the rest; extend runs a
+# program per query head and maps it to its KV head by h // GROUP), and it was the costliest
+# case (37 of the file's 113 s on one CPU core).
+GROUPS = [1, 3, 4, 8] if GPU else [1, 3, 4]
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -100,7 +106,7 @@ def _dev(*tensors: torch.Tensor) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("group", GROUPS)
 def test_decode_matches_reference(group: int, dtype: torch.dtype, page_size: int) -> None:
     lens = DECODE_LENS
     k_buf, v_buf, table, req_rows = _paged_setup(lens, KV_HEADS, dtype, group, page_size)
@@ -137,7 +143,7 @@ def test_decode_matches_reference(group: int, dtype: torch.dtype, page_size: int
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("group", GROUPS)
 def test_extend_matches_reference(group: int, dtype: torch.dtype, page_size: int) -> None:
     cases = EXTEND_CASES
     seq = [p + n for p, n in cases]
