@@ -52,6 +52,7 @@ FORMATS: dict[str, dict[str, str]] = {
     "int8wo": {"dtype": "float32", "quantization": "int8wo"},
     "int4wo": {"dtype": "float32", "quantization": "int4wo"},
     "w8a8_int8": {"dtype": "float32", "quantization": "w8a8_int8"},
+    "gguf": {"dtype": "float32", "quantization": "gguf"},
     "bfloat16+int8wo": {"dtype": "bfloat16", "quantization": "int8wo"},
     "bfloat16+int4wo": {"dtype": "bfloat16", "quantization": "int4wo"},
 }
@@ -75,6 +76,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--formats", default="float32,bfloat16,int8wo,int4wo", help="comma-separated")
     p.add_argument("--output-len", type=int, default=64, help="greedy tokens per prompt")
     p.add_argument("--threads", type=int, default=num_cores(), help="torch threads")
+    p.add_argument(
+        "--max-running",
+        type=int,
+        default=8,
+        help="requests decoding at once for the agreement run (below 16 rows the quantized "
+        "formats decode on their kernels, as a few users would; 16+ use the dense copies)",
+    )
     p.add_argument("--json-out", type=Path)
     args = p.parse_args(argv)
     args.formats = args.formats.split(",")
@@ -94,7 +102,13 @@ def run_format(name: str, args: argparse.Namespace, prompts: list[str]) -> dict[
     steps = DecodeSteps()
     host = PluginHost(extra_plugins=[("bench-decode-steps", steps)])
     t0 = time.perf_counter()
-    engine = Engine(model_path=args.model, host=host, max_total_tokens=16384, **FORMATS[name])
+    engine = Engine(
+        model_path=args.model,
+        host=host,
+        max_total_tokens=16384,
+        max_running_requests=args.max_running,
+        **FORMATS[name],
+    )
     start_s = time.perf_counter() - t0
     try:
         greedy = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}

@@ -94,7 +94,9 @@ class EngineConfig:
         "Quantization of the linear layers at load: int8wo (int8, a scale per row) or int4wo "
         "(4-bit groups of 32 with scale and zero, the layout of GGUF Q4_1), both weight-only "
         "with bfloat16 activations; or w8a8_int8 (int8 weights and int8 activations "
-        "quantized per step, on fbgemm). Default: none (the weights as loaded)",
+        "quantized per step, on fbgemm); or gguf (GGUF's Q4_1 blocks, multiplied as llama.cpp "
+        "does: activations in 8-bit blocks of 32; radixserve's CPU kernels). Default: none "
+        "(the weights as loaded)",
     )
     context_length: int | None = _opt(None, "Maximum tokens per request (prompt + output)")
     max_running_requests: int | None = _opt(
@@ -481,5 +483,5 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # the hardware platform runs them (quantize_model)
-QUANTIZATIONS = ("int8wo", "int4wo", "w8a8_int8")
+QUANTIZATIONS = ("int8wo", "int4wo", "w8a8_int8", "gguf")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")

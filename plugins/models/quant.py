@@ -1,4 +1,4 @@
-"""Weight-only quantization at load (``--quantization``), on torch's own CPU kernels.
+"""Quantization at load (``--quantization``), on torch's own CPU kernels and radixserve's.
 
 After the checkpoint is loaded, every ``nn.Linear`` of the decoder layers is replaced by a
 quantized one, and the LM head becomes a ``ScreenedHead`` (below; the embedding lookup keeps its
@@ -19,6 +19,13 @@ float weights):
             (7 bits, fbgemm's reduced range) is an error of its own, reported beside the others
             in docs/BENCHMARKS.md. It takes float32 activations; on the 2-core AVX2 VM it
             was not faster than ``int4wo`` end to end (docs/BENCHMARKS.md).
+
+``gguf``    GGUF's Q4_1 blocks (4-bit codes in groups of 32 with a float16 scale and minimum;
+            the default model's file is Q4_1, and its codes come back), multiplied the way
+            llama.cpp multiplies them: each step's activations are rounded to 8-bit blocks of
+            32 with a scale each, and the products are summed in integers (radixserve's CPU
+            kernels, ``cpu_kernels/q4_linear.cpp``). Like ``w8a8_int8`` it is not
+            weight-only; its activation rounding (8 bits per 32 values) is llama.cpp's own.
 
 The weight-only kernels run with bfloat16 activations (with float32 ones they fall back to slow
 paths): such a layer casts its input to bfloat16 and its output back to the model's dtype.
@@ -45,6 +52,7 @@ from __future__ import annotations
 import itertools
 import warnings
 import weakref
+from functools import cache
 from typing import Any
 
 import torch
@@ -207,6 +215,79 @@ class Int4Linear(QuantizedLinear):
         )
 
 
+class Q4BlockLinear(QuantizedLinear):
+    """GGUF's Q4_1 blocks (``gguf``): 4-bit codes in groups of 32 input features with a
+    float16 scale d and minimum m each (w = d * q + m), multiplied as llama.cpp does, with the
+    activations rounded per step to 8-bit blocks of 32 (``cpu_kernels/q4_linear.cpp``). The
+    default model's file is Q4_1: its codes, d and m come back exactly from its dequantized
+    weights wherever a group uses codes 0 and 15 (min/max rounding, d and m in float16)."""
+
+    activation_dtype = torch.float32
+
+    @staticmethod
+    def supports(linear: nn.Linear) -> bool:
+        return linear.in_features % INT4_GROUP == 0
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        q4_kernels()  # the op and its shape rule, or why the kernels cannot be built here
+        self.register_buffer("blocks", quantize_q4_1(linear.weight.data))
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize_q4_1(self.blocks, self.in_features)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.radixserve_cpu.q4_1_linear(x, self.blocks)
+
+
+Q4_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of paired 4-bit codes
+
+
+def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] float -> uint8 [out, in / 32 * 20], GGUF's block_q4_1 per 32 inputs: float16
+    d and m (w ~= d * q + m, q in 0..15), then byte j = q[j] | q[j + 16] << 4."""
+    out_f, in_f = weight.shape
+    w = weight.float().view(out_f, in_f // INT4_GROUP, INT4_GROUP)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    # d and m are rounded to float16 first, so each code is the nearest under the stored ones
+    d = ((hi - lo) / 15.0).half()
+    m = lo.half()
+    step = d.float().clamp(min=1e-12)[..., None]
+    q = torch.round((w - m.float()[..., None]) / step).clamp(0, 15).to(torch.uint8)
+    half = INT4_GROUP // 2
+    codes = q[..., :half] | (q[..., half:] << 4)
+    scales = torch.stack([d, m], dim=-1).view(torch.uint8)  # [out, groups, 4]
+    return torch.cat([scales, codes], dim=-1).reshape(out_f, -1).contiguous()
+
+
+def dequantize_q4_1(blocks: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The float32 [out, in] weights ``quantize_q4_1``'s blocks stand for."""
+    out_f = blocks.shape[0]
+    b = blocks.view(out_f, in_features // INT4_GROUP, Q4_BLOCK_BYTES)
+    d, m = b[..., :4].contiguous().view(torch.float16).float().unbind(-1)
+    codes = b[..., 4:]
+    q = torch.cat([codes & 0x0F, codes >> 4], dim=-1).float()
+    return (q * d[..., None] + m[..., None]).view(out_f, in_features)
+
+
+@cache
+def q4_kernels() -> Any:
+    """``torch.ops.radixserve_cpu`` with the 4-bit block linear (and its shape rule for
+    torch.compile), or a ConfigError saying why the CPU kernels cannot be built here."""
+    from radixserve.plugins.hardware import cpu_kernels
+
+    reason = cpu_kernels.unavailable_reason()
+    if reason is not None:
+        raise ConfigError(f"--quantization gguf needs radixserve's CPU kernels: {reason}")
+    ops = cpu_kernels.load()
+
+    @torch.library.register_fake("radixserve_cpu::q4_1_linear")
+    def _(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], blocks.shape[0])
+
+    return ops
+
+
 class ScreenedHead(nn.Module):
     """The LM head under weight-only quantization: float logits for each row's ``SCREEN_TOP``
     best candidates as 4-bit weights score them, 4-bit ones for the rest of the vocabulary.
@@ -217,17 +298,22 @@ class ScreenedHead(nn.Module):
     32.3 ms. Greedy tokens come closer to float32's (the head picks float32's best token
     whenever it is among the candidates): 69% against 44% identical over 16 prompts x 64."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, blocks: bool = False) -> None:
+        """``blocks``: screen with ``Q4BlockLinear`` (``gguf``) instead of torch's int4 kernel."""
         super().__init__()
         #: [vocab, hidden] in the model's dtype (the embedding's own tensor when tied)
         self.weight = weight
         out_f, in_f = weight.shape
         linear = nn.Linear(in_f, out_f, bias=False, device="meta")
         linear.weight = nn.Parameter(weight, requires_grad=False)
-        # groups of 64: half the scales of 32 and 15% faster here; the candidates get float
-        # logits anyway, so the screen's coarser rounding only has to keep the best among them
-        self.screen = Int4Linear(linear, 64 if in_f % 64 == 0 else INT4_GROUP)
-        self.screen._codes = None  # no bfloat16 copy: many rows multiply by ``weight``
+        self.screen: QuantizedLinear
+        if blocks:
+            self.screen = Q4BlockLinear(linear)
+        else:
+            # groups of 64: half the scales of 32 and 15% faster here; the candidates get float
+            # logits anyway, so the screen's coarser rounding only has to keep the best of them
+            self.screen = Int4Linear(linear, 64 if in_f % 64 == 0 else INT4_GROUP)
+            self.screen._codes = None  # no bfloat16 copy: many rows multiply by ``weight``
         self.top = min(SCREEN_TOP, out_f)
 
     @staticmethod
@@ -280,6 +366,7 @@ _METHODS: dict[str, type[QuantizedLinear]] = {
     "int8wo": Int8Linear,
     "int4wo": Int4Linear,
     "w8a8_int8": Int8DynamicLinear,
+    "gguf": Q4BlockLinear,
 }
 
 
@@ -312,7 +399,7 @@ def quantize_model(model: nn.Module, method: str) -> int:
     weight = model.lm_head.weight if hasattr(model, "lm_head") else model.embed_tokens.weight
     if ScreenedHead.supports(weight.data):
         # an untied lm_head's float weights stay: they rescore the candidates
-        model.head = ScreenedHead(weight.data)
+        model.head = ScreenedHead(weight.data, blocks=cls is Q4BlockLinear)
         return replaced
     head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     head.weight = nn.Parameter(weight.data, requires_grad=False)

@@ -1,6 +1,8 @@
 """radixserve's C++ CPU kernels: the paged decode attention of the ``cpu_paged`` attention plugin
-(``decode_attention.cpp``) and the model's fused per-token ops (``fused_ops.cpp``, used through
-``plugins/hardware/cpu_fused_ops.py``), one library of ``torch.ops.radixserve_cpu`` ops.
+(``decode_attention.cpp``), the model's fused per-token ops (``fused_ops.cpp``, used through
+``plugins/hardware/cpu_fused_ops.py``) and the 4-bit block linear of ``--quantization gguf``
+(``q4_linear.cpp``, used by ``plugins/models/quant.py``), one library of
+``torch.ops.radixserve_cpu`` ops.
 
 torch's ``cpp_extension`` compiles it once per machine (~30 s on two cores) into
 ``~/.cache/radixserve/kernels`` (``RADIXSERVE_KERNEL_CACHE`` elsewhere), under a key of the
@@ -24,7 +26,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(n) for n in ("decode_attention.cpp", "fused_ops.cpp")]
+SOURCES = [
+    Path(__file__).with_name(n) for n in ("decode_attention.cpp", "fused_ops.cpp", "q4_linear.cpp")
+]
 NAME = "radixserve_cpu_kernels"
 # -fopenmp: at::parallel_for spreads work over torch's OpenMP pool (the library links the
 # libgomp torch has loaded); -march=native: the host's vector width.

@@ -19,17 +19,32 @@ from torch import nn
 
 from radixserve import Engine
 from radixserve.core.config import ConfigError, EngineConfig
+from radixserve.plugins.hardware import cpu_kernels
 from radixserve.plugins.models.quant import (
     DENSE_MIN_ROWS,
     SCREEN_TOP,
     Int4Linear,
     Int8DynamicLinear,
     Int8Linear,
+    Q4BlockLinear,
     ScreenedHead,
     dense_dtype,
+    dequantize_q4_1,
+    q4_kernels,
     quantize_int4,
     quantize_model,
+    quantize_q4_1,
 )
+
+needs_kernels = pytest.mark.skipif(
+    cpu_kernels.unavailable_reason() is not None, reason=str(cpu_kernels.unavailable_reason())
+)
+KERNEL_CLASSES = [
+    Int8Linear,
+    Int4Linear,
+    Int8DynamicLinear,
+    pytest.param(Q4BlockLinear, marks=needs_kernels),
+]
 
 TEXT = (Path(__file__).parents[3] / "bench" / "data" / "perplexity.txt").read_text()
 PROMPTS = [
@@ -68,7 +83,7 @@ def test_int4_groups_keep_a_q4_1_weights_codes() -> None:
     assert ((back - w).abs() <= scale * 2**-7).all()
 
 
-@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear, Int8DynamicLinear])
+@pytest.mark.parametrize("cls", KERNEL_CLASSES)
 def test_quantized_linear_matches_the_float_layer(cls: type) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(96, 48, bias=True)
@@ -78,11 +93,11 @@ def test_quantized_linear_matches_the_float_layer(cls: type) -> None:
     want = F.linear(x, linear.weight, linear.bias)
     got = cls(linear)(x)
     assert got.dtype == x.dtype and got.shape == want.shape
-    # bf16 (or 7-bit int8) activations and int8's own rounding of the weights bound the error
+    # bf16 (or 7/8-bit int8) activations and int8's own rounding of the weights bound the error
     torch.testing.assert_close(got, want, rtol=0.02, atol=0.02 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear, Int8DynamicLinear])
+@pytest.mark.parametrize("cls", KERNEL_CLASSES)
 def test_prefill_rows_use_the_dequantized_copy_of_the_same_weights(cls: type) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(96, 48, bias=False)
@@ -96,10 +111,74 @@ def test_prefill_rows_use_the_dequantized_copy_of_the_same_weights(cls: type) ->
     dense = layer(x)
     assert not torch.equal(dense, kernel)  # another product ...
     # ... of the same weights: they differ by the activations' rounding only
-    tol = 0.03 if cls is Int8DynamicLinear else 0.01
+    tol = 0.03 if cls in (Int8DynamicLinear, Q4BlockLinear) else 0.01
     torch.testing.assert_close(dense, kernel, rtol=tol, atol=tol * kernel.abs().max().item())
     few = x[: DENSE_MIN_ROWS - 1]  # a decode-sized step keeps the kernel
     torch.testing.assert_close(layer(few), kernel[: DENSE_MIN_ROWS - 1], rtol=0, atol=0)
+
+
+def test_q4_1_blocks_keep_a_q4_1_weights_codes_and_values() -> None:
+    """GGUF's own block layout comes back from its dequantized weights: float16 d and m
+    (exact for these), the codes paired low/high nibble, and the same values."""
+    codes, w = _q4_1(48, 96)
+    blocks = quantize_q4_1(w)
+    assert blocks.dtype == torch.uint8 and blocks.shape == (48, 3 * 20)
+    b = blocks.view(48, 3, 20)
+    low, high = (b[..., 4:] & 0x0F).long(), (b[..., 4:] >> 4).long()
+    assert torch.equal(torch.cat([low, high], dim=-1).view(48, 96).float(), codes)
+    assert torch.equal(dequantize_q4_1(blocks, 96), w)
+
+
+def _q8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as llama.cpp's Q8 activation blocks: int8 codes per 32, scale amax / 127."""
+    xb = x.double().view(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(xb / torch.where(d > 0, d, torch.ones_like(d)))
+    return (q * d).view_as(x)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, DENSE_MIN_ROWS - 1])
+@pytest.mark.parametrize("shape", [(48, 96), (1, 32), (200, 64)])
+def test_q4_1_kernel_is_the_exact_product_of_its_rounded_operands(
+    rows: int, shape: tuple[int, int]
+) -> None:
+    """The integer kernel computes (Q8 activations) x (Q4_1 weights) up to float32 sums: odd
+    block counts (the unrolled loop's tail), a row of zeros (scale 0) and one huge value."""
+    out_f, in_f = shape
+    w = _q4_1_weight(out_f, in_f)
+    blocks = quantize_q4_1(w)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_f, generator=gen)
+    x[0, 0] = 1e4
+    if rows > 1:
+        x[1] = 0
+    want = (_q8_blocks(x) @ w.double().t()).float()
+    got = q4_kernels().q4_1_linear(x, blocks)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@needs_kernels
+def test_q4_1_kernel_refuses_operands_that_do_not_fit() -> None:
+    blocks = quantize_q4_1(_q4_1_weight(8, 64))
+    op = q4_kernels().q4_1_linear
+    with pytest.raises(RuntimeError, match="96 input features do not match blocks"):
+        op(torch.randn(2, 96), blocks)
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        op(torch.randn(2, 64, dtype=torch.float64), blocks)
+    with pytest.raises(RuntimeError, match="blocks must be contiguous uint8"):
+        op(torch.randn(2, 64), blocks.float())
+
+
+@needs_kernels
+def test_q4_1_layer_compiles_to_the_same_product() -> None:
+    """torch.compile traces the op through its registered shape rule (no graph break)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 48, bias=True)
+    layer = Q4BlockLinear(linear)
+    x = torch.randn(2, 96)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), layer(x), rtol=0, atol=0)
 
 
 def test_layers_the_int4_kernel_cannot_take_stay_in_float() -> None:
@@ -146,8 +225,24 @@ def test_screened_head_gives_float_logits_to_its_candidates() -> None:
     assert model.head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()  # no copy
 
 
+@needs_kernels
+def test_gguf_screens_the_head_with_q4_1_blocks() -> None:
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Module()])
+    model.layers[0].proj = nn.Linear(128, 64)
+    model.embed_tokens = nn.Embedding(1024, 128)
+    model.head = None
+    assert quantize_model(model, "gguf") == 1
+    assert isinstance(model.layers[0].proj, Q4BlockLinear)
+    assert isinstance(model.head, ScreenedHead) and isinstance(model.head.screen, Q4BlockLinear)
+    x = torch.randn(3, 128)
+    want, got = F.linear(x, model.embed_tokens.weight), model.head(x)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
 def test_unknown_quantization_is_refused_with_the_choices() -> None:
-    with pytest.raises(ConfigError, match="unknown quantization 'int3'.*int8wo, int4wo, w8a8_int8"):
+    with pytest.raises(ConfigError, match="unknown quantization 'int3'.*int4wo, w8a8_int8, gguf"):
         EngineConfig(quantization="int3")
 
 
@@ -155,7 +250,7 @@ def test_unknown_quantization_is_refused_with_the_choices() -> None:
 # greedy path: with torch_native and cpu_paged attention (float32 outputs identical) its tokens
 # matched float32's 30.6% and 22.9% of the time here, and each other's 28.5%. Its quality bound
 # is the perplexity below; the floor only catches a broken kernel.
-AGREEMENT_FLOOR = {"int8wo": 0.3, "int4wo": 0.3, "w8a8_int8": 0.15}
+AGREEMENT_FLOOR = {"int8wo": 0.3, "int4wo": 0.3, "w8a8_int8": 0.15, "gguf": 0.3}
 
 
 def _run(model_dir: Path, **settings: str) -> tuple[list[list[int]], float]:
@@ -176,7 +271,9 @@ def float32_run(smollm2_dir: Path) -> tuple[list[list[int]], float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["int8wo", "int4wo", "w8a8_int8"])
+@pytest.mark.parametrize(
+    "method", ["int8wo", "int4wo", "w8a8_int8", pytest.param("gguf", marks=needs_kernels)]
+)
 def test_quantized_smollm2_agrees_with_float32(
     smollm2_dir: Path, float32_run: tuple[list[list[int]], float], method: str
 ) -> None:
