@@ -31,6 +31,7 @@ from radixserve.plugins.speculative import head_chain, head_draft  # noqa: E402
 from radixserve.plugins.speculative.head_chain import HeadChainGraphs  # noqa: E402
 
 K = 3
+GREEDY_TOKENS = 10  # test_graph_keeps_greedy_outputs' tokens a request
 
 
 class _EagerGraph:
@@ -83,11 +84,11 @@ def heads(target: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, P
 
 
 def _generate(
-    model: Path, attention: str = "triton", **kw: Any
+    model: Path, attention: str = "triton", max_new_tokens: int = 16, **kw: Any
 ) -> tuple[list[list[int]], Any, Any]:
     prompts = [[5 + i, 40 + 3 * i, 77, 9 + i] * (i + 1) for i in range(4)]
     prompts.append(prompts[1][:6])  # shares a prefix with a running request
-    params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    params = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
     with Engine(
         str(model), plugins=[f"attention={attention}", "hardware=cpu"], dtype="float32",
         max_running_requests=4, debug_leak_check=True, **kw,
@@ -145,9 +146,13 @@ def test_graph_drafts_what_the_eager_steps_draft(
 def test_graph_keeps_greedy_outputs(
     target: Path, heads: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    reference = _generate(target, "torch_native")[0]  # no interpreted kernels: quicker
+    """The random head accepts almost nothing, so nearly every token costs a verify step of
+    the interpreted kernels: 10 tokens a request here (16 took ~65 s on one CPU core). The
+    sequences still end past the CPU kernels' 16-key block (at 14 to 26 positions)."""
+    reference = _generate(target, "torch_native", GREEDY_TOKENS)[0]  # no interpreted kernels
     eager_chain(monkeypatch)
-    outputs, stats, chain = _generate(target, **_flags(heads, "EAGLE3"))
+    outputs, stats, chain = _generate(target, max_new_tokens=GREEDY_TOKENS,
+                                      **_flags(heads, "EAGLE3"))  # fmt: skip
     assert chain is not None and chain.replays > 5
     assert stats["verified_requests"] > 0
     assert outputs == reference
