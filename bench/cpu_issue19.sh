@@ -1,10 +1,11 @@
 #!/bin/sh
 # Issue 19 in one run, on a quiet machine (the default model, 256-token prompts, 128 out):
 #   1. bench/offline.py: HF generate() at batch 1 and 8, llama-cpp-python at batch 1 on the same
-#      GGUF (all cores), our offline Engine on 32 requests (float32 default, then bfloat16);
+#      GGUF (all cores), our offline Engine on 32 requests (float32 default; the prefill-shrink
+#      setting at 0 and 4 beside the default; bfloat16);
 #   2. `radixserve serve` at concurrency 1, one server per weight mode (float32 default;
-#      --quantization int4wo; int4wo with --enable-torch-compile, on every core and on one
-#      thread), 8 requests each;
+#      --quantization gguf, eager and with --enable-torch-compile; int4wo with
+#      --enable-torch-compile), 8 requests each;
 #   3. `radixserve serve` with no flag at concurrency 32, 64 requests.
 # Results: OUTDIR (default bench/results/cpu-issue19); the load average is printed per step.
 #
@@ -18,6 +19,11 @@ load() { cut -d' ' -f1-3 /proc/loadavg; }
 
 echo "=== offline, float32 (peers in the same run) $(date -u +%H:%M:%S), load $(load)"
 .venv/bin/python bench/offline.py --json-out "$OUT/offline-f32.json" 2>&1 | grep -v "it/s\]" | tail -12
+for shrink in 0 4; do
+  echo "=== offline, float32, --prefill-shrink-after-decodes $shrink $(date -u +%H:%M:%S), load $(load)"
+  .venv/bin/python bench/offline.py --skip-hf --skip-llamacpp --prefill-shrink-after-decodes "$shrink" \
+    --json-out "$OUT/offline-f32-shrink$shrink.json" 2>&1 | grep -v "it/s\]" | tail -4
+done
 echo "=== offline, bfloat16 $(date -u +%H:%M:%S), load $(load)"
 .venv/bin/python bench/offline.py --dtype bfloat16 --skip-hf --skip-llamacpp \
   --json-out "$OUT/offline-bf16.json" 2>&1 | grep -v "it/s\]" | tail -4
@@ -40,10 +46,8 @@ serve_and_measure() {  # NAME CONCURRENCY PROMPTS SERVER-FLAGS...
 }
 
 serve_and_measure f32-c1 1 8
-serve_and_measure int4wo-c1 1 8 --quantization int4wo
+serve_and_measure gguf-c1 1 8 --quantization gguf
+serve_and_measure gguf-compile-c1 1 8 --quantization gguf --enable-torch-compile
 serve_and_measure int4wo-compile-c1 1 8 --quantization int4wo --enable-torch-compile
-# the same with the engine on one thread, leaving a core to the HTTP process and the client
-serve_and_measure int4wo-compile-1thread-c1 1 8 --quantization int4wo --enable-torch-compile \
-  --cpu-threads 1
 serve_and_measure default-c32 32 64
 echo "=== end $(date -u +%H:%M:%S), load $(load)"

@@ -74,11 +74,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--quantization",
-        choices=("int8wo", "int4wo"),
-        help="engine weight-only quantization at load (default: none; HF stays float32)",
+        choices=("int8wo", "int4wo", "w8a8_int8", "gguf"),
+        help="engine quantization at load (default: none; HF stays float32)",
     )
     p.add_argument("--max-running-requests", type=int, help="engine setting (default: engine's)")
     p.add_argument("--chunked-prefill-size", type=int, help="engine setting (default: engine's)")
+    p.add_argument(
+        "--prefill-shrink-after-decodes", type=int, help="engine setting (default: engine's)"
+    )
     p.add_argument(
         "--max-total-tokens", type=int, help="engine KV pool in tokens (default: fits the workload)"
     )
@@ -180,7 +183,13 @@ def start_engine(args: argparse.Namespace, recorder: StepRecorder) -> Engine:
         "max_total_tokens": args.max_total_tokens
         or args.num_requests * (args.input_len + args.output_len) + 1024,
     }
-    for name in ("dtype", "quantization", "max_running_requests", "chunked_prefill_size"):
+    for name in (
+        "dtype",
+        "quantization",
+        "max_running_requests",
+        "chunked_prefill_size",
+        "prefill_shrink_after_decodes",
+    ):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
     host = PluginHost(extra_plugins=[("bench-step-recorder", recorder)])
