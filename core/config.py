@@ -420,17 +420,23 @@ class EngineConfig:
         return self.speculative_num_steps if self.speculative_num_steps is not None else 4
 
     def with_platform_defaults(
-        self, platform: str, chosen: Mapping[str, Any]
+        self,
+        platform: str,
+        chosen: Mapping[str, Any],
+        usage: tuple[str, Mapping[str, Any]] | None = None,
     ) -> tuple[EngineConfig, PlatformSettings]:
-        """This config with every setting left unset (None) filled: from ``chosen`` (the
-        hardware platform's defaults), else from the core's. Returns it with the settings and
-        where each came from."""
+        """This config with every setting left unset (None) filled: from ``usage`` (a caller's
+        defaults, e.g. ("offline Engine", {...})), else ``chosen`` (the hardware platform's
+        defaults), else the core's. Returns it with the settings and where each came from."""
         values: dict[str, Any] = {}
         origins: dict[str, str] = {}
+        caller, caller_defaults = usage if usage is not None else ("", {})
         for name, core_default in CORE_DEFAULTS.items():
             given = getattr(self, name)
             if given is not None:
                 values[name], origins[name] = given, "flag"
+            elif name in caller_defaults:
+                values[name], origins[name] = caller_defaults[name], f"{caller} default"
             elif name in chosen:
                 values[name], origins[name] = chosen[name], f"{platform} default"
             else:

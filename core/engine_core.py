@@ -7,8 +7,9 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.core.disaggregation import DecodeSide, PrefillSide, transfers
@@ -49,11 +50,13 @@ class EngineCore:
         config: EngineConfig,
         host: PluginHost,
         rendezvous: Rendezvous | None = None,
+        usage: tuple[str, Mapping[str, Any]] | None = None,
     ) -> None:
         """``rendezvous``: rank 0 of a tensor-parallel group (config.tp_size > 1), whose other
-        ranks were started beside it (see ModelRunner)."""
+        ranks were started beside it (see ModelRunner); ``usage``: the caller's defaults (see
+        ModelRunner)."""
         self.host = host
-        self.runner = ModelRunner(model_dir, config, host, rendezvous)
+        self.runner = ModelRunner(model_dir, config, host, rendezvous, usage)
         # From here on, every setting a platform may default is resolved.
         self.config = config = self.runner.config
         settings = self.runner.settings

@@ -7,7 +7,7 @@ Per step it does one ForwardBatch build, one model call and one host sync (the s
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -74,9 +74,12 @@ class ModelRunner:
         config: EngineConfig,
         host: PluginHost,
         rendezvous: Rendezvous | None = None,
+        usage: tuple[str, Mapping[str, Any]] | None = None,
     ) -> None:
         """``rendezvous``: this process's rank of a tensor-parallel group (config.tp_size > 1);
-        rank 0 broadcasts every step, the others run ``core.tp_step.follow_steps``."""
+        rank 0 broadcasts every step, the others run ``core.tp_step.follow_steps``. ``usage``:
+        the caller's defaults for settings left unset, before the platform's (for example the
+        offline Engine's, ``EngineConfig.with_platform_defaults``)."""
         selections = parse_plugin_selections(config.plugins)
         hw = host.select_hardware(selections.get("hardware"))
         self.platform: HardwarePlatform = hw.factory()
@@ -122,7 +125,7 @@ class ModelRunner:
             config, host, self.dtype
         )
         config, self.settings = config.with_platform_defaults(
-            hw.name, self.platform.engine_defaults(mc, weight_bytes)
+            hw.name, self.platform.engine_defaults(mc, weight_bytes), usage
         )
         self.max_context = min(config.context_length or mc.max_context, mc.max_context)
         self.kv_size = self.tp.agree_min(self._kv_pool_size(weight_bytes, config))

@@ -51,7 +51,7 @@ def test_platform_defaults_flags_and_core_defaults(tiny_llama_dir: Path) -> None
             "mem_fraction_static": {"value": 0.3, "from": "flag"},
             "chunked_prefill_size": {"value": 96, "from": "tuned_cpu default"},
             "cuda_graph_max_bs": {"value": CORE_DEFAULTS["cuda_graph_max_bs"], "from": "default"},
-            "prefill_shrink_after_decodes": {"value": 0, "from": "default"},
+            "prefill_shrink_after_decodes": {"value": 0, "from": "offline Engine default"},
             "prefill_gather_steps": {"value": 3, "from": "tuned_cpu default"},
         }
         assert eng.core.scheduler.config.chunked_prefill_size == 96
@@ -63,6 +63,26 @@ def test_platform_defaults_flags_and_core_defaults(tiny_llama_dir: Path) -> None
     with _engine(tiny_llama_dir, defaults, max_total_tokens=2048, chunked_prefill_size=64) as eng:
         assert eng.core.runner.settings.origins["chunked_prefill_size"] == "flag"
         assert eng.core.scheduler.config.chunked_prefill_size == 64
+
+
+def test_the_offline_engine_takes_whole_chunks_over_the_platforms_latency_default(
+    tiny_llama_dir: Path,
+) -> None:
+    """The CPU platform shrinks a step's prefill beside many decodes (the server's inter-token
+    latency); the offline Engine's own default, 0, comes before it, and a flag before both. A
+    server's engine (EngineConfig without the offline usage) keeps the platform's."""
+    platform = CpuPlatform().engine_defaults(None, 0)  # type: ignore[arg-type]
+    assert platform["prefill_shrink_after_decodes"] > 0
+    with _engine(tiny_llama_dir, dict(platform), max_total_tokens=2048) as eng:
+        entry = eng.core.runner.settings.describe()["prefill_shrink_after_decodes"]
+        assert entry == {"value": 0, "from": "offline Engine default"}
+        assert eng.core.scheduler.config.prefill_shrink_after_decodes == 0
+    flagged = {"max_total_tokens": 2048, "prefill_shrink_after_decodes": 3}
+    with _engine(tiny_llama_dir, dict(platform), **flagged) as eng:
+        assert eng.core.scheduler.config.prefill_shrink_after_decodes == 3
+    config = EngineConfig(model_path=str(tiny_llama_dir))
+    _, settings = config.with_platform_defaults("cpu", platform)
+    assert settings.origins["prefill_shrink_after_decodes"] == "cpu default"
 
 
 def test_a_default_the_pool_cannot_hold_is_lowered_with_the_reason(tiny_llama_dir: Path) -> None:

@@ -201,3 +201,32 @@ def test_refuses_a_non_cpu_device() -> None:
 
     with pytest.raises(ValueError, match="runs on the CPU"):
         CpuPagedAttention(_pool(2, seed=8), _config(6, 2), "cuda")
+
+
+@pytest.mark.parametrize("backend", ["cpu_paged", "torch_native"])
+def test_a_small_decode_step_keeps_the_pools_threads_only_with_the_kernel(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch_native runs a small decode attention on one thread (its SDPA's split cost more
+    than it saved); the kernel splits cheaply, so cpu_paged leaves the pool's size alone:
+    switching it twice a layer slowed the step's other ops (issue 19, batch 1)."""
+    from radixserve.plugins.attention.cpu_paged.backend import CpuPagedAttention
+
+    cls = CpuPagedAttention if backend == "cpu_paged" else TorchNativeAttention
+    config, pool = _config(4, 2), _pool(2, seed=3)
+    slots = _scattered([40], seed=4)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, DIM, generator=gen) for h in (4, 2, 2))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    sizes: list[int] = []
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (sizes.append(n), real(n))[1])
+    try:
+        attn = cls(pool, config, "cpu")
+        batch = _batch(slots)
+        attn.prepare(batch)
+        attn.forward(q, k, v, 0, batch)
+    finally:
+        real(before)
+    assert sizes == ([] if backend == "cpu_paged" else [1, 2])
