@@ -13,7 +13,7 @@ ROUNDS=${2:-3}
 FLAGS=${SERVER_FLAGS:---quantization gguf}
 PORT=${PORT:-30983}
 mkdir -p "$OUT"
-load() { cut -d' ' -f1-3 /proc/loadavg; }
+. bench/serve_lib.sh
 
 for r in $(seq "$ROUNDS"); do
   echo "=== round $r: llama-cpp-python b1 $(date -u +%H:%M:%S), load $(load)"
@@ -21,18 +21,12 @@ for r in $(seq "$ROUNDS"); do
     --json-out "$OUT/llamacpp-r$r.json" 2>&1 | grep "^llamacpp-b1 "
   echo "=== round $r: serve $FLAGS, concurrency 1 $(date -u +%H:%M:%S), load $(load)"
   # shellcheck disable=SC2086
-  .venv/bin/radixserve serve --host 127.0.0.1 --port "$PORT" $FLAGS >"$OUT/server-r$r.log" 2>&1 &
-  server=$!
-  for _ in $(seq 600); do
-    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
-    sleep 1
-  done
+  start_server "$OUT/server-r$r.log" $FLAGS || exit 1
   .venv/bin/python bench/serving.py --base-url "http://127.0.0.1:$PORT" --backend native \
     --dataset random --num-prompts 8 --input-len 256 --output-len 128 \
     --random-range-ratio 1.0 --max-concurrency 1 --disable-tqdm \
     --json-out "$OUT/serving-r$r.json" | grep -E "output_throughput|tpot_ms"
-  kill -TERM "$server"
-  wait "$server"
+  stop_server
 done
 .venv/bin/python - "$OUT" "$ROUNDS" <<'PY'
 import json, sys

@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:-bench/results/cpu-issue19}
 PORT=${PORT:-30979}
 mkdir -p "$OUT"
-load() { cut -d' ' -f1-3 /proc/loadavg; }
+. bench/serve_lib.sh
 
 echo "=== offline, float32 (peers in the same run) $(date -u +%H:%M:%S), load $(load)"
 .venv/bin/python bench/offline.py --json-out "$OUT/offline-f32.json" 2>&1 | grep -v "it/s\]" | tail -12
@@ -31,18 +31,12 @@ echo "=== offline, bfloat16 $(date -u +%H:%M:%S), load $(load)"
 serve_and_measure() {  # NAME CONCURRENCY PROMPTS SERVER-FLAGS...
   name=$1; c=$2; n=$3; shift 3
   echo "=== serve $name, concurrency $c ($*) $(date -u +%H:%M:%S), load $(load)"
-  .venv/bin/radixserve serve --host 127.0.0.1 --port "$PORT" "$@" >"$OUT/server-$name.log" 2>&1 &
-  server=$!
-  for _ in $(seq 600); do
-    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
-    sleep 1
-  done
+  start_server "$OUT/server-$name.log" "$@" || return 1
   .venv/bin/python bench/serving.py --base-url "http://127.0.0.1:$PORT" --backend native \
     --dataset random --num-prompts "$n" --input-len 256 --output-len 128 \
     --random-range-ratio 1.0 --max-concurrency "$c" --disable-tqdm \
     --json-out "$OUT/serving-$name.json" | grep -E "completed|failed|output_throughput|ttft_ms|itl_ms|tpot_ms"
-  kill -TERM "$server"
-  wait "$server"
+  stop_server
 }
 
 serve_and_measure f32-c1 1 8

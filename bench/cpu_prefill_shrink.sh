@@ -13,24 +13,20 @@ OUTDIR=${1:-bench/results/cpu-prefill-shrink}
 ORDER=${2:-old new old new}
 PORT=${PORT:-30977}
 mkdir -p "$OUTDIR"
+. bench/serve_lib.sh
 n=0
 for mode in $ORDER; do
   n=$((n + 1))
   flags=""
   [ "$mode" = old ] && flags="--prefill-shrink-after-decodes 0"
   [ "$mode" = t2 ] && flags="--cpu-threads 2"
-  echo "=== run $n: $mode ($flags) $(date -u +%H:%M:%S), load $(cut -d' ' -f1-3 /proc/loadavg)"
-  .venv/bin/radixserve serve --host 127.0.0.1 --port "$PORT" $flags >"$OUTDIR/server-$n-$mode.log" 2>&1 &
-  server=$!
-  for _ in $(seq 300); do
-    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
-    sleep 1
-  done
+  echo "=== run $n: $mode ($flags) $(date -u +%H:%M:%S), load $(load)"
+  # shellcheck disable=SC2086
+  start_server "$OUTDIR/server-$n-$mode.log" $flags || exit 1
   .venv/bin/python bench/serving.py --base-url "http://127.0.0.1:$PORT" --num-prompts 96 \
     --input-len 512 --output-len 96 --random-range-ratio 0.5 --max-concurrency 32 \
     --request-rate 4 --disable-tqdm --json-out "$OUTDIR/run$n-$mode.json" |
     grep -E "completed|failed|output_throughput|ttft_ms|itl_ms|tpot_ms"
-  echo "    end $(date -u +%H:%M:%S), load $(cut -d' ' -f1-3 /proc/loadavg)"
-  kill -TERM "$server"
-  wait "$server"
+  echo "    end $(date -u +%H:%M:%S), load $(load)"
+  stop_server
 done
