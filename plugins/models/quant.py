@@ -270,7 +270,6 @@ def dequantize_q4_1(blocks: torch.Tensor, in_features: int) -> torch.Tensor:
     return (q * d[..., None] + m[..., None]).view(out_f, in_features)
 
 
-@cache
 def q4_kernels() -> Any:
     """``torch.ops.radixserve_cpu`` with the 4-bit block linear (and its shape rule for
     torch.compile), or a ConfigError saying why the CPU kernels cannot be built here."""
@@ -279,6 +278,13 @@ def q4_kernels() -> Any:
     reason = cpu_kernels.unavailable_reason()
     if reason is not None:
         raise ConfigError(f"--quantization gguf needs radixserve's CPU kernels: {reason}")
+    return _q4_ops()
+
+
+@cache
+def _q4_ops() -> Any:
+    from radixserve.plugins.hardware import cpu_kernels
+
     ops = cpu_kernels.load()
 
     @torch.library.register_fake("radixserve_cpu::q4_1_linear")

@@ -170,6 +170,14 @@ def test_q4_1_kernel_refuses_operands_that_do_not_fit() -> None:
         op(torch.randn(2, 64), blocks.float())
 
 
+def test_gguf_without_the_cpu_kernels_is_refused_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cpu_kernels, "unavailable_reason", lambda: "no C++ compiler (c++) on PATH")
+    with pytest.raises(ConfigError, match="gguf needs radixserve's CPU kernels: no C\\+\\+"):
+        Q4BlockLinear(nn.Linear(64, 8))
+
+
 @needs_kernels
 def test_q4_1_layer_compiles_to_the_same_product() -> None:
     """torch.compile traces the op through its registered shape rule (no graph break)."""
