@@ -78,7 +78,7 @@ class TorchNativeAttention(AttentionBackend):
             max_len = max(lens)
             self._prepare_decodes(batch.req_to_token[rows[:nd], :max_len], lens)
             threads = torch.get_num_threads() if self._on_cpu else 1
-            serial = threads > 1 and nd * max_len <= SERIAL_DECODE_TOKENS
+            serial = threads > 1 and self._decodes_on_one_thread(nd * max_len)
             self._one_thread.threads = threads if serial else 0
         self._extends = []
         start = nd
@@ -92,6 +92,11 @@ class TorchNativeAttention(AttentionBackend):
             slots = batch.req_to_token[rows[i], :total].to(self.device)
             self._extends.append(_Extend(start, start + new, slots, mask, prefix, {}))
             start += new
+
+    def _decodes_on_one_thread(self, keys: int) -> bool:
+        """Whether a CPU step's decode attention over ``keys`` keys (decodes x longest) runs
+        on one thread: SDPA's split over the pool costs more than it saves on small ones."""
+        return keys <= SERIAL_DECODE_TOKENS
 
     def _prepare_decodes(self, table: torch.Tensor, lens: list[int]) -> None:
         """The step's decode tensors from their slot rows ``table`` [nd, longest] (host)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.core.batch import ForwardBatch
 from radixserve.core.config import ModelConfig
 from radixserve.core.memory import KVPool
 from radixserve.plugins.attention.torch_native import TorchNativeAttention
@@ -33,15 +32,11 @@ class CpuPagedAttention(TorchNativeAttention):
         self._lens: torch.Tensor | None = None  # [nd] int64
         self._starts: dict[int, torch.Tensor] = {}  # sliding window -> first key attended
 
-    def prepare(self, batch: ForwardBatch) -> None:
-        super().prepare(batch)
-        if self._kernel is not None:
-            # torch_native runs small decode attentions on one thread, since SDPA's split over
-            # the pool cost more than it saved. The kernel splits by request and KV head at
-            # little cost, and switching the pool's size twice a layer slowed every other op of
-            # the step: SmolLM2 gguf at batch 1 on 2 AVX2 cores, 40.5 -> 32.1 ms a token, the
-            # 4-bit linears 21.6 -> 15.7 ms of it.
-            self._one_thread.threads = 0
+    def _decodes_on_one_thread(self, keys: int) -> bool:
+        # The kernel splits by request and KV head at little cost, and switching the pool's
+        # size twice a layer slowed every other op of the step: SmolLM2 gguf at batch 1 on 2
+        # AVX2 cores, 40.5 -> 32.1 ms a token, the 4-bit linears 21.6 -> 15.7 ms of it.
+        return self._kernel is None and super()._decodes_on_one_thread(keys)
 
     def _prepare_decodes(self, table: torch.Tensor, lens: list[int]) -> None:
         if self._kernel is None:
