@@ -1,7 +1,8 @@
-"""Weight-only quantization at load (``--quantization``, plugins/models/quant.py).
+"""Quantization at load (``--quantization``, plugins/models/quant.py).
 
-Layers: int4wo's groups keep a Q4_1-style weight's codes (``d * q + m`` per 32 inputs), and
-both quantized layers compute the float layer's product within their rounding. End to end on
+Layers: int4wo's groups and gguf's blocks keep a Q4_1-style weight's codes (``d * q + m`` per 32
+inputs), gguf's kernel is the exact product of its rounded operands, and every quantized layer
+computes the float layer's product within its rounding. End to end on
 SmolLM2: each format loads, generates, keeps the float32 model's perplexity on a fixed text and
 agrees with float32's greedy tokens at a generous floor (bf16 activations make long greedy runs
 drift: bench/cpu_formats.py measures about half the tokens identical over 64 x 64)."""
