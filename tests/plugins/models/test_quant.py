@@ -139,13 +139,14 @@ def _q8_blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 3, DENSE_MIN_ROWS - 1])
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, DENSE_MIN_ROWS - 1])
 @pytest.mark.parametrize("shape", [(48, 96), (1, 32), (200, 64)])
 def test_q4_1_kernel_is_the_exact_product_of_its_rounded_operands(
     rows: int, shape: tuple[int, int]
 ) -> None:
     """The integer kernel computes (Q8 activations) x (Q4_1 weights) up to float32 sums: odd
-    block counts (the unrolled loop's tail), a row of zeros (scale 0) and one huge value."""
+    block counts (the unrolled loop's tail), a row of zeros (scale 0) and one huge value, at
+    every grouping of rows the kernel multiplies together (1, 2, 3 and 4 at a time)."""
     out_f, in_f = shape
     w = _q4_1_weight(out_f, in_f)
     blocks = quantize_q4_1(w)
