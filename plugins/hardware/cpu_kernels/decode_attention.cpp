@@ -19,10 +19,16 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define RADIXSERVE_ATTN_AVX2 1
+#endif
+
 namespace {
 
 constexpr int64_t kBlock = 64;  // keys scored before their values are accumulated
 constexpr int64_t kAhead = 4;   // keys prefetched ahead of the one being read
+constexpr int64_t kMinPartKeys = 64;  // the fewest keys worth a part of their own
 
 struct Shape {
   int64_t group, dim, row;  // query heads per KV head, head dim, floats between slots
@@ -50,16 +56,179 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+#ifdef RADIXSERVE_ATTN_AVX2
+// exp_nonpositive on 8 lanes (the same reduction and polynomial).
+inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_floor_ps(
+      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f),
+                                   _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i bits =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// One query row's block of n scores (a row of kBlock floats) -> exp(score - new max), in place;
+// returns the new running max and adds the block's sum of weights to *sum.
+inline float softmax_block8(float* sr, int64_t n, float run_max, float* sum) {
+  const int64_t padded = (n + 7) / 8 * 8;  // kBlock is a multiple of 8
+  for (int64_t i = n; i < padded; ++i) sr[i] = -std::numeric_limits<float>::infinity();
+  __m256 vmax = _mm256_set1_ps(run_max);
+  for (int64_t i = 0; i < padded; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sr + i));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float block_max = _mm_cvtss_f32(m4);
+  const __m256 top = _mm256_set1_ps(block_max);
+  __m256 vsum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < padded; i += 8) {
+    __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(sr + i), top));
+    if (i + 8 > n) {  // lanes past n: weight 0 (exp_nonpositive floors at ~1e-38, not 0)
+      const __m256 lane = _mm256_add_ps(_mm256_set1_ps(static_cast<float>(i)),
+                                        _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7));
+      e = _mm256_and_ps(e, _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ));
+    }
+    _mm256_storeu_ps(sr + i, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(vsum), _mm256_extractf128_ps(vsum, 1));
+  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+  *sum = _mm_cvtss_f32(s4);
+  return block_max;
+}
+#endif
+
 inline void prefetch(const float* row, int64_t floats) {
   for (int64_t c = 0; c < floats; c += 16) __builtin_prefetch(row + c);  // 64-byte lines
 }
 
-// Heads h0 .. h0 + nh - 1 of one request: queries q [nh * group, dim] -> out [nh * group, dim].
-// D > 0: the head dim known at compile time (the dot products and value rows unroll into whole
-// vector registers); D == 0: s.dim at run time.
+#ifdef RADIXSERVE_ATTN_AVX2
+// The sums of 8 vectors' lanes, as one vector: lane j = sum of p[j]'s 8 lanes.
+inline __m256 sum_lanes8(const __m256* p) {
+  const __m256 t0 = _mm256_hadd_ps(p[0], p[1]), t1 = _mm256_hadd_ps(p[2], p[3]);
+  const __m256 t2 = _mm256_hadd_ps(p[4], p[5]), t3 = _mm256_hadd_ps(p[6], p[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
+// Scores of the n keys at slots[0 .. n - 1] for every query row r: scores[r * kBlock + i].
+template <int D>
+void score_block(const Shape& s, int64_t nh, const float* q, const float* k_base,
+                 const int64_t* slots, int64_t n, float* scores) {
+  const int64_t d = D > 0 ? D : s.dim;
+#ifdef RADIXSERVE_ATTN_AVX2
+  if constexpr (D > 0 && D % 8 == 0) {
+    // Per query row (held in registers), 8 keys at a time: each key's products summed lane-wise
+    // with FMAs, then the 8 keys' lanes reduced together (a handful of adds for 8 dot
+    // products, where reducing each dot on its own cost as much as computing it).
+    constexpr int kVecs = D / 8;
+    for (int64_t i0 = 0; i0 < n; i0 += 8) {
+      const int64_t m = std::min<int64_t>(8, n - i0);
+      for (int64_t j = 0; j < m; ++j) prefetch(k_base + slots[std::min(i0 + 8 + j, n - 1)] * s.row, nh * d);
+      for (int64_t h = 0, r = 0; h < nh; ++h) {
+        for (int64_t g = 0; g < s.group; ++g, ++r) {
+          __m256 qv[kVecs];
+          for (int c = 0; c < kVecs; ++c) qv[c] = _mm256_loadu_ps(q + r * D + 8 * c);
+          __m256 part[8];
+          for (int64_t j = 0; j < 8; ++j) {
+            if (j >= m) {
+              part[j] = _mm256_setzero_ps();
+              continue;
+            }
+            const float* key = k_base + slots[i0 + j] * s.row + h * D;
+            __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(key));
+            __m256 b = kVecs > 1 ? _mm256_mul_ps(qv[1], _mm256_loadu_ps(key + 8)) : _mm256_setzero_ps();
+            for (int c = 2; c + 1 < kVecs; c += 2) {
+              a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(key + 8 * c), a);
+              b = _mm256_fmadd_ps(qv[c + 1], _mm256_loadu_ps(key + 8 * c + 8), b);
+            }
+            part[j] = _mm256_add_ps(a, b);
+          }
+          // kBlock is a multiple of 8: all 8 lanes fit in the row, the ones past n unused
+          _mm256_storeu_ps(scores + r * kBlock + i0,
+                           _mm256_mul_ps(sum_lanes8(part), _mm256_set1_ps(s.scale)));
+        }
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) prefetch(k_base + slots[i + kAhead] * s.row, nh * d);
+    const float* key_row = k_base + slots[i] * s.row;
+    for (int64_t h = 0, r = 0; h < nh; ++h) {
+      const float* key = key_row + h * d;
+      for (int64_t j = 0; j < s.group; ++j, ++r) {
+        const float* qr = q + r * d;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t c = 0; c < d; ++c) dot += qr[c] * key[c];
+        scores[r * kBlock + i] = dot * s.scale;
+      }
+    }
+  }
+}
+
+// acc[r] += sum over the n keys at slots[0 .. n - 1] of scores[r * kBlock + i] * value_i.
+template <int D>
+void accumulate_block(const Shape& s, int64_t nh, const float* v_base, const int64_t* slots,
+                      int64_t n, const float* scores, float* acc) {
+  const int64_t d = D > 0 ? D : s.dim;
+#ifdef RADIXSERVE_ATTN_AVX2
+  if constexpr (D > 0 && D % 8 == 0) {
+    // One query row's D floats stay in registers over the block's keys (each a chain of FMAs),
+    // rather than a load and store of the row for every key.
+    constexpr int kVecs = D / 8;
+    for (int64_t h = 0, r = 0; h < nh; ++h) {
+      for (int64_t g = 0; g < s.group; ++g, ++r) {
+        float* ar = acc + r * D;
+        __m256 a[kVecs];
+        for (int c = 0; c < kVecs; ++c) a[c] = _mm256_loadu_ps(ar + 8 * c);
+        const float* sr = scores + r * kBlock;
+        for (int64_t i = 0; i < n; ++i) {
+          const float* value = v_base + slots[i] * s.row + h * D;
+          const __m256 p = _mm256_set1_ps(sr[i]);
+          for (int c = 0; c < kVecs; ++c)
+            a[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value + 8 * c), a[c]);
+        }
+        for (int c = 0; c < kVecs; ++c) _mm256_storeu_ps(ar + 8 * c, a[c]);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) prefetch(v_base + slots[i + kAhead] * s.row, nh * d);
+    const float* value_row = v_base + slots[i] * s.row;
+    for (int64_t h = 0, r = 0; h < nh; ++h) {
+      const float* value = value_row + h * d;
+      for (int64_t j = 0; j < s.group; ++j, ++r) {
+        const float p = scores[r * kBlock + i];
+        float* ar = acc + r * d;
+#pragma omp simd
+        for (int64_t c = 0; c < d; ++c) ar[c] += p * value[c];
+      }
+    }
+  }
+}
+
+// Heads h0 .. h0 + nh - 1 of one request over keys start .. end - 1: queries q [nh * group, dim]
+// -> the softmax's unnormalized state: acc [nh * group, dim] (weighted values), run_max and
+// run_sum [nh * group]. D > 0: the head dim known at compile time (the dot products and value
+// rows unroll into whole vector registers); D == 0: s.dim at run time.
 template <int D>
 void attend(const Shape& s, int64_t nh, const float* q, const float* k_base,
-            const float* v_base, const int64_t* slots, int64_t start, int64_t end, float* out,
+            const float* v_base, const int64_t* slots, int64_t start, int64_t end,
             float* scores, float* acc, float* run_max, float* run_sum) {
   const int64_t d = D > 0 ? D : s.dim;
   const int64_t rows = nh * s.group;  // query rows handled here
@@ -68,20 +237,7 @@ void attend(const Shape& s, int64_t nh, const float* q, const float* k_base,
   std::fill(run_sum, run_sum + rows, 0.f);
   for (int64_t t0 = start; t0 < end; t0 += kBlock) {
     const int64_t n = std::min(kBlock, end - t0);
-    for (int64_t i = 0; i < n; ++i) {
-      if (i + kAhead < n) prefetch(k_base + slots[t0 + i + kAhead] * s.row, nh * d);
-      const float* key_row = k_base + slots[t0 + i] * s.row;
-      for (int64_t h = 0, r = 0; h < nh; ++h) {
-        const float* key = key_row + h * d;
-        for (int64_t j = 0; j < s.group; ++j, ++r) {
-          const float* qr = q + r * d;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < d; ++c) dot += qr[c] * key[c];
-          scores[r * kBlock + i] = dot * s.scale;
-        }
-      }
-    }
+    score_block<D>(s, nh, q, k_base, slots + t0, n, scores);
     if (s.softcap > 0.f) {
       for (int64_t r = 0; r < rows; ++r) {
         float* sr = scores + r * kBlock;
@@ -90,16 +246,21 @@ void attend(const Shape& s, int64_t nh, const float* q, const float* k_base,
     }
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = scores + r * kBlock;
+      float sum = 0.f;
+#ifdef RADIXSERVE_ATTN_AVX2
+      // the scalar loops below stayed scalar in the compiled kernel: a quarter of its time
+      const float block_max = softmax_block8(sr, n, run_max[r], &sum);
+#else
       float block_max = run_max[r];
       for (int64_t i = 0; i < n; ++i) block_max = std::max(block_max, sr[i]);
-      const float rescale = std::exp(run_max[r] - block_max);
-      run_max[r] = block_max;
-      float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t i = 0; i < n; ++i) {
         sr[i] = exp_nonpositive(sr[i] - block_max);
         sum += sr[i];
       }
+#endif
+      const float rescale = std::exp(run_max[r] - block_max);
+      run_max[r] = block_max;
       run_sum[r] = run_sum[r] * rescale + sum;
       if (rescale != 1.f) {
         float* ar = acc + r * d;
@@ -107,24 +268,7 @@ void attend(const Shape& s, int64_t nh, const float* q, const float* k_base,
         for (int64_t c = 0; c < d; ++c) ar[c] *= rescale;
       }
     }
-    for (int64_t i = 0; i < n; ++i) {
-      if (i + kAhead < n) prefetch(v_base + slots[t0 + i + kAhead] * s.row, nh * d);
-      const float* value_row = v_base + slots[t0 + i] * s.row;
-      for (int64_t h = 0, r = 0; h < nh; ++h) {
-        const float* value = value_row + h * d;
-        for (int64_t j = 0; j < s.group; ++j, ++r) {
-          const float p = scores[r * kBlock + i];
-          float* ar = acc + r * d;
-#pragma omp simd
-          for (int64_t c = 0; c < d; ++c) ar[c] += p * value[c];
-        }
-      }
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    const float inv = run_sum[r] > 0.f ? 1.f / run_sum[r] : 0.f;
-#pragma omp simd
-    for (int64_t c = 0; c < d; ++c) out[r * d + c] = acc[r * d + c] * inv;
+    accumulate_block<D>(s, nh, v_base, slots + t0, n, scores, acc);
   }
 }
 
@@ -174,21 +318,70 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
   }
   float* op = out.data_ptr<float>();
   // A work item is one request's heads when there are enough requests to go round the threads
-  // (its rows are then read once, whole), else one KV head of a request.
-  const int64_t heads_per_item = nd >= 2 * at::get_num_threads() ? kvh : 1;
+  // (its rows are then read once, whole), else one KV head of a request. With fewer items than
+  // twice the threads (batch 1: 3 KV heads on 2 threads left one thread idle a third of the
+  // time), each item's keys are split into parts whose softmax states are merged afterwards.
+  const int64_t threads = at::get_num_threads();
+  const int64_t heads_per_item = nd >= 2 * threads ? kvh : 1;
   const int64_t items_per_request = kvh / heads_per_item;
+  const int64_t rows = heads_per_item * s.group;
+  int64_t longest = 0;
+  for (int64_t b = 0; b < nd; ++b) longest = std::max(longest, ln[b] - st[b]);
+  const int64_t items = nd * items_per_request;
+  const int64_t parts = std::max<int64_t>(
+      1, std::min((2 * threads + items - 1) / items, longest / kMinPartKeys));
+  // The parts' states: acc [item, part, rows, dim], then max and sum [item, part, rows].
+  std::vector<float> state(items * parts * rows * (s.dim + 2));
+  float* acc_all = state.data();
+  float* max_all = acc_all + items * parts * rows * s.dim;
+  float* sum_all = max_all + items * parts * rows;
+  // Item's output: its parts merged (each rescaled to the largest max) and normalized.
+  auto finish = [&](int64_t item) {
+    const int64_t b = item / items_per_request;
+    const int64_t h0 = (item % items_per_request) * heads_per_item;
+    float* o = op + (b * heads + h0 * s.group) * s.dim;
+    for (int64_t r = 0; r < rows; ++r) {
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t part = 0; part < parts; ++part)
+        top = std::max(top, max_all[(item * parts + part) * rows + r]);
+      float total = 0.f;
+      float* orow = o + r * s.dim;
+      std::fill(orow, orow + s.dim, 0.f);
+      for (int64_t part = 0; part < parts; ++part) {
+        const int64_t at = (item * parts + part) * rows + r;
+        if (sum_all[at] == 0.f) continue;  // a part with no keys
+        const float w = parts == 1 ? 1.f : std::exp(max_all[at] - top);
+        total += sum_all[at] * w;
+        const float* arow = acc_all + at * s.dim;
+#pragma omp simd
+        for (int64_t c = 0; c < s.dim; ++c) orow[c] += w * arow[c];
+      }
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+#pragma omp simd
+      for (int64_t c = 0; c < s.dim; ++c) orow[c] *= inv;
+    }
+  };
   const AttendFn fn = attend_for(s.dim);
-  at::parallel_for(0, nd * items_per_request, 1, [&](int64_t begin, int64_t end) {
-    const int64_t rows = heads_per_item * s.group;
-    std::vector<float> scores(kBlock * rows), acc(rows * s.dim), run(2 * rows);
-    for (int64_t item = begin; item < end; ++item) {
+  at::parallel_for(0, items * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(kBlock * rows);
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t item = work / parts, part = work % parts;
       const int64_t b = item / items_per_request;
       const int64_t h0 = (item % items_per_request) * heads_per_item;
       const int64_t q_off = (b * heads + h0 * s.group) * s.dim;
+      const int64_t span = ln[b] - st[b], first = st[b] + span * part / parts,
+                    last = st[b] + span * (part + 1) / parts;
       fn(s, heads_per_item, qp + q_off, kp + h0 * s.dim, vp + h0 * s.dim, sp + b * max_len,
-         st[b], ln[b], op + q_off, scores.data(), acc.data(), run.data(), run.data() + rows);
+         first, last, scores.data(), acc_all + work * rows * s.dim, max_all + work * rows,
+         sum_all + work * rows);
+      if (parts == 1) finish(item);
     }
   });
+  if (parts > 1) {
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) finish(item);
+    });
+  }
   return out;
 }
 

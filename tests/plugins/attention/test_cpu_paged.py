@@ -17,7 +17,7 @@ from radixserve.plugins.hardware.cpu_kernels import unavailable_reason
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 
-DIM, POOL = 16, 512
+DIM, POOL = 16, 1024
 
 
 def _config(heads: int, kv_heads: int, dim: int = DIM) -> ModelConfig:
@@ -88,7 +88,7 @@ def _pool(kv_heads: int, seed: int, dim: int = DIM) -> KVPool:
 def _scattered(lengths: list[int], seed: int) -> list[list[int]]:
     """Disjoint slot rows: up to 40 consecutive slots each (as a prefill gets them, from the
     pool's first half), the rest scattered over its second half (as decodes get them)."""
-    assert len(lengths) <= 6
+    assert len(lengths) <= 6 and sum(lengths) <= POOL // 2
     scattered = (torch.randperm(POOL // 2, generator=torch.Generator().manual_seed(seed)) + 1 +
                  POOL // 2).tolist()  # fmt: skip
     rows = []
@@ -100,7 +100,9 @@ def _scattered(lengths: list[int], seed: int) -> list[list[int]]:
 
 GQA = [(4, 4), (6, 2), (8, 2), (8, 1)]  # groups 1, 3, 4, 8
 # Six decodes go round 1 or 2 threads a request at a time; one decode is split by KV head.
-DECODES = {"six": [1, 7, 64, 65, 100, 3], "one": [77]}
+# Long ones with few KV heads are also split by keys into parts merged afterwards: up to 4 parts
+# of 75 keys, and beside them short rows whose parts hold 0-10 keys.
+DECODES = {"six": [1, 7, 64, 65, 100, 3], "one": [77], "long": [300], "long+short": [300, 1, 20]}
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), GQA, ids=[f"group{h // k}" for h, k in GQA])
