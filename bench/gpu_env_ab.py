@@ -1,0 +1,85 @@
+#!/usr/bin/env python
+"""A-B-A-B of an environment switch read at engine start, on bench/gpu.py's 64 x (1,024 + 256)
+workload with its tuned engine, in one process (issue 18): fresh machines differ by more than
+the changes measured here, so the two settings alternate on one machine. Each round builds a
+fresh engine per value, warms it up at the workload's shapes and times it (overlap on); the
+decode-only steps' median comes from the ``step_finished`` stats.
+
+    python bench/gpu_env_ab.py --env RADIXSERVE_TRITON_SKINNY --values 1 0 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import format_table, machine_info, write_json
+from gpu import StepStats, add_tuning_flags, bench_host, prompts, run_generate, tuned_engine
+from gpu_model import SHAPES, write_random_llama
+
+WORKLOAD = (64, 1024, 256)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--env", required=True)
+    p.add_argument("--values", nargs="+", required=True)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--json-out", default=None)
+    add_tuning_flags(p)
+    return p.parse_args()
+
+
+def one_run(model_dir: Path, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    stats = StepStats()
+    engine = tuned_engine(model_dir, args, [WORKLOAD], bench_host(stats))
+    try:
+        vocab = SHAPES[args.shape]["vocab_size"]
+        n, prompt, out = WORKLOAD
+        run_generate(engine, prompts(n, prompt, vocab, seed - 1), out // 8)  # as warm_and_time
+        stats.steps.clear()
+        seconds = run_generate(engine, prompts(n, prompt, vocab, seed), out)
+        decode = [s["step_time_s"] for s in stats.steps if s["num_prefill_tokens"] == 0]
+        return {"tok_s": n * out / seconds, "decode_median_ms": 1e3 * statistics.median(decode)}
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def main() -> int:
+    args = parse_args()
+    res: dict[str, Any] = {"args": vars(args), "machine": machine_info(), "runs": []}
+    model_dir = Path(args.workdir or tempfile.mkdtemp(prefix="rs-ab-")) / args.shape
+    if not (model_dir / "config.json").exists():
+        write_random_llama(model_dir, args.shape, "cuda")
+    for rnd in range(args.rounds):
+        for value in args.values:
+            os.environ[args.env] = value
+            run = {"round": rnd, "value": value, **one_run(model_dir, args, 50 + 2 * rnd)}
+            res["runs"].append(run)
+            print(run, flush=True)
+            if args.json_out:
+                write_json(args.json_out, res)
+    rows = []
+    for value in args.values:
+        mine = [r for r in res["runs"] if r["value"] == value]
+        rows.append([value, *(f"{r['tok_s']:.0f}" for r in mine),
+                     statistics.median(r["decode_median_ms"] for r in mine)])  # fmt: skip
+    head = [args.env, *(f"round {i} tok/s" for i in range(args.rounds)), "decode step ms"]
+    print(format_table(head, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
