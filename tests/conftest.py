@@ -34,12 +34,14 @@ from tiny_models import make_tiny_llama_dir  # noqa: E402
 @pytest.fixture(scope="session", autouse=True)
 def _interpreted_triton_patches_once() -> None:
     """Under TRITON_INTERPRET=1 (set by the kernel tests' modules at collection on a CPU
-    machine), a kernel's helper calls do not re-patch triton.language (triton_interpret.py)."""
+    machine), a kernel's helper calls do not re-patch triton.language, and integer operations
+    skip overflow checks that no assert reads (triton_interpret.py)."""
     # The kernel tests' modules set the variable before they skip for a missing triton.
     if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton"):
-        from triton_interpret import skip_nested_patching
+        from triton_interpret import skip_discarded_overflow_checks, skip_nested_patching
 
         skip_nested_patching()
+        skip_discarded_overflow_checks()
 
 
 @pytest.fixture(scope="session")
