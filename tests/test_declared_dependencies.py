@@ -35,7 +35,6 @@ MODULE_EXTRAS = {
     "plugins/models/fused_moe.py": "gpu",
     "plugins/hardware/allreduce_norm.py": "gpu",
     "plugins/hardware/gemv.py": "gpu",
-    "plugins/hardware/skinny_gemm.py": "gpu",
     "plugins/attention/flashinfer/": "flashinfer",
 }
 # Import name -> distribution where the two differ, for packages that may not be installed.

@@ -237,7 +237,6 @@ class DecoderLayer(nn.Module):
         # the Triton GEMV for one-row steps (DecoderForCausalLM sets it on CUDA)
         self.gemv_cfg: tuple[int, int, int] | None = None
         self.gemv_silu = False  # SiLU(gate) * up inside down_proj's GEMV
-        self.skinny = False  # the Triton skinny GEMM where it takes a product (set with gemv_cfg)
         # q and k go to the attention backend unrotated, its K/V store applies RoPE
         self.rope_in_attention = False
 
@@ -262,27 +261,18 @@ class DecoderLayer(nn.Module):
         self.act = activation(act)
 
     def product(self, module: nn.Module, x: torch.Tensor, silu: bool = False) -> Any:
-        """``module``'s product (no bias, no all-reduce) through a Triton kernel on CUDA where
-        one takes ``x``, else None: the GEMV at one row (plugins/hardware/gemv.py;
-        RADIXSERVE_TRITON_GEMV=0 turns it off), the skinny GEMM at 9-64 rows for the shapes
-        it was measured faster on (plugins/hardware/skinny_gemm.py; RADIXSERVE_TRITON_SKINNY=0).
+        """``module``'s product (no bias, no all-reduce) through the Triton GEMV on CUDA
+        (plugins/hardware/gemv.py; RADIXSERVE_TRITON_GEMV=0 turns it off) where the kernel
+        takes ``x`` (one row), else None.
         ``silu``: x is [gate | up] and the product's input SiLU(gate) * up."""
         cfg = self.gemv_cfg
         if cfg is None or not isinstance(module, nn.Linear) or module.bias is not None:
             return None
         from radixserve.plugins.hardware import gemv
 
-        if gemv.takes(x, module.weight, cfg, silu):
-            return gemv.gemv(x, module.weight, cfg, silu)
-        if not self.skinny or x.shape[0] == 1:
+        if not gemv.takes(x, module.weight, cfg, silu):
             return None
-        from radixserve.plugins.hardware import skinny_gemm
-
-        n, k = module.weight.shape
-        wide = skinny_gemm.pick(n, k, x.shape[0], silu)
-        if not skinny_gemm.takes(x, module.weight, wide, silu):
-            return None
-        return skinny_gemm.skinny_gemm(x, module.weight, wide, silu)  # type: ignore[arg-type]
+        return gemv.gemv(x, module.weight, cfg, silu)
 
     def mlp(self, x: torch.Tensor) -> Any:
         gate_up = self.product(self.gate_up_proj, x)
@@ -296,7 +286,6 @@ class DecoderLayer(nn.Module):
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
                 act = self.act(gate) * up
-            part = self.product(self.down_proj, act)  # a Triton kernel's, where one takes act
         # the next layer's input add + RMSNorm all-reduces it (a quantized one: itself)
         if self.defer_down_reduce and isinstance(self.down_proj, RowParallelLinear):
             down: Any = Unreduced(part if part is not None else self.down_proj.partial(act))
@@ -427,15 +416,10 @@ class DecoderForCausalLM(nn.Module, CausalLM):
             layer.rope_in_attention = rope_in_attention
         gemv_cfg = triton_gemv_config(device)
         if gemv_cfg is not None:
-            from radixserve.plugins.hardware import skinny_gemm
             from radixserve.plugins.hardware.gemv import fuse_silu
 
-            skinny = skinny_gemm.enabled()
-            if skinny:
-                skinny_gemm.prepare(device)  # its counters, before any CUDA graph is captured
             for layer in self.layers:
                 layer.gemv_cfg, layer.gemv_silu = gemv_cfg, fuse_silu()
-                layer.skinny = skinny
 
     # ---- extension points ----
 

@@ -14,6 +14,13 @@ import triton.language as tl
 
 from radixserve.plugins.attention.triton.attend import LOG2E, attend_blocks
 
+#: Launch settings on a GPU (``block`` given to ``extend_attention`` overrides both blocks).
+#: bench/extend_sweep.py on an H200 (8B heads, 8 x 1,024 new tokens over 0 and 1,024 cached)
+#: found 3 stages 4% and 11% faster, but it was not adopted: prefill attention is ~6% of the
+#: 64 x (1,024 + 256) prefill, and 3 stages of 64-row K and V tiles take 96 KB of shared memory
+#: at head size 128 (192 KB at 256), about all that smaller GPUs have (docs/BENCHMARKS.md).
+GPU_CONFIG = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
+
 
 @triton.jit
 def _extend_kernel(
@@ -100,9 +107,10 @@ def extend_attention(
     _, num_heads, head_dim = q.shape
     group = num_heads // k_buf.shape[1]
     on_cpu = q.device.type == "cpu"  # the Triton interpreter (CI)
-    block = block or (16 if on_cpu else 64)
+    cfg = {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 2} if on_cpu else GPU_CONFIG
+    block_m, block_n = (block, block) if block else (cfg["block_m"], cfg["block_n"])
     precise = on_cpu or q.dtype == torch.float32
-    grid = (num_reqs, num_heads, triton.cdiv(max_ext_len, block))
+    grid = (num_reqs, num_heads, triton.cdiv(max_ext_len, block_m))
     _extend_kernel[grid](
         q, k_buf, v_buf, out, table, req_rows, seq_lens, ext_lens, q_starts,
         scale * LOG2E, sliding_window, logit_softcap * LOG2E,
@@ -112,8 +120,8 @@ def extend_attention(
         out.stride(0), out.stride(1),
         table.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=block, BLOCK_N=block, PAGE_SIZE=page_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size,
         UPCAST=on_cpu, PRECISION="ieee" if precise else "tf32",
         SLIDING=sliding_window > 0, SOFTCAP=logit_softcap > 0,
-        num_warps=4, num_stages=2,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
