@@ -106,6 +106,35 @@ def test_reuse_traffic_equals_torch_native(
         assert outputs == ref[name], f"round '{name}' differs from torch_native"
 
 
+@pytest.mark.skipif(
+    "cpu_paged" not in default_host().registries["attention"].available_names(),
+    reason="cpu_paged's kernels cannot be built here",
+)
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_a_16_bit_kv_cache_on_cpu_paged_equals_torch_native(
+    one_layer_llama: Path, kv_dtype: str
+) -> None:
+    """--kv-cache-dtype beside float32 weights: cpu_paged's kernel reads the 16-bit cache in
+    place as torch_native reads its widened copy, token for token, on the reuse traffic."""
+    for page, overlap in INTERPRETED:
+        settings = {"max_total_tokens": POOL, "kv_cache_dtype": kv_dtype}
+        ref = _run(one_layer_llama, "torch_native", "hardware=cpu", page, overlap, **settings)
+        ours = _run(one_layer_llama, "cpu_paged", "hardware=cpu", page, overlap, **settings)
+        assert ours["retractions"] > 0
+        assert comparable(ours) == comparable(ref), f"page {page}, overlap {overlap}"
+
+
+def test_a_backend_that_reads_only_the_models_dtype_refuses_a_16_bit_cache(
+    one_layer_llama: Path,
+) -> None:
+    from radixserve.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"triton attention backend reads KV only in the "
+                       r"model's dtype \(float32\); choose --kv-cache-dtype auto"):  # fmt: skip
+        Engine(str(one_layer_llama), plugins=["attention=triton", HARDWARE], dtype="float32",
+               kv_cache_dtype="float16", max_total_tokens=POOL)  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(("page", "overlap"), CONFIGS, ids=IDS)
@@ -113,13 +142,15 @@ def test_gpu_reuse_traffic_smollm2_shape_with_cuda_graphs(
     tmp_path_factory: pytest.TempPathFactory, page: int, overlap: bool
 ) -> None:
     """SmolLM2-shaped random weights, float32, on the GPU: triton with CUDA graphs against
-    torch_native on the same GPU, over the same traffic at four times the lengths."""
+    torch_native on the same GPU, over the same traffic at four times the lengths. The CPU-only
+    backends (cpu_paged) cannot run here: test_reuse_traffic_equals_torch_native runs them."""
     model_dir = _smollm2_shape(tmp_path_factory)
+    on_gpu = [n for n in _backends_under_test() if n not in CPU_ONLY]
     runs = {
         attention: _run(
             model_dir, attention, "hardware=cuda", page, overlap, scale=4, max_total_tokens=4 * POOL
         )  # fmt: skip
-        for attention in ("torch_native", *_backends_under_test())
+        for attention in ("torch_native", *on_gpu)
     }
     ref = runs.pop("torch_native")
     assert ref["retractions"] > 0
