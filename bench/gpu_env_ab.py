@@ -5,7 +5,10 @@ the changes measured here, so the two settings alternate on one machine. Each ro
 fresh engine per value, warms it up at the workload's shapes and times it (overlap on); the
 decode-only steps' median comes from the ``step_finished`` stats.
 
-    python bench/gpu_env_ab.py --env RADIXSERVE_TRITON_SKINNY --values 1 0 --rounds 2
+    python bench/gpu_env_ab.py --env RADIXSERVE_ROPE_IN_ATTENTION --values 1 0 --rounds 2
+
+It measured the skinny GEMM of issue 18 (RADIXSERVE_TRITON_SKINNY, no longer in the model) as no
+gain: 7.21 against 7.19 ms a decode step (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
