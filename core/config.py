@@ -89,6 +89,12 @@ class EngineConfig:
         metavar="NAME",
     )
     dtype: str = _opt("auto", "Weight and KV dtype: auto, float32, bfloat16, float16")
+    kv_cache_dtype: str = _opt(
+        "auto",
+        "KV cache dtype: auto (the model's dtype), float32, bfloat16 or float16. A 16-bit cache "
+        "beside float32 weights halves the KV memory and the bytes decode attention reads "
+        "(the torch_native and cpu_paged attention backends)",
+    )
     quantization: str | None = _opt(
         None,
         "Quantization of the linear layers at load: int8wo (int8, a scale per row) or int4wo "
@@ -340,6 +346,10 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype '{self.dtype}'; choose one of {', '.join(DTYPES)}")
+        if self.kv_cache_dtype not in DTYPES:
+            raise ConfigError(
+                f"unknown kv_cache_dtype '{self.kv_cache_dtype}'; choose one of {', '.join(DTYPES)}"
+            )
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(
                 f"unknown quantization '{self.quantization}'; choose one of "

@@ -168,6 +168,10 @@ class AttentionBackend(ABC):
     are shared, requests are retracted or slots are reused, and a copy would go stale.
     """
 
+    #: whether the backend attends a pool whose dtype differs from the queries'
+    #: (``kv_pool.compute_dtype``), as --kv-cache-dtype asks: the engine refuses it otherwise
+    reads_other_kv_dtype: bool = False
+
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> None:
         """Build per-step metadata (KV index lists, masks) shared by all layers."""

@@ -246,9 +246,13 @@ class KVPool:
         dtype: torch.dtype,
         device: str,
         page_size: int = 1,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.size = size
         self.page_size = page_size  # read by paged attention kernels
+        #: the dtype of the K/V the model stores and of its queries (``dtype`` unless the cache
+        #: is kept narrower, --kv-cache-dtype): stores round to ``dtype``, reads widen to this
+        self.compute_dtype = dtype if compute_dtype is None else compute_dtype
         shape = (size + 1, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -260,8 +264,9 @@ class KVPool:
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer_id].index_copy_(0, slots, k)
-        self.v[layer_id].index_copy_(0, slots, v)
+        k_buf, v_buf = self.k[layer_id], self.v[layer_id]
+        k_buf.index_copy_(0, slots, k.to(k_buf.dtype))  # .to: no copy when the dtypes agree
+        v_buf.index_copy_(0, slots, v.to(v_buf.dtype))
 
 
 def _same_device(have: torch.device, want: torch.device) -> bool:

@@ -105,6 +105,9 @@ class ModelRunner:
         mc = self.model_config
         # Each rank holds its heads' share of the weights and of the KV pool.
         self.local_config = local_model_config(mc, self.tp)
+        self.kv_dtype = (
+            self.dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
+        )
         weight_bytes = count_parameters(model_dir) * self.dtype.itemsize // self.tp.size
         if self.tp.size > 1 and chosen["speculative"] != "none":
             raise ConfigError(
@@ -137,11 +140,17 @@ class ModelRunner:
         )
         local = self.local_config
         self.kv_pool = KVPool(
-            self.kv_size, mc.num_layers, local.num_kv_heads, mc.head_dim, self.dtype, self.device,
-            page_size=config.page_size,
+            self.kv_size, mc.num_layers, local.num_kv_heads, mc.head_dim, self.kv_dtype,
+            self.device, page_size=config.page_size, compute_dtype=self.dtype,
         )  # fmt: skip
         attn_factory = host.registries["attention"].get(chosen["attention"]).factory
         self.attention: AttentionBackend = attn_factory(self.kv_pool, local, self.device)
+        if self.kv_dtype != self.dtype and not self.attention.reads_other_kv_dtype:
+            raise ConfigError(
+                f"--kv-cache-dtype {config.kv_cache_dtype}: the {chosen['attention']} attention "
+                f"backend reads KV only in the model's dtype ({str(self.dtype)[6:]}); choose "
+                "--kv-cache-dtype auto, or the torch_native or cpu_paged backend"
+            )
         self.model: CausalLM = model_reg.factory(mc, self.attention, self.dtype, self.device)
         self.model.load_weights(self._weights(model_dir))
         if config.quantization is not None:
@@ -226,7 +235,9 @@ class ModelRunner:
 
     def _kv_pool_size(self, weight_bytes: int, config: EngineConfig) -> int:
         mc = self.local_config  # this rank's KV heads
-        per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        per_token = KVPool.bytes_per_token(
+            mc.num_layers, mc.num_kv_heads, mc.head_dim, self.kv_dtype
+        )
         per_token += self._spec_kv_bytes
         if config.max_total_tokens is not None:
             return config.max_total_tokens

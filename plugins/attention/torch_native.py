@@ -50,6 +50,8 @@ class _Extend:
 
 
 class TorchNativeAttention(AttentionBackend):
+    reads_other_kv_dtype = True  # gathered K/V are widened to the queries' dtype
+
     def __init__(self, kv_pool: KVPool, model_config: ModelConfig, device: str) -> None:
         self.kv_pool = kv_pool
         self.scale = model_config.head_dim**-0.5
@@ -163,8 +165,9 @@ class TorchNativeAttention(AttentionBackend):
         k_buf, v_buf = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
         for ext in self._extends:
             qe = q[ext.start : ext.end].transpose(0, 1)  # [H, n, d]
-            ke = _gather(k_buf, ext.kv_slots).transpose(0, 1)  # [kvh, L, d]
-            ve = _gather(v_buf, ext.kv_slots).transpose(0, 1)
+            # [kvh, L, d], widened to the queries' dtype where the cache is kept narrower
+            ke = _gather(k_buf, ext.kv_slots).transpose(0, 1).to(qe.dtype)
+            ve = _gather(v_buf, ext.kv_slots).transpose(0, 1).to(qe.dtype)
             if logit_softcap:
                 kvh, n, d = ke.shape[0], qe.shape[1], qe.shape[2]
                 oe = _softcapped_attention(
@@ -202,6 +205,7 @@ class TorchNativeAttention(AttentionBackend):
             assert self._decode_slots is not None
             kd = _gather(k_buf, self._decode_slots).view(nd, -1, kvh, d).transpose(1, 2)
             vd = _gather(v_buf, self._decode_slots).view(nd, -1, kvh, d).transpose(1, 2)
+        kd, vd = kd.to(q.dtype), vd.to(q.dtype)  # a cache kept narrower than the queries
         # [B, H, d] -> [B, kvh, group, d]: HF's GQA maps query head h to KV head h // group
         qd = q.view(nd, kvh, self.group, d)
         mask = self._decode_mask_for(sliding_window) if sliding_window else self._decode_mask

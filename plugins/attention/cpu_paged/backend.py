@@ -5,7 +5,8 @@ longest one, then calling SDPA. At batch 32 with ~300-token contexts (SmolLM2 on
 that gather and SDPA took 3.3 + 3.7 ms a layer, two thirds of the decode step. The kernel
 (``plugins/hardware/cpu_kernels/decode_attention.cpp``) reads each sequence's keys and values in
 place through its slot row, with an online softmax, over torch's threads. Prefill and
-the KV store stay torch_native's. float32 KV only; other dtypes run torch_native's path.
+the KV store stay torch_native's. Queries in float32 only, over a float32 cache or a 16-bit one
+(--kv-cache-dtype); models in other dtypes run torch_native's path.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from radixserve.core.memory import KVPool
 from radixserve.plugins.attention.torch_native import TorchNativeAttention
 from radixserve.plugins.hardware import cpu_kernels
 
+KERNEL_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 
 class CpuPagedAttention(TorchNativeAttention):
     def __init__(self, kv_pool: KVPool, model_config: ModelConfig, device: str) -> None:
@@ -26,7 +29,8 @@ class CpuPagedAttention(TorchNativeAttention):
                 "choose --plugin attention=torch_native or triton"
             )
         super().__init__(kv_pool, model_config, device)
-        fused = kv_pool.k[0].dtype == torch.float32
+        # the kernel's queries are float32; its KV float32, or 16-bit beside float32 weights
+        fused = kv_pool.compute_dtype == torch.float32 and kv_pool.k[0].dtype in KERNEL_KV_DTYPES
         self._kernel = cpu_kernels.load().decode_attention if fused else None
         self._slots: torch.Tensor | None = None  # [nd, longest] each decode's slots
         self._lens: torch.Tensor | None = None  # [nd] int64

@@ -6,10 +6,12 @@
 // scores for its query heads, an online softmax across blocks (running max and sum), then the
 // block's values. Rows of the next keys are prefetched, since a sequence's slots are runs the
 // allocator handed out, not one contiguous range.
-// float32 only; the Python side keeps other dtypes on torch_native's path.
+// Queries float32; the cache float32, or float16 / bfloat16 (--kv-cache-dtype), widened on load.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -19,7 +21,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define RADIXSERVE_ATTN_AVX2 1
 #endif
@@ -107,9 +109,29 @@ inline float softmax_block8(float* sr, int64_t n, float run_max, float* sum) {
 }
 #endif
 
-inline void prefetch(const float* row, int64_t floats) {
-  for (int64_t c = 0; c < floats; c += 16) __builtin_prefetch(row + c);  // 64-byte lines
+// The 64-byte lines of `count` elements from `row`.
+template <typename T>
+inline void prefetch(const T* row, int64_t count) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t c = 0; c < count * static_cast<int64_t>(sizeof(T)); c += 64) __builtin_prefetch(bytes + c);
 }
+
+// A cached K/V element as float: the cache is float32, or float16 / bfloat16 beside float32
+// queries (--kv-cache-dtype).
+inline float widen(float x) { return x; }
+inline float widen(c10::Half x) { return static_cast<float>(x); }
+inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
+
+#ifdef RADIXSERVE_ATTN_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const c10::BFloat16* p) {  // bfloat16 is float32's upper half
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+#endif
 
 #ifdef RADIXSERVE_ATTN_AVX2
 // The sums of 8 vectors' lanes, as one vector: lane j = sum of p[j]'s 8 lanes.
@@ -122,8 +144,8 @@ inline __m256 sum_lanes8(const __m256* p) {
 #endif
 
 // Scores of the n keys at slots[0 .. n - 1] for every query row r: scores[r * kBlock + i].
-template <int D>
-void score_block(const Shape& s, int64_t nh, const float* q, const float* k_base,
+template <typename KV, int D>
+void score_block(const Shape& s, int64_t nh, const float* q, const KV* k_base,
                  const int64_t* slots, int64_t n, float* scores) {
   const int64_t d = D > 0 ? D : s.dim;
 #ifdef RADIXSERVE_ATTN_AVX2
@@ -145,12 +167,12 @@ void score_block(const Shape& s, int64_t nh, const float* q, const float* k_base
               part[j] = _mm256_setzero_ps();
               continue;
             }
-            const float* key = k_base + slots[i0 + j] * s.row + h * D;
-            __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(key));
-            __m256 b = kVecs > 1 ? _mm256_mul_ps(qv[1], _mm256_loadu_ps(key + 8)) : _mm256_setzero_ps();
+            const KV* key = k_base + slots[i0 + j] * s.row + h * D;
+            __m256 a = _mm256_mul_ps(qv[0], load8(key));
+            __m256 b = kVecs > 1 ? _mm256_mul_ps(qv[1], load8(key + 8)) : _mm256_setzero_ps();
             for (int c = 2; c + 1 < kVecs; c += 2) {
-              a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(key + 8 * c), a);
-              b = _mm256_fmadd_ps(qv[c + 1], _mm256_loadu_ps(key + 8 * c + 8), b);
+              a = _mm256_fmadd_ps(qv[c], load8(key + 8 * c), a);
+              b = _mm256_fmadd_ps(qv[c + 1], load8(key + 8 * c + 8), b);
             }
             part[j] = _mm256_add_ps(a, b);
           }
@@ -165,14 +187,14 @@ void score_block(const Shape& s, int64_t nh, const float* q, const float* k_base
 #endif
   for (int64_t i = 0; i < n; ++i) {
     if (i + kAhead < n) prefetch(k_base + slots[i + kAhead] * s.row, nh * d);
-    const float* key_row = k_base + slots[i] * s.row;
+    const KV* key_row = k_base + slots[i] * s.row;
     for (int64_t h = 0, r = 0; h < nh; ++h) {
-      const float* key = key_row + h * d;
+      const KV* key = key_row + h * d;
       for (int64_t j = 0; j < s.group; ++j, ++r) {
         const float* qr = q + r * d;
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t c = 0; c < d; ++c) dot += qr[c] * key[c];
+        for (int64_t c = 0; c < d; ++c) dot += qr[c] * widen(key[c]);
         scores[r * kBlock + i] = dot * s.scale;
       }
     }
@@ -180,8 +202,8 @@ void score_block(const Shape& s, int64_t nh, const float* q, const float* k_base
 }
 
 // acc[r] += sum over the n keys at slots[0 .. n - 1] of scores[r * kBlock + i] * value_i.
-template <int D>
-void accumulate_block(const Shape& s, int64_t nh, const float* v_base, const int64_t* slots,
+template <typename KV, int D>
+void accumulate_block(const Shape& s, int64_t nh, const KV* v_base, const int64_t* slots,
                       int64_t n, const float* scores, float* acc) {
   const int64_t d = D > 0 ? D : s.dim;
 #ifdef RADIXSERVE_ATTN_AVX2
@@ -196,10 +218,9 @@ void accumulate_block(const Shape& s, int64_t nh, const float* v_base, const int
         for (int c = 0; c < kVecs; ++c) a[c] = _mm256_loadu_ps(ar + 8 * c);
         const float* sr = scores + r * kBlock;
         for (int64_t i = 0; i < n; ++i) {
-          const float* value = v_base + slots[i] * s.row + h * D;
+          const KV* value = v_base + slots[i] * s.row + h * D;
           const __m256 p = _mm256_set1_ps(sr[i]);
-          for (int c = 0; c < kVecs; ++c)
-            a[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value + 8 * c), a[c]);
+          for (int c = 0; c < kVecs; ++c) a[c] = _mm256_fmadd_ps(p, load8(value + 8 * c), a[c]);
         }
         for (int c = 0; c < kVecs; ++c) _mm256_storeu_ps(ar + 8 * c, a[c]);
       }
@@ -209,14 +230,14 @@ void accumulate_block(const Shape& s, int64_t nh, const float* v_base, const int
 #endif
   for (int64_t i = 0; i < n; ++i) {
     if (i + kAhead < n) prefetch(v_base + slots[i + kAhead] * s.row, nh * d);
-    const float* value_row = v_base + slots[i] * s.row;
+    const KV* value_row = v_base + slots[i] * s.row;
     for (int64_t h = 0, r = 0; h < nh; ++h) {
-      const float* value = value_row + h * d;
+      const KV* value = value_row + h * d;
       for (int64_t j = 0; j < s.group; ++j, ++r) {
         const float p = scores[r * kBlock + i];
         float* ar = acc + r * d;
 #pragma omp simd
-        for (int64_t c = 0; c < d; ++c) ar[c] += p * value[c];
+        for (int64_t c = 0; c < d; ++c) ar[c] += p * widen(value[c]);
       }
     }
   }
@@ -226,9 +247,9 @@ void accumulate_block(const Shape& s, int64_t nh, const float* v_base, const int
 // -> the softmax's unnormalized state: acc [nh * group, dim] (weighted values), run_max and
 // run_sum [nh * group]. D > 0: the head dim known at compile time (the dot products and value
 // rows unroll into whole vector registers); D == 0: s.dim at run time.
-template <int D>
-void attend(const Shape& s, int64_t nh, const float* q, const float* k_base,
-            const float* v_base, const int64_t* slots, int64_t start, int64_t end,
+template <typename KV, int D>
+void attend(const Shape& s, int64_t nh, const float* q, const KV* k_base,
+            const KV* v_base, const int64_t* slots, int64_t start, int64_t end,
             float* scores, float* acc, float* run_max, float* run_sum) {
   const int64_t d = D > 0 ? D : s.dim;
   const int64_t rows = nh * s.group;  // query rows handled here
@@ -237,7 +258,7 @@ void attend(const Shape& s, int64_t nh, const float* q, const float* k_base,
   std::fill(run_sum, run_sum + rows, 0.f);
   for (int64_t t0 = start; t0 < end; t0 += kBlock) {
     const int64_t n = std::min(kBlock, end - t0);
-    score_block<D>(s, nh, q, k_base, slots + t0, n, scores);
+    score_block<KV, D>(s, nh, q, k_base, slots + t0, n, scores);
     if (s.softcap > 0.f) {
       for (int64_t r = 0; r < rows; ++r) {
         float* sr = scores + r * kBlock;
@@ -268,17 +289,19 @@ void attend(const Shape& s, int64_t nh, const float* q, const float* k_base,
         for (int64_t c = 0; c < d; ++c) ar[c] *= rescale;
       }
     }
-    accumulate_block<D>(s, nh, v_base, slots + t0, n, scores, acc);
+    accumulate_block<KV, D>(s, nh, v_base, slots + t0, n, scores, acc);
   }
 }
 
-using AttendFn = decltype(&attend<0>);
+template <typename KV>
+using AttendFn = decltype(&attend<KV, 0>);
 
-AttendFn attend_for(int64_t dim) {
+template <typename KV>
+AttendFn<KV> attend_for(int64_t dim) {
   switch (dim) {
-    case 64: return &attend<64>;
-    case 128: return &attend<128>;
-    default: return &attend<0>;
+    case 64: return &attend<KV, 64>;
+    case 128: return &attend<KV, 128>;
+    default: return &attend<KV, 0>;
   }
 }
 
@@ -289,11 +312,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
                             const at::Tensor& lens, double scale, double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "decode_attention: q must be a contiguous float32 [decodes, heads, dim] tensor");
-  TORCH_CHECK(k_buf.dim() == 3 && k_buf.scalar_type() == at::kFloat && k_buf.stride(2) == 1 &&
-                  k_buf.stride(1) == k_buf.size(2) && k_buf.size(2) == q.size(2),
-              "decode_attention: k_buf must be float32 [slots, kv_heads, dim] with dense rows");
+  const auto kv_type = k_buf.scalar_type();
+  TORCH_CHECK(k_buf.dim() == 3 &&
+                  (kv_type == at::kFloat || kv_type == at::kHalf || kv_type == at::kBFloat16) &&
+                  k_buf.stride(2) == 1 && k_buf.stride(1) == k_buf.size(2) &&
+                  k_buf.size(2) == q.size(2),
+              "decode_attention: k_buf must be float32, float16 or bfloat16 [slots, kv_heads, "
+              "dim] with dense rows");
   TORCH_CHECK(v_buf.sizes() == k_buf.sizes() && v_buf.strides() == k_buf.strides() &&
-                  v_buf.scalar_type() == at::kFloat,
+                  v_buf.scalar_type() == kv_type,
               "decode_attention: v_buf must match k_buf");
   TORCH_CHECK(q.size(1) % k_buf.size(1) == 0, "decode_attention: heads not a multiple of kv_heads");
   const int64_t nd = q.size(0), heads = q.size(1), kvh = k_buf.size(1);
@@ -306,8 +333,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
                 static_cast<float>(softcap)};
   auto out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_buf.data_ptr<float>();
-  const float* vp = v_buf.data_ptr<float>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* st = starts.data_ptr<int64_t>();
   const int64_t* ln = lens.data_ptr<int64_t>();
@@ -361,26 +386,38 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
       for (int64_t c = 0; c < s.dim; ++c) orow[c] *= inv;
     }
   };
-  const AttendFn fn = attend_for(s.dim);
-  at::parallel_for(0, items * parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(kBlock * rows);
-    for (int64_t work = begin; work < end; ++work) {
-      const int64_t item = work / parts, part = work % parts;
-      const int64_t b = item / items_per_request;
-      const int64_t h0 = (item % items_per_request) * heads_per_item;
-      const int64_t q_off = (b * heads + h0 * s.group) * s.dim;
-      const int64_t span = ln[b] - st[b], first = st[b] + span * part / parts,
-                    last = st[b] + span * (part + 1) / parts;
-      fn(s, heads_per_item, qp + q_off, kp + h0 * s.dim, vp + h0 * s.dim, sp + b * max_len,
-         first, last, scores.data(), acc_all + work * rows * s.dim, max_all + work * rows,
-         sum_all + work * rows);
-      if (parts == 1) finish(item);
-    }
-  });
-  if (parts > 1) {
-    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t item = begin; item < end; ++item) finish(item);
+  auto run = [&](auto kv_tag) {
+    using KV = decltype(kv_tag);
+    const auto* kp = static_cast<const KV*>(k_buf.data_ptr());
+    const auto* vp = static_cast<const KV*>(v_buf.data_ptr());
+    const AttendFn<KV> fn = attend_for<KV>(s.dim);
+    at::parallel_for(0, items * parts, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(kBlock * rows);
+      for (int64_t work = begin; work < end; ++work) {
+        const int64_t item = work / parts, part = work % parts;
+        const int64_t b = item / items_per_request;
+        const int64_t h0 = (item % items_per_request) * heads_per_item;
+        const int64_t q_off = (b * heads + h0 * s.group) * s.dim;
+        const int64_t span = ln[b] - st[b], first = st[b] + span * part / parts,
+                      last = st[b] + span * (part + 1) / parts;
+        fn(s, heads_per_item, qp + q_off, kp + h0 * s.dim, vp + h0 * s.dim, sp + b * max_len,
+           first, last, scores.data(), acc_all + work * rows * s.dim, max_all + work * rows,
+           sum_all + work * rows);
+        if (parts == 1) finish(item);
+      }
     });
+    if (parts > 1) {
+      at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t item = begin; item < end; ++item) finish(item);
+      });
+    }
+  };
+  if (kv_type == at::kFloat) {
+    run(float{});
+  } else if (kv_type == at::kHalf) {
+    run(c10::Half{});
+  } else {
+    run(c10::BFloat16{});
   }
   return out;
 }

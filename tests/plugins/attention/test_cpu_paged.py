@@ -77,9 +77,10 @@ def _reference(q: torch.Tensor, pool: KVPool, slots: list[list[int]], group: int
     return out
 
 
-def _pool(kv_heads: int, seed: int, dim: int = DIM) -> KVPool:
+def _pool(kv_heads: int, seed: int, dim: int = DIM, dtype: torch.dtype = torch.float32) -> KVPool:
+    """A float32 model's pool: its cache in ``dtype`` (16-bit: --kv-cache-dtype)."""
     gen = torch.Generator().manual_seed(seed)
-    pool = KVPool(POOL, 1, kv_heads, dim, torch.float32, "cpu")
+    pool = KVPool(POOL, 1, kv_heads, dim, dtype, "cpu", compute_dtype=torch.float32)
     pool.k[0].copy_(torch.randn(POOL + 1, kv_heads, dim, generator=gen))
     pool.v[0].copy_(torch.randn(POOL + 1, kv_heads, dim, generator=gen))
     return pool
@@ -138,6 +139,42 @@ def test_decodes_match_dense_reference_and_torch_native(
     finally:
         torch.set_num_threads(before)
     ref = _reference(q, pool, slots, group, window, cap)  # the step's K/V are stored by now
+    torch.testing.assert_close(ours.double(), ref, rtol=0, atol=2e-6)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(("heads", "kv_heads"), GQA, ids=[f"group{h // k}" for h, k in GQA])
+@pytest.mark.parametrize("dim", [16, 64])
+@pytest.mark.parametrize("decodes", ["six", "long+short"])
+def test_a_16_bit_cache_is_read_widened_like_torch_native(
+    kv_dtype: torch.dtype, heads: int, kv_heads: int, dim: int, decodes: str
+) -> None:
+    """--kv-cache-dtype: float32 queries over a float16 / bfloat16 cache. The step's K/V are
+    rounded as they are stored; the kernel then attends the cached values exactly (widened to
+    float32), as torch_native does with its gathered copy."""
+    from radixserve.plugins.attention.cpu_paged.backend import CpuPagedAttention
+
+    config, group = _config(heads, kv_heads, dim), heads // kv_heads
+    slots = _scattered(DECODES[decodes], seed=heads)
+    pool = _pool(kv_heads, seed=3, dim=dim, dtype=kv_dtype)
+    gen = torch.Generator().manual_seed(4)
+    n = len(slots)
+    q = torch.randn(n, heads, dim, generator=gen)
+    k = torch.randn(n, kv_heads, dim, generator=gen)
+    v = torch.randn(n, kv_heads, dim, generator=gen)
+    paged = CpuPagedAttention(pool, config, "cpu")
+    assert paged._kernel is not None
+    batch = _batch(slots)
+    paged.prepare(batch)
+    ours = paged.forward(q, k, v, 0, batch).view(n, heads, dim)
+    stored = pool.k[0][torch.tensor([s[-1] for s in slots])]
+    assert stored.dtype == kv_dtype and torch.equal(stored.float(), k.to(kv_dtype).float())
+    native = TorchNativeAttention(pool, config, "cpu")
+    native.prepare(batch)
+    theirs = native.forward(q, k, v, 0, batch).view(n, heads, dim)
+    assert ours.dtype == theirs.dtype == torch.float32
+    ref = _reference(q, pool, slots, group, 0, 0.0)
     torch.testing.assert_close(ours.double(), ref, rtol=0, atol=2e-6)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-6)
 
