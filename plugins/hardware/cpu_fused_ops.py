@@ -10,22 +10,45 @@ eager formulas, which are the model's own (``plugins/models/decoder.py``).
 
 from __future__ import annotations
 
+from functools import cache
+from types import SimpleNamespace
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from radixserve.plugins.hardware import cpu_kernels
 from radixserve.plugins.models.decoder import rms_norm_eager
 
+_F32 = torch.float32
+
 
 def _kernel(*tensors: torch.Tensor) -> bool:
-    return not torch.compiler.is_compiling() and all(t.dtype == torch.float32 for t in tensors)
+    # a loop rather than all(genexpr): this runs ~120 times a SmolLM2 token (~1 us less each)
+    for t in tensors:
+        if t.dtype is not _F32:
+            return False
+    return not torch.compiler.is_compiling()
+
+
+@cache
+def _ops() -> Any:
+    """The fused ops' overloads: called directly, a few us less a call than through
+    ``torch.ops``' packets, ~120 calls a SmolLM2 token."""
+    ops = cpu_kernels.load()
+    return SimpleNamespace(
+        rms_norm=ops.rms_norm.default,
+        add_rms_norm=ops.add_rms_norm.default,
+        silu_mul=ops.silu_mul.default,
+        rope=ops.rope.default,
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if not _kernel(x, weight) or x.dim() != 2:
         return rms_norm_eager(x, weight, eps)
     x2 = x if x.stride(-1) == 1 else x.contiguous()
-    return cpu_kernels.load().rms_norm(x2, weight, eps)
+    return _ops().rms_norm(x2, weight, eps)
 
 
 def add_rms_norm(
@@ -37,7 +60,7 @@ def add_rms_norm(
         return rms_norm_eager(total, weight, eps), total
     x2 = x if x.stride(-1) == 1 else x.contiguous()
     r2 = residual if residual.stride(-1) == 1 else residual.contiguous()
-    return cpu_kernels.load().add_rms_norm(x2, r2, weight, eps)
+    return _ops().add_rms_norm(x2, r2, weight, eps)
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
@@ -45,7 +68,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     if not _kernel(x) or x.dim() != 2:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
-    return cpu_kernels.load().silu_mul(x if x.stride(-1) == 1 else x.contiguous())
+    return _ops().silu_mul(x if x.stride(-1) == 1 else x.contiguous())
 
 
 def rope(
@@ -59,4 +82,4 @@ def rope(
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
     x2 = x if x.stride(-1) == 1 else x.contiguous()
-    return cpu_kernels.load().rope(x2, positions.to(torch.int64).contiguous(), cos, sin)
+    return _ops().rope(x2, positions.to(torch.int64).contiguous(), cos, sin)
