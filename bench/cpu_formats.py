@@ -53,6 +53,8 @@ FORMATS: dict[str, dict[str, str]] = {
     "int4wo": {"dtype": "float32", "quantization": "int4wo"},
     "w8a8_int8": {"dtype": "float32", "quantization": "w8a8_int8"},
     "gguf": {"dtype": "float32", "quantization": "gguf"},
+    "float32+f16kv": {"dtype": "float32", "kv_cache_dtype": "float16"},
+    "gguf+f16kv": {"dtype": "float32", "quantization": "gguf", "kv_cache_dtype": "float16"},
     "bfloat16+int8wo": {"dtype": "bfloat16", "quantization": "int8wo"},
     "bfloat16+int4wo": {"dtype": "bfloat16", "quantization": "int4wo"},
 }

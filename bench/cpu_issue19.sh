@@ -1,11 +1,10 @@
 #!/bin/sh
 # Issue 19 in one run, on a quiet machine (the default model, 256-token prompts, 128 out):
 #   1. bench/offline.py: HF generate() at batch 1 and 8, llama-cpp-python at batch 1 on the same
-#      GGUF (all cores), our offline Engine on 32 requests (float32 default; the prefill-shrink
-#      setting at 0 and 4 beside the default; bfloat16);
-#   2. `radixserve serve` at concurrency 1, one server per weight mode (float32 default;
-#      --quantization gguf, eager and with --enable-torch-compile; int4wo with
-#      --enable-torch-compile), 8 requests each;
+#      GGUF (all cores), our offline Engine on 32 requests (float32 default);
+#   2. `radixserve serve` at concurrency 1, one server per mode (float32 default; --quantization
+#      gguf, eager, with a float16 KV cache, and with that and --enable-torch-compile), 8
+#      requests each;
 #   3. `radixserve serve` with no flag at concurrency 32, 64 requests.
 # Results: OUTDIR (default bench/results/cpu-issue19); the load average is printed per step.
 #
@@ -19,14 +18,6 @@ mkdir -p "$OUT"
 
 echo "=== offline, float32 (peers in the same run) $(date -u +%H:%M:%S), load $(load)"
 .venv/bin/python bench/offline.py --json-out "$OUT/offline-f32.json" 2>&1 | grep -v "it/s\]" | tail -12
-for shrink in 0 4; do
-  echo "=== offline, float32, --prefill-shrink-after-decodes $shrink $(date -u +%H:%M:%S), load $(load)"
-  .venv/bin/python bench/offline.py --skip-hf --skip-llamacpp --prefill-shrink-after-decodes "$shrink" \
-    --json-out "$OUT/offline-f32-shrink$shrink.json" 2>&1 | grep -v "it/s\]" | tail -4
-done
-echo "=== offline, bfloat16 $(date -u +%H:%M:%S), load $(load)"
-.venv/bin/python bench/offline.py --dtype bfloat16 --skip-hf --skip-llamacpp \
-  --json-out "$OUT/offline-bf16.json" 2>&1 | grep -v "it/s\]" | tail -4
 
 serve_and_measure() {  # NAME CONCURRENCY PROMPTS SERVER-FLAGS...
   name=$1; c=$2; n=$3; shift 3
@@ -41,7 +32,8 @@ serve_and_measure() {  # NAME CONCURRENCY PROMPTS SERVER-FLAGS...
 
 serve_and_measure f32-c1 1 8
 serve_and_measure gguf-c1 1 8 --quantization gguf
-serve_and_measure gguf-compile-c1 1 8 --quantization gguf --enable-torch-compile
-serve_and_measure int4wo-compile-c1 1 8 --quantization int4wo --enable-torch-compile
+serve_and_measure gguf-f16kv-c1 1 8 --quantization gguf --kv-cache-dtype float16
+serve_and_measure gguf-f16kv-compile-c1 1 8 --quantization gguf --kv-cache-dtype float16 \
+  --enable-torch-compile
 serve_and_measure default-c32 32 64
 echo "=== end $(date -u +%H:%M:%S), load $(load)"
