@@ -15,6 +15,8 @@ from pathlib import Path
 import requests
 from server_process import RunningServer, free_port, start_server, stop_server, tiny_server_args
 
+ROUTER_LAUNCHER = Path(__file__).with_name("sglang_router_launch.py")
+
 
 @dataclass
 class PDPair:
@@ -86,10 +88,11 @@ class Router:
 
 @contextlib.contextmanager
 def pd_router(pair: PDPair, log_path: Path, timeout: float = 60.0) -> Iterator[Router]:
-    """sglang-router in PD mode (the launch command of ROUTER.md) in front of ``pair``."""
+    """sglang-router in PD mode (the launch command of ROUTER.md, through
+    sglang_router_launch.py, which says why) in front of ``pair``."""
     port = free_port()
     cmd = [
-        sys.executable, "-m", "sglang_router.launch_router",
+        sys.executable, str(ROUTER_LAUNCHER),
         "--host", "127.0.0.1", "--port", str(port),
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
         "--pd-disaggregation",
