@@ -77,6 +77,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=("int8wo", "int4wo", "w8a8_int8", "gguf"),
         help="engine quantization at load (default: none; HF stays float32)",
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="engine KV cache dtype (default: engine's, the weights' dtype)",
+    )
     p.add_argument("--max-running-requests", type=int, help="engine setting (default: engine's)")
     p.add_argument("--chunked-prefill-size", type=int, help="engine setting (default: engine's)")
     p.add_argument(
@@ -186,6 +191,7 @@ def start_engine(args: argparse.Namespace, recorder: StepRecorder) -> Engine:
     for name in (
         "dtype",
         "quantization",
+        "kv_cache_dtype",
         "max_running_requests",
         "chunked_prefill_size",
         "prefill_shrink_after_decodes",

@@ -1,4 +1,5 @@
-"""Float linear layers on oneDNN's packed weights, for steps of several rows (CPU).
+"""Float linear layers on oneDNN's packed weights, for steps of several rows (CPU): decode
+batches, not prefill chunks (``PACKED_MAX_ROWS``).
 
 torch's CPU ``F.linear`` runs on MKL, whose float32 GEMM over a few rows reads the weights far
 below the memory's speed on the AMD EPYC VM (7 MB of weights out of cache: 1.0 ms at 4 and 8
@@ -27,10 +28,19 @@ from radixserve.plugins.models.parallel_layers import RowParallelLinear
 PACK_ROWS = 8
 #: steps of fewer rows multiply by the float parameter (MKL's matrix-vector product)
 PACKED_MIN_ROWS = 2
+#: steps of this many rows or more (prefill chunks) go back to MKL's GEMM, which is the faster
+#: one there: SmolLM2's 120 linears, 2 AVX2 cores, 174-183 GFLOP/s against oneDNN's packed
+#: 168-172 at 512-1,024 rows, 168 against 160 at 256; packed stays ahead at 128 (154 vs 149)
+PACKED_MAX_ROWS = 256
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+
+
+def _packed_rows(rows: int) -> bool:
+    """Whether a step of ``rows`` rows multiplies by the packed copy."""
+    return PACKED_MIN_ROWS <= rows < PACKED_MAX_ROWS
 
 
 def _packed_linear(
@@ -51,7 +61,7 @@ class PackedLinear(nn.Linear):
         self.packed = _pack(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() < PACKED_MIN_ROWS * self.in_features:
+        if not _packed_rows(x.numel() // self.in_features):
             return F.linear(x, self.weight, self.bias)
         return _packed_linear(x, self.packed, self.bias)
 
@@ -69,7 +79,7 @@ class PackedHead(nn.Module):
         self.packed = _pack(self.weight)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if h.numel() < PACKED_MIN_ROWS * self.weight.shape[1]:
+        if not _packed_rows(h.numel() // self.weight.shape[1]):
             return F.linear(h, self.weight)
         return _packed_linear(h, self.packed, None)
 

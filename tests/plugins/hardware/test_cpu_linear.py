@@ -1,5 +1,6 @@
 """The CPU platform's float32 linears on oneDNN's packed weights (plugins/hardware/cpu_linear.py):
-used for steps of two rows or more, with the float parameter for one row; the same products as
+used for decode-sized steps of two rows or more, with the float parameter for one row and for
+prefill-sized steps; the same products as
 ``F.linear`` to float32 rounding; left out where they do not apply."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve import Engine
-from radixserve.plugins.hardware.cpu_linear import PackedHead, PackedLinear
+from radixserve.plugins.hardware.cpu_linear import PACKED_MAX_ROWS, PackedHead, PackedLinear
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN"
@@ -25,11 +26,13 @@ def test_packed_linear_matches_f_linear_for_any_rows() -> None:
     reference.load_state_dict(layer.state_dict())
     layer.__class__ = PackedLinear
     layer.weights_reloaded()
-    for rows in (1, 2, 8, 33):
+    for rows in (1, 2, 8, 33, PACKED_MAX_ROWS - 1, PACKED_MAX_ROWS):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(layer(x), reference(x), rtol=1e-5, atol=1e-5)
-    x = torch.randn(1, 64)
-    assert torch.equal(layer(x), reference(x))  # one row: the float parameter itself
+    # one row and prefill-sized steps: the float parameter itself (MKL)
+    for rows in (1, PACKED_MAX_ROWS, 3 * PACKED_MAX_ROWS):
+        x = torch.randn(rows, 64)
+        assert torch.equal(layer(x), reference(x))
     with torch.no_grad():
         layer.weight.mul_(2)  # a reload changes the parameter in place ...
     layer.weights_reloaded()  # ... and rebuilds the packed copy
