@@ -146,9 +146,10 @@ class ModelRunner:
         attn_factory = host.registries["attention"].get(chosen["attention"]).factory
         self.attention: AttentionBackend = attn_factory(self.kv_pool, local, self.device)
         if self.kv_dtype != self.dtype and not self.attention.reads_other_kv_dtype:
+            model_dtype = str(self.dtype).removeprefix("torch.")
             raise ConfigError(
                 f"--kv-cache-dtype {config.kv_cache_dtype}: the {chosen['attention']} attention "
-                f"backend reads KV only in the model's dtype ({str(self.dtype)[6:]}); choose "
+                f"backend reads KV only in the model's dtype ({model_dtype}); choose "
                 "--kv-cache-dtype auto, or the torch_native or cpu_paged backend"
             )
         self.model: CausalLM = model_reg.factory(mc, self.attention, self.dtype, self.device)
