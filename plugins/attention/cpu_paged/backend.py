@@ -4,15 +4,17 @@ torch_native attends a step's decodes by gathering every sequence's KV into a co
 longest one, then calling SDPA. At batch 32 with ~300-token contexts (SmolLM2 on 2 AVX2 cores)
 that gather and SDPA took 3.3 + 3.7 ms a layer, two thirds of the decode step. The kernel
 (``plugins/hardware/cpu_kernels/decode_attention.cpp``) reads each sequence's keys and values in
-place through its slot row, with an online softmax, over torch's threads. Prefill and
-the KV store stay torch_native's. Queries in float32 only, over a float32 cache or a 16-bit one
-(--kv-cache-dtype); models in other dtypes run torch_native's path.
+place through its slot row, with an online softmax, over torch's threads; a decode-only step
+stores its K/V in the same call. Prefill and mixed steps stay torch_native's. Queries in
+float32 only, over a float32 cache or a 16-bit one (--kv-cache-dtype); models in other dtypes
+run torch_native's path.
 """
 
 from __future__ import annotations
 
 import torch
 
+from radixserve.core.batch import ForwardBatch
 from radixserve.core.config import ModelConfig
 from radixserve.core.memory import KVPool
 from radixserve.plugins.attention.torch_native import TorchNativeAttention
@@ -31,10 +33,35 @@ class CpuPagedAttention(TorchNativeAttention):
         super().__init__(kv_pool, model_config, device)
         # the kernel's queries are float32; its KV float32, or 16-bit beside float32 weights
         fused = kv_pool.compute_dtype == torch.float32 and kv_pool.k[0].dtype in KERNEL_KV_DTYPES
-        self._kernel = cpu_kernels.load().decode_attention if fused else None
+        ops = cpu_kernels.load() if fused else None
+        self._kernel = ops.decode_attention.default if ops is not None else None
+        # a decode-only step's store and attention in one call (the store alone is four ops)
+        self._store_kernel = ops.store_decode_attention.default if ops is not None else None
         self._slots: torch.Tensor | None = None  # [nd, longest] each decode's slots
         self._lens: torch.Tensor | None = None  # [nd] int64
         self._starts: dict[int, torch.Tensor] = {}  # sliding window -> first key attended
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+        batch: ForwardBatch, *, sliding_window: int = 0, logit_softcap: float = 0.0,
+        scale: float | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        if (
+            self._store_kernel is None
+            or batch.num_decode != batch.batch_size
+            or k.dtype != torch.float32
+        ):
+            return super().forward(
+                q, k, v, layer_id, batch, sliding_window=sliding_window,
+                logit_softcap=logit_softcap, scale=scale,
+            )  # fmt: skip
+        assert self._slots is not None and self._lens is not None
+        out = self._store_kernel(
+            q.contiguous(), k, v, batch.out_cache_loc, self.kv_pool.k[layer_id],
+            self.kv_pool.v[layer_id], self._slots, self._starts_for(sliding_window), self._lens,
+            self.scale if scale is None else scale, logit_softcap,
+        )  # fmt: skip
+        return out.flatten(1)
 
     def _decodes_on_one_thread(self, keys: int) -> bool:
         # The kernel splits by request and KV head at little cost, and switching the pool's
@@ -57,12 +84,18 @@ class CpuPagedAttention(TorchNativeAttention):
         if self._kernel is None:
             return super()._decodes(q, layer_id, sliding_window, logit_softcap, scale)
         assert self._slots is not None and self._lens is not None
+        k_buf, v_buf = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
+        starts = self._starts_for(sliding_window)
+        return self._kernel(
+            q.contiguous(), k_buf, v_buf, self._slots, starts, self._lens, scale, logit_softcap
+        )
+
+    def _starts_for(self, sliding_window: int) -> torch.Tensor:
+        """Each decode's first key attended (past 0 under a sliding window), made once a step."""
+        assert self._lens is not None
         starts = self._starts.get(sliding_window)
         if starts is None:
             starts = (self._lens - sliding_window).clamp_(min=0) if sliding_window else \
                 torch.zeros_like(self._lens)  # fmt: skip
             self._starts[sliding_window] = starts
-        k_buf, v_buf = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
-        return self._kernel(
-            q.contiguous(), k_buf, v_buf, self._slots, starts, self._lens, scale, logit_softcap
-        )
+        return starts

@@ -422,6 +422,58 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
   return out;
 }
 
+// k_new, v_new [nd, kvh, d] float32 written to rows loc[i] of k_buf, v_buf (rounded to their
+// dtype), then decode_attention over the pool: a decode-only step's store and attention in one
+// call, where the store alone took four more ops a layer (two casts, two index copies).
+at::Tensor store_decode_attention(const at::Tensor& q, const at::Tensor& k_new,
+                                  const at::Tensor& v_new, const at::Tensor& loc,
+                                  const at::Tensor& k_buf, const at::Tensor& v_buf,
+                                  const at::Tensor& slots, const at::Tensor& starts,
+                                  const at::Tensor& lens, double scale, double softcap) {
+  TORCH_CHECK(k_new.dim() == 3 && k_new.scalar_type() == at::kFloat &&
+                  v_new.sizes() == k_new.sizes() && v_new.scalar_type() == at::kFloat &&
+                  k_buf.dim() == 3 && k_new.size(1) == k_buf.size(1) &&
+                  k_new.size(2) == k_buf.size(2),
+              "store_decode_attention: k_new and v_new must be float32 [decodes, kv_heads, dim] "
+              "matching the pool");
+  TORCH_CHECK(loc.dim() == 1 && loc.scalar_type() == at::kLong && loc.size(0) == k_new.size(0),
+              "store_decode_attention: loc must be int64 [decodes]");
+  TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous() && v_buf.sizes() == k_buf.sizes() &&
+                  v_buf.scalar_type() == k_buf.scalar_type(),
+              "store_decode_attention: k_buf and v_buf must be contiguous and alike");
+  const at::Tensor kc = k_new.contiguous(), vc = v_new.contiguous(), lc = loc.contiguous();
+  const int64_t n = kc.size(0), row = kc.size(1) * kc.size(2), slots_in_pool = k_buf.size(0);
+  const int64_t* lp = lc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(0 <= lp[i] && lp[i] < slots_in_pool, "store_decode_attention: slot ", lp[i],
+                " outside the pool of ", slots_in_pool);
+  }
+  auto store = [&](auto kv_tag) {
+    using KV = decltype(kv_tag);
+    const float* ks = kc.data_ptr<float>();
+    const float* vs = vc.data_ptr<float>();
+    KV* kd = static_cast<KV*>(k_buf.data_ptr());
+    KV* vd = static_cast<KV*>(v_buf.data_ptr());
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t c = 0; c < row; ++c) {
+        kd[lp[i] * row + c] = static_cast<KV>(ks[i * row + c]);
+        vd[lp[i] * row + c] = static_cast<KV>(vs[i * row + c]);
+      }
+    }
+  };
+  const auto kv_type = k_buf.scalar_type();
+  if (kv_type == at::kFloat) {
+    store(float{});
+  } else if (kv_type == at::kHalf) {
+    store(c10::Half{});
+  } else {
+    TORCH_CHECK(kv_type == at::kBFloat16,
+                "store_decode_attention: the pool must be float32, float16 or bfloat16");
+    store(c10::BFloat16{});
+  }
+  return decode_attention(q, k_buf, v_buf, slots, starts, lens, scale, softcap);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
@@ -429,4 +481,9 @@ TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
       "decode_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor slots, Tensor starts, "
       "Tensor lens, float scale, float softcap) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CPU, &decode_attention);
+  m.def(
+      "store_decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor loc, Tensor(a!) k_buf, "
+      "Tensor(b!) v_buf, Tensor slots, Tensor starts, Tensor lens, float scale, float softcap) "
+      "-> Tensor");
+  m.impl("store_decode_attention", c10::DispatchKey::CPU, &store_decode_attention);
 }

@@ -233,6 +233,15 @@ def test_kernel_rejects_bad_inputs_with_a_reason() -> None:
         kernel(q, pool.k[0], pool.v[0], slots, starts, torch.tensor([4]), 0.25, 0.0)
     with pytest.raises(RuntimeError, match="float32"):
         kernel(q.double(), pool.k[0], pool.v[0], slots, starts, torch.tensor([3]), 0.25, 0.0)
+    store = load().store_decode_attention
+    kv = torch.randn(1, 2, DIM)
+    lens = torch.tensor([3])
+    with pytest.raises(RuntimeError, match=f"slot {POOL + 1} outside the pool of {POOL + 1}"):
+        store(q, kv, kv, torch.tensor([POOL + 1]), pool.k[0], pool.v[0], slots, starts, lens,
+              0.25, 0.0)  # fmt: skip
+    with pytest.raises(RuntimeError, match="loc must be int64"):
+        store(q, kv, kv, torch.tensor([3, 4]), pool.k[0], pool.v[0], slots, starts, lens,
+              0.25, 0.0)  # fmt: skip
 
 
 def test_refuses_a_non_cpu_device() -> None:
