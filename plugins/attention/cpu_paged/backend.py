@@ -46,11 +46,7 @@ class CpuPagedAttention(TorchNativeAttention):
         batch: ForwardBatch, *, sliding_window: int = 0, logit_softcap: float = 0.0,
         scale: float | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        if (
-            self._store_kernel is None
-            or batch.num_decode != batch.batch_size
-            or k.dtype != torch.float32
-        ):
+        if self._store_kernel is None or batch.num_decode != batch.batch_size:
             return super().forward(
                 q, k, v, layer_id, batch, sliding_window=sliding_window,
                 logit_softcap=logit_softcap, scale=scale,

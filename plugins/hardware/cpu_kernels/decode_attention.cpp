@@ -78,6 +78,24 @@ inline __m256 exp_nonpositive8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
+// 8 cached K/V elements as floats (float16 through F16C; bfloat16 is float32's upper half).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// The sums of 8 vectors' lanes, as one vector: lane j = sum of p[j]'s 8 lanes.
+inline __m256 sum_lanes8(const __m256* p) {
+  const __m256 t0 = _mm256_hadd_ps(p[0], p[1]), t1 = _mm256_hadd_ps(p[2], p[3]);
+  const __m256 t2 = _mm256_hadd_ps(p[4], p[5]), t3 = _mm256_hadd_ps(p[6], p[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 // One query row's block of n scores (a row of kBlock floats) -> exp(score - new max), in place;
 // returns the new running max and adds the block's sum of weights to *sum.
 inline float softmax_block8(float* sr, int64_t n, float run_max, float* sum) {
@@ -113,7 +131,8 @@ inline float softmax_block8(float* sr, int64_t n, float run_max, float* sum) {
 template <typename T>
 inline void prefetch(const T* row, int64_t count) {
   const char* bytes = reinterpret_cast<const char*>(row);
-  for (int64_t c = 0; c < count * static_cast<int64_t>(sizeof(T)); c += 64) __builtin_prefetch(bytes + c);
+  const int64_t size = count * static_cast<int64_t>(sizeof(T));
+  for (int64_t c = 0; c < size; c += 64) __builtin_prefetch(bytes + c);
 }
 
 // A cached K/V element as float: the cache is float32, or float16 / bfloat16 beside float32
@@ -121,27 +140,6 @@ inline void prefetch(const T* row, int64_t count) {
 inline float widen(float x) { return x; }
 inline float widen(c10::Half x) { return static_cast<float>(x); }
 inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
-
-#ifdef RADIXSERVE_ATTN_AVX2
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline __m256 load8(const c10::BFloat16* p) {  // bfloat16 is float32's upper half
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-#endif
-
-#ifdef RADIXSERVE_ATTN_AVX2
-// The sums of 8 vectors' lanes, as one vector: lane j = sum of p[j]'s 8 lanes.
-inline __m256 sum_lanes8(const __m256* p) {
-  const __m256 t0 = _mm256_hadd_ps(p[0], p[1]), t1 = _mm256_hadd_ps(p[2], p[3]);
-  const __m256 t2 = _mm256_hadd_ps(p[4], p[5]), t3 = _mm256_hadd_ps(p[6], p[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-#endif
 
 // Scores of the n keys at slots[0 .. n - 1] for every query row r: scores[r * kBlock + i].
 template <typename KV, int D>
@@ -156,7 +154,8 @@ void score_block(const Shape& s, int64_t nh, const float* q, const KV* k_base,
     constexpr int kVecs = D / 8;
     for (int64_t i0 = 0; i0 < n; i0 += 8) {
       const int64_t m = std::min<int64_t>(8, n - i0);
-      for (int64_t j = 0; j < m; ++j) prefetch(k_base + slots[std::min(i0 + 8 + j, n - 1)] * s.row, nh * d);
+      for (int64_t j = i0 + 8; j < std::min(i0 + 16, n); ++j)  // the next 8 keys
+        prefetch(k_base + slots[j] * s.row, nh * d);
       for (int64_t h = 0, r = 0; h < nh; ++h) {
         for (int64_t g = 0; g < s.group; ++g, ++r) {
           __m256 qv[kVecs];
@@ -305,6 +304,19 @@ AttendFn<KV> attend_for(int64_t dim) {
   }
 }
 
+// f(KV{}) with KV the C++ type of a cache of dtype `type` (float32, float16 or bfloat16).
+template <typename F>
+void with_kv_type(at::ScalarType type, const char* op, F&& f) {
+  if (type == at::kFloat) {
+    f(float{});
+  } else if (type == at::kHalf) {
+    f(c10::Half{});
+  } else {
+    TORCH_CHECK(type == at::kBFloat16, op, ": the KV cache must be float32, float16 or bfloat16");
+    f(c10::BFloat16{});
+  }
+}
+
 // q [nd, H, d]; k_buf, v_buf [slots, kvh, d]; slots [nd, L] (row b's first lens[b] used);
 // keys starts[b] .. lens[b] - 1 attended (a sliding window starts past 0); softcap 0: none.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
@@ -412,13 +424,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
       });
     }
   };
-  if (kv_type == at::kFloat) {
-    run(float{});
-  } else if (kv_type == at::kHalf) {
-    run(c10::Half{});
-  } else {
-    run(c10::BFloat16{});
-  }
+  with_kv_type(kv_type, "decode_attention", run);
   return out;
 }
 
@@ -461,16 +467,7 @@ at::Tensor store_decode_attention(const at::Tensor& q, const at::Tensor& k_new,
       }
     }
   };
-  const auto kv_type = k_buf.scalar_type();
-  if (kv_type == at::kFloat) {
-    store(float{});
-  } else if (kv_type == at::kHalf) {
-    store(c10::Half{});
-  } else {
-    TORCH_CHECK(kv_type == at::kBFloat16,
-                "store_decode_attention: the pool must be float32, float16 or bfloat16");
-    store(c10::BFloat16{});
-  }
+  with_kv_type(k_buf.scalar_type(), "store_decode_attention", store);
   return decode_attention(q, k_buf, v_buf, slots, starts, lens, scale, softcap);
 }
 
