@@ -53,12 +53,18 @@ class CpuPlatform(HardwarePlatform):
         return max(int(total * mem_fraction) - weight_bytes, 0)
 
     def prepare_model(self, model: CausalLM, config: EngineConfig) -> None:
-        # float32 linears of several rows multiply by oneDNN's packed weights (cpu_linear.py)
-        from radixserve.plugins.hardware.cpu_linear import pack_linears, packed_linears_unavailable
+        # float32 linears multiply by packed copies of their weights (cpu_linear.py)
+        from radixserve.plugins.hardware.cpu_linear import (
+            default_packing,
+            pack_linears,
+            packed_linears_unavailable,
+        )
 
         reason = packed_linears_unavailable(model, config)
         if reason is None:
-            logger.debug("packed %d linear layers for oneDNN", pack_linears(model))
+            packing = default_packing()
+            assert packing is not None
+            logger.debug("packed %d linear layers (%s)", pack_linears(model), packing.name)
         else:
             logger.debug("linear layers stay on MKL: %s", reason)
 

@@ -1,93 +1,156 @@
-"""Float linear layers on oneDNN's packed weights, for steps of several rows (CPU): decode
-batches, not prefill chunks (``PACKED_MAX_ROWS``).
+"""Float32 linear layers on a packed copy of their weights (CPU).
 
-torch's CPU ``F.linear`` runs on MKL, whose float32 GEMM over a few rows reads the weights far
-below the memory's speed on the AMD EPYC VM (7 MB of weights out of cache: 1.0 ms at 4 and 8
-rows, where oneDNN multiplies by the same weights packed in its blocked layout in 0.43-0.49
-ms; a SmolLM2 decode step at batch 8 took 150-213 ms on MKL against 100 on oneDNN, in one
-process). At one row MKL's matrix-vector product was the faster one in the engine (68 against
-88 ms a step), so a single-row step keeps it: each layer holds its weights twice (the float
-parameter and the packed copy), which on the CPU's memory is the price of the speed.
+Two packings, the first that applies:
 
-The packed copy is what ``torch.ops.mkldnn._reorder_linear_weight`` makes for inductor's own
-frozen CPU linears; it is rebuilt when the weights are reloaded (``weights_reloaded``). Not
-used with tensor parallelism (a row-parallel layer all-reduces in its own forward), with
-``--enable-torch-compile`` (inductor compiles the linears itself), or where torch has no oneDNN.
+- **panels** (``PanelPacking``): radixserve's AVX2 kernel (``cpu_kernels/f32_linear.cpp``) over
+  weights in panels of 16 output features, for every row count. On the 2-core AVX2 EPYC VM,
+  SmolLM2's 120 decoder linears took 13.4 ms at one row (MKL's matrix-vector product: 29.8),
+  47 ms at 32 rows (oneDNN's packed GEMM: 60) and 1.20 s at 1,024 (MKL: 1.25). Needs the C++
+  kernels built with AVX2 and FMA.
+- **oneDNN** (``OneDNNPacking``): ``torch.ops.mkldnn._reorder_linear_weight``'s blocked layout,
+  what inductor uses for its frozen CPU linears, for steps of 2 to 255 rows; one-row steps and
+  prefill chunks keep MKL's ``F.linear``, the faster one there.
+
+Each layer holds its weights twice (the float parameter, kept for the state dict, the tied
+embedding and reloads, and the packed copy). The copy is rebuilt when the weights are reloaded
+(``weights_reloaded``). Not used with tensor parallelism (a row-parallel layer all-reduces in its
+own forward) or with ``--enable-torch-compile`` (inductor compiles the linears itself).
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from radixserve.core.config import EngineConfig
+from radixserve.plugins.hardware import cpu_kernels
 from radixserve.plugins.models.parallel_layers import RowParallelLinear
 
-#: rows the packed layout is tuned for (a decode batch; it serves every count, best near it)
+#: oneDNN: rows its blocked layout is tuned for (a decode batch; it serves every count)
 PACK_ROWS = 8
-#: steps of fewer rows multiply by the float parameter (MKL's matrix-vector product)
+#: oneDNN: steps of fewer rows multiply by the float parameter (MKL's matrix-vector product)
 PACKED_MIN_ROWS = 2
-#: steps of this many rows or more (prefill chunks) go back to MKL's GEMM, which is the faster
+#: oneDNN: steps of this many rows or more (prefill chunks) go back to MKL's GEMM, the faster
 #: one there: SmolLM2's 120 linears, 2 AVX2 cores, 174-183 GFLOP/s against oneDNN's packed
 #: 168-172 at 512-1,024 rows, 168 against 160 at 256; packed stays ahead at 128 (154 vs 149)
 PACKED_MAX_ROWS = 256
+#: panels: output features a panel holds (the kernel's kPanel)
+PANEL = 16
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+class PanelPacking:
+    """radixserve's AVX2 kernel over [panels, in_features, 16] copies, at every row count."""
+
+    name = "radixserve AVX2 panels"
+
+    def __init__(self) -> None:
+        self._op = cpu_kernels.load().linear_f32_packed.default
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        out_features, in_features = weight.shape
+        panels = -(-out_features // PANEL)
+        padded = F.pad(weight.detach(), (0, 0, 0, panels * PANEL - out_features))
+        # torch's CPU allocator aligns storage to 64 bytes, as the kernel's loads need
+        return padded.view(panels, PANEL, in_features).transpose(1, 2).contiguous()
+
+    @staticmethod
+    def takes(rows: int) -> bool:
+        return True
+
+    def __call__(
+        self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return self._op(x, packed, out_features, bias)
 
 
-def _packed_rows(rows: int) -> bool:
-    """Whether a step of ``rows`` rows multiplies by the packed copy."""
-    return PACKED_MIN_ROWS <= rows < PACKED_MAX_ROWS
+class OneDNNPacking:
+    """oneDNN's blocked layout, for steps of PACKED_MIN_ROWS to PACKED_MAX_ROWS - 1 rows."""
+
+    name = "oneDNN"
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+
+    @staticmethod
+    def takes(rows: int) -> bool:
+        return PACKED_MIN_ROWS <= rows < PACKED_MAX_ROWS
+
+    def __call__(
+        self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+Packing = PanelPacking | OneDNNPacking
+
+
+@cache
+def default_packing() -> Packing | None:
+    """The packing this machine runs: panels where the kernels build with AVX2, else oneDNN
+    where torch has it, else None."""
+    if cpu_kernels.unavailable_reason() is None and cpu_kernels.load().linear_f32_vectorized():
+        return PanelPacking()
+    if torch.backends.mkldnn.is_available():
+        return OneDNNPacking()
+    return None
 
 
 def _packed_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
-    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
-    return out.view(*x.shape[:-1], out.shape[-1])
+    x: torch.Tensor, packing: Packing, packed: torch.Tensor, out_features: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    out = packing(x.reshape(-1, x.shape[-1]), packed, out_features, bias)
+    return out.view(*x.shape[:-1], out_features)
 
 
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` (its class swapped in place: same parameters, same state dict) that
-    multiplies steps of PACKED_MIN_ROWS rows or more by a packed copy of its weight."""
+    multiplies the steps its packing takes by a packed copy of its weight."""
 
     packed: torch.Tensor
+    packing: Packing
 
     def weights_reloaded(self) -> None:
-        self.packed = _pack(self.weight)
+        if not hasattr(self, "packing"):
+            packing = default_packing()
+            assert packing is not None, "no packing on this machine (packed_linears_unavailable)"
+            self.packing = packing
+        self.packed = self.packing.pack(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _packed_rows(x.numel() // self.in_features):
+        if not self.packing.takes(x.numel() // self.in_features):
             return F.linear(x, self.weight, self.bias)
-        return _packed_linear(x, self.packed, self.bias)
+        return _packed_linear(x, self.packing, self.packed, self.out_features, self.bias)
 
 
 class PackedHead(nn.Module):
     """The LM head (``model.head``) over a packed copy of ``weight`` (the tied embedding's or
-    lm_head's, which stays for the embedding lookup and single-row steps)."""
+    lm_head's, which stays for the embedding lookup and the steps the packing leaves)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, packing: Packing | None = None) -> None:
         super().__init__()
         self.weight = weight
-        self.packed = _pack(weight)
+        packing = packing or default_packing()
+        assert packing is not None, "no packing on this machine (packed_linears_unavailable)"
+        self.packing = packing
+        self.packed = packing.pack(weight)
 
     def weights_reloaded(self) -> None:
-        self.packed = _pack(self.weight)
+        self.packed = self.packing.pack(self.weight)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if not _packed_rows(h.numel() // self.weight.shape[1]):
+        if not self.packing.takes(h.numel() // self.weight.shape[1]):
             return F.linear(h, self.weight)
-        return _packed_linear(h, self.packed, None)
+        return _packed_linear(h, self.packing, self.packed, self.weight.shape[0], None)
 
 
 def packed_linears_unavailable(model: nn.Module, config: EngineConfig) -> str | None:
     """Why the model's linears stay on MKL here, or None when they can be packed."""
-    if not torch.backends.mkldnn.is_available():
-        return "this torch has no oneDNN"
     if config.enable_torch_compile:
         return "--enable-torch-compile compiles the linears itself"
     if config.quantization is not None:
@@ -99,6 +162,8 @@ def packed_linears_unavailable(model: nn.Module, config: EngineConfig) -> str | 
         return f"model {type(model).__name__} has no decoder skeleton with a free LM head"
     if next(model.parameters()).dtype != torch.float32:
         return "only float32 weights are packed"
+    if default_packing() is None:
+        return "neither radixserve's AVX2 kernels nor oneDNN run here"
     return None
 
 

@@ -27,8 +27,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [
-    Path(__file__).with_name(n) for n in ("decode_attention.cpp", "fused_ops.cpp", "q4_linear.cpp")
+    Path(__file__).with_name(n)
+    for n in ("decode_attention.cpp", "fused_ops.cpp", "q4_linear.cpp", "f32_linear.cpp")
 ]
+HEADERS = [Path(__file__).with_name("vec_math.h")]  # included by the sources; part of the key
 NAME = "radixserve_cpu_kernels"
 # -fopenmp: at::parallel_for spreads work over torch's OpenMP pool (the library links the
 # libgomp torch has loaded); -march=native: the host's vector width.
@@ -84,7 +86,7 @@ def _build_dir() -> Path:
     root = os.environ.get("RADIXSERVE_KERNEL_CACHE")
     base = Path(root) if root else Path.home() / ".cache" / "radixserve" / "kernels"
     key = hashlib.sha256()
-    parts = [src.read_bytes() for src in SOURCES]
+    parts = [src.read_bytes() for src in SOURCES + HEADERS]
     parts += [torch.__version__.encode(), " ".join(CFLAGS).encode()]
     for part in parts:
         key.update(part)

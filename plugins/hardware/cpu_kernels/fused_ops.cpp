@@ -8,6 +8,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vec_math.h"
+
 #include <cmath>
 #include <cstdint>
 
@@ -74,6 +76,31 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {out, total};
 }
 
+// silu(g) * u = g * sigmoid(g) * u, the sigmoid from e = exp(-|g|) (never overflows):
+// 1 / (1 + e) for g >= 0, e / (1 + e) below; e is 0 past -87, where exp_nonpositive floors. std::exp would stay a scalar libm call, 2.6 ns an
+// element: SmolLM2's 1,024-token prefill chunk spent 4.1 ms a layer here.
+inline float silu_mul_one(float g, float u) {
+  const float e = std::fabs(g) > 87.f ? 0.f : radixserve_cpu::exp_nonpositive(-std::fabs(g));
+  return g * ((g >= 0.f ? 1.f : e) / (1.f + e)) * u;
+}
+
+void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
+  int64_t c = 0;
+#ifdef RADIXSERVE_VEC_MATH_AVX2
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  for (; c + 8 <= n; c += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + c);
+    const __m256 neg = _mm256_or_ps(gv, sign);  // -|g|
+    const __m256 e = _mm256_and_ps(radixserve_cpu::exp_nonpositive8(neg),
+                                   _mm256_cmp_ps(neg, _mm256_set1_ps(-87.f), _CMP_GE_OQ));
+    const __m256 num = _mm256_blendv_ps(e, one, _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_GE_OQ));
+    const __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
+    _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + c)));
+  }
+#endif
+  for (; c < n; ++c) o[c] = silu_mul_one(g[c], u[c]);
+}
+
 // x [rows, 2 * n] = [gate | up] -> silu(gate) * up [rows, n]
 at::Tensor silu_mul(const at::Tensor& x) {
   check_rows(x, "silu_mul");
@@ -83,12 +110,7 @@ at::Tensor silu_mul(const at::Tensor& x) {
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float *g = xp + r * sx, *u = g + n;
-      float* o = op + r * n;
-#pragma omp simd
-      for (int64_t c = 0; c < n; ++c) o[c] = g[c] / (1.f + std::exp(-g[c])) * u[c];
-    }
+    for (int64_t r = begin; r < end; ++r) silu_mul_row(xp + r * sx, xp + r * sx + n, op + r * n, n);
   });
   return out;
 }

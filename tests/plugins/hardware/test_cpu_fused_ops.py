@@ -53,6 +53,24 @@ def test_silu_mul_matches_eager(rows: int, threads: int) -> None:
     torch.testing.assert_close(cpu_fused_ops.silu_mul(x), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("width", [8, 13])  # 13: vector lanes and the scalar tail
+def test_silu_mul_at_the_extremes(width: int) -> None:
+    """The vectorized sigmoid near exp's limits: no overflow, 0 (not a ~1e-38 floor) far
+    below, and inf / nan where eager gives them. Eager's denormals past -87 may read 0."""
+    from radixserve.plugins.hardware import cpu_fused_ops
+
+    edges = [-1e30, -1e4, -100.0, -88.0, -87.0, -20.0, -0.0, 0.0, 1e-30, 20.0, 88.0, 1e4]
+    edges += [float("inf"), float("-inf"), 3.0]
+    for start in range(0, len(edges), width):
+        gate = torch.tensor((edges[start : start + width] * width)[:width])
+        up = torch.linspace(-2.0, 2.0, width)
+        x = torch.cat([gate, up])[None]
+        expected = F.silu(gate) * up
+        torch.testing.assert_close(
+            cpu_fused_ops.silu_mul(x)[0], expected, rtol=1e-6, atol=1e-30, equal_nan=True
+        )
+
+
 @pytest.mark.parametrize("tokens", [1, 40])
 def test_rope_matches_eager(tokens: int, threads: int) -> None:
     from radixserve.plugins.hardware import cpu_fused_ops
