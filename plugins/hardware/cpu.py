@@ -41,8 +41,11 @@ class CpuPlatform(HardwarePlatform):
         # (docs/BENCHMARKS.md, CPU serving, chunk size and inter-token latency). 2 once the C++
         # kernels made decode steps ~1.5x faster while a chunk's cost stayed: at 4, ITL p99/p50
         # rose to 3.2x (p50 245-282 ms, p99 794-901), at 2 it was 2.3x (288 / 674 ms) at
-        # 63.7 tok/s, against 51.9 before the kernels (same VM, same hour; issue 19).
-        return {"prefill_shrink_after_decodes": 2}
+        # 63.7 tok/s, against 51.9 before the kernels (same VM, same hour; issue 19). 1 once
+        # the AVX2 float32 linears made decode steps faster again: at 2, ITL p99/p50 was
+        # 1.8-3.2 over three runs (114-153 ms / 275-362), at 1 it was 1.3-1.5 (147-156 /
+        # 186-239) at 136-149 against 147-151 tok/s (64 x 256 -> 128, 2026-12-03).
+        return {"prefill_shrink_after_decodes": 1}
 
     # A host has far more memory than a CPU-served model's traffic needs; reserving all of
     # --mem-fraction-static of it would starve the machine.
