@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -56,17 +57,37 @@ def main() -> None:
     ours = [panels.pack(w) for w in weights]
     head = torch.randn(HEAD, generator=gen) * 0.02
     head_onednn, head_ours = torch.ops.mkldnn._reorder_linear_weight(head, 8), panels.pack(head)
+    packed = {
+        "shapes": shapes, "weights": weights, "onednn": onednn, "ours": ours, "head": head,
+        "head_onednn": head_onednn, "head_ours": head_ours, "panels": panels,
+    }  # fmt: skip
     print(f"threads={args.threads}; {len(shapes)} linears + the LM head, float32")
     print("what       rows  MKL ms  oneDNN ms  panels ms  MKL GF/s  oneDNN GF/s  panels GF/s  "
           "panels vs best")  # fmt: skip
     for rows in tqdm(args.rows, desc="rows"):
-        xs = {k: torch.randn(rows, k, generator=gen) for k in {576, 1536}}
-        inputs = [xs[k] for _, k in shapes]
-        flops = sum(2 * rows * n * k for n, k in shapes)
-        calls = max(2, min(20, int(2e11 / flops)))
-        cases = {
-            "decoder": (
-                flops,
+        for what, (case_flops, calls, fns) in cases_for(rows, packed, gen).items():
+            t = [seconds_per_call(fn, calls) for fn in fns]
+            gf = [case_flops / s / 1e9 for s in t]
+            print(f"{what:<9} {rows:>5}  {t[0] * 1e3:>6.1f}  {t[1] * 1e3:>9.1f}  "
+                  f"{t[2] * 1e3:>9.1f}  {gf[0]:>8.0f}  {gf[1]:>11.0f}  {gf[2]:>11.0f}  "
+                  f"{min(t[0], t[1]) / t[2]:>13.2f}x")  # fmt: skip
+
+
+def cases_for(
+    rows: int, packed: dict[str, Any], gen: torch.Generator
+) -> dict[str, tuple[int, int, list[Callable[[], object]]]]:
+    """what -> (FLOPs, calls to time, [MKL, oneDNN, panels] passes) at ``rows`` rows."""
+    shapes, weights, onednn, ours = (packed[k] for k in ("shapes", "weights", "onednn", "ours"))
+    head, head_onednn, head_ours = (packed[k] for k in ("head", "head_onednn", "head_ours"))
+    panels = packed["panels"]
+    xs = {k: torch.randn(rows, k, generator=gen) for k in {576, 1536}}
+    inputs = [xs[k] for _, k in shapes]
+    flops = sum(2 * rows * n * k for n, k in shapes)
+    return {
+        "decoder": (
+            flops,
+            max(2, min(20, int(2e11 / flops))),
+            [
                 lambda: [F.linear(x, w) for x, w in zip(inputs, weights, strict=True)],
                 lambda: [
                     torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
@@ -75,21 +96,19 @@ def main() -> None:
                 lambda: [
                     panels(x, w, n, None) for x, w, (n, _) in zip(inputs, ours, shapes, strict=True)
                 ],
-            ),
-            "head": (
-                2 * rows * HEAD[0] * HEAD[1],
+            ],
+        ),
+        "head": (
+            2 * rows * HEAD[0] * HEAD[1],
+            max(2, min(20, int(2e11 / flops))),
+            [
                 lambda: F.linear(xs[576], head),
                 lambda: torch.ops.mkldnn._linear_pointwise(xs[576], head_onednn, None, "none", [],
                                                            ""),  # fmt: skip
                 lambda: panels(xs[576], head_ours, HEAD[0], None),
-            ),
-        }
-        for what, (case_flops, mkl, dnn, pan) in cases.items():
-            t = [seconds_per_call(fn, calls) for fn in (mkl, dnn, pan)]
-            gf = [case_flops / s / 1e9 for s in t]
-            print(f"{what:<9} {rows:>5}  {t[0] * 1e3:>6.1f}  {t[1] * 1e3:>9.1f}  "
-                  f"{t[2] * 1e3:>9.1f}  {gf[0]:>8.0f}  {gf[1]:>11.0f}  {gf[2]:>11.0f}  "
-                  f"{min(t[0], t[1]) / t[2]:>13.2f}x")  # fmt: skip
+            ],
+        ),
+    }
 
 
 if __name__ == "__main__":
