@@ -20,6 +20,20 @@ LOG2E = 1.4426950408889634
 _TWO_LOG2E = tl.constexpr(2.0 * LOG2E)
 
 
+def launch_settings(base: dict[str, int], spec: str | None) -> dict[str, int]:
+    """``base`` with the ``key=value,...`` settings of ``spec`` over it (integers; an unknown
+    key is an error): how the backend reads its kernels' launch settings from the environment
+    for A-B runs in the engine."""
+    config = dict(base)
+    for item in (spec or "").split(","):
+        if item.strip():
+            key, _, value = item.partition("=")
+            if key.strip() not in config:
+                raise ValueError(f"unknown launch setting {key!r} (known: {sorted(config)})")
+            config[key.strip()] = int(value)
+    return config
+
+
 @triton.jit
 def kv_slots(TableRow, n0, hi, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """KV slots of positions ``n0 + arange(BLOCK_N)`` of one req->token table row; positions
@@ -60,12 +74,34 @@ def attend_blocks(
     ``[lo, hi)`` of KV head ``kvh``; with CAUSAL, row i sees keys at positions <= q_pos[i];
     with SLIDING, only keys at positions > q_pos[i] - window; with SOFTCAP, scores are capped.
     Returns the running max, the softmax denominator and the unnormalised output (float32)."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
     m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+    return attend_more(
+        m_i, l_i, acc, q, q_pos, K, V, TableRow, lo, hi, kvh,
+        sm_scale_log2, window, softcap_log2,
+        stride_kt, stride_kh, stride_vt, stride_vh,
+        BLOCK_Q, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, CAUSAL, UPCAST, PRECISION,
+        SLIDING, SOFTCAP,
+    )  # fmt: skip
+
+
+@triton.jit
+def attend_more(
+    m_i, l_i, acc, q, q_pos, K, V, TableRow, lo, hi, kvh,
+    sm_scale_log2, window, softcap_log2,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+):  # fmt: skip
+    """``attend_blocks`` continued from an online-softmax state (m_i, l_i, acc) over keys
+    ``[lo, hi)``: so one query block can attend its unmasked keys and then, with CAUSAL, the
+    few blocks that need the mask."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + offs_n
         mask_n = pos < hi

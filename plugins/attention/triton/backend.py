@@ -24,11 +24,12 @@ from radixserve.core.interfaces import AttentionBackend
 from radixserve.core.memory import KVPool, ReqToTokenPool
 from radixserve.plugins.attention.triton.decode_kernel import (
     decode_attention,
+    decode_config,
     merges_in_launch,
     new_counters,
     num_decode_splits,
 )
-from radixserve.plugins.attention.triton.extend_kernel import extend_attention
+from radixserve.plugins.attention.triton.extend_kernel import extend_attention, extend_config
 from radixserve.plugins.attention.triton.store_kernel import store_kv, store_kv_rotary
 
 
@@ -66,6 +67,9 @@ class TritonAttention(AttentionBackend):
         # Decode splits merged in their own launch, by the last split of each group; "kernel":
         # by a second kernel (RADIXSERVE_TRITON_SPLIT_MERGE, for comparison)
         self.merge_in_launch = os.environ.get("RADIXSERVE_TRITON_SPLIT_MERGE") != "kernel"
+        # Decode launch settings over decode_kernel.GPU_CONFIG ("block_n=64,splits=2": A-B runs)
+        self.decode_config = decode_config(os.environ.get("RADIXSERVE_TRITON_DECODE"))
+        self.extend_config = extend_config(os.environ.get("RADIXSERVE_TRITON_EXTEND"))
         self._meta: StepMeta | None = None
 
     def bind_table(self, pool: ReqToTokenPool) -> int:
@@ -111,7 +115,7 @@ class TritonAttention(AttentionBackend):
         self._meta = self._step_meta(rows.shape[0], dev, 0)
 
     def _step_meta(self, nd: int, dev: torch.Tensor, max_ext_len: int) -> StepMeta:
-        splits = num_decode_splits(nd, self.num_kv_heads, self.num_sms)
+        splits = num_decode_splits(nd, self.num_kv_heads, self.num_sms, self.decode_config)
         shape = (nd, self.num_heads, splits)
         counters = None
         if self.merge_in_launch and merges_in_launch(splits):
@@ -160,12 +164,12 @@ class TritonAttention(AttentionBackend):
             decode_attention(
                 q[:nd], k_buf, v_buf, table, meta.req_rows[:nd], meta.seq_lens[:nd],
                 out[:nd], meta.part_out, meta.part_lse, scale, page_size=self.page_size,
-                counters=meta.counters, **options,
+                counters=meta.counters, config=self.decode_config, **options,
             )  # fmt: skip
         if meta.max_ext_len:
             extend_attention(
                 q, k_buf, v_buf, out, table, meta.req_rows[nd:], meta.seq_lens[nd:],
                 meta.ext_lens[nd:], meta.q_starts[nd:], meta.max_ext_len, scale,
-                page_size=self.page_size, **options,
+                page_size=self.page_size, config=self.extend_config, **options,
             )  # fmt: skip
         return out.flatten(1)

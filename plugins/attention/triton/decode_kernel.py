@@ -18,13 +18,26 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.plugins.attention.triton.attend import LOG2E, attend_blocks
+from radixserve.plugins.attention.triton.attend import LOG2E, attend_blocks, launch_settings
 
 MAX_SPLITS = 16
 #: the most splits the last program merges in the partial kernel's launch (more: a second kernel)
 MERGE_IN_LAUNCH_SPLITS = 4
 #: Launch settings on a GPU, chosen with bench/gpu_kernels.py on an H200 (KV-bandwidth sweep).
-GPU_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 8}
+#: bench/decode_sweep.py (the engine's slot layout, CUDA graphs, 2026-12-03) timed 3 splits and
+#: 2 stages 9% faster at batch 64 x 1,040-1,270 (252 against 276 us over its three lengths),
+#: but the engine A-B (bench/gpu_env_ab.py, RADIXSERVE_TRITON_DECODE) showed no gain: decode
+#: steps 7.25 ms both ways, tok/s within the rounds' spread; so these stay.
+#: ``splits`` > 0 fixes the number of splits (0: from ``programs_per_sm``, see num_decode_splits).
+GPU_CONFIG = {
+    "block_n": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 8, "splits": 0,
+}  # fmt: skip
+
+
+def decode_config(spec: str | None = None) -> dict[str, int]:
+    """GPU_CONFIG with the ``key=value,...`` settings of ``spec`` over it (the backend reads
+    them from RADIXSERVE_TRITON_DECODE)."""
+    return launch_settings(GPU_CONFIG, spec)
 
 
 @triton.jit
@@ -159,9 +172,15 @@ def _decode_reduce_kernel(
     tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=mask_d)
 
 
-def num_decode_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
-    """Enough splits for ``programs_per_sm`` programs per multiprocessor, at most MAX_SPLITS."""
-    want = triton.cdiv(GPU_CONFIG["programs_per_sm"] * num_sms, max(batch_size * num_kv_heads, 1))
+def num_decode_splits(
+    batch_size: int, num_kv_heads: int, num_sms: int, config: dict[str, int] | None = None
+) -> int:
+    """Enough splits for ``programs_per_sm`` programs per multiprocessor, at most MAX_SPLITS
+    (or the config's fixed ``splits``)."""
+    config = config or GPU_CONFIG
+    if config.get("splits"):
+        return max(1, min(MAX_SPLITS, config["splits"]))
+    want = triton.cdiv(config["programs_per_sm"] * num_sms, max(batch_size * num_kv_heads, 1))
     return max(1, min(MAX_SPLITS, triton.next_power_of_2(want)))
 
 
@@ -181,6 +200,7 @@ def decode_attention(
     sliding_window: int = 0,
     logit_softcap: float = 0.0,
     counters: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
 ) -> None:
     """q, out: [B, H, D]; k_buf, v_buf: [slots, KVH, D]; table: [rows, max_context] int32 KV slots;
     req_rows, seq_lens: [B] int32 on the device; part_out: [B, H, S, D] and part_lse: [B, H, S]
@@ -189,13 +209,14 @@ def decode_attention(
     each decode sees its last W keys only; ``logit_softcap`` c > 0: scores s -> c tanh(s / c).
     ``counters``: [B, KVH] int32, zero (and left zero), lets the last split of each group merge
     up to MERGE_IN_LAUNCH_SPLITS splits in the same launch (``new_counters``); otherwise a
-    second kernel merges them."""
+    second kernel merges them. ``config``: GPU launch settings (default GPU_CONFIG)."""
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     group = num_heads // num_kv_heads
     num_splits = part_out.shape[2]
     on_cpu = q.device.type == "cpu"  # the Triton interpreter (CI)
-    block_n = block_n or (16 if on_cpu else GPU_CONFIG["block_n"])
+    config = config or GPU_CONFIG
+    block_n = block_n or (16 if on_cpu else config["block_n"])
     precise = on_cpu or q.dtype == torch.float32
     merge_last = counters is not None and merges_in_launch(num_splits)
     _decode_partial_kernel[(bs, num_kv_heads, num_splits)](
@@ -215,7 +236,7 @@ def decode_attention(
         UPCAST=on_cpu, PRECISION="ieee" if precise else "tf32",
         MERGE_LAST=merge_last, BLOCK_S=triton.next_power_of_2(num_splits),
         SLIDING=sliding_window > 0, SOFTCAP=logit_softcap > 0,
-        num_warps=GPU_CONFIG["num_warps"], num_stages=GPU_CONFIG["num_stages"],
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     if num_splits == 1 or merge_last:
         return

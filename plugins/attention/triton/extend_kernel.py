@@ -3,7 +3,11 @@ cached prefix and to the new tokens up to themselves.
 
 One program per (request, query head, block of BLOCK_M new tokens). K/V of the prefix and of the
 new tokens are both read from the pool through the device req->token table: the backend stores
-the new K/V before it attends, so one loop covers both, with the causal mask applied by position.
+the new K/V before it attends, so one pass covers both. The keys before a query block's first
+row are visible to all its rows and are attended without the causal mask; only the blocks from
+there on apply it (SPLIT_MASK). The query blocks are launched last block first (HEAVY_FIRST):
+with the causal mask a request's last block has the most keys, and started last it would run
+alone at the end of the launch.
 """
 
 from __future__ import annotations
@@ -12,14 +16,39 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.plugins.attention.triton.attend import LOG2E, attend_blocks
+from radixserve.plugins.attention.triton.attend import (
+    LOG2E,
+    attend_blocks,
+    attend_more,
+    launch_settings,
+)
 
 #: Launch settings on a GPU (``block`` given to ``extend_attention`` overrides both blocks).
 #: bench/extend_sweep.py on an H200 (8B heads, 8 x 1,024 new tokens over 0 and 1,024 cached)
 #: found 3 stages 4% and 11% faster, but it was not adopted: prefill attention is ~6% of the
 #: 64 x (1,024 + 256) prefill, and 3 stages of 64-row K and V tiles take 96 KB of shared memory
 #: at head size 128 (192 KB at 256), about all that smaller GPUs have (docs/BENCHMARKS.md).
-GPU_CONFIG = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
+#: The loop switches, timed in CUDA graphs (``--grid flags``, 2026-12-03): last block first
+#: (``heavy_first``) 230 -> 231 and 242 -> 250 TFLOP/s at these settings (247 -> 248 and
+#: 278 -> 280 with 3 stages), so it is on; the unmasked pass (``split_mask``) 230 -> 207 and
+#: 242 -> 228 at 64 x 64 (two pipelined loops of few blocks each), about even with 128-row
+#: query blocks (293 -> 295 over a cached prefix; 305 with both switches), so it is off.
+GPU_CONFIG = {
+    "block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2,
+    "heavy_first": True, "split_mask": False,
+}  # fmt: skip
+
+
+def extend_config(spec: str | None = None) -> dict[str, int]:
+    """GPU_CONFIG with the ``key=value,...`` settings of ``spec`` over it (the backend reads
+    them from RADIXSERVE_TRITON_EXTEND)."""
+    return launch_settings(GPU_CONFIG, spec)
+
+
+CPU_CONFIG = {
+    "block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 2,
+    "heavy_first": True, "split_mask": True,
+}  # fmt: skip
 
 
 @triton.jit
@@ -35,10 +64,14 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     SLIDING: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    HEAVY_FIRST: tl.constexpr = False, SPLIT_MASK: tl.constexpr = False,
 ):  # fmt: skip
     r = tl.program_id(0)
     h = tl.program_id(1)
-    mblk = tl.program_id(2)
+    if HEAVY_FIRST:
+        mblk = tl.num_programs(2) - 1 - tl.program_id(2)
+    else:
+        mblk = tl.program_id(2)
     row = tl.load(ReqRows + r).to(tl.int64)
     seq_len = tl.load(SeqLens + r)
     ext_len = tl.load(ExtLens + r)
@@ -65,13 +98,31 @@ def _extend_kernel(
         lo = tl.maximum(prefix + mblk * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
     else:
         lo = 0
-    m_i, l_i, acc = attend_blocks(
-        q, q_pos, K, V, Table + row * stride_table, lo, hi, kvh,
-        sm_scale_log2, window, softcap_log2,
-        stride_kt, stride_kh, stride_vt, stride_vh,
-        BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, UPCAST, PRECISION,
-        SLIDING, SOFTCAP,
-    )  # fmt: skip
+    if SPLIT_MASK and not SLIDING:
+        # Keys before the block's first query position are visible to every row of it.
+        mid = tl.minimum((prefix + mblk * BLOCK_M) // BLOCK_N * BLOCK_N, hi)
+        m_i, l_i, acc = attend_blocks(
+            q, q_pos, K, V, Table + row * stride_table, lo, mid, kvh,
+            sm_scale_log2, window, softcap_log2,
+            stride_kt, stride_kh, stride_vt, stride_vh,
+            BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, UPCAST, PRECISION,
+            False, SOFTCAP,
+        )  # fmt: skip
+        m_i, l_i, acc = attend_more(
+            m_i, l_i, acc, q, q_pos, K, V, Table + row * stride_table, mid, hi, kvh,
+            sm_scale_log2, window, softcap_log2,
+            stride_kt, stride_kh, stride_vt, stride_vh,
+            BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, UPCAST, PRECISION,
+            False, SOFTCAP,
+        )  # fmt: skip
+    else:
+        m_i, l_i, acc = attend_blocks(
+            q, q_pos, K, V, Table + row * stride_table, lo, hi, kvh,
+            sm_scale_log2, window, softcap_log2,
+            stride_kt, stride_kh, stride_vt, stride_vh,
+            BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, UPCAST, PRECISION,
+            SLIDING, SOFTCAP,
+        )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -96,18 +147,20 @@ def extend_attention(
     page_size: int = 1,
     sliding_window: int = 0,
     logit_softcap: float = 0.0,
+    config: dict[str, int] | None = None,
 ) -> None:
     """q, out: [T, H, D] (all new tokens of the step); request r's new tokens are rows
     ``q_starts[r] : q_starts[r] + ext_lens[r]``; req_rows, seq_lens, ext_lens, q_starts: [R]
     int32 on the device; ``max_ext_len`` (a host int) sizes the grid. With ``page_size`` P > 1
     the table's positions [k * P, (k + 1) * P) must map to consecutive slots (one page).
     ``sliding_window`` W > 0: a token at position p sees keys p - W + 1 .. p only;
-    ``logit_softcap`` c > 0: scores s -> c tanh(s / c)."""
+    ``logit_softcap`` c > 0: scores s -> c tanh(s / c). ``config``: GPU launch settings
+    (default GPU_CONFIG)."""
     num_reqs = req_rows.shape[0]
     _, num_heads, head_dim = q.shape
     group = num_heads // k_buf.shape[1]
     on_cpu = q.device.type == "cpu"  # the Triton interpreter (CI)
-    cfg = {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 2} if on_cpu else GPU_CONFIG
+    cfg = CPU_CONFIG if on_cpu else (config or GPU_CONFIG)
     block_m, block_n = (block, block) if block else (cfg["block_m"], cfg["block_n"])
     precise = on_cpu or q.dtype == torch.float32
     grid = (num_reqs, num_heads, triton.cdiv(max_ext_len, block_m))
@@ -123,5 +176,6 @@ def extend_attention(
         BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size,
         UPCAST=on_cpu, PRECISION="ieee" if precise else "tf32",
         SLIDING=sliding_window > 0, SOFTCAP=logit_softcap > 0,
+        HEAVY_FIRST=bool(cfg["heavy_first"]), SPLIT_MASK=bool(cfg["split_mask"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip

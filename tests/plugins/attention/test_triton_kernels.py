@@ -281,3 +281,52 @@ def test_paged_kernel_reads_one_table_entry_per_page() -> None:
     assert _decode_err(lens, 2, 16, 16) < _tolerance(torch.float32)
     assert _decode_err(lens, 2, 1, 1) < _tolerance(torch.float32)
     assert _decode_err(lens, 2, 1, 16) > 0.1
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_extend_split_mask_and_heavy_first_change_no_bits(page_size: int) -> None:
+    """The extend kernel's unmasked pass over the keys before a query block, and its
+    last-block-first launch order, give the same bits as one masked pass in launch order."""
+    from radixserve.plugins.attention.triton import extend_kernel as ek
+
+    cases = EXTEND_CASES
+    seq = [p + n for p, n in cases]
+    k_buf, v_buf, table, req_rows = _paged_setup(seq, KV_HEADS, torch.bfloat16, 5, page_size)
+    ext = [n for _, n in cases]
+    starts = [sum(ext[:i]) for i in range(len(ext))]
+    q = torch.randn(sum(ext), KV_HEADS * 4, HEAD_DIM, generator=torch.Generator().manual_seed(4))
+    meta = [torch.tensor(x, dtype=torch.int32) for x in (seq, ext, starts)]
+    dq, dk, dv, dt, drows, dseq, dext, dstarts = _dev(
+        q.to(torch.bfloat16), k_buf, v_buf, table, req_rows, *meta
+    )
+    cfg = ek.CPU_CONFIG if DEVICE == "cpu" else ek.GPU_CONFIG
+    saved = dict(cfg)
+    outs = []
+    try:
+        for flags in (False, True):
+            cfg.update(heavy_first=flags, split_mask=flags)
+            out = torch.full_like(dq, float("nan"))
+            extend_attention(dq, dk, dv, out, dt, drows, dseq, dext, dstarts, max(ext),
+                             HEAD_DIM**-0.5, page_size=page_size)  # fmt: skip
+            outs.append(out.cpu())
+    finally:
+        cfg.clear()
+        cfg.update(saved)
+    assert not outs[1].isnan().any()
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_launch_settings_from_the_environment_string() -> None:
+    """RADIXSERVE_TRITON_DECODE / _EXTEND: ``key=value,...`` over the defaults; an unknown key
+    is an error, and a fixed split count overrides the one from programs_per_sm."""
+    from radixserve.plugins.attention.triton import decode_kernel as dk
+    from radixserve.plugins.attention.triton import extend_kernel as ek
+
+    assert dk.decode_config("") == dk.GPU_CONFIG
+    cfg = dk.decode_config("splits=3, num_stages=2")
+    assert (cfg["splits"], cfg["num_stages"], cfg["block_n"]) == (3, 2, dk.GPU_CONFIG["block_n"])
+    assert num_decode_splits(64, 8, 132, cfg) == 3
+    assert num_decode_splits(64, 8, 132, dk.decode_config()) == num_decode_splits(64, 8, 132)
+    assert ek.extend_config("heavy_first=0")["heavy_first"] == 0
+    with pytest.raises(ValueError, match="unknown launch setting"):
+        dk.decode_config("blocks=64")
