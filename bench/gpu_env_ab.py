@@ -7,8 +7,8 @@ decode-only steps' median comes from the ``step_finished`` stats.
 
     python bench/gpu_env_ab.py --env RADIXSERVE_ROPE_IN_ATTENTION --values 1 0 --rounds 2
 
-It measured the skinny GEMM of issue 18 (RADIXSERVE_TRITON_SKINNY, no longer in the model) as no
-gain: 7.21 against 7.19 ms a decode step (docs/BENCHMARKS.md).
+It measured the skinny GEMM of issue 18 (RADIXSERVE_TRITON_SKINNY, no longer
+in the model) as no gain: 7.21 against 7.19 ms a decode step (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -24,7 +24,16 @@ from typing import Any
 
 import torch
 from common import format_table, machine_info, write_json
-from gpu import StepStats, add_tuning_flags, bench_host, prompts, run_generate, tuned_engine
+from gpu import (
+    StepStats,
+    add_tuning_flags,
+    bench_host,
+    ceilings,
+    prompts,
+    run_generate,
+    tuned_engine,
+    workload_bound_tok_s,
+)
 from gpu_model import SHAPES, write_random_llama
 
 WORKLOAD = (64, 1024, 256)
@@ -63,6 +72,12 @@ def one_run(model_dir: Path, args: argparse.Namespace, seed: int) -> dict[str, A
 def main() -> int:
     args = parse_args()
     res: dict[str, Any] = {"args": vars(args), "machine": machine_info(), "runs": []}
+    # the ceilings of this machine, now: every run's share of the workload's bound uses them
+    res["ceilings"] = ceil = ceilings()
+    res["bound_tok_s"] = bound = workload_bound_tok_s(
+        args.shape, WORKLOAD, WORKLOAD[0], ceil["copy_GBps"], ceil["matmul_TFLOPs"]
+    )
+    print(f"ceilings {ceil}, workload bound {bound:.0f} tok/s", flush=True)
     model_dir = Path(args.workdir or tempfile.mkdtemp(prefix="rs-ab-")) / args.shape
     if not (model_dir / "config.json").exists():
         write_random_llama(model_dir, args.shape, "cuda")
@@ -70,6 +85,7 @@ def main() -> int:
         for value in args.values:
             os.environ[args.env] = value
             run = {"round": rnd, "value": value, **one_run(model_dir, args, 50 + 2 * rnd)}
+            run["of_bound"] = run["tok_s"] / bound
             res["runs"].append(run)
             print(run, flush=True)
             if args.json_out:
@@ -77,7 +93,7 @@ def main() -> int:
     rows = []
     for value in args.values:
         mine = [r for r in res["runs"] if r["value"] == value]
-        rows.append([value, *(f"{r['tok_s']:.0f}" for r in mine),
+        rows.append([value, *(f"{r['tok_s']:.0f} ({r['of_bound']:.3f})" for r in mine),
                      statistics.median(r["decode_median_ms"] for r in mine)])  # fmt: skip
     head = [args.env, *(f"round {i} tok/s" for i in range(args.rounds)), "decode step ms"]
     print(format_table(head, rows))
