@@ -114,6 +114,11 @@ class HardwarePlatform(ABC):
         of its weights defines ``weights_reloaded()``, which a weight reload calls (it must
         not change the parameters themselves). Default: nothing."""
 
+    def prepare_draft_head(self, head: torch.nn.Module, config: EngineConfig) -> None:  # noqa: B027
+        """Ready a speculative drafter's own module (an EAGLE, EAGLE-3 or DFlash head, after
+        its weights are loaded) for this device's kernels, as ``prepare_model`` the target's.
+        Default: nothing."""
+
     def quantize_model(self, model: CausalLM, method: str) -> None:
         """Quantize the loaded ``model``'s weights in place (``--quantization``, one of
         ``core.config.QUANTIZATIONS``) with this device's kernels. Called once, after the

@@ -167,16 +167,22 @@ def packed_linears_unavailable(model: nn.Module, config: EngineConfig) -> str | 
     return None
 
 
+def pack_module_linears(module: nn.Module) -> int:
+    """Swap ``module``'s float32 ``nn.Linear`` (and unsplit row-parallel) layers for packed
+    ones, in place. Returns the layers packed."""
+    packed = 0
+    for child in module.modules():
+        if type(child) in (nn.Linear, RowParallelLinear) and child.weight.dtype == torch.float32:
+            child.__class__ = PackedLinear
+            child.weights_reloaded()  # type: ignore[attr-defined]
+            packed += 1
+    return packed
+
+
 def pack_linears(model: nn.Module) -> int:
     """Give the decoder layers' linears and the LM head packed copies of their weights.
     Returns the layers packed."""
-    packed = 0
-    for layer in model.layers:  # type: ignore[union-attr]
-        for child in layer.modules():
-            if type(child) in (nn.Linear, RowParallelLinear):
-                child.__class__ = PackedLinear
-                child.weights_reloaded()  # type: ignore[attr-defined]
-                packed += 1
+    packed = sum(pack_module_linears(layer) for layer in model.layers)  # type: ignore[union-attr]
     lm_head = getattr(model, "lm_head", None)
     weight = lm_head.weight if lm_head is not None else model.embed_tokens.weight
     model.head = PackedHead(weight.data)

@@ -82,6 +82,7 @@ class DFlashDraft(SpeculativeAlgorithm):
             path, context.model_config.max_context, context.dtype, context.device
         )
         self.head.eval()
+        context.platform.prepare_draft_head(self.head, context.config)
         # Context K and V of every drafter layer, one row per target KV slot (row 0: padding).
         shape = (context.kv_size + 1, c.num_kv_heads, c.head_dim)
         self.k = [

@@ -110,6 +110,7 @@ class HeadDraft(SpeculativeAlgorithm):
         self.req_to_token = context.req_to_token
         self.head = self.load(path, context)
         self.head.eval()
+        context.platform.prepare_draft_head(self.head, context.config)
         self.features = torch.zeros(
             context.kv_size + 1, self.feature_width(hc), dtype=context.dtype, device=context.device
         )

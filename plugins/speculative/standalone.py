@@ -76,6 +76,7 @@ class StandaloneDraft(SpeculativeAlgorithm):
         factory = host.select("model", None, mc.architecture).factory
         self.model = factory(mc, attention, context.dtype, context.device)
         self.model.load_weights(iter_weights(resolved, context.dtype))
+        context.platform.prepare_model(self.model, context.config)  # as the target's
         self.step = context.platform.step_executor(
             self.model, attention, self.kv_pool, context.req_to_token, context.config
         )

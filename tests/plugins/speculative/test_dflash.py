@@ -27,6 +27,7 @@ from radixserve.core.config import ConfigError, ModelConfig
 from radixserve.core.memory import ReqToTokenPool
 from radixserve.core.plugins import default_host
 from radixserve.core.weights import iter_weights
+from radixserve.plugins.hardware.cpu import CpuPlatform
 from radixserve.plugins.speculative.dflash import DFlashDraft
 from radixserve.plugins.speculative.dflash_head import (
     DFlashConfig,
@@ -82,7 +83,10 @@ def _drafter(model_dir: Path, head: Path) -> tuple[DFlashDraft, ReqToTokenPool, 
     target = SimpleNamespace(embed=lambda ids: emb[ids], logits=lambda h: F.linear(h, lm))
     draft.setup(
         SimpleNamespace(  # type: ignore[arg-type]
-            config=SimpleNamespace(speculative_draft_model_path=str(head)),
+            config=SimpleNamespace(
+                speculative_draft_model_path=str(head), enable_torch_compile=False
+            ),
+            platform=CpuPlatform(),  # the head's linears packed, as in the engine
             host=default_host(), model_config=mc, device="cpu", dtype=torch.float32,
             target_model=target, req_to_token=pool, kv_size=256, page_size=1,
         )

@@ -25,6 +25,7 @@ from radixserve.core.config import ConfigError, ModelConfig
 from radixserve.core.memory import ReqToTokenPool
 from radixserve.core.plugins import default_host
 from radixserve.core.weights import iter_weights
+from radixserve.plugins.hardware.cpu import CpuPlatform
 from radixserve.plugins.models.decoder import RMSNorm
 from radixserve.plugins.speculative.eagle import EagleDraft
 from radixserve.plugins.speculative.eagle3_head import new_head
@@ -68,7 +69,10 @@ def _drafter(
     target = SimpleNamespace(embed=lambda ids: emb[ids], logits=tied_lm_head(emb), norm=norm)
     draft.setup(
         SimpleNamespace(  # type: ignore[arg-type]
-            config=SimpleNamespace(speculative_draft_model_path=str(head)),
+            config=SimpleNamespace(
+                speculative_draft_model_path=str(head), enable_torch_compile=False
+            ),
+            platform=CpuPlatform(),  # the head's linears packed, as in the engine
             host=default_host(), model_config=mc, device="cpu", dtype=torch.float32,
             target_model=target, req_to_token=pool, kv_size=256, page_size=1,
             attention="torch_native",

@@ -26,6 +26,8 @@ from radixserve.core.config import ConfigError, ModelConfig
 from radixserve.core.memory import ReqToTokenPool
 from radixserve.core.plugins import default_host
 from radixserve.core.weights import iter_weights
+from radixserve.plugins.hardware.cpu import CpuPlatform
+from radixserve.plugins.hardware.cpu_linear import PackedLinear, default_packing
 from radixserve.plugins.speculative.eagle3 import Eagle3Draft
 from radixserve.plugins.speculative.eagle3_head import new_head, save_head
 
@@ -66,7 +68,10 @@ def _drafter(model_dir: Path, head: Path) -> tuple[Eagle3Draft, ReqToTokenPool, 
     draft = Eagle3Draft()
     draft.setup(
         SimpleNamespace(  # type: ignore[arg-type]
-            config=SimpleNamespace(speculative_draft_model_path=str(head)),
+            config=SimpleNamespace(
+                speculative_draft_model_path=str(head), enable_torch_compile=False
+            ),
+            platform=CpuPlatform(),  # the head's linears packed, as in the engine
             host=default_host(), model_config=mc, device="cpu", dtype=torch.float32,
             target_model=SimpleNamespace(embed=lambda ids: emb[ids]), req_to_token=pool,
             kv_size=256, page_size=1, attention="torch_native",
@@ -103,6 +108,8 @@ def _feed(draft: Eagle3Draft, slots: torch.Tensor, feats: torch.Tensor) -> None:
 
 def test_plugin_drafts_what_training_time_test_predicts(tiny_llama_dir: Path, head_dir: Path):
     draft, pool, emb = _drafter(tiny_llama_dir, head_dir)
+    if default_packing() is not None:  # the CPU platform packed the head's linears
+        assert isinstance(draft.head.lm_head, PackedLinear)
     gen = torch.Generator().manual_seed(0)
     vocab = emb.shape[0]
     tokens = torch.randint(3, vocab, (40,), generator=gen).tolist()
