@@ -53,6 +53,9 @@ def run(model_dir: Path, page_size: int, abort_mid_prefill: bool) -> tuple[list[
         chunked_prefill_size=24,
         max_running_requests=4,
         schedule_conservativeness=0.0,  # admission keeps no room back: retraction does the work
+        # full prefill chunks beside decodes (as on GPUs): the traffic above is sized so that
+        # this pool then runs out and retracts, whatever the CPU platform's default
+        prefill_shrink_after_decodes=0,
     )
     core = EngineCore(model_dir, config, default_host())
     shared = tokens(1, 37)
