@@ -45,6 +45,11 @@ def parse_args() -> argparse.Namespace:
     model.add_argument("--batches", type=int, nargs="+", default=[1])
     model.add_argument("--device", default="cpu", help="the hardware plugin: cpu or cuda")
     model.add_argument("--model-path", default=None, help="default: the default model")
+    model.add_argument(
+        "--disable-pause",
+        action="store_true",
+        help="speculating engines keep drafting for every request (--speculative-disable-pause)",
+    )
     model.add_argument("--json-out", default=None)
     gpu = sub.add_parser("gpu", help="random weights on CUDA, simulated acceptance")
     gpu.add_argument("--shape", default="llama3-8b")
@@ -120,7 +125,8 @@ def run_model(args: argparse.Namespace) -> dict[str, Any]:
     base: dict[str, Any] = {"plugins": [f"hardware={args.device}"]}
     if args.model_path:
         base["model_path"] = args.model_path
-    modes = {"off": {}} | {a: {"speculative_algorithm": a} for a in args.algorithm}
+    extra = {"speculative_disable_pause": True} if args.disable_pause else {}
+    modes = {"off": {}} | {a: {"speculative_algorithm": a, **extra} for a in args.algorithm}
     # timings[group][batch][mode] = (output tokens, seconds, verify steps, accepted drafts)
     timings: dict[str, dict[int, dict[str, tuple[int, float, int, int]]]] = {
         n: {b: {} for b in args.batches} for n in names
