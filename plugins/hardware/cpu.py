@@ -72,8 +72,9 @@ class CpuPlatform(HardwarePlatform):
             logger.debug("linear layers stay on MKL: %s", reason)
 
     def prepare_draft_head(self, head: torch.nn.Module, config: EngineConfig) -> None:
-        # A draft head's linears at one row: its LM head alone took 5.4 ms a draft step more
-        # on MKL's matrix-vector product than on the panels kernel (cpu_linear.py)
+        # A draft head's linears packed as the target's (cpu_linear.py): at one row MKL's
+        # matrix-vector product is the slower one. SmolLM2's EAGLE-3 head is small (a 4,096-
+        # token draft vocabulary): no gain showed through the noise of an A-B (BENCHMARKS).
         from radixserve.plugins.hardware.cpu_linear import default_packing, pack_module_linears
 
         if config.enable_torch_compile or default_packing() is None:

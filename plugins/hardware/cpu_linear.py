@@ -132,10 +132,10 @@ class PackedHead(nn.Module):
     """The LM head (``model.head``) over a packed copy of ``weight`` (the tied embedding's or
     lm_head's, which stays for the embedding lookup and the steps the packing leaves)."""
 
-    def __init__(self, weight: torch.Tensor, packing: Packing | None = None) -> None:
+    def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.weight = weight
-        packing = packing or default_packing()
+        packing = default_packing()
         assert packing is not None, "no packing on this machine (packed_linears_unavailable)"
         self.packing = packing
         self.packed = packing.pack(weight)
