@@ -86,6 +86,7 @@ class EngineCore:
         self._in_flight: InFlightStep | None = None
         self.overlapped_steps = 0  # steps launched while the previous one was on the device
         self._last_result_at = 0.0  # when the previous step's result came (timing per kind)
+        self._drafted_last: frozenset[str] = frozenset()  # requests that drafted in that step
         self._changed_outside_step: list[Req] = []
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -349,11 +350,18 @@ class EngineCore:
         now = time.perf_counter()
         spent = now - max(step.launched_at, self._last_result_at)
         batch = step.batch
-        if self.speculator is not None and self._is_reference_step(step):
-            # What speculation costs against plain decoding, per step from its scheduling
-            # (drafting included) or, overlapped, the last result.
-            cycle = now - max(step.scheduled_at, self._last_result_at)
-            self.speculator.observe_step(bool(batch.drafts), len(batch.reqs), cycle)
+        if self.speculator is not None:
+            drafted = frozenset(batch.reqs[i].rid for i in batch.drafts)
+            catching_up = not drafted <= self._drafted_last
+            self._drafted_last = drafted
+            if self._is_reference_step(step):
+                # What speculation costs against plain decoding, per step from its scheduling
+                # (drafting included) or, overlapped, the last result.
+                cycle = now - max(step.scheduled_at, self._last_result_at)
+                verify = bool(batch.drafts)
+                self.speculator.observe_step(
+                    verify, len(batch.reqs), cycle, catching_up=catching_up
+                )
         self._last_result_at = now
         self.scheduler.stats.by_kind[batch.kind].seconds += spent
         return changed

@@ -76,6 +76,7 @@ class _Payoff:
     gain: float
     paused: int = 0
     pause: int = _FIRST_PAUSE
+    retrying: bool = False  # its pause just ended: the next verify is a fresh trial
 
 
 @dataclass(slots=True)
@@ -156,6 +157,7 @@ class Speculator:
         if payoff.paused <= 0:
             return True
         payoff.paused -= 1
+        payoff.retrying = payoff.paused == 0
         return False
 
     def _inherited(self, req: Req) -> _Payoff | None:
@@ -183,8 +185,18 @@ class Speculator:
         self._payoff.pop(rid, None)
         self._carry.pop(rid, None)
 
-    def observe_step(self, verify: bool, batch_size: int, seconds: float) -> None:
-        """A step with only decodes (or only decodes and verifies, ``verify``) took this long."""
+    def observe_step(
+        self, verify: bool, batch_size: int, seconds: float, catching_up: bool = False
+    ) -> None:
+        """A step with only decodes (or only decodes and verifies, ``verify``) took this long.
+        ``catching_up``: a request of this verify step did not draft in the step before (its
+        first draft, or its first after a pause), so its drafter caught up over more than the
+        last verify's tokens. Such steps are not what drafting costs while it goes on, and are
+        left out: on 2 AVX2 cores an EAGLE-3 verify cycle took ~50 ms drafting every step and
+        60-90 ms after a pause, and counting those kept JSON prompts paused at 26 tok/s where
+        drafting every step made 39 (speculation off: 26)."""
+        if verify and catching_up:
+            return
         key = (verify, size_class(batch_size))
         self._step_samples.setdefault(key, deque(maxlen=_STEP_WINDOW)).append(seconds)
 
@@ -198,18 +210,27 @@ class Speculator:
         verify, decode = self.step_time(True, batch_size), self.step_time(False, batch_size)
         return None if verify is None or decode is None else verify / decode
 
-    def _judge(self, req: Req, gained: int, batch_size: int) -> None:
+    def _judge(self, req: Req, gained: int, drafted: int, batch_size: int) -> None:
         batch_size = size_class(batch_size)
+        # With no decode step measured yet, a pause is what measures one.
+        needed = self._break_even(batch_size) or 1.0 + 1e-9
         payoff = self._payoff.get(req.rid)
         if payoff is None:
-            payoff = self._payoff[req.rid] = _Payoff(float(gained))
-        else:
-            payoff.gain += _EMA * (gained - payoff.gain)
+            # Optimistic until shown otherwise: the smoothed gain starts at the most this
+            # verify could gain, so a request pauses after several poor verifies, not after
+            # its first (JSON answers open with a few tokens the head misses; paused at once,
+            # each retry cost a catch-up and the doubling pause kept them off for good).
+            payoff = self._payoff[req.rid] = _Payoff(float(drafted + 1))
+        elif payoff.retrying:
+            # The first verify after a pause decides alone whether drafting resumes: the gain
+            # that paused it belongs to text already behind (JSON alternates structure the
+            # head drafts well with values it misses).
+            payoff.gain = max(payoff.gain, needed)
+            payoff.retrying = False
+        payoff.gain += _EMA * (gained - payoff.gain)
         if self.step_time(False, batch_size) is None and self._probe(batch_size):
             payoff.paused = max(payoff.paused, _PROBE_STEPS)
             return
-        # With no decode step measured yet, a pause is what measures one.
-        needed = self._break_even(batch_size) or 1.0 + 1e-9
         if payoff.gain < needed:
             payoff.paused = payoff.pause
             payoff.pause = min(2 * payoff.pause, _MAX_PAUSE)
@@ -281,7 +302,7 @@ class Speculator:
             req.spec_verify_ct += 1
             req.spec_accepted_tokens += a
             if self.pause_unprofitable and self.simulate_accept_len is None:
-                self._judge(req, a + 1, batch_size)
+                self._judge(req, a + 1, m, batch_size)
         self.algorithm.verified(reqs, accepted)
 
     def simulated(self, num_drafted: int, rid: str = "") -> int:

@@ -45,20 +45,40 @@ def _pauses(spec: Speculator, req: Req, steps: int) -> list[bool]:
 
 
 def test_a_request_whose_drafts_do_not_pay_pauses_with_doubling_pauses() -> None:
+    """The smoothed gain starts at the most a verify can gain, so one poor verify does not
+    pause a request, a run of them does; the first verify after a pause decides alone whether
+    drafting resumes, and a failed retry doubles the pause."""
     spec = _speculator()
     spec.observe_step(False, 1, 0.010)  # a decode step
     spec.observe_step(True, 1, 0.020)  # a verify step costs two decodes
     poor, rich = _req("poor"), _req("rich")
-    spec.verified([poor, rich], [4, 4], [0, 3], batch_size=1)  # gains 1 and 4 tokens
+    for _ in range(3):  # gains 1 and 4 tokens: poor's smoothed gain 5 -> 3.8 -> 2.96 -> 2.37
+        spec.verified([poor, rich], [4, 4], [0, 3], batch_size=1)
+        assert spec.wants(poor) and spec.wants(rich)
+    spec.verified([poor, rich], [4, 4], [0, 3], batch_size=1)  # poor: 1.96 < 2
     assert _pauses(spec, rich, 3) == [True] * 3
     assert _pauses(spec, poor, 5) == [False] * 4 + [True]
-    spec.verified([poor], [4], [0], batch_size=1)
+    spec.verified([poor], [4], [0], batch_size=1)  # the retry gains 1 < 2
     assert _pauses(spec, poor, 9) == [False] * 8 + [True]  # the pause doubled
-    spec.verified([poor], [4], [4], batch_size=1)  # pays now (smoothed gain 1.5 -> 2.55)
-    spec.verified([poor], [4], [4], batch_size=1)
+    spec.verified([poor], [4], [4], batch_size=1)  # the next retry gains 5: drafting resumes
+    assert _pauses(spec, poor, 3) == [True] * 3
+    spec.verified([poor], [4], [0], batch_size=1)  # smoothed 2.9 -> 2.33: still pays
     assert spec.wants(poor)
     spec.forget("poor")
     assert spec.wants(poor)
+
+
+def test_verify_steps_whose_drafter_catches_up_are_not_what_drafting_costs() -> None:
+    """A verify step in which a request drafted after not drafting the step before (its first
+    draft, or its first after a pause) paid for its drafter's catch-up: it is not sampled."""
+    spec = _speculator()
+    spec.observe_step(False, 1, 0.010)
+    spec.observe_step(True, 1, 0.090, catching_up=True)
+    assert spec.step_time(True, 1) is None
+    spec.observe_step(True, 1, 0.015)
+    assert spec.step_time(True, 1) == 0.015
+    spec.observe_step(False, 1, 0.012, catching_up=True)  # a decode step catches nothing up
+    assert spec.step_time(False, 1) == 0.011
 
 
 def test_a_batch_size_with_no_decode_step_measured_pauses_to_measure_one() -> None:
@@ -213,7 +233,7 @@ def test_a_new_request_starts_paused_while_the_last_judged_one_did_not_pay() -> 
     spec.observe_step(False, 1, 0.010)
     spec.observe_step(True, 1, 0.030)  # a verify costs three decodes
     first = _req("first")
-    for _ in range(3):  # gains 1 token a verify: pauses of 4, then 8, then 16
+    for _ in range(4):  # gains 1 token a verify: 3.8 pays, then pauses of 4, 8 and 16
         spec.verified([first], [4], [0], batch_size=1)
     second, third = _req("second"), _req("third")
     for req in (second, third):
@@ -244,7 +264,8 @@ def test_step_times_are_shared_by_batch_sizes_of_one_power_of_two() -> None:
     spec.observe_step(False, 7, 0.010)
     spec.observe_step(True, 6, 0.030)
     reqs = [_req(f"r{i}") for i in range(5)]
-    spec.verified(reqs, [4] * 5, [1] * 5, batch_size=5)  # gains 2 against 3 needed
+    for _ in range(4):  # gains 2 against 3 needed: smoothed 5 -> 4.1 -> 3.47 -> 3.03 -> 2.72
+        spec.verified(reqs, [4] * 5, [1] * 5, batch_size=5)
     assert not spec.wants(reqs[0])
     spec.observe_step(False, 9, 0.001)  # another class: no effect on size 5's
     rich = _req("rich")

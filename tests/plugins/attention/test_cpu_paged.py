@@ -1,10 +1,12 @@
 """cpu_paged's C++ decode kernel against a dense float64 reference and against torch_native:
 GQA groups 1/3/4/8, odd and mixed lengths, scattered and consecutive slots, sliding windows and
-soft-capping, decodes beside a prefill chunk, and one thread or the pool. End-to-end reuse
-traffic (retraction, cache hits, pages 1 and 16) is in test_reuse_traffic.py, where every
-available backend runs against torch_native."""
+soft-capping, decodes beside a prefill chunk, small chunks and verify steps one kernel row per
+token, and one thread or the pool. End-to-end reuse traffic (retraction, cache hits, pages 1 and
+16) is in test_reuse_traffic.py, where every available backend runs against torch_native."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -33,16 +35,20 @@ def _config(heads: int, kv_heads: int, dim: int = DIM) -> ModelConfig:
     )
 
 
-def _batch(slots: list[list[int]], prefill: list[int] | None = None) -> ForwardBatch:
+def _batch(
+    slots: list[list[int]], prefill: list[int] | None = None,
+    chunks: Sequence[tuple[list[int], int]] = (),
+) -> ForwardBatch:  # fmt: skip
     """One decode per row of ``slots`` (its new token's slot last), then optionally one
-    prefill chunk whose new tokens are the last ``prefill[1]`` of the slots ``prefill[0]``."""
-    table = ReqToTokenPool(len(slots) + 1, POOL)
+    prefill chunk whose new tokens are the last ``prefill[1]`` of the slots ``prefill[0]``
+    (or several: ``chunks``, (slots, new tokens) each)."""
+    chunks = list(chunks) + ([(prefill[0], prefill[1])] if prefill is not None else [])
+    table = ReqToTokenPool(len(slots) + len(chunks), POOL)
     for row, s in enumerate(slots):
         table.write(row, 0, torch.tensor(s))
     seq_lens, extend_lens, out = [len(s) for s in slots], [1] * len(slots), [s[-1] for s in slots]
-    if prefill is not None:
-        chunk_slots, new = prefill
-        table.write(len(slots), 0, torch.tensor(chunk_slots))
+    for row, (chunk_slots, new) in enumerate(chunks, start=len(slots)):
+        table.write(row, 0, torch.tensor(chunk_slots))
         seq_lens.append(len(chunk_slots))
         extend_lens.append(new)
         out += chunk_slots[-new:]
@@ -179,16 +185,18 @@ def test_a_16_bit_cache_is_read_widened_like_torch_native(
     torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-6)
 
 
-def test_decodes_beside_a_prefill_chunk_match_torch_native() -> None:
-    """A mixed step: the decodes go through the kernel, the chunk (with a cached prefix) through
-    torch_native's path; the whole output equals torch_native's."""
+@pytest.mark.parametrize(("new", "kernel"), [(12, True), (16, True), (17, False)])
+def test_decodes_beside_a_prefill_chunk_match_torch_native(new: int, kernel: bool) -> None:
+    """A mixed step: the decodes go through the kernel, and so does a chunk (with a cached
+    prefix) of up to SMALL_EXTEND new tokens, one kernel row per token; a longer chunk goes
+    through torch_native's path. The whole output equals torch_native's."""
     from radixserve.plugins.attention.cpu_paged.backend import CpuPagedAttention
 
     config = _config(6, 2)
     decodes = _scattered([9, 40, 2], seed=3)
-    chunk = list(range(300, 337))  # 37 slots: 25 cached, 12 new
-    batch = _batch(decodes, prefill=[chunk, 12])
-    tokens = len(decodes) + 12
+    chunk = list(range(300, 337))  # 37 slots, the last `new` of them new
+    batch = _batch(decodes, prefill=[chunk, new])
+    tokens = len(decodes) + new
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(tokens, 6, DIM, generator=gen)
     k, v = torch.randn(tokens, 2, DIM, generator=gen), torch.randn(tokens, 2, DIM, generator=gen)
@@ -197,8 +205,42 @@ def test_decodes_beside_a_prefill_chunk_match_torch_native() -> None:
         pool = _pool(2, seed=5)
         backend = backend_cls(pool, config, "cpu")
         backend.prepare(batch)
+        if backend_cls is CpuPagedAttention:
+            assert backend._rows_per_token is kernel
         outs.append(backend.forward(q, k, v, 0, batch))
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), GQA, ids=[f"group{h // k}" for h, k in GQA])
+@pytest.mark.parametrize(("window", "cap"), [(0, 0.0), (3, 0.0), (0, 2.0)],
+                         ids=["plain", "window3", "softcap2"])  # fmt: skip
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_verify_chunks_go_through_the_kernel_and_match_torch_native(
+    heads: int, kv_heads: int, window: int, cap: float, kv_dtype: torch.dtype
+) -> None:
+    """A speculative verify step: requests of 1-5 new tokens (the last token and its draft)
+    over cached prefixes, one with no prefix at all, no decodes; each token attends its own
+    causal length of its sequence, windowed and soft-capped as torch_native does."""
+    from radixserve.plugins.attention.cpu_paged.backend import CpuPagedAttention
+
+    config = _config(heads, kv_heads)
+    rows = _scattered([30, 7, 5, 64], seed=8)
+    chunks = [(rows[0], 5), (rows[1], 2), (rows[2], 5), (rows[3], 1)]  # rows[2]: no prefix
+    batch = _batch([], chunks=chunks)
+    tokens = sum(new for _, new in chunks)
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(tokens, heads, DIM, generator=gen)
+    k = torch.randn(tokens, kv_heads, DIM, generator=gen)
+    v = torch.randn(tokens, kv_heads, DIM, generator=gen)
+    outs = []
+    for backend_cls in (CpuPagedAttention, TorchNativeAttention):
+        pool = _pool(kv_heads, seed=10, dtype=kv_dtype)
+        backend = backend_cls(pool, config, "cpu")
+        backend.prepare(batch)
+        if backend_cls is CpuPagedAttention:
+            assert backend._rows_per_token
+        outs.append(backend.forward(q, k, v, 0, batch, sliding_window=window, logit_softcap=cap))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=5e-6)
 
 
 def test_other_dtypes_take_torch_natives_path() -> None:
