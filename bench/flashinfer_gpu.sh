@@ -3,7 +3,7 @@
 # `.whl` and `.whl-fi` carried (and `.fi-cache` when an earlier call brought its JIT cache back):
 #   bash bench/flashinfer_gpu.sh smoke          # import, JIT, layer tests, engines vs triton
 #   bash bench/flashinfer_gpu.sh fitests        # the flashinfer GPU tests (+ bf16 reuse traffic)
-#   bash bench/flashinfer_gpu.sh tests          # every attention/hardware GPU test
+#   bash bench/flashinfer_gpu.sh tests          # every attention/hardware test but CPU-only ones
 #   bash bench/flashinfer_gpu.sh "bench ARGS"   # bench/gpu.py --attention triton,flashinfer ARGS
 # Each phase runs under `timeout` and prints a PASS/FAIL line. FlashInfer compiles its kernels on
 # first use (JIT); the compiled modules go back as $OUT/fi-cache.tar.gz.partNN (unless
@@ -59,9 +59,14 @@ for job in "$@"; do
         phase fitests 420 python3 -m pytest -q -s -p no:cacheprovider -m gpu "$FI_TEST" \
             tests/plugins/attention/test_reuse_traffic.py -k "flashinfer_backend or bf16"
         ;;
-    tests)
-        phase tests 590 python3 -m pytest -q -p no:cacheprovider -m gpu \
-            tests/plugins/attention tests/plugins/hardware
+    tests)  # every attention/hardware test but the CPU-only files (TESTS_LIMIT s at most)
+        phase tests "${TESTS_LIMIT:-590}" python3 -m pytest -q -p no:cacheprovider \
+            tests/plugins/attention tests/plugins/hardware \
+            --ignore=tests/plugins/attention/test_cpu_paged.py \
+            --ignore=tests/plugins/hardware/test_cpu_compile.py \
+            --ignore=tests/plugins/hardware/test_cpu_fused_ops.py \
+            --ignore=tests/plugins/hardware/test_cpu_linear.py \
+            --ignore=tests/plugins/hardware/test_cpu_platform.py
         ;;
     bench*)
         phase bench 540 python3 bench/gpu.py --attention triton,flashinfer \
