@@ -68,6 +68,28 @@ def test_a_request_whose_drafts_do_not_pay_pauses_with_doubling_pauses() -> None
     assert spec.wants(poor)
 
 
+def test_a_lucky_retry_resumes_drafting_but_keeps_the_pause_length() -> None:
+    """A request just below break-even whose retry happens to pay resumes drafting, but its
+    next pause doubles from the last one instead of starting over at the first (each retry
+    costs a catch-up); a verify that pays while drafting goes on does reset it."""
+    spec = _speculator()
+    spec.observe_step(False, 1, 0.010)
+    spec.observe_step(True, 1, 0.030)  # a verify costs three decodes
+    req = _req()
+    for _ in range(2):  # gains 1: smoothed 5 -> 3.8 -> 2.96 < 3: a pause of 4
+        spec.verified([req], [4], [0], batch_size=1)
+    assert _pauses(spec, req, 5) == [False] * 4 + [True]
+    spec.verified([req], [4], [4], batch_size=1)  # the retry gains 5: 3 -> 3.6, resumes
+    assert spec.wants(req)
+    spec.verified([req], [4], [0], batch_size=1)  # 3.6 -> 2.82: paused 8, not 4
+    assert _pauses(spec, req, 9) == [False] * 8 + [True]
+    spec.verified([req], [4], [4], batch_size=1)  # a lucky retry again: 3.6
+    spec.verified([req], [4], [4], batch_size=1)  # pays while drafting: 4.02, pause reset
+    spec.verified([req], [4], [0], batch_size=1)  # 4.02 -> 3.11 pays; then 2.48: paused 4
+    spec.verified([req], [4], [0], batch_size=1)
+    assert _pauses(spec, req, 5) == [False] * 4 + [True]
+
+
 def test_verify_steps_whose_drafter_catches_up_are_not_what_drafting_costs() -> None:
     """A verify step in which a request drafted after not drafting the step before (its first
     draft, or its first after a pause) paid for its drafter's catch-up: it is not sampled."""
