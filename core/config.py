@@ -235,10 +235,11 @@ class EngineConfig:
         "for EAGLE3, a head directory (config.json + model.safetensors, tools/train_draft.py; "
         "default: the head shipped for SmolLM2-135M-Instruct)",
     )
-    speculative_disable_batch_size: int = _opt(
-        32,
+    speculative_disable_batch_size: int | None = _opt(
+        None,
         "Speculation turns itself off while more requests than this decode at once (above 8, "
-        "the draft length also shrinks as the batch grows)",
+        "the draft length also shrinks as the batch grows; default: the hardware platform's, "
+        "32 where it sets none)",
     )
     speculative_disable_pause: bool = _opt(
         False,
@@ -403,7 +404,10 @@ class EngineConfig:
                 "speculative_eagle_topk must be 1: radixserve's speculative plugins (eagle, "
                 "eagle3, dflash, ngram, standalone) draft chains; tree drafting is not built yet"
             )
-        if self.speculative_disable_batch_size < 1:
+        if (
+            self.speculative_disable_batch_size is not None
+            and self.speculative_disable_batch_size < 1
+        ):
             raise ConfigError(
                 "speculative_disable_batch_size must be >= 1, got "
                 f"{self.speculative_disable_batch_size}"
@@ -470,6 +474,7 @@ CORE_DEFAULTS: dict[str, Any] = {
     "cuda_graph_max_bs": 256,
     "prefill_shrink_after_decodes": 0,
     "prefill_gather_steps": 0,
+    "speculative_disable_batch_size": 32,
 }
 
 
@@ -484,6 +489,7 @@ class PlatformSettings:
     cuda_graph_max_bs: int
     prefill_shrink_after_decodes: int
     prefill_gather_steps: int
+    speculative_disable_batch_size: int
     origins: dict[str, str]
 
     def describe(self) -> dict[str, dict[str, Any]]:

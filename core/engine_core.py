@@ -164,7 +164,7 @@ class EngineCore:
             algorithm,
             name,
             config.num_draft_tokens,
-            config.speculative_disable_batch_size,
+            runner.settings.speculative_disable_batch_size,
             runner.model_config.vocab_size,
             config.speculative_simulate_accept_len,
             config.random_seed,

@@ -29,6 +29,7 @@ def evaluate(
         max_running_requests=min(args.gen_batch, FULL_DRAFT_BATCH),
         speculative_algorithm=algorithm, speculative_draft_model_path=head_dir,
         speculative_num_draft_tokens=args.num_draft_tokens, speculative_disable_pause=True,
+        speculative_disable_batch_size=FULL_DRAFT_BATCH,
     ) as eng:  # fmt: skip
         for workload in WORKLOADS:
             part = [r for r in held if r["workload"] == workload][: args.eval_prompts]

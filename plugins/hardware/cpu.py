@@ -45,7 +45,12 @@ class CpuPlatform(HardwarePlatform):
         # the AVX2 float32 linears made decode steps faster again: at 2, ITL p99/p50 was
         # 1.8-3.2 over three runs (114-153 ms / 275-362), at 1 it was 1.3-1.5 (147-156 /
         # 186-239) at 136-149 against 147-151 tok/s (64 x 256 -> 128, 2026-12-03).
-        return {"prefill_shrink_after_decodes": 1}
+        #
+        # Speculation off above 2 decodes: EAGLE-3 on the default model gained at batch 2
+        # (JSON 1.61x, code and extraction 1.06x) and lost at batch 4 on every workload
+        # (0.80-0.93x) and at 8 (0.76-1.04x): a verify step's rows multiply the linears' work,
+        # which 2 cores feel at once (2026-12-03, docs/BENCHMARKS.md).
+        return {"prefill_shrink_after_decodes": 1, "speculative_disable_batch_size": 2}
 
     # A host has far more memory than a CPU-served model's traffic needs; reserving all of
     # --mem-fraction-static of it would starve the machine.

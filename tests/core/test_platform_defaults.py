@@ -53,6 +53,7 @@ def test_platform_defaults_flags_and_core_defaults(tiny_llama_dir: Path) -> None
             "cuda_graph_max_bs": {"value": CORE_DEFAULTS["cuda_graph_max_bs"], "from": "default"},
             "prefill_shrink_after_decodes": {"value": 0, "from": "offline Engine default"},
             "prefill_gather_steps": {"value": 3, "from": "tuned_cpu default"},
+            "speculative_disable_batch_size": {"value": 32, "from": "default"},
         }
         assert eng.core.scheduler.config.chunked_prefill_size == 96
         assert eng.core.scheduler.config.prefill_gather_steps == 3
@@ -83,6 +84,23 @@ def test_the_offline_engine_takes_whole_chunks_over_the_platforms_latency_defaul
     config = EngineConfig(model_path=str(tiny_llama_dir))
     _, settings = config.with_platform_defaults("cpu", platform)
     assert settings.origins["prefill_shrink_after_decodes"] == "cpu default"
+
+
+def test_speculation_stops_above_two_decodes_on_the_cpu(tiny_llama_dir: Path) -> None:
+    """The CPU platform's speculation cut-off is 2 decoding requests (a verify step's extra rows
+    cost most there); a flag overrides it, and the core's default is 32."""
+    from radixserve.core.speculative import Speculator
+
+    with Engine(str(tiny_llama_dir), speculative_algorithm="NGRAM") as eng:
+        entry = eng.core.runner.settings.describe()["speculative_disable_batch_size"]
+        assert entry == {"value": 2, "from": "cpu default"}
+        speculator = eng.core.speculator
+        assert isinstance(speculator, Speculator)
+        assert speculator.draft_length(2) > 0 and speculator.draft_length(3) == 0
+    flagged = {"speculative_algorithm": "NGRAM", "speculative_disable_batch_size": 16}
+    with Engine(str(tiny_llama_dir), **flagged) as eng:
+        assert eng.core.speculator is not None and eng.core.speculator.draft_length(16) > 0
+    assert CORE_DEFAULTS["speculative_disable_batch_size"] == 32
 
 
 def test_a_default_the_pool_cannot_hold_is_lowered_with_the_reason(tiny_llama_dir: Path) -> None:

@@ -459,6 +459,7 @@ def test_self_draft_accepts_everything_and_random_draft_nothing(
         "speculative_algorithm": "STANDALONE",
         "speculative_num_steps": K,
         "speculative_disable_pause": True,
+        "speculative_disable_batch_size": 64,  # every request (the CPU's cut-off is 2)
     }
     selfd, self_stats = _greedy(
         tiny_llama_dir, speculative_draft_model_path=str(tiny_llama_dir), **spec

@@ -74,6 +74,7 @@ def spec_server(
     args = [*tiny_server_args(tiny_long_llama_dir), "--speculative-algorithm", TEST_DRAFTER]
     # SGLang's --speculative-num-draft-tokens counts the verified token too
     args += ["--speculative-num-draft-tokens", str(DRAFT_TOKENS + 1)]
+    args += ["--speculative-disable-batch-size", "64"]  # every request (the CPU's cut-off: 2)
     # every step drafts (no pausing for drafts that do not pay): exact token accounting
     args += ["--speculative-disable-pause"]
     running = start_server(args, tmp / "server.log", TINY_API_KEY, timeout=300, env=env)

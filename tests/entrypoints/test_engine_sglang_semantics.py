@@ -114,7 +114,8 @@ def test_shutdown_frees_device_memory_for_a_second_engine(
     settings: dict[str, Any] = {"plugins": ["hardware=metered_cpu"]}
     if speculative:
         settings |= {"speculative_algorithm": "STANDALONE",
-                     "speculative_draft_model_path": str(tiny_llama_dir)}  # fmt: skip
+                     "speculative_draft_model_path": str(tiny_llama_dir),
+                     "speculative_disable_batch_size": 64}  # fmt: skip
     params = {"max_new_tokens": 6, **GREEDY}
     first = Engine(str(tiny_llama_dir), host=host, **settings)
     kv_size = first.core.runner.kv_size

@@ -214,6 +214,7 @@ def spec_engine(tiny_llama_dir: Path) -> Iterator[Engine]:
         speculative_algorithm=NAME,
         speculative_num_draft_tokens=K + 1,
         speculative_disable_pause=True,
+        speculative_disable_batch_size=64,  # every request drafts (the CPU's cut-off is 2)
         max_total_tokens=4096,
     ) as engine:
         yield engine

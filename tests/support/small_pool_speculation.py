@@ -23,6 +23,8 @@ def traffic() -> tuple[list[list[int]], dict[str, Any]]:
 def small_pool_engine(model: Path, **kw: Any) -> Engine:
     """An engine whose paged pool is far too small for the traffic (it retracts), checking
     the KV leak invariant whenever it idles."""
+    if "speculative_algorithm" in kw:  # every request drafts (the CPU's cut-off is 2)
+        kw.setdefault("speculative_disable_batch_size", 64)
     return Engine(
         str(model), dtype="float32", page_size=4, max_total_tokens=POOL, debug_leak_check=True,
         schedule_conservativeness=0.0, **kw,

@@ -139,7 +139,7 @@ def _run_all(engine: Engine) -> dict[str, Any]:
     }
 
 
-BATCH = 32  # requests a step with speculation on (the default disable_batch_size: all draft)
+BATCH = 32  # requests a step with speculation on (speculative_disable_batch_size: all draft)
 REFERENCE_BATCH = 64  # speculation off: fewer, larger steps on the CPU
 # KV tokens: room for 64 running requests several times over (no run retracts; asserted). The
 # CPU default, a fifth of the machine's memory, took ~3 s an engine to allocate and zero.
@@ -185,6 +185,7 @@ def speculative_fixture(plugins: list[str]) -> Any:
         kw: dict[str, Any] = {
             "speculative_algorithm": request.param.upper(),
             "speculative_disable_pause": True,
+            "speculative_disable_batch_size": BATCH,
         }
         if request.param == "standalone":
             kw["speculative_draft_model_path"] = str(smollm2_dir)

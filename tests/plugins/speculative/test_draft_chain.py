@@ -72,6 +72,7 @@ def _generate(model: Path, **kw: Any) -> tuple[list[list[int]], Any, Any]:
     params = {"temperature": 0, "max_new_tokens": 14, "ignore_eos": True}
     # Every step drafts: pausing depends on measured step times (the machine's speed).
     kw.setdefault("speculative_disable_pause", True)
+    kw.setdefault("speculative_disable_batch_size", 4)  # every request (the CPU's cut-off: 2)
     with Engine(
         str(model), plugins=["attention=triton", "hardware=cpu"], dtype="float32",
         max_running_requests=4, **kw,

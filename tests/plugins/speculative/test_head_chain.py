@@ -102,7 +102,8 @@ def _generate(
 def _flags(heads: dict[str, Path], algorithm: str, **extra: Any) -> dict[str, Any]:
     return {"speculative_algorithm": algorithm,
             "speculative_draft_model_path": str(heads[algorithm]),
-            "speculative_num_steps": K, "speculative_disable_pause": True, **extra}  # fmt: skip
+            "speculative_num_steps": K, "speculative_disable_pause": True,
+            "speculative_disable_batch_size": 64, **extra}  # fmt: skip
 
 
 def compare_with_eager_steps(monkeypatch: pytest.MonkeyPatch) -> list[bool]:

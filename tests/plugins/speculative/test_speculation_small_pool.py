@@ -46,6 +46,7 @@ def test_standalone_draft_reuses_the_kv_of_a_prefix_the_cache_shares(tiny_llama_
     with Engine(
         str(tiny_llama_dir), dtype="float32", speculative_algorithm="STANDALONE",
         speculative_draft_model_path=str(tiny_llama_dir), speculative_disable_pause=True,
+        speculative_disable_batch_size=64,
     ) as engine:  # fmt: skip
         assert engine.core.speculator is not None
         draft = engine.core.speculator.algorithm

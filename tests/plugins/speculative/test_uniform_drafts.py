@@ -70,6 +70,7 @@ def test_every_request_of_a_speculating_step_verifies_the_full_length(
     outputs, stats = _generate(
         tiny_llama_dir, uniform=True, speculative_algorithm="NGRAM",
         speculative_num_steps=K, speculative_disable_pause=True,
+        speculative_disable_batch_size=len(PROMPTS),  # every request (the CPU's cut-off: 2)
     )  # fmt: skip
     assert checked["steps"] >= 5
     assert outputs == reference
