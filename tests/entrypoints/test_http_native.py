@@ -184,7 +184,8 @@ def test_model_and_server_info(server: RunningServer) -> None:
         assert set(settings) == {"max_running_requests", "mem_fraction_static",
                                  "chunked_prefill_size", "cuda_graph_max_bs",
                                  "prefill_shrink_after_decodes",
-                                 "prefill_gather_steps"}  # fmt: skip
+                                 "prefill_gather_steps",
+                                 "speculative_disable_batch_size"}  # fmt: skip
         for name, entry in settings.items():
             assert info[name] == entry["value"] is not None and entry["from"], name
 
