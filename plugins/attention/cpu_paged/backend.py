@@ -27,6 +27,9 @@ from radixserve.plugins.hardware import cpu_kernels
 KERNEL_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: New tokens up to which a request's prefill chunk is attended by the kernel, one row per
 #: token (each row re-reads the sequence's keys; SDPA's flash kernel wins on long chunks).
+#: One SmolLM2 layer, 2 AVX2 cores, prepare + forward, kernel against torch_native: over 400
+#: cached keys 5 new tokens 168 / 531 us, 16 457 / 611, 32 762 / 932, 64 1,387 / 1,351; over
+#: 1,000: 16 900 / 1,053, 24 1,280 / 1,304, 32 1,658 / 1,539.
 SMALL_EXTEND = 16
 
 
