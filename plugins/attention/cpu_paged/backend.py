@@ -47,8 +47,9 @@ class CpuPagedAttention(TorchNativeAttention):
         self._kernel = ops.decode_attention.default if ops is not None else None
         # a decode-only step's store and attention in one call (the store alone is four ops)
         self._store_kernel = ops.store_decode_attention.default if ops is not None else None
-        self._slots: torch.Tensor | None = None  # [nd, longest] each decode's slots
-        self._lens: torch.Tensor | None = None  # [nd] int64
+        # One kernel row per decode, or per new token of a step of small chunks (prepare)
+        self._slots: torch.Tensor | None = None  # [rows, longest] each row's slots
+        self._lens: torch.Tensor | None = None  # [rows] int64: keys each row attends
         self._starts: dict[int, torch.Tensor] = {}  # sliding window -> first key attended
         self._rows_per_token = False  # this step's every new token is one kernel row
 
