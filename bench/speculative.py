@@ -14,6 +14,7 @@ accepted drafts is drawn around the chosen mean, so the cost of the verify path 
     python bench/speculative.py cpu [--groups code_edit json_repeat ...] [--algorithm NGRAM EAGLE3]
     python bench/speculative.py model --device cuda --model-path X.gguf --algorithm EAGLE3 EAGLE \\
         DFLASH --batches 1 8 32
+    python bench/speculative.py cpu --algorithm EAGLE3 --groups json_repeat --rounds 3
     python bench/speculative.py gpu --shape llama3-8b --accept 1.5 2.5 3.5 --batches 1 8 64
     python bench/speculative.py gpu --algorithm EAGLE3 --accept 3.0 --batches 1 8 32 --num-draft 3
 """
@@ -49,6 +50,21 @@ def parse_args() -> argparse.Namespace:
         "--disable-pause",
         action="store_true",
         help="speculating engines keep drafting for every request (--speculative-disable-pause)",
+    )
+    model.add_argument(
+        "--disable-batch-size",
+        type=int,
+        default=None,
+        help="speculate up to this batch size (--speculative-disable-batch-size; default: the "
+        "platform's cut-off, which is what users get)",
+    )
+    model.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat speculation off and each algorithm this many times, alternating; ratios "
+        "are taken within a round and the median is reported (a VM's speed drifts between "
+        "engines)",
     )
     model.add_argument("--json-out", default=None)
     gpu = sub.add_parser("gpu", help="random weights on CUDA, simulated acceptance")
@@ -112,10 +128,13 @@ def time_mode(
 
 def run_model(args: argparse.Namespace) -> dict[str, Any]:
     """Each workload group with speculation off, then with each algorithm, on engines given
-    no tuning flags (only the model path and the device's hardware plugin). At batch B the
-    group's prompts go B at a time (cycled to fill the batch). Each engine runs in a process
-    of its own, so no engine's device memory is left to the next one's sizing."""
+    no tuning flags (only the model path and the device's hardware plugin; the cut-off only
+    where --disable-batch-size asks). At batch B the group's prompts go B at a time (cycled to
+    fill the batch). Each engine runs in a process of its own, so no engine's device memory is
+    left to the next one's sizing. With --rounds R the whole sequence runs R times; a ratio is
+    speculation on against off of the same round, and the median over rounds is reported."""
     import multiprocessing
+    import statistics
     from concurrent.futures import ProcessPoolExecutor
 
     from spec_workloads import all_workloads
@@ -125,46 +144,61 @@ def run_model(args: argparse.Namespace) -> dict[str, Any]:
     base: dict[str, Any] = {"plugins": [f"hardware={args.device}"]}
     if args.model_path:
         base["model_path"] = args.model_path
-    extra = {"speculative_disable_pause": True} if args.disable_pause else {}
+    extra: dict[str, Any] = {"speculative_disable_pause": True} if args.disable_pause else {}
+    if args.disable_batch_size is not None:
+        extra["speculative_disable_batch_size"] = args.disable_batch_size
+    results["engine_flags"] = extra
     modes = {"off": {}} | {a: {"speculative_algorithm": a, **extra} for a in args.algorithm}
-    # timings[group][batch][mode] = (output tokens, seconds, verify steps, accepted drafts)
-    timings: dict[str, dict[int, dict[str, tuple[int, float, int, int]]]] = {
-        n: {b: {} for b in args.batches} for n in names
-    }
+    # rounds[r][mode][group][batch] = (output tokens, seconds, verify steps, accepted drafts)
+    rounds: list[dict[str, dict[str, dict[int, tuple[int, float, int, int]]]]] = []
     spawn = multiprocessing.get_context("spawn")
-    for mode, flags in modes.items():
-        with ProcessPoolExecutor(1, mp_context=spawn) as pool:
-            measured = pool.submit(time_mode, flags, base, names, args.batches).result()
-        for name in names:
-            for bs in args.batches:
-                timings[name][bs][mode] = measured[name][bs]
-        print(f"{mode}: done", flush=True)
+    for r in range(args.rounds):
+        rounds.append({})
+        for mode, flags in modes.items():
+            with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+                rounds[r][mode] = pool.submit(time_mode, flags, base, names, args.batches).result()
+            print(f"round {r}: {mode} done", flush=True)
     rows = []
     for name in names:
         for bs in args.batches:
-            t_off, s_off, _, _ = timings[name][bs]["off"]
-            off = t_off / s_off
-            entry: dict[str, Any] = {"off_tok_s": round(off, 2), "off_tokens": t_off}
+            offs = [_rate(t["off"][name][bs]) for t in rounds]
+            off = statistics.median(offs)
+            entry: dict[str, Any] = {
+                "off_tok_s": round(off, 2),
+                "off_tokens": rounds[0]["off"][name][bs][0],
+                "off_tok_s_rounds": [round(x, 2) for x in offs],
+            }
             row = [name, bs, f"{off:.1f}"]
             for algorithm in args.algorithm:
-                t_on, s_on, verify, accepted = timings[name][bs][algorithm]
-                on = t_on / s_on
+                ons = [_rate(t[algorithm][name][bs]) for t in rounds]
+                ratios = [on / o for on, o in zip(ons, offs, strict=True)]
+                verify = sum(t[algorithm][name][bs][2] for t in rounds)
+                accepted = sum(t[algorithm][name][bs][3] for t in rounds)
                 accept_len = (verify + accepted) / verify if verify else 1.0
+                ratio = statistics.median(ratios)
                 entry[algorithm] = {
-                    "tok_s": round(on, 2),
-                    "ratio": round(on / off, 3),
+                    "tok_s": round(statistics.median(ons), 2),  # the median round's
+                    "ratio": round(ratio, 3),
+                    "ratio_rounds": [round(x, 3) for x in ratios],
                     "accept_length": round(accept_len, 3),
                     "verify_steps": verify,
-                    "output_tokens": t_on,
+                    "output_tokens": rounds[0][algorithm][name][bs][0],
                 }
-                row += [f"{on:.1f}", f"{on / off:.2f}x", f"{accept_len:.2f}"]
+                spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+                on = statistics.median(ons)
+                row += [f"{on:.1f}", f"{ratio:.2f}x{spread}", f"{accept_len:.2f}"]
             results["groups"][f"{name}-bs{bs}"] = entry
             rows.append(row)
     head = ["group", "batch", "off tok/s"]
     for algorithm in args.algorithm:
-        head += [f"{algorithm} tok/s", "ratio", "accept len"]
+        ratio_head = "ratio (range)" if args.rounds > 1 else "ratio"
+        head += [f"{algorithm} tok/s", ratio_head, "accept len"]
     print(format_table(head, rows))
     return results
+
+
+def _rate(timing: tuple[int, float, int, int]) -> float:
+    return timing[0] / timing[1]
 
 
 # -- GPU: random weights, simulated acceptance ------------------------------------------------
