@@ -44,7 +44,10 @@ while [ $# -gt 0 ]; do
         continue
     fi
     if [ "${job%% *}" = spec-model ]; then  # "spec-model [flags]": the default model, real heads
-        python3 bench/speculative.py model --device cuda --json-out "$OUT/spec-model.json" \
+        runs=$((${runs:-0} + 1))  # spec-model.json, spec-model-2.json, ... one per job
+        name=spec-model
+        if [ "$runs" -gt 1 ]; then name=spec-model-$runs; fi
+        python3 bench/speculative.py model --device cuda --json-out "$OUT/$name.json" \
             ${job#spec-model} 2>&1 | grep -v "it/s\]" | tail -40
         continue
     fi

@@ -35,6 +35,9 @@ class ForwardBatch:
     # model keeps for every new token in ``hidden_states`` (draft heads read them).
     capture_hidden_layers: tuple[int, ...] = ()
     hidden_states: dict[int, torch.Tensor] | None = None
+    # Set by a step executor whose CUDA graph already ran the speculative plugin's
+    # ``target_hidden`` on this forward's hidden states (it must not run again).
+    hidden_consumed: bool = False
     # Rows whose final hidden state (after the model's last norm) the model keeps in
     # ``final_hidden`` (embedding requests pool them; see core/pooling.py).
     hidden_rows: torch.Tensor | None = None

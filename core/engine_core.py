@@ -73,8 +73,10 @@ class EngineCore:
         self.grammar_stepper = GrammarStepper(self.tokenizer, not config.disable_jump_forward)
         self.speculator = self._speculator(host, model_dir)
         self.runner.speculator = self.speculator
-        if self.speculator is not None and self.speculator.algorithm.capture_hidden_layers:
-            self.runner.keep_hidden_layers(self.speculator.algorithm.capture_hidden_layers)
+        algorithm = self.speculator.algorithm if self.speculator is not None else None
+        if algorithm is not None and algorithm.capture_hidden_layers:
+            consumer = algorithm.target_hidden if algorithm.target_hidden_capturable else None
+            self.runner.keep_hidden_layers(algorithm.capture_hidden_layers, consumer)
         # Overlap scheduling: where the device runs asynchronously, step N+1 is scheduled and
         # queued while the device computes step N (see step()). A speculating step is not
         # overlapped (drafts need the last token on the host, and verify samples there), but

@@ -379,6 +379,10 @@ class SpeculativeAlgorithm(ABC):
     #: target layers whose outputs (the residual stream after the layer) ``target_hidden``
     #: receives; empty: none are kept, at no cost
     capture_hidden_layers: tuple[int, ...] = ()
+    #: ``target_hidden`` is device work only (no host sync, no host-side state, rows written
+    #: at ``batch.out_cache_loc``), so a step executor that replays CUDA graphs may capture it
+    #: inside them, where padding rows write slot 0 (the pools' padding row)
+    target_hidden_capturable: bool = False
 
     def memory_needs(self, config: EngineConfig, host: Any, dtype: torch.dtype) -> tuple[int, int]:
         """(bytes of weights, KV bytes per KV-pool slot) that ``setup`` will allocate on the

@@ -375,13 +375,16 @@ class ModelRunner:
         )
         return fb, plans
 
-    def keep_hidden_layers(self, layers: tuple[int, ...]) -> None:
+    def keep_hidden_layers(
+        self, layers: tuple[int, ...], consumer: Callable[[ForwardBatch], None] | None = None
+    ) -> None:
         """The speculative plugin reads these target layers' outputs after every forward: an
         executor that can keep them on its fast path (CUDA graphs: ``keep_hidden_layers``) is
-        told so; any other runs such forwards as it always does."""
+        told so; any other runs such forwards as it always does. ``consumer``: the plugin's
+        ``target_hidden`` where it may run inside a graph (``target_hidden_capturable``)."""
         keep = getattr(self.step, "keep_hidden_layers", None)
         if keep is not None:
-            keep(tuple(layers))
+            keep(tuple(layers), consumer)
 
     def launch(
         self,
@@ -404,7 +407,7 @@ class ModelRunner:
             fb.capture_hidden_layers = algorithm.capture_hidden_layers
         self.req_to_token.sync()  # the device mirror of the slot table, before any kernel
         logits = self.step(fb)
-        if fb.capture_hidden_layers:
+        if fb.capture_hidden_layers and not fb.hidden_consumed:
             assert algorithm is not None
             if fb.hidden_states is None:
                 raise RuntimeError(

@@ -42,6 +42,15 @@ def set_blas_library() -> None:
         torch.backends.cuda.preferred_blas_library(blas)
 
 
+#: Speculation turns off above this many decodes a step. The default model on an H200, every
+#: batch size forced to speculate (2026-12-03, docs/BENCHMARKS.md): n-gram gained at 2 (1.08-
+#: 2.24x) and at 4 on three workloads of four (1.42-1.79x; code edits 0.62x), and lost at 8
+#: on all four (0.73-0.93x); EAGLE-3 lost at every size (0.61-0.89x), where the per-request
+#: pause limits the loss. A launch-bound small model verifies k + 1 tokens for about the cost
+#: of a decode only while the batch is small.
+SPECULATION_CUTOFF = 4
+
+
 class CudaPlatform(HardwarePlatform):
     name = "cuda"
 
@@ -75,6 +84,7 @@ class CudaPlatform(HardwarePlatform):
             "cuda_graph_max_bs": graph_bs,
             "max_running_requests": graph_bs,
             "mem_fraction_static": round(1 - reserve / total, 3),
+            "speculative_disable_batch_size": SPECULATION_CUTOFF,
         }
 
     def kv_cache_bytes(self, weight_bytes: int, mem_fraction: float) -> int:

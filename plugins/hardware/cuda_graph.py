@@ -97,6 +97,9 @@ class CudaGraphRunner:
         # Target layers whose outputs every graph also keeps (``keep_hidden_layers``), and
         # those static outputs per graph: {batch size: {layer: [rows, hidden]}}.
         self.capture_layers: tuple[int, ...] = ()
+        # The speculative plugin's ``target_hidden``, run inside every graph when it is
+        # capturable (its feature writes then cost no launches of their own).
+        self.hidden_consumer: Callable[[ForwardBatch], None] | None = None
         self.hidden_out: dict[int, dict[int, torch.Tensor]] = {}
         self.v_hidden_out: dict[int, dict[int, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle()
@@ -127,13 +130,18 @@ class CudaGraphRunner:
         if self.capture_layers:
             logger.info("the graphs keep the outputs of layers %s", self.capture_layers)
 
-    def keep_hidden_layers(self, layers: tuple[int, ...]) -> None:
+    def keep_hidden_layers(
+        self, layers: tuple[int, ...], consumer: Callable[[ForwardBatch], None] | None = None
+    ) -> None:
         """Capture the graphs again so that each also keeps these layers' outputs (a
         speculative plugin that drafts from the target's hidden states needs them after every
         forward); until then such forwards run eagerly. Called once, after the plugin's setup,
-        which comes after the graphs' first capture."""
+        which comes after the graphs' first capture. ``consumer`` (the plugin's
+        ``target_hidden``, where capturable) is captured at the end of every graph: eagerly,
+        its launches came on top of every decode step (DFlash's context projection: 1.45 ms
+        a step against 1.0 on the H200 with the default model; docs/BENCHMARKS.md)."""
         layers = tuple(layers)
-        if layers == self.capture_layers or self.max_bs == 0:
+        if (layers, consumer) == (self.capture_layers, self.hidden_consumer) or self.max_bs == 0:
             return
         torch.cuda.synchronize()
         for graph, _ in [*self.graphs.values(), *self.verify_graphs.values()]:
@@ -145,6 +153,7 @@ class CudaGraphRunner:
         # a new memory pool: the old one went with its last graph
         self._pool = torch.cuda.graph_pool_handle()
         self.capture_layers = layers
+        self.hidden_consumer = consumer
         self._capture_all()
 
     def _static_batch(self, bs: int) -> ForwardBatch:
@@ -166,7 +175,13 @@ class CudaGraphRunner:
     def _run_static(self, bs: int, batch: ForwardBatch) -> torch.Tensor:
         meta = self.meta[:, :bs]
         self.attention.prepare_decode_graph(meta[0], meta[1])
-        return self.model.forward(batch)
+        return self._forward_and_consume(batch)
+
+    def _forward_and_consume(self, batch: ForwardBatch) -> torch.Tensor:
+        logits = self.model.forward(batch)
+        if self.hidden_consumer is not None and batch.capture_hidden_layers:
+            self.hidden_consumer(batch)
+        return logits
 
     def _capture(self, bs: int, pool: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         batch = self._static_batch(bs)
@@ -205,7 +220,7 @@ class CudaGraphRunner:
 
         def run() -> torch.Tensor:
             self.attention.prepare_verify_graph(meta[0], meta[1], q)  # type: ignore[attr-defined]
-            return self.model.forward(batch)
+            return self._forward_and_consume(batch)
 
         captured = capture_graph(run, pool)
         self.meta[1].fill_(1)
@@ -239,9 +254,14 @@ class CudaGraphRunner:
         return logits[:n]
 
     def _hand_hidden(self, batch: ForwardBatch, kept: dict[int, torch.Tensor], rows: int) -> None:
-        """The replayed graph's kept layer outputs, as an eager forward leaves them."""
-        if batch.capture_hidden_layers:
-            batch.hidden_states = {i: h[:rows] for i, h in kept.items()}
+        """The replayed graph's kept layer outputs, as an eager forward leaves them; or, where
+        the graph ran the consumer itself, that it did."""
+        if not batch.capture_hidden_layers:
+            return
+        if self.hidden_consumer is not None:
+            batch.hidden_consumed = True
+            return
+        batch.hidden_states = {i: h[:rows] for i, h in kept.items()}
 
     def release(self) -> None:
         """Free every captured graph now (the engine is shutting down). Graphs that captured

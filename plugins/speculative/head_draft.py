@@ -62,6 +62,8 @@ class HeadDraft(SpeculativeAlgorithm):
     kind = ""
     #: (hidden_size, num_layers, vocab_size) of a target: its head directory under HEADS_DIR
     default_heads: dict[tuple[int, int, int], str] = {}
+    #: the feature write is one indexed copy: CUDA graphs run it inside (no launch of its own)
+    target_hidden_capturable = True
 
     def __init__(self) -> None:
         self._kv: dict[str, DraftKV] = {}

@@ -79,6 +79,7 @@ def _traffic(engine: Engine) -> list[list[int]]:
 def _run(target: Path, attention: str, **kw: Any) -> tuple[list[list[int]], Any]:
     kw.setdefault("max_total_tokens", 16384)
     kw.setdefault("speculative_disable_pause", True)  # pausing depends on the machine's speed
+    kw.setdefault("speculative_disable_batch_size", 8)  # every step drafts (CUDA's cut-off: 4)
     with Engine(
         str(target), plugins=[f"attention={attention}", "hardware=cuda"], dtype="float32",
         max_running_requests=8, debug_leak_check=True, **kw,
@@ -138,3 +139,66 @@ def test_triton_graphs_speculation_equals_torch_native(
     if case in HEAD_CASES:  # the graphs keep the layers the head reads
         assert replays[0] > 0, "no verify step was replayed from a CUDA graph"
         assert replays[1] > 0, "no head proposal was replayed from a CUDA graph"
+
+
+@pytest.mark.parametrize("case", ["eagle3", "dflash"])
+def test_features_written_inside_graphs_equal_eager_writes(
+    models: tuple[Path, Path],
+    heads: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    case: str,
+) -> None:
+    """The feature pool (EAGLE-3) or drafter context KV (DFlash) that the decode and verify
+    graphs write themselves equals what the eager ``target_hidden`` writes after each replay,
+    slot for slot, on the same traffic (same scheduling, so the same slots); and the graphs
+    did take the writes over (fewer eager calls)."""
+    from radixserve.plugins.speculative.dflash import DFlashDraft
+    from radixserve.plugins.speculative.head_draft import HeadDraft
+
+    target = models[0]
+    if case == "eagle3":
+        flags = {"speculative_algorithm": "EAGLE3",
+                 "speculative_draft_model_path": str(heads["eagle3"])}  # fmt: skip
+        cls: Any = HeadDraft
+    else:
+        from radixserve.core.config import ModelConfig
+        from radixserve.plugins.speculative.dflash_head import DFlashConfig, DFlashHead
+        from radixserve.plugins.speculative.head_layer import save_head
+
+        mc = ModelConfig.from_dir(target)
+        torch.manual_seed(3)
+        head = DFlashHead(DFlashConfig.for_target(mc, [0, 2], 4), 4096, torch.float32, "cpu")
+        head.init_weights(std=0.3)
+        save_head(head, tmp_path / "dflash", torch.float32, {})
+        flags = {"speculative_algorithm": "DFLASH",
+                 "speculative_draft_model_path": str(tmp_path / "dflash")}  # fmt: skip
+        cls = DFlashDraft
+
+    def run(capturable: bool) -> tuple[list[torch.Tensor], int]:
+        monkeypatch.setattr(cls, "target_hidden_capturable", capturable)
+        with Engine(
+            str(target), plugins=["attention=triton", "hardware=cuda"], dtype="float32",
+            max_running_requests=8, max_total_tokens=16384, speculative_disable_pause=True,
+            speculative_disable_batch_size=8, **flags,
+        ) as engine:  # fmt: skip
+            algorithm = engine.core.speculator.algorithm
+            eager = {"calls": 0}
+            write = algorithm.target_hidden
+
+            def counted(batch: Any) -> None:
+                eager["calls"] += 1
+                write(batch)
+
+            algorithm.target_hidden = counted
+            _traffic(engine)
+            torch.cuda.synchronize()
+            pools = [algorithm.features] if case == "eagle3" else [*algorithm.k, *algorithm.v]
+            return [p[1:].cpu() for p in pools], eager["calls"]
+
+    graphed, graphed_calls = run(True)
+    eager, eager_calls = run(False)
+    assert graphed_calls < eager_calls, (graphed_calls, eager_calls)
+    for got, want in zip(graphed, eager, strict=True):
+        assert want.abs().sum() > 0, "no feature was written"
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
