@@ -59,6 +59,12 @@ def parse_args() -> argparse.Namespace:
         "platform's cut-off, which is what users get)",
     )
     model.add_argument(
+        "--num-steps",
+        type=int,
+        default=None,
+        help="draft tokens a step (--speculative-num-steps; a tuning flag, default 4)",
+    )
+    model.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -147,6 +153,8 @@ def run_model(args: argparse.Namespace) -> dict[str, Any]:
     extra: dict[str, Any] = {"speculative_disable_pause": True} if args.disable_pause else {}
     if args.disable_batch_size is not None:
         extra["speculative_disable_batch_size"] = args.disable_batch_size
+    if args.num_steps is not None:
+        extra["speculative_num_steps"] = args.num_steps
     results["engine_flags"] = extra
     modes = {"off": {}} | {a: {"speculative_algorithm": a, **extra} for a in args.algorithm}
     # rounds[r][mode][group][batch] = (output tokens, seconds, verify steps, accepted drafts)
