@@ -72,6 +72,14 @@ def parse_args() -> argparse.Namespace:
         "are taken within a round and the median is reported (a VM's speed drifts between "
         "engines)",
     )
+    model.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="first run every group once with speculation off, untimed (default: on for "
+        "cuda, where the first engine of a device call ran up to 1.5x slower than later "
+        "ones, 2026-12-03)",
+    )
     model.add_argument("--json-out", default=None)
     gpu = sub.add_parser("gpu", help="random weights on CUDA, simulated acceptance")
     gpu.add_argument("--shape", default="llama3-8b")
@@ -160,6 +168,10 @@ def run_model(args: argparse.Namespace) -> dict[str, Any]:
     # rounds[r][mode][group][batch] = (output tokens, seconds, verify steps, accepted drafts)
     rounds: list[dict[str, dict[str, dict[int, tuple[int, float, int, int]]]]] = []
     spawn = multiprocessing.get_context("spawn")
+    if args.warmup if args.warmup is not None else args.device != "cpu":
+        with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+            pool.submit(time_mode, {}, base, names, args.batches).result()
+        print("warm-up (speculation off, untimed): done", flush=True)
     for r in range(args.rounds):
         rounds.append({})
         for mode, flags in modes.items():
