@@ -239,7 +239,7 @@ class EngineConfig:
         None,
         "Speculation turns itself off while more requests than this decode at once (above 8, "
         "the draft length also shrinks as the batch grows; default: the hardware platform's: "
-        "2 on the CPU, 4 on CUDA, 32 where it sets none)",
+        "2 on the CPU, 4 on CUDA for models under 2 GiB of weights, 32 where it sets none)",
     )
     speculative_disable_pause: bool = _opt(
         False,

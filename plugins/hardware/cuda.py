@@ -42,13 +42,18 @@ def set_blas_library() -> None:
         torch.backends.cuda.preferred_blas_library(blas)
 
 
-#: Speculation turns off above this many decodes a step. The default model on an H200, every
-#: batch size forced to speculate (2026-12-03, docs/BENCHMARKS.md): n-gram gained at 2 (1.08-
-#: 2.24x) and at 4 on three workloads of four (1.42-1.79x; code edits 0.62x), and lost at 8
-#: on all four (0.73-0.93x); EAGLE-3 lost at every size (0.61-0.89x), where the per-request
-#: pause limits the loss. A launch-bound small model verifies k + 1 tokens for about the cost
-#: of a decode only while the batch is small.
-SPECULATION_CUTOFF = 4
+#: Speculation turns off above this many decodes a step for a model whose weights take under
+#: LAUNCH_BOUND_WEIGHTS bytes: its steps cost their launches and the host's work, not their
+#: weight reads (SmolLM2-135M on an H200: ~1 ms a decode step for 0.27 GB of weights), so a
+#: verify step's host work (drafting, accepting) is what speculation adds. The default model
+#: on an H200, every batch size forced to speculate (2026-12-03, docs/BENCHMARKS.md): n-gram
+#: gained at 2 (1.08-2.24x) and at 4 on three workloads of four (1.42-1.79x; code edits
+#: 0.62x), and lost at 8 on all four (0.73-0.93x); EAGLE-3 lost at every size (0.61-0.89x).
+#: Larger models keep the core's cut-off: the Llama-3.1-8B shape (16 GB) gained 1.67x at
+#: batch 8 with EAGLE-3 at a simulated accept length of 3.0 (2026-12-01). Where between the two
+#: sizes the turn lies was not measured; 2 GiB reads in ~0.5 ms at an H200's bandwidth.
+SMALL_MODEL_SPECULATION_CUTOFF = 4
+LAUNCH_BOUND_WEIGHTS = 2 << 30
 
 
 class CudaPlatform(HardwarePlatform):
@@ -79,13 +84,15 @@ class CudaPlatform(HardwarePlatform):
         activations = chunk * (4 * model.hidden_size + 3 * intermediate) * itemsize
         sampler = graph_bs * model.vocab_size * 4 * 3  # float32 logits and two temporaries
         reserve = max(2 * (activations + sampler + (2 << 30)), int(0.08 * total))
-        return {
+        chosen = {
             "chunked_prefill_size": chunk,
             "cuda_graph_max_bs": graph_bs,
             "max_running_requests": graph_bs,
             "mem_fraction_static": round(1 - reserve / total, 3),
-            "speculative_disable_batch_size": SPECULATION_CUTOFF,
         }
+        if weight_bytes < LAUNCH_BOUND_WEIGHTS:
+            chosen["speculative_disable_batch_size"] = SMALL_MODEL_SPECULATION_CUTOFF
+        return chosen
 
     def kv_cache_bytes(self, weight_bytes: int, mem_fraction: float) -> int:
         free, total = torch.cuda.mem_get_info(self.device)

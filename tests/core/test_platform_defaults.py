@@ -144,3 +144,7 @@ def test_cuda_defaults_scale_with_the_card(monkeypatch: pytest.MonkeyPatch) -> N
     assert 0.85 <= picked[141]["mem_fraction_static"] < 0.95
     assert set(picked[141]) <= set(CORE_DEFAULTS)
     assert EngineConfig(**picked[141])  # valid settings
+    # speculation's cut-off: the core's for an 8B model, 4 for a launch-bound small one
+    assert "speculative_disable_batch_size" not in picked[141]
+    small = platform.engine_defaults(model, 270 << 20)
+    assert small["speculative_disable_batch_size"] == 4
