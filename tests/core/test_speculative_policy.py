@@ -68,10 +68,10 @@ def test_a_request_whose_drafts_do_not_pay_pauses_with_doubling_pauses() -> None
     assert spec.wants(poor)
 
 
-def test_a_lucky_retry_resumes_drafting_but_keeps_the_pause_length() -> None:
-    """A request just below break-even whose retry happens to pay resumes drafting, but its
-    next pause doubles from the last one instead of starting over at the first (each retry
-    costs a catch-up); a verify that pays while drafting goes on does reset it."""
+def test_a_lucky_retry_resumes_drafting_but_the_episode_decides_the_next_pause() -> None:
+    """A request just below break-even whose retry happens to pay resumes drafting; when it
+    pauses again, the whole drafting episode decides how long: one that did not pay as a whole
+    doubles the pause (each retry costs a catch-up), one that did starts over at the first."""
     spec = _speculator()
     spec.observe_step(False, 1, 0.010)
     spec.observe_step(True, 1, 0.030)  # a verify costs three decodes
@@ -81,13 +81,35 @@ def test_a_lucky_retry_resumes_drafting_but_keeps_the_pause_length() -> None:
     assert _pauses(spec, req, 5) == [False] * 4 + [True]
     spec.verified([req], [4], [4], batch_size=1)  # the retry gains 5: 3 -> 3.6, resumes
     assert spec.wants(req)
-    spec.verified([req], [4], [0], batch_size=1)  # 3.6 -> 2.82: paused 8, not 4
-    assert _pauses(spec, req, 9) == [False] * 8 + [True]
-    spec.verified([req], [4], [4], batch_size=1)  # a lucky retry again: 3.6
-    spec.verified([req], [4], [4], batch_size=1)  # pays while drafting: 4.02, pause reset
-    spec.verified([req], [4], [0], batch_size=1)  # 4.02 -> 3.11 pays; then 2.48: paused 4
+    spec.verified([req], [4], [0], batch_size=1)  # 3.6 -> 2.82: 6 tokens in 2 verifies
+    assert _pauses(spec, req, 9) == [False] * 8 + [True]  # did not pay: paused 8, not 4
+    for gained in (5, 5, 5, 1):  # 3.6, 4.02, 4.31, 3.32: drafting goes on
+        spec.verified([req], [4], [gained - 1], batch_size=1)
+        assert spec.wants(req)
+    spec.verified([req], [4], [0], batch_size=1)  # 2.62 < 3: 17 tokens in 5 verifies paid
+    assert _pauses(spec, req, 5) == [False] * 4 + [True]  # so the pause starts over at 4
+    spec.verified([req], [4], [4], batch_size=1)  # resumes; then 5 + 1 in 2 verifies
     spec.verified([req], [4], [0], batch_size=1)
-    assert _pauses(spec, req, 5) == [False] * 4 + [True]
+    assert _pauses(spec, req, 9) == [False] * 8 + [True]  # did not pay: doubled from 4
+
+
+def test_scattered_gains_just_below_break_even_back_off_to_the_longest_pause() -> None:
+    """Open chat on a CPU: a request's gains scatter around break-even (here 2 tokens), so a
+    retry often pays and the next verify still does before a poor one pauses it. Each episode
+    as a whole did not pay, so the pauses keep doubling up to the longest, where a verify that
+    paid used to restart them at the first."""
+    spec = _speculator()
+    spec.observe_step(False, 1, 0.010)
+    spec.observe_step(True, 1, 0.020)  # a verify costs two decodes
+    req = _req()
+    for _ in range(4):  # gains 1: 5 -> 3.8 -> 2.96 -> 2.37 -> 1.96: a pause of 4
+        spec.verified([req], [4], [0], batch_size=1)
+    pauses = []
+    for _ in range(6):
+        pauses.append(_pauses(spec, req, 100).index(True))
+        for gained in (3, 2, 1):  # 2.3 resumes, 2.21 still pays, 1.85 pauses: 6 in 3 verifies
+            spec.verified([req], [4], [gained - 1], batch_size=1)
+    assert pauses == [4, 8, 16, 32, 64, 64]
 
 
 def test_verify_steps_whose_drafter_catches_up_are_not_what_drafting_costs() -> None:
