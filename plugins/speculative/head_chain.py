@@ -11,8 +11,10 @@ first: ``prepare_verify_graph``), and draft steps 2..k are decodes fed by the pr
 token and the head's own hidden state.
 
 The graph serves a proposal when every request drafts the full k tokens and trusts its draft
-KV up to at least ``kv_len - k - 1``; otherwise (a new or retracted request, a row the prefix
-cache re-pointed, shortened drafts) the plugin runs its eager steps.
+KV up to at least ``kv_len - k - 1``. Draft KV that lags further (a new or retracted request,
+the decodes of a pause, a row the prefix cache re-pointed) is first written by one eager head
+forward (``HeadDraft._catch_up_before_graph``); shortened drafts, a batch larger than the
+largest graph and requests shorter than the span run the plugin's eager steps.
 
 Padding rows read the slot table's padding row and write their K/V to slot 0, as the decode
 graphs do (plugins/hardware/cuda_graph.py).
@@ -119,18 +121,22 @@ class HeadChainGraphs:
 
         return capture_graph(lambda: self._chain(bs), pool)[0]
 
-    def serves(
-        self, reqs: Sequence[Req], max_drafts: Sequence[int], trusted: Sequence[int]
-    ) -> bool:
-        """Whether one replay drafts for all of ``reqs``: full drafts, and draft KV trusted up
-        to the catch-up span."""
+    def fits(self, reqs: Sequence[Req], max_drafts: Sequence[int]) -> bool:
+        """Whether the step's shape is one a replay drafts: a captured batch size, full drafts,
+        and at least the catch-up span of KV per request."""
         return (
             len(reqs) <= self.max_bs
             and all(m == self.k for m in max_drafts)
-            and all(
-                r.kv_len >= self.span and t >= r.kv_len - self.span
-                for r, t in zip(reqs, trusted, strict=True)
-            )
+            and all(r.kv_len >= self.span for r in reqs)
+        )
+
+    def serves(
+        self, reqs: Sequence[Req], max_drafts: Sequence[int], trusted: Sequence[int]
+    ) -> bool:
+        """Whether one replay drafts for all of ``reqs``: ``fits``, and draft KV trusted up to
+        the catch-up span."""
+        return self.fits(reqs, max_drafts) and all(
+            t >= r.kv_len - self.span for r, t in zip(reqs, trusted, strict=True)
         )
 
     def launch(self, reqs: Sequence[Req]) -> torch.Tensor:

@@ -10,14 +10,14 @@ import triton.language as tl
 
 @triton.jit
 def _store_kv_kernel(
-    K, V, KBuf, VBuf, Slots,
+    K, V, KBuf, VBuf, Slots, stride_s,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_bt, stride_bh, stride_ct, stride_ch,
     NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
-    slot = tl.load(Slots + t).to(tl.int64)
+    slot = tl.load(Slots + t * stride_s).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
@@ -32,12 +32,13 @@ def _store_kv_kernel(
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """k, v: [T, KVH, D] (any row stride, unit stride in D); slots: [T] pool rows to write."""
+    """k, v: [T, KVH, D] (any row stride, unit stride in D); slots: [T] pool rows to write (any
+    stride: a view of a staged buffer, as the EAGLE proposal graph passes at batch 1)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_buf, v_buf, slots,
+        k, v, k_buf, v_buf, slots, slots.stride(0),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         NUM_KV_HEADS=num_kv_heads, BLOCK_H=triton.next_power_of_2(num_kv_heads),
@@ -57,7 +58,7 @@ def _rotate_half(src, dst, cos, sin, mask, HALF: tl.constexpr):
 
 @triton.jit
 def _store_kv_rotary_kernel(
-    Q, K, V, QOut, KBuf, VBuf, Slots, Positions, Cos, Sin,
+    Q, K, V, QOut, KBuf, VBuf, Slots, Positions, Cos, Sin, stride_s, stride_p,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_bt, stride_bh, stride_ct, stride_ch, stride_cos,
     NUM_HEADS: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -65,8 +66,8 @@ def _store_kv_rotary_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
-    slot = tl.load(Slots + t).to(tl.int64)
-    pos = tl.load(Positions + t).to(tl.int64)
+    slot = tl.load(Slots + t * stride_s).to(tl.int64)
+    pos = tl.load(Positions + t * stride_p).to(tl.int64)
     offs_half = tl.arange(0, BLOCK_HALF)
     mask_half = offs_half < HALF
     cos = tl.load(Cos + pos * stride_cos + offs_half, mask=mask_half, other=0.0).to(tl.float32)
@@ -106,7 +107,8 @@ def store_kv_rotary(
     """``store_kv`` with rotate-half RoPE applied on the way, in the same launch: K is rotated
     into its slots and the rotated q [T, H, D] is returned (a new contiguous tensor), with the
     rounding of the model's own RoPE kernel. q, k, v: [T, heads, D] (any token and head
-    strides, unit stride in D); cos, sin: [max_positions, D / 2] tables; positions: [T]."""
+    strides, unit stride in D); cos, sin: [max_positions, D / 2] tables; slots, positions: [T]
+    (any stride)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -115,6 +117,7 @@ def store_kv_rotary(
     half = head_dim // 2
     _store_kv_rotary_kernel[(num_tokens,)](
         q, k, v, q_out, k_buf, v_buf, slots, positions, cos, sin,
+        slots.stride(0), positions.stride(0),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), cos.stride(0),

@@ -170,8 +170,16 @@ def test_extend_matches_reference(group: int, dtype: torch.dtype, page_size: int
         assert err < _tolerance(dtype), f"prefix={prefix} new={n}: rel err {err:.2e}"
 
 
+def _strided(index: torch.Tensor) -> torch.Tensor:
+    """``index``'s values as a view with stride 2 (a column of a staged buffer: the EAGLE
+    proposal graph passes its catch-up slots so at batch 1, and the stores once read them as
+    contiguous, writing all but the first row's K/V to other slots)."""
+    return torch.stack([index, torch.zeros_like(index)], dim=1)[:, 0]
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided-slots"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_store_kv_writes_exactly_the_slots(dtype: torch.dtype) -> None:
+def test_store_kv_writes_exactly_the_slots(dtype: torch.dtype, strided: bool) -> None:
     tokens, size = (300, 1000) if GPU else (9, 40)
     qkv = torch.randn(tokens, 3 * KV_HEADS * HEAD_DIM).to(dtype)  # k, v as strided views
     k = qkv[:, KV_HEADS * HEAD_DIM : 2 * KV_HEADS * HEAD_DIM].view(tokens, KV_HEADS, HEAD_DIM)
@@ -182,12 +190,13 @@ def test_store_kv_writes_exactly_the_slots(dtype: torch.dtype) -> None:
     want_k, want_v = k_buf.clone(), v_buf.clone()
     want_k[slots], want_v[slots] = k, v
     dk, dv, dkb, dvb, ds = _dev(k, v, k_buf, v_buf, slots)
-    store_kv(dk, dv, dkb, dvb, ds)
+    store_kv(dk, dv, dkb, dvb, _strided(ds) if strided else ds)
     assert torch.equal(dkb.cpu(), want_k) and torch.equal(dvb.cpu(), want_v)
 
 
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided-indices"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_store_kv_rotary_equals_rope_then_store(dtype: torch.dtype) -> None:
+def test_store_kv_rotary_equals_rope_then_store(dtype: torch.dtype, strided: bool) -> None:
     """The store that applies RoPE on the way writes what the model's RoPE followed by the
     plain store writes, bit for bit, and returns the rotated q."""
     from radixserve.core.config import ModelConfig
@@ -216,6 +225,8 @@ def test_store_kv_rotary_equals_rope_then_store(dtype: torch.dtype) -> None:
     rotated = rope.apply(dqk, dpos)
     store_kv(rotated[:, heads:], dv, want_kb, want_vb, ds)
     got_kb, got_vb = _dev(k_buf, v_buf)
+    if strided:
+        ds, dpos = _strided(ds), _strided(dpos)
     q = store_kv_rotary(dqk[:, :heads], dqk[:, heads:], dv, got_kb, got_vb, ds, dpos,
                         rope.cos, rope.sin)  # fmt: skip
     torch.testing.assert_close(q, rotated[:, :heads], rtol=0, atol=0)

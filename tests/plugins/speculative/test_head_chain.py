@@ -106,22 +106,37 @@ def _flags(heads: dict[str, Path], algorithm: str, **extra: Any) -> dict[str, An
             "speculative_disable_batch_size": 64, **extra}  # fmt: skip
 
 
-def compare_with_eager_steps(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+def compare_with_eager_steps(monkeypatch: pytest.MonkeyPatch, forget_every: int = 0) -> list[bool]:
     """Every proposal the graph serves is first drafted by the eager steps from the same draft
-    KV record; returns, per such proposal, whether the two drafted the same tokens."""
+    KV record; returns, per such proposal, whether the two drafted the same tokens. With
+    ``forget_every`` n, every n-th proposal starts with no draft KV trusted and the draft KV
+    pool scrambled (as positions never written after a pause or a retraction): the graph's
+    proposal, run first, must catch up eagerly over the lag; the eager steps, run after it,
+    recompute every position."""
     original = head_draft.HeadDraft.propose
     same: list[bool] = []
+    proposals = [0]
 
     def propose(self: Any, reqs: Any, max_drafts: Any) -> Any:
-        trusted = [head_draft.trusted_length(self._kv.get(r.rid), r, self.req_to_token)
-                   for r in reqs]  # fmt: skip
         chain = self.chain
-        if chain is None or not chain.serves(reqs, max_drafts, trusted):
+        if chain is None or not chain.fits(reqs, max_drafts):
             return original(self, reqs, max_drafts)
-        saved, self.chain = dict(self._kv), None
-        eager = original(self, reqs, max_drafts)
-        self.chain, self._kv = chain, saved
-        graphed = original(self, reqs, max_drafts)
+        proposals[0] += 1
+        replays = chain.replays
+        if forget_every and proposals[0] % forget_every == 0:
+            self._kv.clear()
+            for buffer in (*self.kv_pool.k, *self.kv_pool.v):
+                buffer.normal_()
+            graphed = original(self, reqs, max_drafts)
+            self.chain, self._kv = None, {}
+            eager = original(self, reqs, max_drafts)
+            self.chain = chain
+        else:
+            saved, self.chain = dict(self._kv), None
+            eager = original(self, reqs, max_drafts)
+            self.chain, self._kv = chain, saved
+            graphed = original(self, reqs, max_drafts)
+        assert chain.replays == replays + 1, "a proposal that fits the graph was not graphed"
         same.append([d.pending.tolist() for d in eager] == [d.pending.tolist() for d in graphed])
         return graphed
 
@@ -142,6 +157,19 @@ def test_graph_drafts_what_the_eager_steps_draft(
     assert chain is not None and chain.replays == len(same) > 5, "too few proposals were graphed"
     assert all(same), f"{same.count(False)} of {len(same)} graphed proposals differ"
     assert stats["accepted_tokens"] > 0
+
+
+def test_graph_drafts_after_catching_up_a_lag_what_the_eager_steps_draft(
+    target: Path, heads: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Draft KV that lags behind the graph's fixed catch-up (a pause, a new request, a row
+    re-pointed) is written by one eager forward first; the graph then drafts what the eager
+    steps draft."""
+    eager_chain(monkeypatch)
+    same = compare_with_eager_steps(monkeypatch, forget_every=2)
+    _, _, chain = _generate(target, **_flags(heads, "EAGLE3", speculative_simulate_accept_len=2.5))
+    assert chain is not None and len(same) > 5, "too few proposals were graphed"
+    assert all(same), f"{same.count(False)} of {len(same)} graphed proposals differ"
 
 
 def test_graph_keeps_greedy_outputs(
