@@ -271,8 +271,9 @@ def test_plain_decoding_is_measured_by_steps_that_overlapped_under_the_overlap_s
 
 def test_a_new_request_starts_paused_while_the_last_judged_one_did_not_pay() -> None:
     """Requests of one workload gain alike: after a request's drafts did not pay, the next
-    request starts paused (half the last pause), not from a fresh retry; after one paid, a
-    new request drafts at once."""
+    request starts paused (half the last pause, at most 8 steps: unrelated requests follow
+    each other too), not from a fresh retry, and backs off from the last pause if its first
+    verify does not pay either; after one paid, a new request drafts at once."""
     spec = _speculator()
     spec.observe_step(False, 1, 0.010)
     spec.observe_step(True, 1, 0.030)  # a verify costs three decodes
@@ -283,7 +284,9 @@ def test_a_new_request_starts_paused_while_the_last_judged_one_did_not_pay() -> 
     for req in (second, third):
         req.state = ReqState.DECODE
     assert not spec.may_draft(second)
-    assert _pauses(spec, second, 17) == [False] * 16 + [True]  # half of the next pause, 32
+    assert _pauses(spec, second, 9) == [False] * 8 + [True]  # half of the next pause, 32: 8
+    spec.verified([second], [4], [0], batch_size=1)  # its first verify gains 1 as well
+    assert _pauses(spec, second, 33) == [False] * 32 + [True]  # the last one's next pause
     rich = _req("rich")
     spec.verified([rich], [4], [4], batch_size=1)  # gains 5: pays
     assert spec.may_draft(third) and spec.wants(third)
