@@ -274,6 +274,9 @@ class CudaGraphRunner:
         self.verify_graphs.clear()
         self.hidden_out.clear()
         self.v_hidden_out.clear()
+        # the consumer is a method of the speculative plugin: holding it would keep the
+        # plugin's feature pool and draft KV on the device after the engine shut down
+        self.hidden_consumer = None
         self.verify_shapes = {}
         self.max_bs = 0  # every later batch runs eagerly
 

@@ -123,20 +123,12 @@ class HeadChainGraphs:
 
     def fits(self, reqs: Sequence[Req], max_drafts: Sequence[int]) -> bool:
         """Whether the step's shape is one a replay drafts: a captured batch size, full drafts,
-        and at least the catch-up span of KV per request."""
+        and at least the catch-up span of KV per request. The draft KV must also be trusted up
+        to ``kv_len - span`` (``HeadDraft._catch_up_before_graph`` sees to it)."""
         return (
             len(reqs) <= self.max_bs
             and all(m == self.k for m in max_drafts)
             and all(r.kv_len >= self.span for r in reqs)
-        )
-
-    def serves(
-        self, reqs: Sequence[Req], max_drafts: Sequence[int], trusted: Sequence[int]
-    ) -> bool:
-        """Whether one replay drafts for all of ``reqs``: ``fits``, and draft KV trusted up to
-        the catch-up span."""
-        return self.fits(reqs, max_drafts) and all(
-            t >= r.kv_len - self.span for r, t in zip(reqs, trusted, strict=True)
         )
 
     def launch(self, reqs: Sequence[Req]) -> torch.Tensor:

@@ -146,8 +146,7 @@ class HeadDraft(SpeculativeAlgorithm):
         its fixed catch-up is written first (one eager forward) and the graph drafts."""
         trusted = [trusted_length(self._kv.get(r.rid), r, self.req_to_token) for r in reqs]
         if self.chain is not None and self.chain.fits(reqs, max_drafts):
-            trusted = self._catch_up_before_graph(reqs, trusted)
-        if self.chain is not None and self.chain.serves(reqs, max_drafts, trusted):
+            self._catch_up_before_graph(reqs, trusted)
             chained = self.chain.launch(reqs)
             for req in reqs:
                 self._kv[req.rid] = DraftKV.written(req, req.kv_len, self.req_to_token)
@@ -184,12 +183,11 @@ class HeadDraft(SpeculativeAlgorithm):
         by_req = flat[gather].split([len(w) for w in where])
         return [Draft([0] * len(w), None, t) for w, t in zip(where, by_req, strict=True)]
 
-    def _catch_up_before_graph(self, reqs: Sequence[Req], trusted: list[int]) -> list[int]:
+    def _catch_up_before_graph(self, reqs: Sequence[Req], trusted: list[int]) -> None:
         """Write the draft KV of the positions the graph's fixed catch-up does not cover
         (``[trusted, kv_len - span)``: a new request's prompt, the decodes of a pause) in one
         eager head forward, so that the graph serves the proposal. Eager proposals cost k
-        head forwards: on the H200 a proposal after a pause took ~6 ms, a graph replay ~0.3.
-        Returns the trusted lengths after it."""
+        head forwards: on the H200 a proposal after a pause took ~6 ms, a graph replay ~0.3."""
         assert self.chain is not None
         span = self.chain.span
         lagging = [
@@ -197,14 +195,9 @@ class HeadDraft(SpeculativeAlgorithm):
             for i, (r, t) in enumerate(zip(reqs, trusted, strict=True))
             if t < r.kv_len - span
         ]
-        if not lagging:
-            return trusted
-        lagging.sort(key=lambda e: e[2] != 1)  # decodes first
-        self._forward(reqs, lagging, *self._catch_up_inputs(reqs, lagging))
-        caught = list(trusted)
-        for i, s, n in lagging:
-            caught[i] = s + n
-        return caught
+        if lagging:
+            lagging.sort(key=lambda e: e[2] != 1)  # decodes first
+            self._forward(reqs, lagging, *self._catch_up_inputs(reqs, lagging))
 
     def _catch_up_inputs(
         self, reqs: Sequence[Req], spans: list[tuple[int, int, int]]
