@@ -319,7 +319,7 @@ class Draft:
     probs: torch.Tensor | None = None
     #: [len(tokens)] int64 on the device: the tokens not yet read back (a draft model's output
     #: left where it was computed, so the verify step can start without a host sync). Until
-    #: the core reads them (``core.speculative.read_pending``, together with the verify
+    #: the core reads them (``core.spec_verify.read_pending``, together with the verify
     #: result), ``tokens`` holds as many placeholders: only its length counts.
     pending: torch.Tensor | None = None
 

@@ -34,7 +34,8 @@ from radixserve.core.pooling import finish_pooling, plan_pooling, record_label_l
 from radixserve.core.request import token_slice
 from radixserve.core.sampling import SampleResult, presample_logits, sample, sample_ids
 from radixserve.core.scheduler import SampledToken, ScheduledBatch
-from radixserve.core.speculative import Speculator, verify_drafts
+from radixserve.core.spec_verify import verify_drafts
+from radixserve.core.speculative import Speculator
 from radixserve.core.tp_step import StepBroadcaster, release_step
 from radixserve.core.weights import (
     count_parameters,

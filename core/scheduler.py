@@ -25,7 +25,8 @@ from radixserve.core.memory import ReqToTokenPool, TokenAllocator
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
 from radixserve.core.request import FinishReason, Req, ReqState, token_slice
 from radixserve.core.schedule_policy import order_waiting, prefill_budget
-from radixserve.core.speculative import SampledToken, Speculator, speculating
+from radixserve.core.spec_verify import SampledToken
+from radixserve.core.speculative import Speculator, speculating
 from radixserve.core.stop import StopChecker, TopLogprobs
 
 logger = logging.getLogger(__name__)

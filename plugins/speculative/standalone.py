@@ -31,7 +31,7 @@ from radixserve.core.interfaces import Draft, SpeculativeAlgorithm, SpeculativeC
 from radixserve.core.memory import KVPool
 from radixserve.core.request import Req, token_slice
 from radixserve.core.sampling import adjusted_logits, target_probs
-from radixserve.core.speculative import DraftPosition
+from radixserve.core.spec_verify import DraftPosition
 from radixserve.core.weights import count_parameters, iter_weights
 from radixserve.plugins.speculative.draft_kv import (
     DraftKV,

@@ -12,7 +12,8 @@ import torch
 
 from radixserve.core.interfaces import Draft, SpeculativeAlgorithm
 from radixserve.core.request import Req, ReqState, SamplingParams
-from radixserve.core.speculative import FULL_DRAFT_BATCH, Speculator, read_pending, verify_drafts
+from radixserve.core.spec_verify import read_pending, verify_drafts
+from radixserve.core.speculative import FULL_DRAFT_BATCH, Speculator
 
 
 class Fixed(SpeculativeAlgorithm):

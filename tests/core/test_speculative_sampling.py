@@ -9,7 +9,7 @@
    cells with expected count < 5 pooled, combined by Bonferroni (p = 4 * the smallest). Drafts:
    the target itself, a random model of another seed, and an in-process drafter whose q lies
    wholly outside the target's top-k (acceptance 0); speculation off is the control. Two lossy
-   acceptance rules patched into ``core.speculative._rejection_sample`` (accept every draft;
+   acceptance rules patched into ``core.spec_verify._rejection_sample`` (accept every draft;
    on rejection draw from p instead of the residual) must make the same check fail.
 2. Acceptance extremes (greedy, the 384-token tiny model): a self-draft accepts every draft
    token of every verify step; a random draft accepts almost none and changes no output.
@@ -37,6 +37,7 @@ import pytest
 import torch
 from tiny_models import make_tiny_llama_dir
 
+import radixserve.core.spec_verify as spec_verify
 import radixserve.core.speculative as core_spec
 from radixserve import Engine
 from radixserve.core.config import EngineConfig
@@ -399,7 +400,7 @@ def test_lossy_acceptance_rule_is_detected(
     draft: str,
     params: dict[str, Any],
 ) -> None:
-    monkeypatch.setattr(core_spec, "_rejection_sample", rule)
+    monkeypatch.setattr(spec_verify, "_rejection_sample", rule)
     outputs, _ = sample_outputs(small_vocab, monkeypatch, draft, params)
     p, ps = distribution_p(outputs, small_vocab["reference"].joint(params))
     print(f"lossy {rule.__name__} draft={draft} p={p:.4g} per test={ps}")
