@@ -43,14 +43,14 @@ else:
 
     target = Path(args.workdir) / args.shape
     if not (target / "config.json").exists():
-        write_random_llama(target, args.shape, "cuda")
+        write_random_llama(target, args.shape, "cuda" if torch.cuda.is_available() else "cpu")
 draft = args.draft
 if args.algorithm == "EAGLE3" and draft is None:
     from speculative import write_random_eagle3
 
     draft = str(Path(args.workdir) / f"{target.name}-eagle3-random")
     if not (Path(draft) / "config.json").exists():
-        write_random_eagle3(target, Path(draft), "cuda")
+        write_random_eagle3(target, Path(draft), "cuda" if torch.cuda.is_available() else "cpu")
 vocab = int(__import__("json").loads((target / "config.json").read_text())["vocab_size"])
 spec = dict(
     speculative_algorithm=args.algorithm,

@@ -219,15 +219,19 @@ class EngineConfig:
         "installed speculative plugin (alias of --plugin speculative=NAME)",
     )
     speculative_num_steps: int | None = _opt(
-        None, "Draft tokens proposed per request and step (default 4; a chain)"
+        None,
+        "Draft tokens proposed per request and step (default 4): a chain's length, a tree's depth",
     )
     speculative_num_draft_tokens: int | None = _opt(
         None,
         "Tokens verified per request and step, the last verified token included (SGLang's "
-        "meaning: draft tokens + 1); overrides --speculative-num-steps",
+        "meaning: draft tokens + 1); for a chain it overrides --speculative-num-steps, for a "
+        "tree it is the tree's size (default: depth x topk + 1)",
     )
     speculative_eagle_topk: int = _opt(
-        1, "Branching of draft trees (only 1, chains, is built: the EAGLE plugins draft chains)"
+        1,
+        "Branching of EAGLE/EAGLE-3 draft trees: 1 drafts chains; above 1, each tree level "
+        "expands the topk likeliest nodes into topk children each (needs --page-size 1)",
     )
     speculative_draft_model_path: str | None = _opt(
         None,
@@ -399,10 +403,18 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not 1 <= value - (name.endswith("tokens")) <= 64:
                 raise ConfigError(f"{name} must give 1 to 64 draft tokens, got {value}")
-        if self.speculative_eagle_topk != 1:
+        topk = self.speculative_eagle_topk
+        if not 1 <= topk <= 16:
+            raise ConfigError(f"speculative_eagle_topk must be 1 to 16, got {topk}")
+        if topk > 1 and self.page_size != 1:
             raise ConfigError(
-                "speculative_eagle_topk must be 1: radixserve's speculative plugins (eagle, "
-                "eagle3, dflash, ngram, standalone) draft chains; tree drafting is not built yet"
+                f"speculative_eagle_topk {topk} (draft trees) needs --page-size 1: a tree's "
+                f"nodes take single KV slots, got page_size {self.page_size}"
+            )
+        if topk > 1 and self.speculative_simulate_accept_len is not None:
+            raise ConfigError(
+                "speculative_simulate_accept_len simulates chains; use it with "
+                "speculative_eagle_topk 1"
             )
         if (
             self.speculative_disable_batch_size is not None
@@ -428,10 +440,21 @@ class EngineConfig:
 
     @property
     def num_draft_tokens(self) -> int:
-        """Draft tokens per request and step (k), from the speculative flags."""
+        """Draft tokens per request and step, from the speculative flags: a chain's length k,
+        or a tree's nodes (``speculative_eagle_topk`` > 1)."""
         if self.speculative_num_draft_tokens is not None:
             return self.speculative_num_draft_tokens - 1
-        return self.speculative_num_steps if self.speculative_num_steps is not None else 4
+        if self.speculative_eagle_topk > 1:
+            return self.draft_depth * self.speculative_eagle_topk
+        return self.draft_depth
+
+    @property
+    def draft_depth(self) -> int:
+        """Draft tokens a request may gain per step beyond the target's own: a chain's length,
+        a tree's depth."""
+        if self.speculative_eagle_topk > 1 or self.speculative_num_draft_tokens is None:
+            return self.speculative_num_steps if self.speculative_num_steps is not None else 4
+        return self.speculative_num_draft_tokens - 1
 
     def with_platform_defaults(
         self,

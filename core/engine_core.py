@@ -165,12 +165,13 @@ class EngineCore:
         return Speculator(
             algorithm,
             name,
-            config.num_draft_tokens,
+            config.draft_depth,
             runner.settings.speculative_disable_batch_size,
             runner.model_config.vocab_size,
             config.speculative_simulate_accept_len,
             config.random_seed,
             pause_unprofitable=not config.speculative_disable_pause,
+            tree_nodes=config.num_draft_tokens if config.speculative_eagle_topk > 1 else 0,
         )
 
     def spec_stats(self) -> dict[str, object] | None:

@@ -322,6 +322,10 @@ class Draft:
     #: the core reads them (``core.spec_verify.read_pending``, together with the verify
     #: result), ``tokens`` holds as many placeholders: only its length counts.
     pending: torch.Tensor | None = None
+    #: a tree draft (``--speculative-eagle-topk`` > 1): each token's parent, an index into
+    #: ``tokens`` or -1 for the request's last token; tokens breadth-first, siblings distinct
+    #: (``core/spec_tree.py``). None: a chain.
+    parents: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -398,6 +402,20 @@ class SpeculativeAlgorithm(ABC):
         """Up to ``max_drafts[i]`` draft tokens for ``reqs[i]`` (a ``core.request.Req``: read
         ``input_ids``, ``output_ids``, ``sampling``, ``rid``, ``req_pool_idx``, ``kv_len``).
         An empty draft means "decode normally"."""
+
+    #: ``propose_trees`` drafts trees (``Draft.parents``) for ``--speculative-eagle-topk`` > 1
+    drafts_trees: bool = False
+
+    def propose_trees(
+        self, reqs: Sequence[Any], max_depths: Sequence[int], max_nodes: Sequence[int]
+    ) -> list[Draft]:
+        """``propose`` where some requests may draft trees: ``reqs[i]`` gets a tree of at most
+        ``max_nodes[i]`` tokens and depth ``max_depths[i]`` (or a chain of at most that
+        length), or, where ``max_nodes[i]`` is 0, a chain as ``propose`` drafts. The slots of
+        positions ``req.kv_len .. req.kv_len + max(max_nodes[i], max_depths[i])`` are
+        allocated; node j of a tree will take the slot of position ``req.kv_len + 1 + j``.
+        Only plugins with ``drafts_trees`` are asked."""
+        raise NotImplementedError
 
     def verified(self, reqs: Sequence[Any], num_accepted: Sequence[int]) -> None:  # noqa: B027
         """After the step: ``num_accepted[i]`` of ``reqs[i]``'s draft tokens were kept (its

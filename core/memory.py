@@ -153,6 +153,12 @@ class ReqToTokenPool:
     def free(self, row: int) -> None:
         self._free_rows.append(row)
 
+    def reserve(self, n: int) -> list[int]:
+        """``n`` rows taken for good, as scratch (draft trees' rows, core/spec_tree.py)."""
+        if n > len(self._free_rows):
+            raise ValueError(f"{n} scratch rows asked, {len(self._free_rows)} free")
+        return [self._free_rows.pop(0) for _ in range(n)]
+
     # -- writes (host table + mirror log) ---------------------------------------------------
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:

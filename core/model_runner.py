@@ -7,13 +7,14 @@ Per step it does one ForwardBatch build, one model call and one host sync (the s
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
+from radixserve.core import spec_tree
 from radixserve.core.batch import ForwardBatch, to_device
 from radixserve.core.config import ConfigError, EngineConfig, ModelConfig, PlatformSettings
 from radixserve.core.grammar import GrammarMasker
@@ -31,9 +32,10 @@ from radixserve.core.parallel import setup as setup_parallel
 from radixserve.core.parallel import teardown as teardown_parallel
 from radixserve.core.plugins import PluginError, PluginHost, parse_plugin_selections
 from radixserve.core.pooling import finish_pooling, plan_pooling, record_label_logprobs
-from radixserve.core.request import token_slice
+from radixserve.core.request import Req, token_slice
 from radixserve.core.sampling import SampleResult, presample_logits, sample, sample_ids
 from radixserve.core.scheduler import SampledToken, ScheduledBatch
+from radixserve.core.spec_tree import ancestors
 from radixserve.core.spec_verify import verify_drafts
 from radixserve.core.speculative import Speculator
 from radixserve.core.tp_step import StepBroadcaster, release_step
@@ -136,9 +138,15 @@ class ModelRunner:
         config, self.settings = self._fit_running_to_pool(config)
         self.config = config  # every setting resolved (see self.settings for their origins)
         self.allocator = TokenAllocator(self.kv_size, config.page_size)
+        # Scratch rows for draft trees: their nodes' rows in verify steps (reserved here) and
+        # the drafter's (reserved at its setup).
+        topk, trees = config.speculative_eagle_topk, spec_tree.TREE_BATCH
+        node_rows = trees * config.num_draft_tokens if topk > 1 else 0
+        scratch = node_rows + trees * topk if topk > 1 else 0
         self.req_to_token = ReqToTokenPool(
-            self.settings.max_running_requests + 1, self.max_context + 1
+            self.settings.max_running_requests + 1 + scratch, self.max_context + 1
         )
+        self._tree_rows = self.req_to_token.reserve(node_rows)
         local = self.local_config
         self.kv_pool = KVPool(
             self.kv_size, mc.num_layers, local.num_kv_heads, mc.head_dim, self.kv_dtype,
@@ -292,6 +300,8 @@ class ModelRunner:
         input_ids: list[int] = []
         pool_rows: list[int] = []
         seq_lens: list[int] = []
+        row_lens: list[int] = []  # new tokens per pool row
+        tree_rows = iter(self._tree_rows)
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens, strict=True)):
             assert req.req_pool_idx is not None
             start = req.kv_len
@@ -309,6 +319,7 @@ class ModelRunner:
                 rows.append(req.req_pool_idx)
                 pool_rows.append(req.req_pool_idx)
                 seq_lens.append(start + 1)
+                row_lens.append(1)
                 logits_rows.append(len(positions) - 1)
                 plans.append(
                     LogitsPlan(_NOTHING_SCORED, len(logits_rows) - 1, len(logits_rows) - 1)
@@ -316,6 +327,21 @@ class ModelRunner:
                 continue
             assert not req.num_pending, "only plain decodes have pending tokens"
             draft = batch.drafts.get(i)
+            if draft is not None and draft.parents is not None:
+                # a tree: the root and every node as a decode row (core/spec_tree.py)
+                first = len(logits_rows)
+                tokens = token_slice(req.input_ids, req.output_ids, start, 1) + draft.tokens
+                node_rows = self._tree_node_rows(req, draft, tree_rows)
+                for (r, p), token in zip(node_rows, tokens, strict=True):
+                    input_ids.append(token)
+                    positions.append(p)
+                    rows.append(r)
+                    pool_rows.append(r)
+                    seq_lens.append(p + 1)
+                    row_lens.append(1)
+                    logits_rows.append(len(positions) - 1)
+                plans.append(LogitsPlan(_NOTHING_SCORED, first, len(logits_rows) - 1))
+                continue
             if draft is not None:  # verify: the last token, then the draft
                 input_ids += token_slice(req.input_ids, req.output_ids, start, 1) + draft.tokens
                 if draft.pending is not None:
@@ -327,6 +353,7 @@ class ModelRunner:
             rows += [req.req_pool_idx] * n
             pool_rows.append(req.req_pool_idx)
             seq_lens.append(start + n)
+            row_lens.append(n)
             offset = len(positions) - n - start  # flattened row of sequence position 0
             first = len(logits_rows)
             if draft is not None:  # every new token's logits: row j verifies draft token j
@@ -368,13 +395,32 @@ class ModelRunner:
             req_pool_indices=torch.tensor(pool_rows, dtype=torch.int64),
             req_to_token=self.req_to_token.table,
             seq_lens=seq_lens,
-            extend_lens=list(batch.extend_lens),
-            num_decode=batch.num_decode,
+            extend_lens=row_lens,
+            num_decode=next((j for j, m in enumerate(row_lens) if m != 1), len(row_lens)),
             logits_indices=dev[3 * t : 3 * t + n_logits],
             kv_pool=self.kv_pool,
             req_to_token_pool=self.req_to_token,
         )
         return fb, plans
+
+    def _tree_node_rows(
+        self, req: Req, draft: Draft, scratch: Iterator[int]
+    ) -> list[tuple[int, int]]:
+        """(slot-table row, position) of a tree verify's decode rows: the root on the
+        request's own row, then each node on a scratch row holding the request's prefix, the
+        node's ancestors and the node (whose slot is that of position kv_len + 1 + j)."""
+        assert draft.parents is not None and req.req_pool_idx is not None
+        own, start = req.req_pool_idx, req.kv_len
+        table = self.req_to_token.table
+        prefix = table[own, : start + 1]
+        node_slots = table[own, start + 1 : start + 1 + len(draft.tokens)]
+        out = [(own, start)]
+        for j in range(len(draft.tokens)):
+            path = ancestors(draft.parents, j)
+            row = next(scratch)
+            self.req_to_token.write(row, 0, torch.cat([prefix, node_slots[path]]))
+            out.append((row, start + len(path)))
+        return out
 
     def keep_hidden_layers(
         self, layers: tuple[int, ...], consumer: Callable[[ForwardBatch], None] | None = None

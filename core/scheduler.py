@@ -25,6 +25,7 @@ from radixserve.core.memory import ReqToTokenPool, TokenAllocator
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
 from radixserve.core.request import FinishReason, Req, ReqState, token_slice
 from radixserve.core.schedule_policy import order_waiting, prefill_budget
+from radixserve.core.spec_tree import follow, node_depths
 from radixserve.core.spec_verify import SampledToken
 from radixserve.core.speculative import Speculator, speculating
 from radixserve.core.stop import StopChecker, TopLogprobs
@@ -266,7 +267,8 @@ class Scheduler:
         decode_entries = [
             (r, 1 + len(drafts[r.rid].tokens) if r.rid in drafts else 1) for r in decodes
         ]
-        entries = sorted(decode_entries + prefills, key=lambda e: e[1] != 1)
+        # Draft trees verify as decode rows (core/spec_tree.py): they follow the decodes.
+        entries = sorted(decode_entries + prefills, key=lambda e: _entry_order(e, drafts))
         num_decode = sum(1 for _, n in entries if n == 1)
         kind = self._count_step(len(decodes), sum(n for _, n in prefills))
         by_index = {
@@ -396,9 +398,12 @@ class Scheduler:
             token = sampled.get(i)
             if i in batch.drafts:
                 assert isinstance(token, list), "a verify entry samples a list of tokens"
+                draft = batch.drafts[i]
+                if draft.parents is not None:
+                    self._keep_accepted_nodes(req, draft, token)
                 self._commit_verified(req, batch.extend_lens[i], token)
                 if req.rid not in self._filler_only:
-                    verified.append((req, batch.extend_lens[i] - 1, len(token) - 1))
+                    verified.append((req, _draft_gain(draft), len(token) - 1))
             elif token is not None:
                 req.num_pending -= 1
                 self._append_sampled(req, *token)
@@ -428,6 +433,21 @@ class Scheduler:
                 break
         req.kv_len = start + committed
         self._free_positions(req, req.kv_len, start + n)
+
+    def _keep_accepted_nodes(self, req: Req, draft: Draft, tokens: list[SampledToken]) -> None:
+        """A tree's accepted nodes: their slots move to positions kv_len + 1 .. in path order
+        and every other node's slot after them, so that keeping a prefix of the positions
+        keeps the path (``_commit_verified`` frees the rest)."""
+        assert draft.parents is not None and req.req_pool_idx is not None
+        path = follow(draft.tokens, draft.parents, [t for t, _, _ in tokens])
+        if path == list(range(len(path))):
+            return  # the path already holds the first positions
+        first = req.kv_len - len(draft.tokens)  # position kv_len + 1 before the step
+        row = self.req_to_token.table[req.req_pool_idx]
+        slots = row[first : first + len(draft.tokens)].clone()
+        on_path = set(path)
+        order = path + [j for j in range(len(slots)) if j not in on_path]
+        self.req_to_token.write(req.req_pool_idx, first, slots[order])
 
     def append_received(
         self, req: Req, token: int, lp: float | None, top: TopLogprobs | None
@@ -471,7 +491,14 @@ class Scheduler:
             return {}
         reqs: list[Req] = []
         limits: list[int] = []
+        nodes: list[int] = []  # a tree's nodes where the request may draft one, else 0
+        slots: list[int] = []  # draft positions allocated
         paused: list[tuple[Req, int]] = []
+        drafting = (
+            sum(1 for r in decodes if speculating(r) and self.speculator.may_draft(r))
+            if self.speculator.tree_nodes
+            else 0
+        )
         for req in decodes:
             left = min(
                 req.sampling.max_new_tokens - req.num_output_tokens,
@@ -487,13 +514,21 @@ class Scheduler:
                 if self.config.uniform_drafts:
                     paused.append((req, limit))
                 continue
-            if self._alloc_draft_slots(req, limit):
+            tree = self.speculator.tree_nodes_for(req, drafting)
+            if tree and req.seq_len + tree >= self.config.max_context:
+                tree = 0
+            if self._alloc_draft_slots(req, max(limit, tree)):
                 reqs.append(req)
                 limits.append(limit)
+                nodes.append(tree)
+                slots.append(max(limit, tree))
         if not reqs:
             return {}
         try:
-            drafts = self.speculator.propose(reqs, limits)
+            if any(nodes):
+                drafts = self.speculator.propose(reqs, limits, nodes)
+            else:
+                drafts = self.speculator.propose(reqs, limits)
         except Exception:  # noqa: BLE001 - a failing drafter must not take the engine down
             logger.exception("speculative plugin '%s' failed to propose", self.speculator.name)
             drafts = [Draft([]) for _ in reqs]
@@ -503,13 +538,14 @@ class Scheduler:
                 if self._alloc_draft_slots(req, limit):
                     reqs.append(req)
                     limits.append(limit)
+                    slots.append(limit)
                     drafts.append(Draft([]))
                     self._filler_only.add(req.rid)
             drafts = [_padded(r, n, d) for r, n, d in zip(reqs, limits, drafts, strict=True)]
         out = {}
-        for req, limit, draft in zip(reqs, limits, drafts, strict=True):
+        for req, allocated, draft in zip(reqs, slots, drafts, strict=True):
             m = len(draft.tokens)
-            self._free_positions(req, req.kv_len + 1 + m, req.kv_len + 1 + limit)
+            self._free_positions(req, req.kv_len + 1 + m, req.kv_len + 1 + allocated)
             if m:
                 out[req.rid] = draft
         return out
@@ -780,6 +816,23 @@ class Scheduler:
             raise AssertionError(f"cache nodes still locked at idle: {acct}")
 
 
+def _entry_order(entry: tuple[Req, int], drafts: dict[str, Draft]) -> int:
+    """Decodes first, then tree verifies (decode rows to the model), then extends."""
+    req, n = entry
+    if n == 1:
+        return 0
+    draft = drafts.get(req.rid)
+    return 1 if draft is not None and draft.parents is not None else 2
+
+
+def _draft_gain(draft: Draft) -> int:
+    """The most draft tokens a verify of ``draft`` can accept: a chain's length, a tree's
+    depth."""
+    if draft.parents is None:
+        return len(draft.tokens)
+    return max(node_depths(draft.parents), default=0)
+
+
 def _padded(req: Req, limit: int, draft: Draft) -> Draft:
     """``draft`` filled up to ``limit`` tokens, so that every request of the step verifies as
     many (a captured verify graph has one length). The filler repeats the last token: the
@@ -789,6 +842,8 @@ def _padded(req: Req, limit: int, draft: Draft) -> Draft:
     requests (their drafts must stay inside the grammar)."""
     missing = limit - len(draft.tokens)
     if missing <= 0 or draft.probs is not None or draft.pending is not None or req.grammar:
+        return draft
+    if draft.parents is not None:  # a tree verifies as decode rows, in no verify graph
         return draft
     last = draft.tokens[-1] if draft.tokens else (req.output_ids or req.input_ids)[-1]
     return Draft(draft.tokens + [last] * missing)

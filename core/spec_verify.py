@@ -33,6 +33,7 @@ from radixserve.core.sampling import (
     target_probs,
     token_logprobs,
 )
+from radixserve.core.spec_tree import accepted_nodes, ancestors
 from radixserve.core.stop import TopLogprobs
 
 if TYPE_CHECKING:
@@ -130,6 +131,7 @@ def verify_drafts(
         logits, reqs, [d.tokens if d is not None else [] for d in drafts],
         [d.probs if d is not None else None for d in drafts],
         eos_ids, masker, speculator, greedy,
+        [d.parents if d is not None else None for d in drafts],
     )  # fmt: skip
 
 
@@ -142,16 +144,26 @@ def verify(
     masker: Any,
     speculator: Speculator,
     greedy_ids: list[int] | None = None,
+    trees: Sequence[list[int] | None] | None = None,
 ) -> list[list[SampledToken]]:
     """The tokens each request emits this step. ``logits`` holds len(drafts[i]) + 1 rows per
     request, in order; ``masker`` (core.grammar.GrammarMasker) masks constrained rows.
     ``greedy_ids``: every row's argmax, already read, where every request is ``plain_greedy``
-    (what sampling would choose)."""
+    (what sampling would choose). ``trees``: each draft's parents where it is a tree
+    (core/spec_tree.py: row 0 the root, row 1 + j node j), else None."""
+    trees = trees if trees is not None else [None] * len(drafts)
     positions: list[DraftPosition] = []
     firsts: list[int] = []
-    for req, draft in zip(reqs, drafts, strict=True):
+    for req, draft, tree in zip(reqs, drafts, trees, strict=True):
         firsts.append(len(positions))
-        positions += [DraftPosition(req, draft, j) for j in range(len(draft) + 1)]
+        if tree is None:
+            positions += [DraftPosition(req, draft, j) for j in range(len(draft) + 1)]
+            continue
+        assert req.grammar is None, "a constrained request drafts chains"
+        positions.append(DraftPosition(req, [], 0))
+        for j in range(len(draft)):
+            path = [draft[a] for a in ancestors(tree, j)]
+            positions.append(DraftPosition(req, path, len(path)))
     # A DraftPosition has every attribute of a Req that the sampler reads.
     views = cast("list[Req]", positions)
     raw = None
@@ -175,9 +187,15 @@ def verify(
     if rejection:
         _rejection_sample(logits, views, firsts, drafts, draft_probs, rejection, eos_ids, ids)
     changed = bool(rejection) or speculator.simulate_accept_len is not None
-    accepted_counts = []
+    emitted_rows: list[list[int]] = []
     for i, draft in enumerate(drafts):
-        first = firsts[i]
+        first, tree = firsts[i], trees[i]
+        if tree is not None:
+            sampled = ids[first : first + len(draft) + 1]
+            emitted_rows.append(
+                [first] + [first + 1 + j for j in accepted_nodes(draft, tree, sampled)]
+            )
+            continue
         accepted = 0
         if speculator.simulate_accept_len is not None and draft:
             accepted = speculator.simulated(len(draft), reqs[i].rid)
@@ -185,14 +203,13 @@ def verify(
         else:
             while accepted < len(draft) and ids[first + accepted] == draft[accepted]:
                 accepted += 1
-        accepted_counts.append(accepted)
+        emitted_rows.append(list(range(first, first + accepted + 1)))
     logprobs = result
     if changed and result.logprobs is not None:  # the chosen ids moved: score them again
         chosen = torch.tensor(ids, device=logits.device)
         logprobs = token_logprobs(raw if raw is not None else logits, chosen, views)
     out: list[list[SampledToken]] = []
-    for first, accepted in zip(firsts, accepted_counts, strict=True):
-        rows = range(first, first + accepted + 1)
+    for rows in emitted_rows:
         if logprobs.logprobs is None:
             out.append([(ids[r], None, None) for r in rows])
         else:

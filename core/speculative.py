@@ -14,8 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.core import spec_tree
+from radixserve.core.config import ConfigError
 from radixserve.core.interfaces import Draft, SpeculativeAlgorithm
 from radixserve.core.request import Req, ReqState
+from radixserve.core.spec_tree import tree_problem
 from radixserve.core.spec_verify import read_pending
 
 logger = logging.getLogger(__name__)
@@ -66,6 +69,7 @@ class SpecStats:
     verified: int = 0  # (request, step) pairs that verified a draft
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    trees: int = 0  # drafts that were trees (--speculative-eagle-topk > 1)
 
     @property
     def avg_accept_length(self) -> float:
@@ -79,6 +83,7 @@ class SpecStats:
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
             "avg_accept_length": round(self.avg_accept_length, 4),
+            "trees": self.trees,
         }
 
 
@@ -95,10 +100,19 @@ class Speculator:
         simulate_accept_len: float | None = None,
         seed: int = 0,
         pause_unprofitable: bool = True,
+        tree_nodes: int = 0,
     ) -> None:
+        """``num_draft``: a chain's length or a tree's depth; ``tree_nodes``: the nodes of a
+        draft tree (0: chains only)."""
+        if tree_nodes and not algorithm.drafts_trees:
+            raise ConfigError(
+                f"speculative plugin '{name}' drafts chains only; speculative_eagle_topk > 1 "
+                "(draft trees) needs eagle or eagle3"
+            )
         self.algorithm = algorithm
         self.name = name
         self.num_draft = num_draft
+        self.tree_nodes = tree_nodes
         self.disable_batch_size = disable_batch_size
         self.vocab_size = vocab_size
         env = os.environ.get("RADIXSERVE_SIMULATE_ACC_LEN")
@@ -255,11 +269,24 @@ class Speculator:
             return self.num_draft
         return max(1, self.num_draft * FULL_DRAFT_BATCH // batch_size)
 
-    def propose(self, reqs: Sequence[Req], limits: Sequence[int]) -> list[Draft]:
+    def tree_nodes_for(self, req: Req, num_drafting: int) -> int:
+        """The nodes ``req`` may draft as a tree this step (0: a chain): trees while at most
+        spec_tree.TREE_BATCH requests draft, never under a grammar (its masks follow chains)."""
+        if not self.tree_nodes or num_drafting > spec_tree.TREE_BATCH or req.grammar is not None:
+            return 0
+        return self.tree_nodes
+
+    def propose(
+        self, reqs: Sequence[Req], limits: Sequence[int], nodes: Sequence[int] | None = None
+    ) -> list[Draft]:
         """Each request's checked draft: at most its limit, token ids in the vocabulary, and,
         for a constrained request, only tokens its grammar accepts (stopping before one that
-        would end the grammar, which the target samples itself)."""
-        drafts = self.algorithm.propose(reqs, limits)
+        would end the grammar, which the target samples itself). ``nodes``: where above 0, the
+        request may draft a tree of that many tokens and depth ``limits[i]``."""
+        if nodes is not None and any(nodes):
+            drafts = self.algorithm.propose_trees(reqs, limits, nodes)
+        else:
+            drafts = self.algorithm.propose(reqs, limits)
         if len(drafts) != len(reqs):
             raise RuntimeError(
                 f"speculative plugin '{self.name}' returned {len(drafts)} drafts for "
@@ -269,7 +296,10 @@ class Speculator:
         if any(d.pending is not None and r.grammar is not None for r, d in pairs):
             read_pending(drafts)  # a grammar checks the tokens themselves
         out = []
-        for req, limit, draft in zip(reqs, limits, drafts, strict=True):
+        for i, (req, limit, draft) in enumerate(zip(reqs, limits, drafts, strict=True)):
+            if draft.parents is not None:
+                out.append(self._checked_tree(draft, limit, nodes[i] if nodes else 0))
+                continue
             if draft.pending is not None:
                 # A draft model's argmax over the shared vocabulary: valid by construction.
                 m = min(limit, len(draft.tokens))
@@ -282,6 +312,23 @@ class Speculator:
             probs = draft.probs[: len(tokens)] if draft.probs is not None and tokens else None
             out.append(Draft(tokens, probs))
         return out
+
+    def _checked_tree(self, draft: Draft, depth: int, max_nodes: int) -> Draft:
+        """``draft`` when it is a tree the verify step can take, else an empty draft."""
+        assert draft.parents is not None
+        tokens = draft.tokens
+        problem = tree_problem(tokens, draft.parents, depth, max_nodes)
+        if problem is None and not all(
+            isinstance(t, int) and 0 <= t < self.vocab_size for t in tokens
+        ):
+            problem = f"a token outside the vocabulary [0, {self.vocab_size})"
+        if problem is not None:
+            logger.warning("speculative plugin '%s' drafted a bad tree: %s", self.name, problem)
+            return Draft([])
+        if not tokens:
+            return Draft([])
+        self.stats.trees += 1
+        return Draft(list(tokens), None, None, list(draft.parents))
 
     def verified(
         self,

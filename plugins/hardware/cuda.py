@@ -199,7 +199,7 @@ def verify_graph_shapes(config: Any, max_bs: int) -> dict[int, int]:
     )
     if not speculating:
         return {}
-    k = config.num_draft_tokens
+    k = config.draft_depth
     limit = min(config.speculative_disable_batch_size, max_bs)
     shapes = {}
     for bs in capture_sizes(limit):

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from radixserve.core import spec_tree
 from radixserve.core.batch import ForwardBatch, to_device
 from radixserve.core.config import ConfigError, ModelConfig
 from radixserve.core.interfaces import Draft, SpeculativeAlgorithm, SpeculativeContext
@@ -49,6 +50,7 @@ from radixserve.plugins.speculative.draft_kv import (
     trusted_length,
 )
 from radixserve.plugins.speculative.head_layer import DraftHead, HeadConfig
+from radixserve.plugins.speculative.head_tree import TreeDrafter
 
 #: Heads shipped with radixserve, each for the target shape it was trained on.
 HEADS_DIR = Path(__file__).parent / "heads"
@@ -64,6 +66,7 @@ class HeadDraft(SpeculativeAlgorithm):
     default_heads: dict[tuple[int, int, int], str] = {}
     #: the feature write is one indexed copy: CUDA graphs run it inside (no launch of its own)
     target_hidden_capturable = True
+    drafts_trees = True
 
     def __init__(self) -> None:
         self._kv: dict[str, DraftKV] = {}
@@ -116,10 +119,22 @@ class HeadDraft(SpeculativeAlgorithm):
         self.features = torch.zeros(
             context.kv_size + 1, self.feature_width(hc), dtype=context.dtype, device=context.device
         )
+        config = context.config
+        topk, depth = config.speculative_eagle_topk, config.draft_depth
+        # draft trees' head rows take scratch slots past the target's (head_tree.py)
+        scratch = spec_tree.TREE_BATCH * topk * depth if topk > 1 else 0
         self.kv_pool = KVPool(
-            context.kv_size, 1, hc.num_kv_heads, hc.head_dim, context.dtype, context.device,
-            page_size=context.page_size,
+            context.kv_size + scratch, 1, hc.num_kv_heads, hc.head_dim, context.dtype,
+            context.device, page_size=context.page_size,
         )  # fmt: skip
+        self.trees = None
+        if topk > 1:
+            trees = spec_tree.TREE_BATCH
+            rows = context.req_to_token.reserve(trees * topk)
+            first_slot = context.kv_size + 1
+            self.trees = TreeDrafter(
+                self, topk, context.req_to_token, rows, first_slot, trees, depth
+            )  # fmt: skip
         max_context = context.model_config.max_context
         self.attention = (
             context.host.registries["attention"]
@@ -219,13 +234,42 @@ class HeadDraft(SpeculativeAlgorithm):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the head over ``batch`` entries (request index, first position, tokens), decodes
         first; return each entry's drafted target token id and its last row's hidden state."""
+        h = self._head_hidden(reqs, batch, input_ids, feature)
+        return self.head.to_target(self.head.draft_logits(h).argmax(dim=-1)), h
+
+    def _head_hidden(
+        self,
+        reqs: Sequence[Any],
+        batch: list[tuple[int, int, int]],
+        input_ids: torch.Tensor,
+        feature: torch.Tensor,
+    ) -> torch.Tensor:
+        """The head's output at the last row of each ``batch`` entry (see ``_forward``);
+        ``reqs`` need only a ``req_pool_idx``."""
         fb = draft_batch(reqs, batch, input_ids, self.req_to_token, self.kv_pool, self.device)
         self.attention.prepare(fb)
         head = self.head
         q, k, v, residual = head.qkv(self.embed(input_ids), feature, fb.positions)
         out = self.attention.forward(q, k, v, 0, fb)
-        h = head.finish(out, residual)[fb.logits_indices]
-        return head.to_target(head.draft_logits(h).argmax(dim=-1)), h
+        return head.finish(out, residual)[fb.logits_indices]
+
+    def propose_trees(
+        self, reqs: Sequence[Req], max_depths: Sequence[int], max_nodes: Sequence[int]
+    ) -> list[Draft]:
+        """Trees where ``max_nodes`` allows (plugins/speculative/head_tree.py), chains for
+        the rest."""
+        assert self.trees is not None
+        out: list[Draft | None] = [None] * len(reqs)
+        for tree, fn in ((False, self.propose), (True, self.trees.draft)):
+            picked = [i for i, n in enumerate(max_nodes) if (n > 0) == tree]
+            if not picked:
+                continue
+            args = [[reqs[i] for i in picked], [max_depths[i] for i in picked]]
+            if tree:
+                args.append([max_nodes[i] for i in picked])
+            for i, draft in zip(picked, fn(*args), strict=True):  # type: ignore[operator]
+                out[i] = draft
+        return [d for d in out if d is not None]
 
     def head_dir(self, config: Any, host: Any, target: ModelConfig | None = None) -> str:
         """--speculative-draft-model-path, or the shipped head for the target's shape."""
@@ -266,6 +310,6 @@ def _chain_graphs(drafter: HeadDraft, context: SpeculativeContext) -> Any:
     config = context.config
     limit = min(FULL_DRAFT_BATCH, config.speculative_disable_batch_size)
     return HeadChainGraphs(
-        drafter, context.req_to_token, config.num_draft_tokens, capture_sizes(limit),
+        drafter, context.req_to_token, config.draft_depth, capture_sizes(limit),
         context.device,
     )  # fmt: skip

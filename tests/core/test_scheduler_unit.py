@@ -621,6 +621,7 @@ class FakeSpeculator:
     """Drafts ``draft`` tokens for every request it is asked about (cut to the limit)."""
 
     name = "fake"
+    tree_nodes = 0  # chains only
 
     def __init__(self, k: int, draft: Sequence[int], fail: bool = False) -> None:
         self.k, self.draft, self.fail = k, list(draft), fail
@@ -635,6 +636,9 @@ class FakeSpeculator:
 
     def wants(self, req: Req) -> bool:
         return req.rid != "plain"
+
+    def tree_nodes_for(self, req: Req, num_drafting: int) -> int:
+        return 0
 
     def propose(self, reqs: Sequence[Req], limits: Sequence[int]) -> list[Draft]:
         self.limits.append(list(limits))

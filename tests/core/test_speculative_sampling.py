@@ -37,6 +37,7 @@ import pytest
 import torch
 from tiny_models import make_tiny_llama_dir
 
+import radixserve.core.spec_tree as spec_tree
 import radixserve.core.spec_verify as spec_verify
 import radixserve.core.speculative as core_spec
 from radixserve import Engine
@@ -564,3 +565,81 @@ def test_seeded_sampling_with_probability_free_drafts_equals_speculation_off(
     # Both paths ran: multi-token accepts and rejections.
     assert 0.3 * stats["draft_tokens"] < stats["accepted_tokens"] < stats["draft_tokens"]
     assert stats["avg_accept_length"] > 1.5
+
+
+class OracleTrees(OracleGuesses):
+    """Draft trees (``propose_trees``) around the speculation-off continuation: each node on
+    the known path has a wrong sibling placed before it, and every third-ish position has only
+    wrong children, so accepted paths run through later branches (the slots of positions
+    kv_len + 1 .. are re-pointed) and stop part-way."""
+
+    drafts_trees = True
+
+    def __init__(self, known: dict[tuple[int, ...], list[int]], vocab: int) -> None:
+        super().__init__(known, vocab)
+        self.trees = 0
+
+    def propose_trees(
+        self, reqs: Sequence[Req], max_depths: Sequence[int], max_nodes: Sequence[int]
+    ) -> list[Draft]:
+        drafts = []
+        for req, depth, nodes in zip(reqs, max_depths, max_nodes, strict=True):
+            if not nodes:
+                drafts += self.propose([req], [depth])
+                continue
+            ref = self.known[tuple(req.input_ids)]
+            tokens: list[int] = []
+            parents: list[int] = []
+            on_path = -1
+            for pos in range(len(req.output_ids), len(req.output_ids) + depth):
+                if len(tokens) + 2 > nodes:
+                    break
+                right = ref[pos] if pos < len(ref) else 1
+                wrong = (right + 1) % self.vocab
+                if (pos * 7 + len(req.input_ids)) % 3 == 0:
+                    right = (right + 2) % self.vocab  # both children wrong here
+                tokens += [wrong, right]
+                parents += [on_path, on_path]
+                on_path = len(tokens) - 1
+            self.trees += 1
+            self.proposed += len(tokens)
+            drafts.append(Draft(tokens, None, None, parents))
+        return drafts
+
+
+def test_seeded_and_greedy_trees_equal_speculation_off(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tree verification in the core (scheduler, node rows, acceptance, re-pointed slots) with
+    a drafter that knows the answer, under every sampling mode of the chain test, on a pool
+    small enough to retract."""
+    monkeypatch.setattr(spec_tree, "TREE_BATCH", 16)
+    prompts = [[10 + i, 20 + 2 * i, 30 + (i * 11) % 50, 2 + i % 5] for i in range(24)]
+    params = [
+        {
+            **SEEDED_PARAMS[i % len(SEEDED_PARAMS)],
+            "max_new_tokens": 12 + i % 5,
+            "seed": 1000 + 17 * i,
+            "ignore_eos": i % 2 == 0,
+        }
+        for i in range(len(prompts))
+    ]
+    small = {"max_running_requests": 16, "max_total_tokens": 200, "debug_leak_check": True}
+    off, _ = run_core(tiny_llama_dir, params, prompts, **small)
+    known = {tuple(r.input_ids): list(r.output_ids) for r in off}
+    vocab = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
+    oracle = OracleTrees(known, vocab)
+    host = PluginHost(extra_plugins=[("test_tree_oracle", _Registers("trees", lambda: oracle))])
+    on, stats = run_core(
+        tiny_llama_dir, params, prompts, host=host, plugins=("speculative=trees",),
+        speculative_num_steps=4, speculative_eagle_topk=2,
+        speculative_disable_batch_size=1 << 20, **small,
+    )  # fmt: skip
+    for a, b in zip(off, on, strict=True):
+        assert b.output_ids == a.output_ids, (a.sampling, a.output_ids, b.output_ids)
+        assert b.finish_reason is not None and a.finish_reason is not None
+        assert b.finish_reason.type == a.finish_reason.type
+    assert stats is not None and stats["trees"] == oracle.trees > 20
+    # accepted paths both ran through second branches for several tokens and stopped short
+    assert stats["avg_accept_length"] > 1.8
+    assert stats["accepted_tokens"] < 4 * stats["verified_requests"]

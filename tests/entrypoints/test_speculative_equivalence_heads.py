@@ -1,6 +1,6 @@
 """Greedy outputs with speculation on equal speculation off on SmolLM2, over the mixed set of
 tests/support/speculative_equivalence.py (which says what it holds),
-for the eagle and dflash plugins."""
+for the eagle and dflash plugins, and eagle3 drafting trees."""
 
 import pytest
 from speculative_equivalence import (  # noqa: F401 - the fixtures and tests run here
@@ -14,4 +14,4 @@ from speculative_equivalence import (  # noqa: F401 - the fixtures and tests run
 
 pytestmark = pytest.mark.slow
 
-speculative = speculative_fixture(["eagle", "dflash"])
+speculative = speculative_fixture(["eagle", "dflash", "eagle3-tree"])

@@ -25,8 +25,9 @@ def small_pool_engine(model: Path, **kw: Any) -> Engine:
     the KV leak invariant whenever it idles."""
     if "speculative_algorithm" in kw:  # every request drafts (the CPU's cut-off is 2)
         kw.setdefault("speculative_disable_batch_size", 64)
+    kw.setdefault("page_size", 4)
     return Engine(
-        str(model), dtype="float32", page_size=4, max_total_tokens=POOL, debug_leak_check=True,
+        str(model), dtype="float32", max_total_tokens=POOL, debug_leak_check=True,
         schedule_conservativeness=0.0, **kw,
     )  # fmt: skip
 

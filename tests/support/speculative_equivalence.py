@@ -1,6 +1,7 @@
 """Greedy outputs with speculation on equal speculation off, token for token, on SmolLM2 in
 float32: 200+ requests mixing plain text, stop strings and stop tokens, JSON-schema and regex
-constraints, logprobs, n > 1 and streaming, for each built-in speculative plugin.
+constraints, logprobs, n > 1 and streaming, for each built-in speculative plugin, and for
+eagle3 drafting trees (``eagle3-tree``: constrained requests draft chains there).
 
 The n-gram plugin drafts from each request's own text (prompts that ask to copy text make it
 accept); the standalone plugin uses SmolLM2 itself as the draft, so nearly every draft is
@@ -31,6 +32,7 @@ from typing import Any
 import pytest
 from filelock import FileLock
 
+import radixserve.core.spec_tree as spec_tree
 import radixserve.core.speculative as spec_policy
 from radixserve import Engine
 
@@ -182,15 +184,19 @@ def speculative_fixture(plugins: list[str]) -> Any:
     def speculative(request: pytest.FixtureRequest, smollm2_dir: Path) -> Iterator[dict[str, Any]]:
         # Every step drafts: pausing depends on measured step times, which would make the
         # accept counts asserted below depend on the machine's speed.
+        algorithm, _, shape = request.param.partition("-")
         kw: dict[str, Any] = {
-            "speculative_algorithm": request.param.upper(),
+            "speculative_algorithm": algorithm.upper(),
             "speculative_disable_pause": True,
             "speculative_disable_batch_size": BATCH,
         }
-        if request.param == "standalone":
+        if algorithm == "standalone":
             kw["speculative_draft_model_path"] = str(smollm2_dir)
+        if shape == "tree":  # topk 4, depth 4, 8 nodes
+            kw.update(speculative_eagle_topk=4, speculative_num_draft_tokens=9)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(spec_policy, "FULL_DRAFT_BATCH", BATCH)
+            mp.setattr(spec_tree, "TREE_BATCH", BATCH)  # every request drafts a tree
             with _engine(smollm2_dir, **kw) as engine:
                 yield _run_all(engine)
 

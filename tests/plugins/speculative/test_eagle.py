@@ -70,7 +70,8 @@ def _drafter(
     draft.setup(
         SimpleNamespace(  # type: ignore[arg-type]
             config=SimpleNamespace(
-                speculative_draft_model_path=str(head), enable_torch_compile=False
+                speculative_draft_model_path=str(head), enable_torch_compile=False,
+                speculative_eagle_topk=1, draft_depth=4,
             ),
             platform=CpuPlatform(),  # the head's linears packed, as in the engine
             host=default_host(), model_config=mc, device="cpu", dtype=torch.float32,
@@ -169,6 +170,28 @@ def test_eagle_under_retraction_and_prefix_reuse_equals_speculation_off(
     assert stats["algorithm"] == "eagle" and stats["verified_requests"] > 0
 
 
+def test_eagle_trees_under_retraction_and_prefix_reuse_equal_speculation_off(
+    tiny_llama_dir: Path, head_dir: Path
+) -> None:
+    """Draft trees (topk 3, depth 3, 8 nodes) through the same traffic on single-slot pages:
+    every tree verify's nodes run on scratch rows, and the accepted path's slots replace the
+    row's, under retraction, with no KV leaked."""
+    reference, _, _ = run_small_pool(tiny_llama_dir, page_size=1)
+    outputs, retractions, stats = run_small_pool(
+        tiny_llama_dir,
+        page_size=1,
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path=str(head_dir),
+        speculative_disable_pause=True,
+        speculative_eagle_topk=3,
+        speculative_num_steps=3,
+        speculative_num_draft_tokens=9,
+    )
+    assert retractions > 0, "the pool must force retractions"
+    assert outputs == reference
+    assert stats["trees"] > 20, stats  # (a random head: acceptance is the core test's)
+
+
 def test_heads_that_cannot_serve_the_target_are_refused(
     tiny_llama_dir: Path, tmp_path: Path, head_dir: Path
 ) -> None:
@@ -180,8 +203,16 @@ def test_heads_that_cannot_serve_the_target_are_refused(
         ({"speculative_draft_model_path": str(tmp_path / "none")}, "not a directory"),
         ({}, "no head ships for this target"),
         (
-            {"speculative_draft_model_path": str(head_dir), "speculative_eagle_topk": 2},
-            "speculative_eagle_topk must be 1",
+            {
+                "speculative_draft_model_path": str(head_dir),
+                "speculative_eagle_topk": 2,
+                "page_size": 4,
+            },
+            "draft trees.*needs --page-size 1",
+        ),
+        (
+            {"speculative_draft_model_path": str(head_dir), "speculative_eagle_topk": 17},
+            "speculative_eagle_topk must be 1 to 16",
         ),
     ]
     for kw, reason in cases:

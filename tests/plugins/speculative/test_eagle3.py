@@ -69,7 +69,8 @@ def _drafter(model_dir: Path, head: Path) -> tuple[Eagle3Draft, ReqToTokenPool, 
     draft.setup(
         SimpleNamespace(  # type: ignore[arg-type]
             config=SimpleNamespace(
-                speculative_draft_model_path=str(head), enable_torch_compile=False
+                speculative_draft_model_path=str(head), enable_torch_compile=False,
+                speculative_eagle_topk=1, draft_depth=4,
             ),
             platform=CpuPlatform(),  # the head's linears packed, as in the engine
             host=default_host(), model_config=mc, device="cpu", dtype=torch.float32,
@@ -167,6 +168,38 @@ def test_eagle3_under_retraction_and_prefix_reuse_equals_speculation_off(
     assert retractions > 0, "the pool must force retractions"
     assert outputs == reference
     assert stats["algorithm"] == "eagle3" and stats["verified_requests"] > 0
+
+
+def test_eagle3_trees_equal_speculation_off_greedy_and_seeded(
+    tiny_llama_dir: Path, head_dir: Path
+) -> None:
+    """Draft trees under retraction and prefix reuse (greedy), then seeded sampling: each node
+    row is sampled as the output position it stands for (its path's penalties and seed), so
+    sampled outputs equal speculation off token for token too."""
+    tree = {
+        "speculative_algorithm": "EAGLE3",
+        "speculative_draft_model_path": str(head_dir),
+        "speculative_disable_pause": True,
+        "speculative_eagle_topk": 4,
+        "speculative_num_steps": 4,
+        "speculative_num_draft_tokens": 9,
+    }
+    reference, _, _ = run_small_pool(tiny_llama_dir, page_size=1)
+    outputs, retractions, stats = run_small_pool(tiny_llama_dir, page_size=1, **tree)
+    assert retractions > 0 and outputs == reference
+    assert stats["trees"] > 10, stats  # (a random head: acceptance is the core test's)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(4, 20))] for _ in range(4)]
+    params = {"temperature": 0.8, "top_p": 0.9, "seed": 11, "max_new_tokens": 24,
+              "repetition_penalty": 1.2, "ignore_eos": True}  # fmt: skip
+    runs = []
+    for kw in ({}, {**tree, "speculative_disable_batch_size": 8}):
+        with Engine(str(tiny_llama_dir), dtype="float32", debug_leak_check=True, **kw) as eng:
+            out = eng.generate(input_ids=prompts, sampling_params=params)
+            runs.append([o["output_ids"] for o in out])
+            stats = eng.core.spec_stats()
+    assert runs[0] == runs[1]
+    assert stats is not None and stats["trees"] > 10
 
 
 def test_heads_that_cannot_serve_the_target_are_refused(

@@ -1,0 +1,97 @@
+"""Draft trees' shape, checks and acceptance (core/spec_tree.py), and what the core does with a
+bad tree from a plugin."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from radixserve.core.interfaces import Draft, SpeculativeAlgorithm
+from radixserve.core.spec_tree import (
+    accepted_nodes,
+    ancestors,
+    follow,
+    node_depths,
+    tree_problem,
+)
+from radixserve.core.speculative import Speculator
+
+#        root
+#       /    \
+#     7(0)   8(1)
+#     /  \      \
+#  9(2)  10(3)  11(4)
+#   |
+#  12(5)
+TOKENS = [7, 8, 9, 10, 11, 12]
+PARENTS = [-1, -1, 0, 0, 1, 2]
+
+
+def test_depths_and_paths() -> None:
+    assert node_depths(PARENTS) == [1, 1, 2, 2, 2, 3]
+    assert ancestors(PARENTS, 5) == [0, 2, 5]
+    assert ancestors(PARENTS, 4) == [1, 4]
+    assert ancestors(PARENTS, 0) == [0]
+
+
+def test_acceptance_walks_down_while_a_child_holds_the_sampled_token() -> None:
+    # rows: root, then node j at 1 + j; the value is what the target samples after that row
+    sampled = [7, 9, 0, 12, 0, 0, 5]
+    assert accepted_nodes(TOKENS, PARENTS, sampled) == [0, 2, 5]
+    # the second branch: 8, then 11; after 11 the target wants 3, which no child holds
+    sampled = [8, 0, 11, 0, 0, 3, 0]
+    assert accepted_nodes(TOKENS, PARENTS, sampled) == [1, 4]
+    # no child of the root holds the sampled token: nothing is accepted
+    assert accepted_nodes(TOKENS, PARENTS, [5, 7, 9, 12, 0, 0, 0]) == []
+
+
+def test_follow_recovers_the_path_from_what_a_request_emitted() -> None:
+    assert follow(TOKENS, PARENTS, [7, 9, 12, 5]) == [0, 2, 5]
+    assert follow(TOKENS, PARENTS, [8, 11, 3]) == [1, 4]
+    assert follow(TOKENS, PARENTS, [3]) == []
+
+
+def test_trees_the_core_cannot_verify_are_named() -> None:
+    assert tree_problem(TOKENS, PARENTS, 3, 6) is None
+    assert "depth 3" in str(tree_problem(TOKENS, PARENTS, 2, 6))
+    assert "7 nodes" not in str(tree_problem(TOKENS, PARENTS, 3, 5))
+    assert "more than the 5" in str(tree_problem(TOKENS, PARENTS, 3, 5))
+    assert "parent" in str(tree_problem([1, 2], [-1, 1], 3, 6))  # a child before its parent
+    assert "parent" in str(tree_problem([1, 2], [-1, -2], 3, 6))
+    assert "sibling" in str(tree_problem([1, 1], [-1, -1], 3, 6))
+    assert "parents" in str(tree_problem([1, 2], [-1], 3, 6))
+
+
+class _Trees(SpeculativeAlgorithm):
+    drafts_trees = True
+
+    def __init__(self, draft: Draft) -> None:
+        self.draft = draft
+
+    def propose(self, reqs: Any, max_drafts: Any) -> list[Draft]:
+        return [Draft([]) for _ in reqs]
+
+    def propose_trees(self, reqs: Any, max_depths: Any, max_nodes: Any) -> list[Draft]:
+        return [self.draft for _ in reqs]
+
+
+def _speculator(draft: Draft) -> Speculator:
+    return Speculator(_Trees(draft), "trees", 3, 8, 100, tree_nodes=6)
+
+
+def test_a_bad_tree_from_a_plugin_becomes_no_draft() -> None:
+    good = _speculator(Draft(TOKENS, None, None, PARENTS))
+    (out,) = good.propose([object()], [3], [6])  # type: ignore[list-item]
+    assert out.tokens == TOKENS and out.parents == PARENTS
+    assert good.stats.trees == 1
+    for bad in (
+        Draft(TOKENS, None, None, [-1, -1, 0, 0, 1, 5]),  # node 5 its own parent
+        Draft([7, 8, 9, 10, 11, 100], None, None, PARENTS),  # outside the vocabulary
+        Draft(TOKENS, None, None, PARENTS[:-1]),
+    ):
+        sp = _speculator(bad)
+        (out,) = sp.propose([object()], [3], [6])  # type: ignore[list-item]
+        assert out.tokens == [] and out.parents is None
+        assert sp.stats.trees == 0
+    # deeper or larger than asked for
+    (out,) = _speculator(Draft(TOKENS, None, None, PARENTS)).propose([object()], [2], [6])  # type: ignore[list-item]
+    assert out.tokens == []
