@@ -111,7 +111,11 @@ CASES = {
 HEAD_CASES = {
     "eagle3-random-head": ("EAGLE3", "eagle3"),
     "eagle-random-head": ("EAGLE", "eagle"),
+    "eagle3-random-head-trees": ("EAGLE3", "eagle3"),
 }
+#: draft trees: topk 3, depth 3, 6 nodes (trees while at most 4 requests draft, chains above)
+TREES = {"speculative_eagle_topk": 3, "speculative_num_steps": 3,
+         "speculative_num_draft_tokens": 7}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(CASES) + list(HEAD_CASES))
@@ -123,6 +127,8 @@ def test_triton_graphs_speculation_equals_torch_native(
         algorithm, head = HEAD_CASES[case]
         flags = {"speculative_algorithm": algorithm,
                  "speculative_draft_model_path": str(heads[head])}  # fmt: skip
+        if case.endswith("-trees"):
+            flags.update(TREES)
     else:
         flags = CASES[case](target, other)
     outputs, (stats, replays) = _run(target, "triton", **flags)
@@ -136,7 +142,9 @@ def test_triton_graphs_speculation_equals_torch_native(
         assert chain_replays > 0, "no draft chain was replayed from a CUDA graph"
     if case == "ngram":  # lookups of every length, padded to one, replay the verify graphs
         assert replays[0] > 0, "no n-gram verify step was replayed from a CUDA graph"
-    if case in HEAD_CASES:  # the graphs keep the layers the head reads
+    if case.endswith("-trees"):  # node rows through the decode graphs, eager head trees
+        assert stats["trees"] > 0, stats
+    elif case in HEAD_CASES:  # the graphs keep the layers the head reads
         assert replays[0] > 0, "no verify step was replayed from a CUDA graph"
         assert replays[1] > 0, "no head proposal was replayed from a CUDA graph"
 
