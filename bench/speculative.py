@@ -42,7 +42,11 @@ def parse_args() -> argparse.Namespace:
         "model", aliases=["cpu"], help="the default model, real acceptance, speculation vs off"
     )
     model.add_argument("--groups", nargs="*", default=None, help="workload groups (default: all)")
-    model.add_argument("--algorithm", nargs="+", default=["NGRAM"], help="one engine each")
+    model.add_argument(
+        "--algorithm", nargs="+", default=["NGRAM"],
+        help="one engine each; NAME or NAME:topk=W,nodes=N,steps=D for draft trees (EAGLE, "
+        "EAGLE3: --speculative-eagle-topk W, N nodes, depth D)",
+    )  # fmt: skip
     model.add_argument("--batches", type=int, nargs="+", default=[1])
     model.add_argument("--device", default="cpu", help="the hardware plugin: cpu or cuda")
     model.add_argument("--model-path", default=None, help="default: the default model")
@@ -164,7 +168,7 @@ def run_model(args: argparse.Namespace) -> dict[str, Any]:
     if args.num_steps is not None:
         extra["speculative_num_steps"] = args.num_steps
     results["engine_flags"] = extra
-    modes = {"off": {}} | {a: {"speculative_algorithm": a, **extra} for a in args.algorithm}
+    modes = {"off": {}} | {a: {**algorithm_flags(a), **extra} for a in args.algorithm}
     # rounds[r][mode][group][batch] = (output tokens, seconds, verify steps, accepted drafts)
     rounds: list[dict[str, dict[str, dict[int, tuple[int, float, int, int]]]]] = []
     spawn = multiprocessing.get_context("spawn")
@@ -215,6 +219,22 @@ def run_model(args: argparse.Namespace) -> dict[str, Any]:
         head += [f"{algorithm} tok/s", ratio_head, "accept len"]
     print(format_table(head, rows))
     return results
+
+
+def algorithm_flags(spec: str) -> dict[str, Any]:
+    """Engine flags of an --algorithm entry: NAME, or NAME:topk=W,nodes=N,steps=D."""
+    name, _, shape = spec.partition(":")
+    flags: dict[str, Any] = {"speculative_algorithm": name}
+    keys = {"topk": "speculative_eagle_topk", "steps": "speculative_num_steps"}
+    for item in filter(None, shape.split(",")):
+        key, _, value = item.partition("=")
+        if key == "nodes":
+            flags["speculative_num_draft_tokens"] = int(value) + 1
+        elif key in keys:
+            flags[keys[key]] = int(value)
+        else:
+            raise SystemExit(f"--algorithm {spec}: unknown key {key!r} (topk, nodes, steps)")
+    return flags
 
 
 def _rate(timing: tuple[int, float, int, int]) -> float:

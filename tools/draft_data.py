@@ -225,6 +225,21 @@ def add_data_options(parser: argparse.ArgumentParser) -> None:
         "--prompt-set", default="small", choices=["small", "large"],
         help="large: more chat topics and forms, up to 4 functions a stdlib file (GPU recipe)",
     )  # fmt: skip
+    parser.add_argument(
+        "--heldout-only", type=int, default=0,
+        help="data: only the first N held-out prompts of each workload (to evaluate a head)",
+    )  # fmt: skip
+
+
+def first_heldout(items: list[dict[str, Any]], per_workload: int) -> list[dict[str, Any]]:
+    """The first ``per_workload`` held-out items of each workload, in order."""
+    kept: list[dict[str, Any]] = []
+    counts: Counter[str] = Counter()
+    for item in items:
+        if item["split"] == "heldout" and counts[item["workload"]] < per_workload:
+            counts[item["workload"]] += 1
+            kept.append(item)
+    return kept
 
 
 def data_phase(args: Any, data_file: Path, run: bool) -> list[dict[str, Any]]:
@@ -233,6 +248,8 @@ def data_phase(args: Any, data_file: Path, run: bool) -> list[dict[str, Any]]:
     if run:
         started = time.time()
         items = build_prompts(args.prompts_per_workload, args.seed, args.prompt_set == "large")
+        if args.heldout_only:
+            items = first_heldout(items, args.heldout_only)
         counts = Counter((i["workload"], i["split"]) for i in items)
         print(f"prompts: {dict(sorted(counts.items()))}", flush=True)
         records = generate_answers(args, items)

@@ -18,18 +18,24 @@ def evaluate(
     """Acceptance length per workload over the held-out prompts (greedy), with every step
     drafting the configured length: at most ``FULL_DRAFT_BATCH`` requests run at once, since
     the core shortens drafts above it (at 20 running, 3 drafts became 1 and the accept length
-    read 1.5-1.9 where 8 at once gave the head's own)."""
+    read 1.5-1.9 where 8 at once gave the head's own); with ``--eagle-topk`` > 1, trees of
+    ``--num-draft-tokens`` - 1 nodes and depth ``--num-steps``, at most ``TREE_BATCH`` at
+    once."""
     from radixserve import Engine
+    from radixserve.core.spec_tree import TREE_BATCH
     from radixserve.core.speculative import FULL_DRAFT_BATCH
 
     held = [r for r in records if r["split"] == "heldout" and r["greedy"]]
     result: dict[str, Any] = {}
+    running = min(args.gen_batch, FULL_DRAFT_BATCH)
+    shape: dict[str, Any] = {"speculative_num_draft_tokens": args.num_draft_tokens}
+    if args.eagle_topk > 1:  # trees: while at most TREE_BATCH requests draft
+        running = min(running, TREE_BATCH)
+        shape.update(speculative_eagle_topk=args.eagle_topk, speculative_num_steps=args.num_steps)
     with Engine(
-        args.model, dtype=args.engine_dtype,
-        max_running_requests=min(args.gen_batch, FULL_DRAFT_BATCH),
+        args.model, dtype=args.engine_dtype, max_running_requests=running,
         speculative_algorithm=algorithm, speculative_draft_model_path=head_dir,
-        speculative_num_draft_tokens=args.num_draft_tokens, speculative_disable_pause=True,
-        speculative_disable_batch_size=FULL_DRAFT_BATCH,
+        speculative_disable_pause=True, speculative_disable_batch_size=FULL_DRAFT_BATCH, **shape,
     ) as eng:  # fmt: skip
         for workload in WORKLOADS:
             part = [r for r in held if r["workload"] == workload][: args.eval_prompts]

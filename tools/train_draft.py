@@ -351,7 +351,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--save-dtype", default="bfloat16", choices=sorted(_DTYPES))
     p.add_argument("--eval-prompts", type=int, default=12, help="held-out prompts per workload")
-    p.add_argument("--num-draft-tokens", type=int, default=4, help="eval and speed: k + 1")
+    p.add_argument(
+        "--num-draft-tokens", type=int, default=4, help="eval and speed: k + 1 (a tree's size + 1)"
+    )
+    p.add_argument("--eagle-topk", type=int, default=1, help="eval: draft trees' branching")
+    p.add_argument("--num-steps", type=int, default=4, help="eval: draft trees' depth")
     p.add_argument("--speed-tokens", type=int, default=64, help="speed: tokens per request")
     args = p.parse_args(argv)
     if args.tiny:

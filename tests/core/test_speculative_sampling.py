@@ -527,10 +527,8 @@ SEEDED_PARAMS = [
 ]
 
 
-def test_seeded_sampling_with_probability_free_drafts_equals_speculation_off(
-    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(core_spec, "FULL_DRAFT_BATCH", 1 << 20)
+def seeded_traffic() -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """24 short prompts, each with one of SEEDED_PARAMS, a seed and a budget of its own."""
     prompts = [[10 + i, 20 + 2 * i, 30 + (i * 11) % 50, 2 + i % 5] for i in range(24)]
     params = [
         {
@@ -541,6 +539,14 @@ def test_seeded_sampling_with_probability_free_drafts_equals_speculation_off(
         }
         for i in range(len(prompts))
     ]
+    return prompts, params
+
+
+def test_seeded_sampling_with_probability_free_drafts_equals_speculation_off(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(core_spec, "FULL_DRAFT_BATCH", 1 << 20)
+    prompts, params = seeded_traffic()
     off, _ = run_core(tiny_llama_dir, params, prompts, max_running_requests=16)
     known = {tuple(r.input_ids): list(r.output_ids) for r in off}
     vocab = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
@@ -614,16 +620,7 @@ def test_seeded_and_greedy_trees_equal_speculation_off(
     a drafter that knows the answer, under every sampling mode of the chain test, on a pool
     small enough to retract."""
     monkeypatch.setattr(spec_tree, "TREE_BATCH", 16)
-    prompts = [[10 + i, 20 + 2 * i, 30 + (i * 11) % 50, 2 + i % 5] for i in range(24)]
-    params = [
-        {
-            **SEEDED_PARAMS[i % len(SEEDED_PARAMS)],
-            "max_new_tokens": 12 + i % 5,
-            "seed": 1000 + 17 * i,
-            "ignore_eos": i % 2 == 0,
-        }
-        for i in range(len(prompts))
-    ]
+    prompts, params = seeded_traffic()
     small = {"max_running_requests": 16, "max_total_tokens": 200, "debug_leak_check": True}
     off, _ = run_core(tiny_llama_dir, params, prompts, **small)
     known = {tuple(r.input_ids): list(r.output_ids) for r in off}
