@@ -109,7 +109,9 @@ class TreeDrafter:
         head = self.drafter.head
         logp = torch.log_softmax(head.draft_logits(hidden), dim=-1)
         values, ids = logp.topk(self.topk, dim=-1)
-        return values.tolist(), head.to_target(ids).tolist()
+        # one device-to-host copy (ids are exact in float64: vocabularies are < 2**53)
+        both = torch.stack([values.double(), head.to_target(ids).double()]).tolist()
+        return both[0], [[int(t) for t in row] for row in both[1]]
 
     def _add_root_children(
         self, nodes: list[list[_Node]], rows: dict[int, int], hidden: torch.Tensor
