@@ -102,3 +102,14 @@ def rows_by_request(
             where[i].append(at)
             at += 1
     return where
+
+
+def catch_up_spans(reqs: Sequence[Req], trusted: Sequence[int]) -> list[tuple[int, int, int]]:
+    """A proposal's first head step, (request index, first position, rows), decodes first:
+    each request's rows from its first untrusted position (at most kv_len - 1, the row that
+    reads its last token) to kv_len - 1."""
+    spans = []
+    for i, (req, t) in enumerate(zip(reqs, trusted, strict=True)):
+        start = min(t, req.kv_len - 1)
+        spans.append((i, start, req.kv_len - start))
+    return sorted(spans, key=lambda e: e[2] != 1)

@@ -1,5 +1,6 @@
 """What the ``eagle`` and ``eagle3`` plugins share: a one-layer draft head (``head_layer.py``)
-that drafts a chain of k tokens from the target's own hidden states.
+that drafts a chain of k tokens from the target's own hidden states (or, with
+``--speculative-eagle-topk`` > 1, a tree: ``head_tree.py``).
 
 Target features: the plugin asks the target to keep some layers' outputs
 (``capture_hidden_layers``) on every forward, turns them into the head's feature (``feature``:
@@ -45,6 +46,7 @@ from radixserve.core.request import Req, token_slice
 from radixserve.core.weights import count_parameters
 from radixserve.plugins.speculative.draft_kv import (
     DraftKV,
+    catch_up_spans,
     draft_batch,
     rows_by_request,
     trusted_length,
@@ -166,15 +168,11 @@ class HeadDraft(SpeculativeAlgorithm):
             for req in reqs:
                 self._kv[req.rid] = DraftKV.written(req, req.kv_len, self.req_to_token)
             return [Draft([0] * self.chain.k, None, chained[i]) for i in range(len(reqs))]
-        catch_up = []
-        for i, (req, t) in enumerate(zip(reqs, trusted, strict=True)):
-            start = min(t, req.kv_len - 1)
-            catch_up.append((i, start, req.kv_len - start))
         steps: list[tuple[list[int], torch.Tensor]] = []  # (request indices, their tokens)
         hidden: torch.Tensor | None = None
         for step in range(max(max_drafts)):
             if step == 0:
-                batch = sorted(catch_up, key=lambda e: e[2] != 1)  # decodes first
+                batch = catch_up_spans(reqs, trusted)
                 order = [i for i, _, _ in batch]
                 input_ids, feature = self._catch_up_inputs(reqs, batch)
             else:

@@ -26,7 +26,7 @@ from radixserve.core.batch import to_device
 from radixserve.core.interfaces import Draft
 from radixserve.core.memory import ReqToTokenPool
 from radixserve.core.request import Req
-from radixserve.plugins.speculative.draft_kv import DraftKV, trusted_length
+from radixserve.plugins.speculative.draft_kv import DraftKV, catch_up_spans, trusted_length
 
 if TYPE_CHECKING:
     from radixserve.plugins.speculative.head_draft import HeadDraft
@@ -78,9 +78,7 @@ class TreeDrafter:
         d = self.drafter
         assert len(reqs) <= self.max_requests
         trusted = [trusted_length(d._kv.get(r.rid), r, d.req_to_token) for r in reqs]
-        spans = [(i, min(t, r.kv_len - 1), r.kv_len - min(t, r.kv_len - 1)) for i, (r, t) in
-                 enumerate(zip(reqs, trusted, strict=True))]  # fmt: skip
-        spans.sort(key=lambda e: e[2] != 1)  # decodes first
+        spans = catch_up_spans(reqs, trusted)
         input_ids, feature = d._catch_up_inputs(reqs, spans)
         hidden = d._head_hidden(reqs, spans, input_ids, feature)
         for req in reqs:  # positions [0, kv_len) hold KV from target features
