@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.core.interfaces import Draft, SpeculativeAlgorithm
 from radixserve.core.spec_tree import (
     accepted_nodes,
@@ -95,3 +98,24 @@ def test_a_bad_tree_from_a_plugin_becomes_no_draft() -> None:
     # deeper or larger than asked for
     (out,) = _speculator(Draft(TOKENS, None, None, PARENTS)).propose([object()], [2], [6])  # type: ignore[list-item]
     assert out.tokens == []
+
+
+def test_trees_from_a_plugin_that_drafts_chains_are_refused_at_start() -> None:
+    class Chains(_Trees):
+        drafts_trees = False
+
+    with pytest.raises(ConfigError, match="drafts chains only.*needs eagle or eagle3"):
+        Speculator(Chains(Draft([])), "ngram", 3, 8, 100, tree_nodes=6)
+
+
+def test_tree_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="needs --page-size 1"):
+        EngineConfig(speculative_eagle_topk=2, page_size=16)
+    with pytest.raises(ConfigError, match="simulates chains"):
+        EngineConfig(speculative_eagle_topk=2, speculative_simulate_accept_len=2.0)
+    tree = EngineConfig(speculative_eagle_topk=4, speculative_num_steps=3)
+    assert (tree.draft_depth, tree.num_draft_tokens) == (3, 12)  # depth x topk nodes
+    sized = EngineConfig(speculative_eagle_topk=4, speculative_num_draft_tokens=9)
+    assert (sized.draft_depth, sized.num_draft_tokens) == (4, 8)
+    chain = EngineConfig(speculative_num_draft_tokens=6)
+    assert (chain.draft_depth, chain.num_draft_tokens) == (5, 5)
