@@ -449,6 +449,11 @@ class EngineConfig:
         return self.draft_depth
 
     @property
+    def tree_nodes(self) -> int:
+        """A draft tree's nodes (``speculative_eagle_topk`` > 1), 0 where drafts are chains."""
+        return self.num_draft_tokens if self.speculative_eagle_topk > 1 else 0
+
+    @property
     def draft_depth(self) -> int:
         """Draft tokens a request may gain per step beyond the target's own: a chain's length,
         a tree's depth."""

@@ -171,7 +171,7 @@ class EngineCore:
             config.speculative_simulate_accept_len,
             config.random_seed,
             pause_unprofitable=not config.speculative_disable_pause,
-            tree_nodes=config.num_draft_tokens if config.speculative_eagle_topk > 1 else 0,
+            tree_nodes=config.tree_nodes,
         )
 
     def spec_stats(self) -> dict[str, object] | None:

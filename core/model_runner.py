@@ -140,9 +140,9 @@ class ModelRunner:
         self.allocator = TokenAllocator(self.kv_size, config.page_size)
         # Scratch rows for draft trees: their nodes' rows in verify steps (reserved here) and
         # the drafter's (reserved at its setup).
-        topk, trees = config.speculative_eagle_topk, spec_tree.TREE_BATCH
-        node_rows = trees * config.num_draft_tokens if topk > 1 else 0
-        scratch = node_rows + trees * topk if topk > 1 else 0
+        trees = spec_tree.TREE_BATCH
+        node_rows = trees * config.tree_nodes
+        scratch = node_rows + trees * config.speculative_eagle_topk if node_rows else 0
         self.req_to_token = ReqToTokenPool(
             self.settings.max_running_requests + 1 + scratch, self.max_context + 1
         )
@@ -300,8 +300,8 @@ class ModelRunner:
         input_ids: list[int] = []
         pool_rows: list[int] = []
         seq_lens: list[int] = []
-        row_lens: list[int] = []  # new tokens per pool row
         tree_rows = iter(self._tree_rows)
+        tree_entries: dict[int, int] = {}  # batch index of a tree verify -> its decode rows
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens, strict=True)):
             assert req.req_pool_idx is not None
             start = req.kv_len
@@ -319,7 +319,6 @@ class ModelRunner:
                 rows.append(req.req_pool_idx)
                 pool_rows.append(req.req_pool_idx)
                 seq_lens.append(start + 1)
-                row_lens.append(1)
                 logits_rows.append(len(positions) - 1)
                 plans.append(
                     LogitsPlan(_NOTHING_SCORED, len(logits_rows) - 1, len(logits_rows) - 1)
@@ -338,8 +337,8 @@ class ModelRunner:
                     rows.append(r)
                     pool_rows.append(r)
                     seq_lens.append(p + 1)
-                    row_lens.append(1)
                     logits_rows.append(len(positions) - 1)
+                tree_entries[i] = len(node_rows)
                 plans.append(LogitsPlan(_NOTHING_SCORED, first, len(logits_rows) - 1))
                 continue
             if draft is not None:  # verify: the last token, then the draft
@@ -353,7 +352,6 @@ class ModelRunner:
             rows += [req.req_pool_idx] * n
             pool_rows.append(req.req_pool_idx)
             seq_lens.append(start + n)
-            row_lens.append(n)
             offset = len(positions) - n - start  # flattened row of sequence position 0
             first = len(logits_rows)
             if draft is not None:  # every new token's logits: row j verifies draft token j
@@ -377,6 +375,12 @@ class ModelRunner:
                 torch.tensor(pending_dst, dtype=torch.int64),
             ]
         )
+        extend_lens, num_decode = list(batch.extend_lens), batch.num_decode
+        if tree_entries:  # each tree verify entry is that many decode rows, after the decodes
+            extend_lens = []
+            for i, n in enumerate(batch.extend_lens):
+                extend_lens += [1] * tree_entries[i] if i in tree_entries else [n]
+            num_decode += sum(tree_entries.values())
         dev = to_device(packed, self.device)
         input_ids_t = dev[:t]
         n_future = len(future_dst)
@@ -395,8 +399,8 @@ class ModelRunner:
             req_pool_indices=torch.tensor(pool_rows, dtype=torch.int64),
             req_to_token=self.req_to_token.table,
             seq_lens=seq_lens,
-            extend_lens=row_lens,
-            num_decode=next((j for j, m in enumerate(row_lens) if m != 1), len(row_lens)),
+            extend_lens=extend_lens,
+            num_decode=num_decode,
             logits_indices=dev[3 * t : 3 * t + n_logits],
             kv_pool=self.kv_pool,
             req_to_token_pool=self.req_to_token,

@@ -318,9 +318,7 @@ class Speculator:
         assert draft.parents is not None
         tokens = draft.tokens
         problem = tree_problem(tokens, draft.parents, depth, max_nodes)
-        if problem is None and not all(
-            isinstance(t, int) and 0 <= t < self.vocab_size for t in tokens
-        ):
+        if problem is None and not all(_is_token(t, self.vocab_size) for t in tokens):
             problem = f"a token outside the vocabulary [0, {self.vocab_size})"
         if problem is not None:
             logger.warning("speculative plugin '%s' drafted a bad tree: %s", self.name, problem)
@@ -378,10 +376,14 @@ def size_class(batch_size: int) -> int:
 def _valid_prefix(draft: Draft, limit: int, vocab_size: int) -> list[int]:
     tokens = []
     for t in draft.tokens[:limit]:
-        if not isinstance(t, int) or not 0 <= t < vocab_size:
+        if not _is_token(t, vocab_size):
             break
         tokens.append(t)
     return tokens
+
+
+def _is_token(t: object, vocab_size: int) -> bool:
+    return isinstance(t, int) and 0 <= t < vocab_size
 
 
 def _grammar_prefix(grammar: Any, tokens: list[int]) -> list[int]:

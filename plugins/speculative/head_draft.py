@@ -232,10 +232,10 @@ class HeadDraft(SpeculativeAlgorithm):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the head over ``batch`` entries (request index, first position, tokens), decodes
         first; return each entry's drafted target token id and its last row's hidden state."""
-        h = self._head_hidden(reqs, batch, input_ids, feature)
+        h = self.head_hidden(reqs, batch, input_ids, feature)
         return self.head.to_target(self.head.draft_logits(h).argmax(dim=-1)), h
 
-    def _head_hidden(
+    def head_hidden(
         self,
         reqs: Sequence[Any],
         batch: list[tuple[int, int, int]],
@@ -257,17 +257,30 @@ class HeadDraft(SpeculativeAlgorithm):
         """Trees where ``max_nodes`` allows (plugins/speculative/head_tree.py), chains for
         the rest."""
         assert self.trees is not None
-        out: list[Draft | None] = [None] * len(reqs)
-        for tree, fn in ((False, self.propose), (True, self.trees.draft)):
-            picked = [i for i, n in enumerate(max_nodes) if (n > 0) == tree]
-            if not picked:
-                continue
-            args = [[reqs[i] for i in picked], [max_depths[i] for i in picked]]
-            if tree:
-                args.append([max_nodes[i] for i in picked])
-            for i, draft in zip(picked, fn(*args), strict=True):  # type: ignore[operator]
-                out[i] = draft
-        return [d for d in out if d is not None]
+        chains = [i for i, n in enumerate(max_nodes) if not n]
+        trees = [i for i, n in enumerate(max_nodes) if n]
+        out: dict[int, Draft] = {}
+        if chains:
+            drafts = self.propose([reqs[i] for i in chains], [max_depths[i] for i in chains])
+            out.update(zip(chains, drafts, strict=True))
+        if trees:
+            picked = [reqs[i] for i in trees]
+            spans, hidden = self._catch_up(picked)
+            depths, nodes = [max_depths[i] for i in trees], [max_nodes[i] for i in trees]
+            drafts = self.trees.draft(picked, spans, hidden, depths, nodes)
+            out.update(zip(trees, drafts, strict=True))
+        return [out[i] for i in range(len(reqs))]
+
+    def _catch_up(self, reqs: Sequence[Req]) -> tuple[list[tuple[int, int, int]], torch.Tensor]:
+        """A proposal's first head step, eagerly (``catch_up_spans``): the spans and the head's
+        output at each span's last row, the one that reads the request's last token. The
+        requests' draft KV is then trusted up to kv_len - 1."""
+        trusted = [trusted_length(self._kv.get(r.rid), r, self.req_to_token) for r in reqs]
+        spans = catch_up_spans(reqs, trusted)
+        hidden = self.head_hidden(reqs, spans, *self._catch_up_inputs(reqs, spans))
+        for req in reqs:  # positions [0, kv_len) hold KV from target features
+            self._kv[req.rid] = DraftKV.written(req, req.kv_len, self.req_to_token)
+        return spans, hidden
 
     def head_dir(self, config: Any, host: Any, target: ModelConfig | None = None) -> str:
         """--speculative-draft-model-path, or the shipped head for the target's shape."""

@@ -26,7 +26,6 @@ from radixserve.core.batch import to_device
 from radixserve.core.interfaces import Draft
 from radixserve.core.memory import ReqToTokenPool
 from radixserve.core.request import Req
-from radixserve.plugins.speculative.draft_kv import DraftKV, catch_up_spans, trusted_length
 
 if TYPE_CHECKING:
     from radixserve.plugins.speculative.head_draft import HeadDraft
@@ -73,16 +72,17 @@ class TreeDrafter:
         self.max_depth = max_depth
 
     def draft(
-        self, reqs: Sequence[Req], depths: Sequence[int], max_nodes: Sequence[int]
+        self,
+        reqs: Sequence[Req],
+        spans: list[tuple[int, int, int]],
+        hidden: torch.Tensor,
+        depths: Sequence[int],
+        max_nodes: Sequence[int],
     ) -> list[Draft]:
-        d = self.drafter
+        """Each request's tree from its catch-up (``spans`` and the head's ``hidden`` output
+        at their last rows, HeadDraft._catch_up), at most ``depths[i]`` deep and
+        ``max_nodes[i]`` large."""
         assert len(reqs) <= self.max_requests
-        trusted = [trusted_length(d._kv.get(r.rid), r, d.req_to_token) for r in reqs]
-        spans = catch_up_spans(reqs, trusted)
-        input_ids, feature = d._catch_up_inputs(reqs, spans)
-        hidden = d._head_hidden(reqs, spans, input_ids, feature)
-        for req in reqs:  # positions [0, kv_len) hold KV from target features
-            d._kv[req.rid] = DraftKV.written(req, req.kv_len, d.req_to_token)
         nodes: list[list[_Node]] = [[] for _ in reqs]
         root_rows = {i: row for row, (i, _, _) in enumerate(spans)}  # catch-up output rows
         self._add_root_children(nodes, root_rows, hidden)
@@ -170,7 +170,7 @@ class TreeDrafter:
                 feature_rows.append(root_rows[i] if parent < 0 else nodes[i][parent].hidden)
         input_ids = to_device(torch.tensor(tokens), d.device)
         feature = parent_hidden[to_device(torch.tensor(feature_rows), d.device)]
-        return d._head_hidden(stand_ins, spans, input_ids, feature)
+        return d.head_hidden(stand_ins, spans, input_ids, feature)
 
     def _tree(self, nodes: list[_Node], max_nodes: int) -> Draft:
         """The ``max_nodes`` likeliest nodes, breadth-first, as a tree draft."""
