@@ -103,8 +103,9 @@ def cases_for(
             max(2, min(20, int(2e11 / flops))),
             [
                 lambda: F.linear(xs[576], head),
-                lambda: torch.ops.mkldnn._linear_pointwise(xs[576], head_onednn, None, "none", [],
-                                                           ""),  # fmt: skip
+                lambda: torch.ops.mkldnn._linear_pointwise(
+                    xs[576], head_onednn, None, "none", [], ""
+                ),  # fmt: skip
                 lambda: panels(xs[576], head_ours, HEAD[0], None),
             ],
         ),

@@ -54,9 +54,11 @@ def run_round(engine: Engine, clock: DecodeClock, prompts: list[list[int]], outp
     clock._last = start = time.perf_counter()
     outs = engine.generate(input_ids=prompts, sampling_params=params)
     wall = time.perf_counter() - start
-    return clock.seconds / max(clock.steps, 1) * 1e3, len(prompts) * output_len / wall, [
-        o["output_ids"] for o in outs
-    ]
+    return (
+        clock.seconds / max(clock.steps, 1) * 1e3,
+        len(prompts) * output_len / wall,
+        [o["output_ids"] for o in outs],
+    )
 
 
 def main() -> None:

@@ -71,6 +71,12 @@ while [ $# -gt 0 ]; do
             2>&1 | tee "$OUT/spec-tests.log" | tail -15
         continue
     fi
+    if [ "$job" = spec-loop-tests ]; then  # issue 15: the device-side speculative loop
+        python3 -m pytest -q -p no:cacheprovider tests/plugins/speculative/test_spec_loop.py \
+            tests/plugins/hardware/test_cuda_speculative.py \
+            2>&1 | tee "$OUT/spec-loop-tests.log" | tail -15
+        continue
+    fi
     if [ "$job" = spec-profile ]; then  # after "spec": where a batch-1 step's time goes
         python3 bench/spec_profile.py /tmp/models/llama3-8b /tmp/models/llama3-8b-draft-1layer \
             > "$OUT/spec-profile.txt" 2>&1 || echo "spec_profile failed (see spec-profile.txt)"

@@ -45,7 +45,8 @@ def parse_args() -> argparse.Namespace:
     model.add_argument(
         "--algorithm", nargs="+", default=["NGRAM"],
         help="one engine each; NAME or NAME:topk=W,nodes=N,steps=D for draft trees (EAGLE, "
-        "EAGLE3: --speculative-eagle-topk W, N nodes, depth D)",
+        "EAGLE3: --speculative-eagle-topk W, N nodes, depth D); NAME:loop=0 runs every "
+        "speculative step from the host (--disable-speculative-loop)",
     )  # fmt: skip
     model.add_argument("--batches", type=int, nargs="+", default=[1])
     model.add_argument("--device", default="cpu", help="the hardware plugin: cpu or cuda")
@@ -230,10 +231,12 @@ def algorithm_flags(spec: str) -> dict[str, Any]:
         key, _, value = item.partition("=")
         if key == "nodes":
             flags["speculative_num_draft_tokens"] = int(value) + 1
+        elif key == "loop":  # loop=0: every step from the host (--disable-speculative-loop)
+            flags["disable_speculative_loop"] = value == "0"
         elif key in keys:
             flags[keys[key]] = int(value)
         else:
-            raise SystemExit(f"--algorithm {spec}: unknown key {key!r} (topk, nodes, steps)")
+            raise SystemExit(f"--algorithm {spec}: unknown key {key!r} (topk, nodes, steps, loop)")
     return flags
 
 

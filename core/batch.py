@@ -9,8 +9,8 @@ never keep a private copy of the table across steps).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -59,3 +59,36 @@ def to_device(tensor: torch.Tensor, device: str | torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return tensor
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def prepare_from_device(
+    attention: Any,
+    batch: ForwardBatch,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_len: int | None = None,
+) -> ForwardBatch:
+    """Prepare ``attention`` for a batch whose request rows and sequence lengths (after the
+    step) are device tensors: one decode per request (``q_len`` None), or ``q_len`` verify
+    rows per request, each attending as a decode that ends at itself. A backend that prepares
+    from device tensors (``prepare_decode_graph`` / ``prepare_verify_graph``: capturable in a
+    CUDA graph) does; any other gets ``prepare`` on ``batch`` with the host lists read from the
+    tensors, which waits for them (synchronous devices: the CPU). Returns the batch to forward.
+    """
+    if q_len is None and hasattr(attention, "prepare_decode_graph"):
+        attention.prepare_decode_graph(rows, seq_lens)
+        return batch
+    if q_len is not None and hasattr(attention, "prepare_verify_graph"):
+        attention.prepare_verify_graph(rows, seq_lens, q_len)
+        return batch
+    bs = rows.shape[0]
+    new = 1 if q_len is None else q_len
+    host = replace(
+        batch,
+        req_pool_indices=rows.cpu().long(),
+        seq_lens=seq_lens.tolist(),
+        extend_lens=[new] * bs,
+        num_decode=bs if q_len is None else 0,
+    )
+    attention.prepare(host)
+    return host

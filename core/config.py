@@ -251,6 +251,15 @@ class EngineConfig:
         "than a verify step costs (measured against plain decode steps) pauses its drafting "
         "for a while",
     )
+    disable_speculative_loop: bool = _opt(
+        False,
+        "Run every speculative step from the host; by default, where the device runs "
+        "asynchronously and the plugin offers it (eagle, eagle3 chains), up to 4 greedy "
+        "requests speculate in cycles kept on the device, the host one cycle behind",
+    )
+    enable_speculative_loop: bool = _opt(
+        False, "The device-side speculative loop on synchronous devices too (CPU; for testing)"
+    )
     speculative_ngram_min_match_window_size: int = _opt(
         1, "NGRAM: fewest trailing tokens a match must cover"
     )

@@ -28,6 +28,7 @@ from radixserve.core.scheduler import (
     SchedulerConfig,
     new_token_ratios,
 )
+from radixserve.core.spec_loop import LOOP_BATCH, DeviceVerify, SpecLoop
 from radixserve.core.speculative import Speculator
 from radixserve.core.stop import StopChecker
 from radixserve.core.tokenizer import Tokenizer
@@ -110,6 +111,7 @@ class EngineCore:
             self.grammar_stepper,
             self.speculator,
         )
+        self.spec_loop = self._spec_loop()
         self.disagg = self._disaggregation(host)
         info = {
             "model_path": str(model_dir),
@@ -173,6 +175,35 @@ class EngineCore:
             pause_unprofitable=not config.speculative_disable_pause,
             tree_nodes=config.tree_nodes,
         )
+
+    def _spec_loop(self) -> SpecLoop | None:
+        """The device-side speculative loop (core/spec_loop.py), where the plugin offers a
+        cycle and the attention backend prepares from device tensors on an asynchronous
+        device (FlashInfer plans on the host: no loop)."""
+        sp, config, runner = self.speculator, self.config, self.runner
+        if sp is None or config.disable_speculative_loop or sp.tree_nodes:
+            return None
+        if sp.simulate_accept_len is not None:
+            return None
+        asynchronous = runner.platform.asynchronous
+        if not (asynchronous or config.enable_speculative_loop):
+            return None
+        attention = runner.attention
+        if asynchronous and (
+            not hasattr(attention, "prepare_verify_graph")
+            or hasattr(attention, "plan_decode_graph")
+        ):
+            return None
+        algorithm = sp.algorithm
+        verify = DeviceVerify(
+            runner.model, attention, runner.kv_pool, runner.req_to_token,
+            tuple(algorithm.capture_hidden_layers), algorithm.target_hidden,
+        )  # fmt: skip
+        cycle = algorithm.device_cycle(verify, min(LOOP_BATCH, sp.disable_batch_size))
+        if cycle is None:
+            return None
+        logger.info("speculation loops on the device for up to %d requests", cycle.max_batch)
+        return SpecLoop(cycle, self.scheduler, sp, self.max_context)
 
     def spec_stats(self) -> dict[str, object] | None:
         """Speculation's settings and accept statistics (None when speculation is off)."""
@@ -263,6 +294,7 @@ class EngineCore:
     def has_work(self) -> bool:
         return (
             self.scheduler.has_work()
+            or self._looping()
             or len(self.grammars) > 0
             or self._in_flight is not None
             or bool(self._changed_outside_step)
@@ -276,6 +308,8 @@ class EngineCore:
         if self.disagg is None or not self.disagg.has_work():
             return None
         if self.scheduler.has_work() or len(self.grammars) or self._in_flight is not None:
+            return None
+        if self._looping():
             return None
         return None if self._changed_outside_step else self.disagg.wait_timeout()
 
@@ -300,6 +334,11 @@ class EngineCore:
             not self._in_flight.launched.overlappable or self._drafts_next()
         ):
             changed += self._commit_in_flight()
+        if self.spec_loop is not None and self._in_flight is None:
+            looped, done = self._loop_step()
+            changed += looped
+            if done:
+                return changed
         try:
             batch = self.scheduler.schedule(allow_retract=self._in_flight is None)
         except RetractionNeeded:
@@ -341,6 +380,60 @@ class EngineCore:
         )
         if self.config.debug_leak_check and not self.has_work():
             self.scheduler.check_no_leak()
+        return changed
+
+    def _looping(self) -> bool:
+        return self.spec_loop is not None and self.spec_loop.active
+
+    def _loop_step(self) -> tuple[list[Req], bool]:
+        """One cycle of the device-side speculative loop: stop it where it cannot go on, start
+        it where it can, and launch a cycle while it runs. Returns the requests it changed and
+        whether it ran this step (if not, the scheduler does)."""
+        loop = self.spec_loop
+        assert loop is not None
+        if loop.active and (len(self.grammars) or not loop.can_continue()):
+            return loop.stop(), False
+        if not loop.active:
+            reqs = None if len(self.grammars) else loop.eligible()
+            if reqs is None:
+                return [], False
+            try:
+                if not loop.start(reqs):
+                    return [], False
+            except Exception as e:  # noqa: BLE001 - a failing request must not end the engine
+                return self._fail_loop(e), True
+        start = time.perf_counter()
+        try:
+            changed = loop.advance()
+        except Exception as e:  # noqa: BLE001
+            return self._fail_loop(e), True
+        self.host.hook.step_finished(
+            stats={
+                "num_decode": len(loop.reqs),
+                "num_prefill_tokens": 0,
+                "num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting),
+                "step_time_s": time.perf_counter() - start,
+            }
+        )
+        return changed, True
+
+    def _fail_loop(self, error: Exception) -> list[Req]:
+        """The loop's cycle raised: its requests end with an abort naming the error, as a
+        failing step's do (``_fail_batch``)."""
+        loop = self.spec_loop
+        assert loop is not None
+        reqs = loop.abandon()
+        logger.error(
+            "a speculative cycle of %d requests failed: %r; aborting them", len(reqs), error
+        )
+        message = f"the engine failed on this request's step ({type(error).__name__}: {error})"
+        changed = []
+        for req in reqs:
+            if self.scheduler.abort(req.rid, message) is not None:
+                req.failed = message
+                changed.append(req)
+        self.cache.evict(1 << 62)
         return changed
 
     def _commit_in_flight(self) -> list[Req]:
@@ -414,6 +507,9 @@ class EngineCore:
         scheduler's state is whole before it is changed from outside a step."""
         if self._in_flight is not None:
             self._changed_outside_step += self._commit_in_flight()
+        if self._looping():
+            assert self.spec_loop is not None
+            self._changed_outside_step += self.spec_loop.stop()
 
     def _admit_compiled(self) -> list[Req]:
         """Move requests whose grammar compiled to the scheduler, after jumping forward over
@@ -467,6 +563,7 @@ class EngineCore:
         platform = self.runner.platform
         self.runner.close()  # the other tensor-parallel ranks stop with this one
         self._in_flight = None
+        self.spec_loop = None  # it holds the plugin's cycle graphs
         self._changed_outside_step = []
         if self.speculator is not None:
             self.speculator.close()

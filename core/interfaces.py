@@ -430,6 +430,55 @@ class SpeculativeAlgorithm(ABC):
         """Request ``rid`` finished, was aborted or retracted: drop its state (a retracted
         request comes back with no KV and is proposed for afresh)."""
 
+    def device_cycle(self, verify: TargetVerify, max_batch: int) -> DeviceCycle | None:
+        """A whole speculative cycle that runs from state on the device (core/spec_loop.py),
+        for greedy requests, at most ``max_batch`` of them; None (the default): not offered.
+        ``verify`` runs the target over verify rows given as device tensors."""
+        return None
+
+
+class TargetVerify(ABC):
+    """The target's forward over ``q_len`` verify rows per request, from device tensors only:
+    token ids, positions and KV slots [bs * q_len], table rows and sequence lengths after the
+    rows [bs] (int32). Returns every row's logits; capturable in a CUDA graph where the
+    attention backend prepares from device tensors."""
+
+    @abstractmethod
+    def __call__(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        rows: torch.Tensor,
+        seq_lens: torch.Tensor,
+        q_len: int,
+    ) -> torch.Tensor: ...
+
+
+class DeviceCycle(ABC):
+    """Speculation whose cycle (propose k drafts, verify them with the target, accept the
+    greedy prefix, advance) runs from state kept on the device, so the host may queue the next
+    cycle before it reads this one's tokens (core/spec_loop.py drives it)."""
+
+    k: int  # drafts a cycle proposes per request
+    max_batch: int  # requests a cycle takes at most
+
+    @abstractmethod
+    def begin(self, reqs: Sequence[Any]) -> None:
+        """Load ``reqs``' state (lengths, recent tokens) onto the device; their last tokens
+        are on the host and positions kv_len .. kv_len + 2(k + 1) - 1 have slots."""
+
+    @abstractmethod
+    def launch(self) -> Callable[[], list[list[int]]]:
+        """Queue one cycle; return what waits for its result: per request, the k + 1 target
+        tokens t0..tk and then the number a of drafts accepted (t0..ta are its new tokens)."""
+
+    @abstractmethod
+    def end(self, reqs: Sequence[Any], trusted: Sequence[int]) -> None:
+        """The loop is over for ``reqs`` (their ``kv_len`` is committed): the drafter's own
+        record of them must hold again; ``trusted[i]``: positions of draft KV written from the
+        target's features by the last cycle committed."""
+
 
 @dataclass(frozen=True)
 class TransferEvent:

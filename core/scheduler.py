@@ -432,7 +432,7 @@ class Scheduler:
             if req.finished or req.state == ReqState.PREFILL:
                 break
         req.kv_len = start + committed
-        self._free_positions(req, req.kv_len, start + n)
+        self.free_positions(req, req.kv_len, start + n)
 
     def _keep_accepted_nodes(self, req: Req, draft: Draft, tokens: list[SampledToken]) -> None:
         """A tree's accepted nodes: their slots move to positions kv_len + 1 .. in path order
@@ -545,7 +545,7 @@ class Scheduler:
         out = {}
         for req, allocated, draft in zip(reqs, slots, drafts, strict=True):
             m = len(draft.tokens)
-            self._free_positions(req, req.kv_len + 1 + m, req.kv_len + 1 + allocated)
+            self.free_positions(req, req.kv_len + 1 + m, req.kv_len + 1 + allocated)
             if m:
                 out[req.rid] = draft
         return out
@@ -562,7 +562,7 @@ class Scheduler:
         self.req_to_token.write(req.req_pool_idx, start, slots)
         return True
 
-    def _free_positions(self, req: Req, keep: int, end: int) -> None:
+    def free_positions(self, req: Req, keep: int, end: int) -> None:
         """Give back the slots of positions [keep, end) of ``req``'s row, except those in the
         page that also holds position keep - 1 (the request keeps writing into it)."""
         assert req.req_pool_idx is not None
@@ -656,6 +656,16 @@ class Scheduler:
             return False
         self.req_to_token.write(row, kv_len, slots)
         return True
+
+    def alloc_positions(self, req: Req, start: int, num_tokens: int) -> bool:
+        """Slots for positions start.. of running ``req``'s row (evicting cache if needed);
+        False when the pool cannot give them."""
+        assert req.req_pool_idx is not None
+        return self._alloc_extend(req.req_pool_idx, start, num_tokens)
+
+    def release(self, req: Req) -> None:
+        """Give back a finished ``req``'s KV and row, and drop it from the running requests."""
+        self._release(req)
 
     def _release(self, req: Req) -> None:
         """Give back ``req``'s KV (computed tokens go to the cache) and its table row."""

@@ -13,7 +13,7 @@ token and the head's own hidden state.
 The graph serves a proposal when every request drafts the full k tokens and trusts its draft
 KV up to at least ``kv_len - k - 1``. Draft KV that lags further (a new or retracted request,
 the decodes of a pause, a row the prefix cache re-pointed) is first written by one eager head
-forward (``HeadDraft._catch_up_before_graph``); shortened drafts, a batch larger than the
+forward (``HeadDraft.catch_up_to_span``); shortened drafts, a batch larger than the
 largest graph and requests shorter than the span run the plugin's eager steps.
 
 Padding rows read the slot table's padding row and write their K/V to slot 0, as the decode
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from radixserve.core.batch import ForwardBatch
+from radixserve.core.batch import ForwardBatch, prepare_from_device
 from radixserve.core.memory import ReqToTokenPool
 from radixserve.core.request import Req, token_slice
 from radixserve.plugins.speculative.draft_chain import stage
@@ -42,23 +42,26 @@ class HeadChainGraphs:
         num_steps: int,
         sizes: Sequence[int],
         device: str,
+        capture: bool = True,
     ) -> None:
         """``drafter``: the HeadDraft plugin after setup (its head, embed, attention, draft KV
-        pool and feature pool)."""
+        pool and feature pool). Without ``capture`` no graph is captured: ``draft`` then runs
+        eagerly inside a speculative cycle (``head_cycle.py``; on the CPU, in tests)."""
         self.drafter = drafter
         self.req_to_token = req_to_token
         self.k = num_steps
         self.span = num_steps + 1  # catch-up positions: the most one verify can add
         self.sizes = sorted(sizes)
         self.max_bs = self.sizes[-1]
-        self.pad_row = drafter.attention.bind_table(req_to_token)
+        bind = getattr(drafter.attention, "bind_table", None)
+        self.pad_row = bind(req_to_token) if bind is not None else req_to_token.pad_row
         self.replays = 0  # proposals served by a graph (tests read it)
         n = self.span
         # Rows of ``staged``, one column a request: the catch-up tokens [n], the catch-up slots
-        # [n], the draft steps' slots [k - 1], the first catch-up position; then the table rows
-        # and kv_len, copied to ``meta`` as int32. One host-to-device copy a proposal.
+        # [n], the draft steps' slots [k - 1]; then the table rows and kv_len, copied to
+        # ``meta`` as int32. One host-to-device copy a proposal.
         self.staged = torch.zeros(
-            2 * n + num_steps + 2, self.max_bs, dtype=torch.int64, device=device
+            2 * n + num_steps + 1, self.max_bs, dtype=torch.int64, device=device
         )
         self.meta = torch.zeros(2, self.max_bs, dtype=torch.int32, device=device)
         self.meta[0].fill_(self.pad_row)
@@ -67,54 +70,90 @@ class HeadChainGraphs:
         self.last_rows = torch.arange(self.max_bs, dtype=torch.int64, device=device) * n + n - 1
         self.out = torch.zeros(num_steps, self.max_bs, dtype=torch.int64, device=device)
         self.graphs: dict[int, Any] = {}
-        pool = torch.cuda.graph_pool_handle()
-        for bs in reversed(self.sizes):
-            self.graphs[bs] = self._capture(bs, pool)
+        if capture:
+            pool = torch.cuda.graph_pool_handle()
+            for bs in reversed(self.sizes):
+                self.graphs[bs] = self._capture(bs, pool)
 
     def _step(
-        self, ids: torch.Tensor, feature: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        feature: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        rows: torch.Tensor,
+        seq_lens: torch.Tensor,
+        q_len: int | None,
     ) -> torch.Tensor:
-        """One head forward over rows whose attention is prepared; their hidden states."""
-        d, rows = self.drafter, ids.shape[0]
+        """One head forward over ``ids``: decodes (``q_len`` None) or ``q_len`` rows per
+        request attending like a verify; their hidden states."""
+        d, n = self.drafter, ids.shape[0]
         batch = ForwardBatch(
             input_ids=ids,
             positions=positions,
             out_cache_loc=slots,
-            req_pool_indices=torch.full((rows,), self.pad_row, dtype=torch.int64),
+            req_pool_indices=torch.full((n,), self.pad_row, dtype=torch.int64),
             req_to_token=self.req_to_token.table,
-            seq_lens=[1] * rows,
-            extend_lens=[1] * rows,
-            num_decode=rows,
+            seq_lens=[1] * n,
+            extend_lens=[1] * n,
+            num_decode=n,
             logits_indices=self.offsets[:0],
             kv_pool=d.kv_pool,
             req_to_token_pool=self.req_to_token,
         )
+        batch = prepare_from_device(d.attention, batch, rows, seq_lens, q_len)
         q, k, v, residual = d.head.qkv(d.embed(ids), feature, positions)
         return d.head.finish(d.attention.forward(q, k, v, 0, batch), residual)
 
-    def _draft(self, hidden: torch.Tensor, step: int, bs: int) -> torch.Tensor:
+    def draft(
+        self,
+        tokens: torch.Tensor,
+        slots: torch.Tensor,
+        step_slots: torch.Tensor,
+        rows: torch.Tensor,
+        kv_lens: torch.Tensor,
+    ) -> list[torch.Tensor]:
+        """The k draft tokens of each request, one tensor [bs] a step, from device tensors
+        alone: ``tokens`` and ``slots`` [bs, k + 1] of the catch-up positions kv_len - k - 1 ..
+        kv_len - 1 (a row reads the token after its position), ``step_slots`` [bs, k - 1] of
+        positions kv_len .. kv_len + k - 2, the requests' table ``rows`` and ``kv_lens``."""
+        n, bs = self.span, rows.shape[0]
+        first = kv_lens - n
+        flat_slots = slots.reshape(-1)
+        hidden = self._step(
+            tokens.reshape(-1),
+            self.drafter.features[flat_slots],
+            (first[:, None] + self.offsets[None, :]).reshape(-1),
+            flat_slots,
+            rows,
+            kv_lens,
+            n,
+        )[self.last_rows[:bs]]
+        ids = self._draft(hidden)
+        out = [ids]
+        for step in range(1, self.k):  # position kv_len - 1 + step
+            positions = first + n - 1 + step
+            lens = kv_lens + step
+            hidden = self._step(ids, hidden, positions, step_slots[:, step - 1], rows, lens, None)
+            ids = self._draft(hidden)
+            out.append(ids)
+        return out
+
+    def _draft(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.drafter.head
-        ids = head.to_target(head.draft_logits(hidden).argmax(dim=-1))
-        self.out[step, :bs].copy_(ids)
-        return ids
+        return head.to_target(head.draft_logits(hidden).argmax(dim=-1))
 
     def _chain(self, bs: int) -> None:
-        n, s, attention = self.span, self.staged, self.drafter.attention
-        rows, kv_lens = self.meta[0, :bs], self.meta[1, :bs]
-        first = s[2 * n + self.k - 1, :bs]
-        slots = s[n : 2 * n, :bs].T.reshape(-1)
-        attention.prepare_verify_graph(rows, kv_lens, n)
-        hidden = self._step(
-            s[:n, :bs].T.reshape(-1),
-            self.drafter.features[slots],
-            (first[:, None] + self.offsets[None, :]).reshape(-1),
-            slots,
-        )[self.last_rows[:bs]]
-        ids = self._draft(hidden, 0, bs)
-        for step in range(1, self.k):  # position kv_len - 1 + step
-            attention.prepare_decode_graph(rows, kv_lens + step)
-            hidden = self._step(ids, hidden, first + n - 1 + step, s[2 * n + step - 1, :bs])
-            ids = self._draft(hidden, step, bs)
+        n, k, s = self.span, self.k, self.staged
+        drafts = self.draft(
+            s[:n, :bs].T,
+            s[n : 2 * n, :bs].T,
+            s[2 * n : 2 * n + k - 1, :bs].T,
+            self.meta[0, :bs],
+            self.meta[1, :bs],
+        )
+        for step, ids in enumerate(drafts):
+            self.out[step, :bs].copy_(ids)
 
     def _capture(self, bs: int, pool: Any) -> Any:
         from radixserve.plugins.hardware.cuda_graph import capture_graph
@@ -124,7 +163,7 @@ class HeadChainGraphs:
     def fits(self, reqs: Sequence[Req], max_drafts: Sequence[int]) -> bool:
         """Whether the step's shape is one a replay drafts: a captured batch size, full drafts,
         and at least the catch-up span of KV per request. The draft KV must also be trusted up
-        to ``kv_len - span`` (``HeadDraft._catch_up_before_graph`` sees to it)."""
+        to ``kv_len - span`` (``HeadDraft.catch_up_to_span`` sees to it)."""
         return (
             len(reqs) <= self.max_bs
             and all(m == self.k for m in max_drafts)
@@ -145,12 +184,11 @@ class HeadChainGraphs:
         host = [
             *(list(col) + pad for col in zip(*tokens, strict=True)),
             *(list(col) + pad for col in zip(*slots, strict=True)),
-            [r.kv_len - n for r in reqs] + pad,
             [r.req_pool_idx for r in reqs] + [self.pad_row] * len(pad),
             [r.kv_len for r in reqs] + [n] * len(pad),
         ]
         stage(self.staged, host, self.req_to_token)
-        self.meta.copy_(self.staged[2 * n + k :])
+        self.meta.copy_(self.staged[2 * n + k - 1 :])
         self.graphs[padded].replay()
         self.replays += 1
         # A copy: the next replay overwrites ``out`` while these may still wait to be read.

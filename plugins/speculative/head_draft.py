@@ -40,7 +40,13 @@ import torch
 from radixserve.core import spec_tree
 from radixserve.core.batch import ForwardBatch, to_device
 from radixserve.core.config import ConfigError, ModelConfig
-from radixserve.core.interfaces import Draft, SpeculativeAlgorithm, SpeculativeContext
+from radixserve.core.interfaces import (
+    DeviceCycle,
+    Draft,
+    SpeculativeAlgorithm,
+    SpeculativeContext,
+    TargetVerify,
+)
 from radixserve.core.memory import KVPool
 from radixserve.core.request import Req, token_slice
 from radixserve.core.weights import count_parameters
@@ -114,6 +120,8 @@ class HeadDraft(SpeculativeAlgorithm):
             raise ConfigError(f"speculative algorithm '{self.name}' needs the target's embed()")
         self.embed = context.target_model.embed
         self.device = context.device
+        self.config = context.config
+        self.platform = context.platform
         self.req_to_token = context.req_to_token
         self.head = self.load(path, context)
         self.head.eval()
@@ -161,13 +169,13 @@ class HeadDraft(SpeculativeAlgorithm):
         d(s-1) and the head's own hidden state. The tokens stay on the device
         (``Draft.pending``). Where the proposal graph fits the step, draft KV that lags behind
         its fixed catch-up is written first (one eager forward) and the graph drafts."""
-        trusted = [trusted_length(self._kv.get(r.rid), r, self.req_to_token) for r in reqs]
         if self.chain is not None and self.chain.fits(reqs, max_drafts):
-            self._catch_up_before_graph(reqs, trusted)
+            self.catch_up_to_span(reqs, self.chain.span)
             chained = self.chain.launch(reqs)
             for req in reqs:
-                self._kv[req.rid] = DraftKV.written(req, req.kv_len, self.req_to_token)
+                self.record_draft_kv(req, req.kv_len)
             return [Draft([0] * self.chain.k, None, chained[i]) for i in range(len(reqs))]
+        trusted = [trusted_length(self._kv.get(r.rid), r, self.req_to_token) for r in reqs]
         steps: list[tuple[list[int], torch.Tensor]] = []  # (request indices, their tokens)
         hidden: torch.Tensor | None = None
         for step in range(max(max_drafts)):
@@ -196,13 +204,13 @@ class HeadDraft(SpeculativeAlgorithm):
         by_req = flat[gather].split([len(w) for w in where])
         return [Draft([0] * len(w), None, t) for w, t in zip(where, by_req, strict=True)]
 
-    def _catch_up_before_graph(self, reqs: Sequence[Req], trusted: list[int]) -> None:
-        """Write the draft KV of the positions the graph's fixed catch-up does not cover
+    def catch_up_to_span(self, reqs: Sequence[Req], span: int) -> None:
+        """Write the draft KV of the positions a fixed catch-up of ``span`` does not cover
         (``[trusted, kv_len - span)``: a new request's prompt, the decodes of a pause) in one
-        eager head forward, so that the graph serves the proposal. Eager proposals cost k
-        head forwards: on the H200 a proposal after a pause took ~6 ms, a graph replay ~0.3."""
-        assert self.chain is not None
-        span = self.chain.span
+        eager head forward, so that a graph serves the proposal (or the device cycle). Eager
+        proposals cost k head forwards: on the H200 a proposal after a pause took ~6 ms, a
+        graph replay ~0.3."""
+        trusted = [trusted_length(self._kv.get(r.rid), r, self.req_to_token) for r in reqs]
         lagging = [
             (i, t, r.kv_len - span - t)
             for i, (r, t) in enumerate(zip(reqs, trusted, strict=True))
@@ -211,6 +219,22 @@ class HeadDraft(SpeculativeAlgorithm):
         if lagging:
             lagging.sort(key=lambda e: e[2] != 1)  # decodes first
             self._forward(reqs, lagging, *self._catch_up_inputs(reqs, lagging))
+
+    def record_draft_kv(self, req: Req, length: int) -> None:
+        """``req``'s draft KV holds positions [0, length), written from target features."""
+        self._kv[req.rid] = DraftKV.written(req, length, self.req_to_token)
+
+    def device_cycle(self, verify: TargetVerify, max_batch: int) -> DeviceCycle | None:
+        """Chains only (a tree's nodes take scratch rows a cycle does not)."""
+        from radixserve.plugins.speculative.head_chain import HeadChainGraphs
+        from radixserve.plugins.speculative.head_cycle import HeadCycle
+
+        if self.trees is not None:
+            return None
+        k = self.config.draft_depth
+        chain = HeadChainGraphs(self, self.req_to_token, k, [max_batch], self.device, capture=False)
+        capture = self.device.startswith("cuda") and not self.config.disable_cuda_graph
+        return HeadCycle(self, chain, verify, self.req_to_token, max_batch, self.device, capture)
 
     def _catch_up_inputs(
         self, reqs: Sequence[Req], spans: list[tuple[int, int, int]]

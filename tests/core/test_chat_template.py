@@ -131,7 +131,7 @@ WEATHER_TOOL = {
         "parameters": {
             "type": "object",
             "properties": {
-                "zcity": {"type": "string", "description": "City name, e.g. \"São Paulo\""},
+                "zcity": {"type": "string", "description": 'City name, e.g. "São Paulo"'},
                 "unit": {"type": "string", "enum": ["c", "f"], "default": "c"},
                 "days": {"type": "integer", "minimum": 1, "maximum": 7},
                 "nested": {"type": "object", "properties": {"a<b": {"type": "boolean"}}},

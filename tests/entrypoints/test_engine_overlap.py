@@ -129,8 +129,12 @@ def test_overlap_with_speculation_on_gives_the_same_outputs(
     settings = {"max_total_tokens": 4096, "chunked_prefill_size": 16, "max_running_requests": 6}
     with Engine(str(tiny_llama_dir), **settings) as engine:
         reference = [comparable(r)[:3] for r in run_all(engine, jobs)]
-    spec = {"speculative_algorithm": drafters.NAME, "speculative_disable_batch_size": 2,
-            "speculative_num_steps": drafters.DRAFT_TOKENS, "speculative_disable_pause": True}
+    spec = {
+        "speculative_algorithm": drafters.NAME,
+        "speculative_disable_batch_size": 2,
+        "speculative_num_steps": drafters.DRAFT_TOKENS,
+        "speculative_disable_pause": True,
+    }
     host = PluginHost(extra_plugins=[("test_drafters", drafters)])
     with Engine(
         str(tiny_llama_dir), host=host, enable_overlap_schedule=True, **settings, **spec

@@ -173,9 +173,7 @@ def test_metrics_follow_the_engine(spec_server: RunningServer) -> None:
         "radixserve_spec_accepted_tokens_total": stats["accepted_tokens"],
         # SGLang's gauges (sglang:spec_*), and ours: the counts behind them
         "sglang:spec_accept_length": pytest.approx(stats["avg_accept_length"], abs=1e-4),
-        "sglang:spec_accept_rate": pytest.approx(
-            stats["accepted_tokens"] / stats["draft_tokens"]
-        ),
+        "sglang:spec_accept_rate": pytest.approx(stats["accepted_tokens"] / stats["draft_tokens"]),
     }
     assert stats["verify_steps"] >= 1
     for name, value in expected.items():

@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 import torch
+from random_heads import embedding, write_random_eagle3_head
 from small_pool_speculation import run_small_pool
 
 from radixserve import Engine
 from radixserve.core.config import ConfigError, ModelConfig
 from radixserve.core.memory import ReqToTokenPool
 from radixserve.core.plugins import default_host
-from radixserve.core.weights import iter_weights
 from radixserve.plugins.hardware.cpu import CpuPlatform
 from radixserve.plugins.hardware.cpu_linear import PackedLinear, default_packing
 from radixserve.plugins.speculative.eagle3 import Eagle3Draft
@@ -40,30 +40,14 @@ def _train_draft() -> Any:
     return train_draft
 
 
-def _embedding(model_dir: Path) -> torch.Tensor:
-    return dict(iter_weights(model_dir, torch.float32))["model.embed_tokens.weight"]
-
-
 @pytest.fixture(scope="module")
 def head_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random head whose weights are large enough for clear argmaxes; its draft vocabulary
-    is a shuffled half of the target's, so d2t matters."""
-    mc = ModelConfig.from_dir(tiny_llama_dir)
-    ids = list(range(mc.vocab_size))
-    random.Random(1).shuffle(ids)
-    head = new_head(mc, _embedding(tiny_llama_dir), torch.tensor(ids[: mc.vocab_size // 2]), 3, AUX)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if "norm" not in name:
-                p.mul_(8.0)
-    out = tmp_path_factory.mktemp("eagle3-head")
-    save_head(head, out, torch.float32, {"note": "random, for tests"})
-    return out
+    return write_random_eagle3_head(tiny_llama_dir, tmp_path_factory.mktemp("eagle3-head"), AUX)
 
 
 def _drafter(model_dir: Path, head: Path) -> tuple[Eagle3Draft, ReqToTokenPool, torch.Tensor]:
     mc = ModelConfig.from_dir(model_dir)
-    emb = _embedding(model_dir)
+    emb = embedding(model_dir)
     pool = ReqToTokenPool(4, 128)
     draft = Eagle3Draft()
     draft.setup(
@@ -206,7 +190,7 @@ def test_heads_that_cannot_serve_the_target_are_refused(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
     mc = ModelConfig.from_dir(tiny_llama_dir)
-    emb = _embedding(tiny_llama_dir)
+    emb = embedding(tiny_llama_dir)
     deep = tmp_path / "deep"
     save_head(new_head(mc, emb, torch.arange(64), 0, [0, 1, 5]), deep, torch.float32, {})
     cases = [
