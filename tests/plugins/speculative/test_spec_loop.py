@@ -7,8 +7,8 @@ the CPU, where ``enable_speculative_loop`` turns it on (CUDA has it by default):
   really ran and accepted drafts; no KV leaked.
 - The tiny Llama with a random EAGLE-3 head, driven step by step: an arrival and an abort
   each stop the loop, which resumes afterwards; nothing is lost and the slots held ahead come
-  back. A sampled, logprobs or min-tokens request keeps it off (it speculates from the host). A small paged pool (retraction, slots ahead
-  that cannot be had) changes no output.
+  back. A sampled, logprobs or min-tokens request keeps it off (it speculates from the host).
+  A small paged pool (retraction, slots ahead that cannot be had) changes no output.
 """
 
 from __future__ import annotations
