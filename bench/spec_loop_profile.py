@@ -43,6 +43,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--profile-top", type=int, default=30)
+    p.add_argument("--num-steps", type=int, default=None, help="--speculative-num-steps")
     args = p.parse_args()
     import torch
 
@@ -51,6 +52,8 @@ def main() -> None:
         "speculative_algorithm": args.algorithm,
         "speculative_disable_pause": True,
     }
+    if args.num_steps is not None:
+        flags["speculative_num_steps"] = args.num_steps
     if args.device == "cpu":  # a smoke test of this script
         flags["enable_speculative_loop"] = True
     with Engine(plugins=[f"hardware={args.device}"], max_total_tokens=65536, **flags) as engine:
@@ -106,17 +109,6 @@ def main() -> None:
                 + ", ".join(f"{k} {v / max(cycles, 1) * 1e3:.3f} ms" for k, v in host.items()),
                 flush=True,
             )
-        sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-        step = core.runner.step
-        if hasattr(step, "graphs") and 1 in step.graphs:
-            print(f"decode graph bs1: {replay_ms(step.graphs[1][0].replay, sync):.3f} ms/replay")
-        if loop is not None and getattr(loop.cycle, "graphs", None):
-            cycle = loop.cycle
-            cycle.rows[:1].fill_(core.runner.req_to_token.pad_row)  # slot 0 only
-            cycle.kv_lens[:1].fill_(64)
-            graph = cycle.graphs[1]
-            print(f"cycle graph bs1: {replay_ms(graph.replay, sync, 100):.3f} ms/replay")
-            cycle.kv_lens[:1].fill_(64)
         # the engine steps on a thread of its own: profile each step there
         profiler = cProfile.Profile()
         step_once = core.step
@@ -129,6 +121,24 @@ def main() -> None:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile_top)
         print(text.getvalue())
+        # Last (the replays write KV at whatever slots their buffers name): device times.
+        sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+        step = core.runner.step
+        if hasattr(step, "graphs") and 1 in step.graphs:
+            print(f"decode graph bs1: {replay_ms(step.graphs[1][0].replay, sync):.3f} ms/replay")
+        if loop is not None and getattr(loop.cycle, "graphs", None):
+            cycle = loop.cycle
+            cycle.rows[:1].fill_(core.runner.req_to_token.pad_row)  # slot 0 only
+            cycle.kv_lens[:1].fill_(64)
+            graph = cycle.graphs[1]
+            print(f"cycle graph bs1: {replay_ms(graph.replay, sync, 100):.3f} ms/replay")
+            cycle.kv_lens[:1].fill_(64)
+        chain = getattr(core.speculator.algorithm, "chain", None)
+        if chain is not None and 1 in chain.graphs:
+            print(f"proposal graph bs1: {replay_ms(chain.graphs[1].replay, sync):.3f} ms/replay")
+        verify = getattr(step, "verify_graphs", {})
+        if 1 in verify:
+            print(f"verify graph bs1: {replay_ms(verify[1][0].replay, sync):.3f} ms/replay")
 
 
 if __name__ == "__main__":

@@ -150,6 +150,9 @@ class DraftHead(nn.Module):
     one) and name the decoder layer in ``layer``."""
 
     layer: DecoderLayer
+    #: its norms and RoPE see [tokens, ...] tensors, as the target's fused kernels take them
+    #: (a platform may switch them to those: ``prepare_draft_head``)
+    supports_fused_ops = True
 
     def __init__(self, config: HeadConfig, max_context: int, dtype: torch.dtype, device: str):
         super().__init__()
