@@ -17,9 +17,9 @@ tokens, check stops), repeat. What the host needs ahead of the device, it gets a
 The loop runs while it can: every running request decodes greedily with nothing that needs the
 host between tokens (no grammar, penalties, logit bias, logprobs or pending min-tokens), there
 are at most ``DeviceCycle.max_batch`` of them, the speculation policy finds drafting pays for
-at least one of them (``_pays``), and no request waits. Anything else (an arrival, an abort, a finish, a full pool) drains it: the cycle
-in flight is committed, the slots past each request's end are freed, and the usual scheduler
-takes over from a state it knows (``stop``).
+at least one of them (``_pays``), and no request waits. Anything else (an arrival, an abort, a
+finish, a full pool) drains it: the cycle in flight is committed, the slots past each
+request's end are freed, and the usual scheduler takes over from a state it knows (``stop``).
 """
 
 from __future__ import annotations
