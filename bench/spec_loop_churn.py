@@ -1,0 +1,105 @@
+"""How often the device-side speculative loop stops and restarts, and what that costs, on one
+workload group at one batch size (a diagnostic for issue 15: code edits at batch 4 ran at a
+fifth of speculation off on the H200 with the loop on, JSON at 1.7x).
+
+    python bench/spec_loop_churn.py --group code_edit --batch 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from spec_workloads import all_workloads  # noqa: E402
+
+from radixserve import Engine  # noqa: E402
+
+
+def timed(owner: Any, name: str, spent: dict[str, float], counts: Counter[str]) -> None:
+    """Wrap ``owner.name`` so that its calls are counted and timed under ``name``."""
+    call = getattr(owner, name)
+
+    def wrapper(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return call(*a, **k)
+        finally:
+            spent[name] += time.perf_counter() - t
+            counts[name] += 1
+
+    setattr(owner, name, wrapper)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--group", default="code_edit")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--disable-pause", action="store_true")
+    args = p.parse_args()
+    flags: dict[str, Any] = {"speculative_algorithm": "EAGLE3"}
+    if args.disable_pause:
+        flags["speculative_disable_pause"] = True
+    if args.device == "cpu":
+        flags |= {"enable_speculative_loop": True, "speculative_disable_batch_size": 4}
+    workloads = all_workloads()[args.group]
+    with Engine(plugins=[f"hardware={args.device}"], **flags) as engine:
+        core = engine.core
+        loop = core.spec_loop
+        assert loop is not None
+        spent: dict[str, float] = Counter()  # type: ignore[assignment]
+        counts: Counter[str] = Counter()
+        timed(loop.cycle, "begin", spent, counts)
+        timed(loop, "stop", spent, counts)
+        timed(core.runner, "launch", spent, counts)
+        timed(core.speculator.algorithm, "catch_up_to_span", spent, counts)
+        stop_why: Counter[str] = Counter()
+        can_continue = loop.can_continue
+
+        def why() -> bool:
+            ok = can_continue()
+            if not ok:
+                s = core.scheduler
+                reason = (
+                    "waiting" if s.waiting else
+                    "finished" if len(s.running) != len(loop.reqs) else
+                    "all paused" if not loop._pays(loop.reqs) else "other"
+                )  # fmt: skip
+                stop_why[reason] += 1
+            return ok
+
+        loop.can_continue = why  # type: ignore[method-assign]
+        prompts = [engine.tokenizer.encode_chat(w.messages) for w in workloads]
+        params = [{"temperature": 0, "max_new_tokens": w.max_new_tokens} for w in workloads]
+        engine.generate(input_ids=prompts[0], sampling_params={"max_new_tokens": 8})
+        for key in list(spent):
+            spent[key] = 0.0
+        counts.clear()
+        stop_why.clear()
+        c0, l0 = loop.cycles, loop.loops
+        t = time.perf_counter()
+        tokens = 0
+        for i in range(0, len(prompts), args.batch):
+            out = engine.generate(
+                input_ids=prompts[i : i + args.batch], sampling_params=params[i : i + args.batch]
+            )
+            tokens += sum(len(o["output_ids"]) for o in out)
+        dt = time.perf_counter() - t
+        print(
+            f"{args.group} batch {args.batch}: {tokens} tokens in {dt:.2f} s ({tokens / dt:.0f} tok/s)"
+        )
+        print(f"loops {loop.loops - l0}, cycles {loop.cycles - c0}, host steps {counts['launch']}")
+        print("stops:", dict(stop_why))
+        for key in spent:
+            print(f"  {key}: {counts[key]} calls, {spent[key] * 1e3:.1f} ms")
+        print(core.spec_stats())
+
+
+if __name__ == "__main__":
+    main()
