@@ -91,9 +91,8 @@ def main() -> None:
             )
             tokens += sum(len(o["output_ids"]) for o in out)
         dt = time.perf_counter() - t
-        print(
-            f"{args.group} batch {args.batch}: {tokens} tokens in {dt:.2f} s ({tokens / dt:.0f} tok/s)"
-        )
+        rate = tokens / dt
+        print(f"{args.group} batch {args.batch}: {tokens} tokens in {dt:.2f} s ({rate:.0f} tok/s)")
         print(f"loops {loop.loops - l0}, cycles {loop.cycles - c0}, host steps {counts['launch']}")
         print("stops:", dict(stop_why))
         for key in spent:
