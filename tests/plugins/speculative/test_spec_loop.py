@@ -201,3 +201,27 @@ def test_small_pool_outputs_equal_speculation_off(tiny_llama_dir: Path, head_dir
     )
     assert got == want
     assert retractions > 0 and stats["verify_steps"] > 0
+
+
+def test_a_third_party_cycle_runs_the_loop(tiny_llama_dir: Path) -> None:
+    """docs/plugins.md's worked example (tests/support/repeat_cycle.py), in process."""
+    from repeat_cycle import RepeatPlugin
+
+    from radixserve.core.plugins import PluginHost
+
+    prompts = {"a": [7] * 12, "b": PROMPT, "c": [9, 9, 9, 9, 8, 9, 9, 9]}
+    want = _reference(tiny_llama_dir, prompts, 48)
+    host = PluginHost(extra_plugins=[("repeat", RepeatPlugin())])
+    config = EngineConfig(
+        max_total_tokens=2048, debug_leak_check=True, speculative_algorithm="repeat", **LOOP
+    )
+    core = EngineCore(tiny_llama_dir, config, host)
+    reqs = {rid: Req(rid, list(p), greedy(48)) for rid, p in prompts.items()}
+    for req in reqs.values():
+        core.add_request(req)
+    _drain(core)
+    core.scheduler.check_no_leak()
+    assert core.spec_loop is not None and core.spec_loop.cycles > 10
+    assert {rid: r.output_ids for rid, r in reqs.items()} == want
+    stats = core.spec_stats()
+    assert stats is not None and stats["accepted_tokens"] > 0
