@@ -18,7 +18,8 @@ class Repeat(SpeculativeAlgorithm):
         self.context = context
 
     def propose(self, reqs: Sequence[Any], max_drafts: Sequence[int]) -> list[Draft]:
-        return [Draft([(r.output_ids or r.input_ids)[-1]] * m) for r, m in zip(reqs, max_drafts)]
+        pairs = zip(reqs, max_drafts, strict=True)
+        return [Draft([(r.output_ids or r.input_ids)[-1]] * m) for r, m in pairs]
 
     def device_cycle(self, verify: TargetVerify, max_batch: int) -> DeviceCycle:
         return RepeatCycle(self.context, verify, max_batch)
