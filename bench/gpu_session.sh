@@ -10,7 +10,8 @@
 #   sh bench/gpu_session.sh stash .gp/part00      # then at once, in the next call (issue 15):
 #   sh bench/gpu_session.sh stash .gp/part01 join SHA256 spec-equiv "spec-model --algorithm EAGLE3"
 # Results go to $OUT (gpu-<shape>.json, tp.json, models.json, spec.json, spec-profile.txt,
-# tests.log, moe-tests.log, spec-tests.log).
+# tests.log, moe-tests.log, spec-tests.log, spec-loop-tests.log, spec-loop-profile.txt,
+# spec-loop-churn.txt).
 set -e
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/pkg
@@ -75,6 +76,18 @@ while [ $# -gt 0 ]; do
         python3 -m pytest -q -p no:cacheprovider tests/plugins/speculative/test_spec_loop.py \
             tests/plugins/hardware/test_cuda_speculative.py \
             2>&1 | tee "$OUT/spec-loop-tests.log" | tail -15
+        continue
+    fi
+    if [ "$job" = spec-loop-profile ]; then  # issue 15: where a loop cycle's time goes
+        python3 bench/spec_loop_profile.py --group json_repeat --tokens 512 --profile-top 40 \
+            2>&1 | grep -v Warning | tee "$OUT/spec-loop-profile.txt" | grep -E "^prompt|graph"
+        continue
+    fi
+    if [ "$job" = spec-loop-churn ]; then  # issue 15: the loop's restarts, code edits at batch 4
+        for args in "--group code_edit" "--group code_edit --disable-pause" "--group json_repeat"; do
+            python3 bench/spec_loop_churn.py --batch 4 $args 2>&1 | grep -v Warning \
+                | grep -v Converting | tail -9 | tee -a "$OUT/spec-loop-churn.txt"
+        done
         continue
     fi
     if [ "$job" = spec-profile ]; then  # after "spec": where a batch-1 step's time goes
