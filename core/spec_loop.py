@@ -24,7 +24,6 @@ request's end are freed, and the usual scheduler takes over from a state it know
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,8 +34,6 @@ from radixserve.core.batch import ForwardBatch, prepare_from_device
 from radixserve.core.interfaces import DeviceCycle, TargetVerify
 from radixserve.core.memory import ReqToTokenPool
 from radixserve.core.request import Req, ReqState
-
-logger = logging.getLogger(__name__)
 
 #: The most requests the loop takes: past a few, a step's device time grows with the batch and
 #: the host's work hides behind it anyway (and on CUDA speculation is cut off above 4).
@@ -210,7 +207,7 @@ class SpecLoop:
         if self._in_flight is not None:
             fetch, self._in_flight = self._in_flight, None
             changed = self._commit(fetch())
-        live = [r for r in self.reqs if not r.finished and r in self.scheduler.running]
+        live = self._still_running(self.reqs)
         self._free_ahead(live)
         if live:
             self.cycle.end(live, [self._trusted.get(r.rid, 0) for r in live])
@@ -221,8 +218,8 @@ class SpecLoop:
         """Give up on the loop without committing (its cycle failed): free the slots ahead and
         return the requests, whose committed state is as before the failed cycle."""
         self._in_flight = None
-        reqs, self.reqs = self.reqs, []
-        live = [r for r in reqs if not r.finished and r in self.scheduler.running]
+        live = self._still_running(self.reqs)
+        self.reqs = []
         self._free_ahead(live)
         self._slot_end.clear()
         return live
@@ -276,6 +273,10 @@ class SpecLoop:
                 return False
             self._slot_end[req.rid] = end + want
         return True
+
+    def _still_running(self, reqs: Sequence[Req]) -> list[Req]:
+        """``reqs`` that neither finished nor left the scheduler (an abort) since they looped."""
+        return [r for r in reqs if not r.finished and r in self.scheduler.running]
 
     def _free_ahead(self, reqs: Sequence[Req]) -> None:
         for req in reqs:

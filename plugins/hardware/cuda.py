@@ -173,14 +173,11 @@ class CudaPlatform(HardwarePlatform):
         (``supports_fused_ops``: the EAGLE heads) runs them on the target's Triton kernels:
         eagerly, each RMSNorm is ~7 kernels and each RoPE ~6, and an EAGLE-3 head step took
         ~0.14 ms of device time at batch 1 on the H200 (launch-bound; docs/BENCHMARKS.md)."""
-        from radixserve.plugins.models.decoder import fused_ops_for
+        from radixserve.plugins.models.decoder import attach_fused_ops, fused_ops_for
 
         fused = fused_ops_for(self.device)
-        if fused is None or not getattr(head, "supports_fused_ops", False):
-            return
-        for part in (getattr(head, "rope", None), *head.modules()):
-            if part is not None and hasattr(part, "fused"):
-                part.fused = fused
+        if fused is not None and getattr(head, "supports_fused_ops", False):
+            attach_fused_ops(head, fused)
 
     def step_executor(self, model: Any, attention: Any, kv_pool: Any, req_to_token: Any,
                       config: Any) -> StepExecutor:  # fmt: skip

@@ -408,9 +408,7 @@ class DecoderForCausalLM(nn.Module, CausalLM):
         #: (set by weight-only quantization, plugins/models/quant.py)
         self.head: nn.Module | None = None
         fused = fused_ops_for(device)
-        for part in (self.rope, *self.modules()):
-            if hasattr(part, "fused"):
-                part.fused = fused
+        attach_fused_ops(self, fused)
         rope_in_attention = takes_rotary(attention, fused is not None)
         for layer in self.layers:
             layer.rope_in_attention = rope_in_attention
@@ -559,6 +557,14 @@ def triton_gemv_config(device: str) -> tuple[int, int, int] | None:
     from radixserve.plugins.hardware.gemv import config
 
     return config()
+
+
+def attach_fused_ops(module: nn.Module, fused: ModuleType | None) -> None:
+    """Point every part of ``module`` that can run on fused kernels (its RMSNorms and MLPs,
+    and its ``rope`` table, which is no submodule) at the ops module ``fused``."""
+    for part in (getattr(module, "rope", None), *module.modules()):
+        if part is not None and hasattr(part, "fused"):
+            part.fused = fused
 
 
 def fused_ops_for(device: str) -> ModuleType | None:

@@ -135,8 +135,3 @@ class HeadCycle(DeviceCycle):
     def end(self, reqs: Sequence[Req], trusted: Sequence[int]) -> None:
         for req, length in zip(reqs, trusted, strict=True):
             self.drafter.record_draft_kv(req, length)
-
-    def release(self) -> None:
-        for graph in self.graphs.values():
-            graph.reset()
-        self.graphs.clear()
