@@ -86,7 +86,7 @@ while [ $# -gt 0 ]; do
     if [ "$job" = spec-loop-churn ]; then  # issue 15: the loop's restarts, code edits at batch 4
         for args in "--group code_edit" "--group code_edit --disable-pause" "--group json_repeat"; do
             python3 bench/spec_loop_churn.py --batch 4 $args 2>&1 | grep -v Warning \
-                | grep -v Converting | tail -9 | tee -a "$OUT/spec-loop-churn.txt"
+                | grep -v Converting | tail -24 | tee -a "$OUT/spec-loop-churn.txt"
         done
         continue
     fi

@@ -16,12 +16,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from spec_workloads import all_workloads  # noqa: E402
+from spec_workloads import workload_group  # noqa: E402
 
 from radixserve import Engine  # noqa: E402
 
 
-def timed(owner: Any, name: str, spent: dict[str, float], counts: Counter[str]) -> None:
+def timed(
+    owner: Any, name: str, spent: dict[str, float], counts: Counter[str],
+    calls: dict[str, list[float]],
+) -> None:  # fmt: skip
     """Wrap ``owner.name`` so that its calls are counted and timed under ``name``."""
     call = getattr(owner, name)
 
@@ -30,8 +33,10 @@ def timed(owner: Any, name: str, spent: dict[str, float], counts: Counter[str]) 
         try:
             return call(*a, **k)
         finally:
-            spent[name] += time.perf_counter() - t
+            took = time.perf_counter() - t
+            spent[name] += took
             counts[name] += 1
+            calls.setdefault(name, []).append(took)
 
     setattr(owner, name, wrapper)
 
@@ -42,23 +47,26 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--device", default="cuda")
     p.add_argument("--disable-pause", action="store_true")
+    p.add_argument("--rounds", type=int, default=2, help="the group this many times, one engine")
     args = p.parse_args()
     flags: dict[str, Any] = {"speculative_algorithm": "EAGLE3"}
     if args.disable_pause:
         flags["speculative_disable_pause"] = True
     if args.device == "cpu":
         flags |= {"enable_speculative_loop": True, "speculative_disable_batch_size": 4}
-    workloads = all_workloads()[args.group]
+    workloads = workload_group(args.group)
     with Engine(plugins=[f"hardware={args.device}"], **flags) as engine:
         core = engine.core
         loop = core.spec_loop
         assert loop is not None
         spent: dict[str, float] = Counter()  # type: ignore[assignment]
         counts: Counter[str] = Counter()
-        timed(loop.cycle, "begin", spent, counts)
-        timed(loop, "stop", spent, counts)
-        timed(core.runner, "launch", spent, counts)
-        timed(core.speculator.algorithm, "catch_up_to_span", spent, counts)
+        calls: dict[str, list[float]] = {}
+        for owner, name in [
+            (loop.cycle, "begin"), (loop, "stop"), (loop, "advance"), (core.runner, "launch"),
+            (core.speculator.algorithm, "catch_up_to_span"),
+        ]:  # fmt: skip
+            timed(owner, name, spent, counts, calls)
         stop_why: Counter[str] = Counter()
         can_continue = loop.can_continue
 
@@ -78,26 +86,33 @@ def main() -> None:
         prompts = [engine.tokenizer.encode_chat(w.messages) for w in workloads]
         params = [{"temperature": 0, "max_new_tokens": w.max_new_tokens} for w in workloads]
         engine.generate(input_ids=prompts[0], sampling_params={"max_new_tokens": 8})
-        for key in list(spent):
-            spent[key] = 0.0
-        counts.clear()
-        stop_why.clear()
-        c0, l0 = loop.cycles, loop.loops
-        t = time.perf_counter()
-        tokens = 0
-        for i in range(0, len(prompts), args.batch):
-            out = engine.generate(
-                input_ids=prompts[i : i + args.batch], sampling_params=params[i : i + args.batch]
-            )
-            tokens += sum(len(o["output_ids"]) for o in out)
-        dt = time.perf_counter() - t
-        rate = tokens / dt
-        print(f"{args.group} batch {args.batch}: {tokens} tokens in {dt:.2f} s ({rate:.0f} tok/s)")
-        print(f"loops {loop.loops - l0}, cycles {loop.cycles - c0}, host steps {counts['launch']}")
-        print("stops:", dict(stop_why))
-        for key in spent:
-            print(f"  {key}: {counts[key]} calls, {spent[key] * 1e3:.1f} ms")
-        print(core.spec_stats())
+        for r in range(args.rounds):
+            for key in list(spent):
+                spent[key] = 0.0
+            counts.clear()
+            calls.clear()
+            stop_why.clear()
+            c0, l0 = loop.cycles, loop.loops
+            t = time.perf_counter()
+            tokens = 0
+            for i in range(0, len(prompts), args.batch):
+                out = engine.generate(
+                    input_ids=prompts[i : i + args.batch],
+                    sampling_params=params[i : i + args.batch],
+                )
+                tokens += sum(len(o["output_ids"]) for o in out)
+            dt = time.perf_counter() - t
+            rate = tokens / dt
+            print(f"round {r}, {args.group} batch {args.batch}: {tokens} tokens in {dt:.2f} s "
+                  f"({rate:.0f} tok/s)")  # fmt: skip
+            print(f"loops {loop.loops - l0}, cycles {loop.cycles - c0}, "
+                  f"host steps {counts['launch']}")  # fmt: skip
+            print("stops:", dict(stop_why))
+            for key in spent:
+                slowest = ", ".join(f"{x * 1e3:.1f}" for x in sorted(calls.get(key, []))[-3:])
+                print(f"  {key}: {counts[key]} calls, {spent[key] * 1e3:.1f} ms "
+                      f"(slowest ms: {slowest})")  # fmt: skip
+            print(core.spec_stats())
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from spec_workloads import all_workloads  # noqa: E402
+from spec_workloads import workload_group  # noqa: E402
 
 from radixserve import Engine  # noqa: E402
 
@@ -47,7 +47,7 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
-    prompt_of = all_workloads()[args.group]
+    prompt_of = workload_group(args.group)
     flags: dict[str, Any] = {
         "speculative_algorithm": args.algorithm,
         "speculative_disable_pause": True,

@@ -14,6 +14,7 @@ messages are OpenAI-style chat messages for the model's chat template.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 Message = dict[str, str]
@@ -533,10 +534,51 @@ def open_chat() -> list[Workload]:
 
 
 def all_workloads() -> dict[str, list[Workload]]:
-    """Every group, by name, in a fixed order."""
+    """Every group written in this file, by name, in a fixed order (the default set)."""
     return {
         "code_edit": code_edit(),
         "json_repeat": json_repeat(),
         "extraction": extraction(),
         "open_chat": open_chat(),
     }
+
+
+# --- held-out prompts of the draft heads' recipe ---------------------------------------------
+
+#: Prompts per workload in the ``heldout_*`` groups, and their most new tokens (those of the
+#: held-out acceptance table in docs/speculative-training.md).
+HELDOUT_PROMPTS, HELDOUT_MAX_NEW = 8, 128
+HELDOUT_GROUPS = ("heldout_chat", "heldout_code", "heldout_summary", "heldout_json")
+
+
+@functools.cache
+def _heldout_items() -> tuple[dict, ...]:
+    from radixserve.tools.draft_data import build_prompts
+
+    # the shipped heads' recipe: --prompt-set large --prompts-per-workload 600, seed 0
+    items = build_prompts(600, seed=0, large=True)
+    return tuple(i for i in items if i["split"] == "heldout")
+
+
+def heldout(workload: str) -> list[Workload]:
+    """The first held-out prompts of one of tools/draft_data.py's workloads (chat, code,
+    summary, json): prompts from sources the shipped heads never saw in training, built as
+    their recipe builds them (a user turn only). Code and summary prompts come from this
+    machine's Python stdlib and docs, so they differ between machines."""
+    picked = [i for i in _heldout_items() if i["workload"] == workload][:HELDOUT_PROMPTS]
+    return [
+        Workload(f"heldout_{workload}/{i['key']}", [{"role": "user", "content": i["prompt"]}],
+                 HELDOUT_MAX_NEW)
+        for i in picked
+    ]  # fmt: skip
+
+
+def workload_group(name: str) -> list[Workload]:
+    """A group by name: one of ``all_workloads()`` or of ``HELDOUT_GROUPS``."""
+    if name in HELDOUT_GROUPS:
+        return heldout(name.removeprefix("heldout_"))
+    groups = all_workloads()
+    if name not in groups:
+        known = ", ".join([*groups, *HELDOUT_GROUPS])
+        raise SystemExit(f"unknown workload group {name!r}: {known}")
+    return groups[name]

@@ -114,9 +114,9 @@ def time_mode(
 ) -> dict[str, dict[int, tuple[int, float, int, int]]]:
     """One engine's (output tokens, seconds, verify steps, accepted drafts) per workload group
     and batch size."""
-    from spec_workloads import all_workloads
+    from spec_workloads import workload_group
 
-    groups = all_workloads()
+    groups = {name: workload_group(name) for name in names}
     timings: dict[str, dict[int, tuple[int, float, int, int]]] = {n: {} for n in names}
     mode = flags.get("speculative_algorithm", "off")
     with Engine(**base, **flags) as engine:
