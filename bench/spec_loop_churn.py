@@ -8,6 +8,8 @@ fifth of speculation off on the H200 with the loop on, JSON at 1.7x).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import time
 from collections import Counter
@@ -41,6 +43,25 @@ def timed(
     setattr(owner, name, wrapper)
 
 
+def profiled(owner: Any, name: str, profile: cProfile.Profile) -> None:
+    """Run every call of ``owner.name`` under ``profile``, and print the slow ones' shapes."""
+    call = getattr(owner, name)
+
+    def wrapper(reqs: Any, *a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        profile.enable()
+        try:
+            return call(reqs, *a, **k)
+        finally:
+            profile.disable()
+            took = time.perf_counter() - t
+            if took > 0.05:
+                lens = [(r.kv_len, len(r.output_ids)) for r in reqs]
+                print(f"slow {name}: {took * 1e3:.0f} ms, (kv_len, outputs) {lens}")
+
+    setattr(owner, name, wrapper)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--group", default="code_edit")
@@ -48,6 +69,10 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--disable-pause", action="store_true")
     p.add_argument("--rounds", type=int, default=2, help="the group this many times, one engine")
+    p.add_argument(
+        "--profile-catch-up", type=int, default=0, metavar="N",
+        help="profile the catch-ups (cProfile) and print the top N functions by cumulative time",
+    )  # fmt: skip
     args = p.parse_args()
     flags: dict[str, Any] = {"speculative_algorithm": "EAGLE3"}
     if args.disable_pause:
@@ -62,9 +87,13 @@ def main() -> None:
         spent: dict[str, float] = Counter()  # type: ignore[assignment]
         counts: Counter[str] = Counter()
         calls: dict[str, list[float]] = {}
+        drafter = core.speculator.algorithm
+        profile = cProfile.Profile()
+        if args.profile_catch_up:
+            profiled(drafter, "catch_up_to_span", profile)
         for owner, name in [
             (loop.cycle, "begin"), (loop, "stop"), (loop, "advance"), (core.runner, "launch"),
-            (core.speculator.algorithm, "catch_up_to_span"),
+            (drafter, "catch_up_to_span"),
         ]:  # fmt: skip
             timed(owner, name, spent, counts, calls)
         stop_why: Counter[str] = Counter()
@@ -113,6 +142,9 @@ def main() -> None:
                 print(f"  {key}: {counts[key]} calls, {spent[key] * 1e3:.1f} ms "
                       f"(slowest ms: {slowest})")  # fmt: skip
             print(core.spec_stats())
+        if args.profile_catch_up:
+            for key in ("cumulative", "tottime"):
+                pstats.Stats(profile).sort_stats(key).print_stats(args.profile_catch_up)
 
 
 if __name__ == "__main__":
