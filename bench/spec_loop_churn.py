@@ -106,7 +106,7 @@ def main() -> None:
                 reason = (
                     "waiting" if s.waiting else
                     "finished" if len(s.running) != len(loop.reqs) else
-                    "all paused" if not loop._pays(loop.reqs) else "other"
+                    "paused" if not loop._pays(loop.reqs) else "other"
                 )  # fmt: skip
                 stop_why[reason] += 1
             return ok
@@ -121,7 +121,7 @@ def main() -> None:
             counts.clear()
             calls.clear()
             stop_why.clear()
-            c0, l0 = loop.cycles, loop.loops
+            c0, l0, v0 = loop.cycles, loop.loops, loop.verdicts
             t = time.perf_counter()
             tokens = 0
             for i in range(0, len(prompts), args.batch):
@@ -135,7 +135,7 @@ def main() -> None:
             print(f"round {r}, {args.group} batch {args.batch}: {tokens} tokens in {dt:.2f} s "
                   f"({rate:.0f} tok/s)")  # fmt: skip
             print(f"loops {loop.loops - l0}, cycles {loop.cycles - c0}, "
-                  f"host steps {counts['launch']}")  # fmt: skip
+                  f"host steps {counts['launch']}, verdicts {loop.verdicts - v0}")  # fmt: skip
             print("stops:", dict(stop_why))
             for key in spent:
                 slowest = ", ".join(f"{x * 1e3:.1f}" for x in sorted(calls.get(key, []))[-3:])

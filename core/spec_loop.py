@@ -16,15 +16,18 @@ tokens, check stops), repeat. What the host needs ahead of the device, it gets a
 
 The loop runs while it can: every running request decodes greedily with nothing that needs the
 host between tokens (no grammar, penalties, logit bias, logprobs or pending min-tokens), there
-are at most ``DeviceCycle.max_batch`` of them, the speculation policy finds drafting pays for
-at least one of them (``_pays``), and no request waits. Anything else (an arrival, an abort, a
-finish, a full pool) drains it: the cycle in flight is committed, the slots past each
-request's end are freed, and the usual scheduler takes over from a state it knows (``stop``).
+are at most ``DeviceCycle.max_batch`` of them, the speculation policy has paused none of them
+(``_pays``; while looping it judges them as one, ``_judge``), and no request waits. Anything
+else (an arrival, an abort, a finish, a full pool) drains it: the cycle in flight is
+committed, the slots past each request's end are freed, and the usual scheduler takes over
+from a state it knows (``stop``).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,6 +41,12 @@ from radixserve.core.request import Req, ReqState
 #: The most requests the loop takes: past a few, a step's device time grows with the batch and
 #: the host's work hides behind it anyway (and on CUDA speculation is cut off above 4).
 LOOP_BATCH = 4
+#: Host steps the loop's requests pause after it stopped for not paying: the first pause,
+#: doubling up to the most while its episodes (a start to the next stop) keep not paying.
+FIRST_PAUSE, MAX_PAUSE = 4, 64
+#: The least deficit (tokens a request, see ``SpecLoop._judge``) that stops the loop, and how
+#: many recent restarts price a stop.
+MIN_DEFICIT, RESTARTS = 2.0, 8
 
 
 class DeviceVerify(TargetVerify):
@@ -130,6 +139,12 @@ class SpecLoop:
         self._last_commit_at = 0.0
         self.cycles = 0  # cycles launched (tests and benchmarks read it)
         self.loops = 0  # times the loop started
+        self.verdicts = 0  # times it stopped for not paying
+        # The policy's state (``_judge``): the running deficit and the episode's net gain, in
+        # tokens a request; the next pause; the seconds recent starts took.
+        self._deficit = self._episode = 0.0
+        self._pause = FIRST_PAUSE
+        self._restarts: deque[float] = deque(maxlen=RESTARTS)
 
     @property
     def active(self) -> bool:
@@ -144,13 +159,51 @@ class SpecLoop:
         )
 
     def _pays(self, reqs: Sequence[Req]) -> bool:
-        """Whether drafting pays for any of ``reqs`` (the policy's per-request verdicts). The
-        loop drafts for all of them or none: at these batch sizes a verify row costs next to
-        nothing beside the launch-bound forward (on the H200, a verify of 5 rows took 0.95 ms
-        against 0.87 for a decode), so one request that gains keeps its batch in the loop,
-        where a pause of one stopped it for all and the restarts cost more than the loop won
-        (batch 4 ran at half of speculation off)."""
-        return any(self.speculator.may_draft(r) for r in reqs)
+        """Whether none of ``reqs`` is paused: the loop judges its requests as one
+        (``_judge``) and pauses them together, and a request the plain path paused holds the
+        loop off until its pause ends."""
+        return all(self.speculator.may_draft(r) for r in reqs)
+
+    def _judge(self, reqs: Sequence[Req], accepted: Sequence[int]) -> None:
+        """The policy's verdict after a cycle, on its requests as one. The loop drafts for all
+        of them or none: at these batch sizes a verify row costs next to nothing beside the
+        launch-bound forward (on the H200, a verify of 5 rows took 0.95 ms against 0.87 for a
+        decode), so what counts is the batch's mean gain g (tokens a request a cycle) against
+        the break-even b = cycle time / decode step time, both measured at this batch size.
+
+        A cycle with g < b loses (b - g) decode steps of time; the loop stops once the losses
+        since its last good stretch (a CUSUM: max(0, d + b - g)) outweigh what a restart costs
+        (its catch-up, measured, in decode steps; at least MIN_DEFICIT). So a few poor cycles
+        in a stretch that pays (JSON: values the head misses between keys it drafts well) do
+        not stop it: judged per request and per cycle, the pauses and restarts cost JSON at
+        batch 1 12% on the H200 (1.47x against 1.68x without pauses). A stop pauses the
+        requests together, FIRST_PAUSE steps after an episode that paid as a whole, else a
+        pause doubling up to MAX_PAUSE: code edits at batch 4, paused one by one and
+        restarted by whichever resumed first, restarted the loop every ~9 steps."""
+        sp = self.speculator
+        if not sp.pause_unprofitable or not self._pays(reqs):
+            return  # (paused already: the cycle in flight at a verdict is not judged again)
+        if sp.probe_decode(reqs, len(self.reqs)):
+            return
+        decode, cycle = sp.step_time(False, len(self.reqs)), sp.step_time(True, len(self.reqs))
+        if decode is None or cycle is None:
+            return
+        needed = cycle / decode
+        gain = (len(accepted) + sum(accepted)) / len(accepted)
+        self._episode += gain - needed
+        self._deficit = max(0.0, self._deficit + needed - gain)
+        if not self._deficit:
+            sp.paying()  # no stale verdict holds the next arrival paused
+            return
+        restart = statistics.median(self._restarts) / decode if self._restarts else 0.0
+        if self._deficit <= max(MIN_DEFICIT, restart):
+            return
+        if self._episode >= 0:
+            steps, self._pause = FIRST_PAUSE, 2 * FIRST_PAUSE
+        else:
+            steps, self._pause = self._pause, min(2 * self._pause, MAX_PAUSE)
+        sp.pause(reqs, steps)
+        self.verdicts += 1
 
     def eligible(self) -> list[Req] | None:
         """The running requests, when the loop can take all of them now."""
@@ -184,9 +237,12 @@ class SpecLoop:
             self._free_ahead(reqs)
             self.reqs = []
             return False
+        began = time.perf_counter()
         self.cycle.begin(reqs)
         self.loops += 1
         self._last_commit_at = time.perf_counter()
+        self._restarts.append(self._last_commit_at - began)
+        self._deficit = self._episode = 0.0
         return True
 
     def advance(self) -> list[Req]:
@@ -251,10 +307,12 @@ class SpecLoop:
         now = time.perf_counter()
         if judged:
             reqs = [r for r, _ in judged]
+            counts = [a for _, a in judged]
             self.speculator.observe_step(True, len(self.reqs), now - self._last_commit_at)
             self.speculator.verified(
-                reqs, [self.cycle.k] * len(reqs), [a for _, a in judged], len(self.reqs)
+                reqs, [self.cycle.k] * len(reqs), counts, len(self.reqs), judge=False
             )
+            self._judge(reqs, counts)
         self._last_commit_at = now
         return changed
 

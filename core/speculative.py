@@ -248,6 +248,32 @@ class Speculator:
             payoff.episode_gained = payoff.episode_verifies = 0
         self._last_verdict = _Payoff(payoff.gain, payoff.paused, payoff.pause)
 
+    def pause(self, reqs: Sequence[Req], steps: int, probe: bool = False) -> None:
+        """Pause ``reqs`` together for ``steps`` steps: the device loop's verdict on them as
+        one (core/spec_loop.py), so they resume together. A request arriving next inherits
+        the pause as after a request's own verdict, unless it was a ``probe``."""
+        for req in reqs:
+            payoff = self._payoff.get(req.rid)
+            if payoff is None:
+                payoff = self._payoff[req.rid] = _Payoff(float(self.num_draft + 1))
+            payoff.paused, payoff.retrying = max(payoff.paused, steps), False
+            payoff.episode_gained = payoff.episode_verifies = 0
+        if not probe:
+            self._last_verdict = _Payoff(0.0, paused=steps, pause=steps)
+
+    def paying(self) -> None:
+        """The device loop found drafting paying for its requests: a request arriving next
+        drafts from its start (as after a request's own verdict that paid)."""
+        self._last_verdict = None
+
+    def probe_decode(self, reqs: Sequence[Req], batch_size: int) -> bool:
+        """Where no decode step of ``batch_size``'s class is measured yet and a probe is due,
+        pause ``reqs`` for the probe's steps (see ``_probe``); whether they were."""
+        if self.step_time(False, batch_size) is not None or not self._probe(size_class(batch_size)):
+            return False
+        self.pause(reqs, _PROBE_STEPS, probe=True)
+        return True
+
     def _probe(self, batch_size: int) -> bool:
         """Whether this verify step's requests pause once so that the next step, decodes
         only, measures a decode step of ``batch_size`` (every request of the step pauses
@@ -334,7 +360,10 @@ class Speculator:
         drafted: Sequence[int],
         accepted: Sequence[int],
         batch_size: int,
+        judge: bool = True,
     ) -> None:
+        """Count a verify step's outcome; ``judge``: the policy judges each request on it (the
+        device loop judges its requests as one instead, ``pause``)."""
         self.stats.verify_steps += 1
         for req, m, a in zip(reqs, drafted, accepted, strict=True):
             self.stats.verified += 1
@@ -342,7 +371,7 @@ class Speculator:
             self.stats.accepted_tokens += a
             req.spec_verify_ct += 1
             req.spec_accepted_tokens += a
-            if self.pause_unprofitable and self.simulate_accept_len is None:
+            if judge and self.pause_unprofitable and self.simulate_accept_len is None:
                 self._judge(req, a + 1, m, batch_size)
         self.algorithm.verified(reqs, accepted)
 

@@ -64,6 +64,7 @@ class HeadCycle(DeviceCycle):
         self._pool: Any = None
         self.bs = 0
         if capture:
+            drafter.warm_catch_up(max_batch)
             for bs in range(max_batch, 0, -1):  # largest first: smaller graphs reuse its memory
                 self._capture(bs)
 

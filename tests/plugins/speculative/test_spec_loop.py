@@ -90,6 +90,27 @@ def test_loop_outputs_equal_speculation_off(
     assert {"stop", "length"} <= reasons
 
 
+@pytest.mark.slow
+def test_loop_with_pauses_and_warmed_catch_up_outputs_equal_speculation_off(
+    smollm2_dir: Path, reference: list[dict[str, Any]]
+) -> None:
+    """The policy's pauses on (the loop judges its requests as one and pauses them together;
+    on the CPU a cycle costs more than on a GPU, so the loop stops and restarts), after the
+    start-up warm-up of every catch-up mix, which leaves no row taken and no KV written that a
+    request reads."""
+    flags = LOOP | {"speculative_disable_pause": False}
+    with _smollm2(smollm2_dir, speculative_algorithm="EAGLE3", **flags) as engine:
+        rows = engine.core.scheduler.req_to_token.available()
+        engine.core.speculator.algorithm.warm_catch_up(4)
+        assert engine.core.scheduler.req_to_token.available() == rows
+        out = _run(engine)
+        loop = engine.core.spec_loop
+        assert loop is not None and loop.cycles > 0
+        engine.core.scheduler.check_no_leak()
+    assert [o["output_ids"] for o in out] == [o["output_ids"] for o in reference]
+    assert [o["text"] for o in out] == [o["text"] for o in reference]
+
+
 # -- the tiny Llama, a random head, step by step --------------------------------------------
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
