@@ -47,16 +47,16 @@ def profiled(owner: Any, name: str, profile: cProfile.Profile) -> None:
     """Run every call of ``owner.name`` under ``profile``, and print the slow ones' shapes."""
     call = getattr(owner, name)
 
-    def wrapper(reqs: Any, *a: Any, **k: Any) -> Any:
+    def wrapper(*a: Any, **k: Any) -> Any:
         t = time.perf_counter()
         profile.enable()
         try:
-            return call(reqs, *a, **k)
+            return call(*a, **k)
         finally:
             profile.disable()
             took = time.perf_counter() - t
-            if took > 0.05:
-                lens = [(r.kv_len, len(r.output_ids)) for r in reqs]
+            if took > 0.05 and a and isinstance(a[0], list):  # catch_up_to_span(reqs, span)
+                lens = [(r.kv_len, len(r.output_ids)) for r in a[0]]
                 print(f"slow {name}: {took * 1e3:.0f} ms, (kv_len, outputs) {lens}")
 
     setattr(owner, name, wrapper)
@@ -73,6 +73,7 @@ def main() -> None:
         "--profile-catch-up", type=int, default=0, metavar="N",
         help="profile the catch-ups (cProfile) and print the top N functions by cumulative time",
     )  # fmt: skip
+    p.add_argument("--profile-launch", action="store_true", help="profile host steps instead")
     args = p.parse_args()
     flags: dict[str, Any] = {"speculative_algorithm": "EAGLE3"}
     if args.disable_pause:
@@ -89,7 +90,9 @@ def main() -> None:
         calls: dict[str, list[float]] = {}
         drafter = core.speculator.algorithm
         profile = cProfile.Profile()
-        if args.profile_catch_up:
+        if args.profile_catch_up and args.profile_launch:
+            profiled(core.runner, "launch", profile)
+        elif args.profile_catch_up:
             profiled(drafter, "catch_up_to_span", profile)
         for owner, name in [
             (loop.cycle, "begin"), (loop, "stop"), (loop, "advance"), (core.runner, "launch"),
