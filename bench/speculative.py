@@ -85,6 +85,14 @@ def parse_args() -> argparse.Namespace:
         "cuda, where the first engine of a device call ran up to 1.5x slower than later "
         "ones, 2026-12-03)",
     )
+    model.add_argument(
+        "--engine",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an engine setting for every engine, speculation off too (an A-B of a core "
+        "setting, e.g. cuda_graph_max_prefill_tokens=0; integers as such)",
+    )
     model.add_argument("--json-out", default=None)
     gpu = sub.add_parser("gpu", help="random weights on CUDA, simulated acceptance")
     gpu.add_argument("--shape", default="llama3-8b")
@@ -161,6 +169,10 @@ def run_model(args: argparse.Namespace) -> dict[str, Any]:
     names = args.groups or list(all_workloads())
     results: dict[str, Any] = {"machine": machine_info(), "device": args.device, "groups": {}}
     base: dict[str, Any] = {"plugins": [f"hardware={args.device}"]}
+    for item in args.engine:
+        key, _, value = item.partition("=")
+        base[key] = int(value) if value.lstrip("-").isdigit() else value
+    results["base_flags"] = {k: v for k, v in base.items() if k != "plugins"}
     if args.model_path:
         base["model_path"] = args.model_path
     extra: dict[str, Any] = {"speculative_disable_pause": True} if args.disable_pause else {}

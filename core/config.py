@@ -157,7 +157,15 @@ class EngineConfig:
         "Largest decode batch replayed from a CUDA graph (batches are padded up to a size; "
         "default: the hardware platform's)",
     )
-    disable_cuda_graph: bool = _opt(False, "Run decode steps eagerly instead of from CUDA graphs")
+    cuda_graph_max_prefill_tokens: int = _opt(
+        512,
+        "Largest prefill step (at most 4 requests, no input logprobs) replayed from a CUDA "
+        "graph, its new tokens padded to 32, 64, 128, ... up to this: short prompts' eager "
+        "prefills are bound by the host's kernel launches; 0: prefill steps run eagerly",
+    )
+    disable_cuda_graph: bool = _opt(
+        False, "Run every step eagerly instead of from CUDA graphs (decode, verify and prefill)"
+    )
     enable_torch_compile: bool = _opt(
         False,
         "CPU: run decode steps of up to --torch-compile-max-bs requests through torch.compile "
@@ -319,6 +327,11 @@ class EngineConfig:
             raise ConfigError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+        if self.cuda_graph_max_prefill_tokens < 0:
+            raise ConfigError(
+                "cuda_graph_max_prefill_tokens must be >= 0 (0: no prefill graphs), got "
+                f"{self.cuda_graph_max_prefill_tokens}"
+            )
         if self.torch_compile_max_bs < 1:
             raise ConfigError(f"torch_compile_max_bs must be >= 1, got {self.torch_compile_max_bs}")
         if self.max_running_requests is not None and self.max_running_requests < 1:

@@ -181,8 +181,9 @@ class CudaPlatform(HardwarePlatform):
 
     def step_executor(self, model: Any, attention: Any, kv_pool: Any, req_to_token: Any,
                       config: Any) -> StepExecutor:  # fmt: skip
-        """CUDA graphs for decode-only batches up to ``cuda_graph_max_bs``, unless disabled or
-        the attention backend cannot prepare a decode step from device tensors alone."""
+        """CUDA graphs for decode-only batches up to ``cuda_graph_max_bs`` and for short
+        prefill steps (``cuda_graph_max_prefill_tokens``), unless disabled or the attention
+        backend cannot prepare a decode step from device tensors alone."""
         self.limit_host_threads(config.cpu_threads)
         eager = super().step_executor(model, attention, kv_pool, req_to_token, config)
         if config.disable_cuda_graph or config.cuda_graph_max_bs < 1:
@@ -196,7 +197,18 @@ class CudaPlatform(HardwarePlatform):
         return CudaGraphRunner(
             model, attention, kv_pool, req_to_token, max_bs, self.device,
             verify_shapes=verify_graph_shapes(config, max_bs),
+            prefill_tokens=prefill_graph_tokens(config),
         )  # fmt: skip
+
+
+def prefill_graph_tokens(config: Any) -> int:
+    """The most new tokens a prefill graph takes: no more than a prefill step holds, and none
+    with tensor parallelism (not tried there yet)."""
+    if config.tp_size > 1:
+        return 0
+    chunk = config.chunked_prefill_size
+    limit = config.cuda_graph_max_prefill_tokens
+    return min(limit, chunk) if chunk and chunk > 0 else limit
 
 
 def verify_graph_shapes(config: Any, max_bs: int) -> dict[int, int]:

@@ -11,7 +11,11 @@ which no request owns.
 Speculative decoding adds verify graphs: a batch of ``bs`` requests that each verify the same
 number ``q`` of tokens (the last one plus q - 1 drafts) replays the graph captured for
 (padded bs, q); padding requests verify q tokens at positions 0..q-1 of the padding row.
-Other batches (prefill chunks, larger batches, input logprobs, uneven drafts) run eagerly.
+Steps of prefill chunks alone (up to 4 requests and ``prefill_tokens`` new tokens, no input
+logprobs) replay prefill graphs, padded as ``prefill_graph.PaddedPrefill`` describes, where the
+attention backend can prepare them from device tensors (``prepare_extend_graph``). Other
+batches (longer prefills, prefill mixed with decodes, larger batches, input logprobs, uneven
+drafts) run eagerly.
 A speculative plugin that drafts from the target's hidden states (EAGLE, EAGLE-3, DFlash) gets
 graphs captured again that also keep those layers' outputs (``keep_hidden_layers``).
 """
@@ -27,6 +31,7 @@ import torch
 
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.memory import ReqToTokenPool
+from radixserve.plugins.hardware.prefill_graph import PaddedPrefill, Shape
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -77,7 +82,9 @@ class CudaGraphRunner:
         max_bs: int,
         device: str,
         verify_shapes: dict[int, int] | None = None,
+        prefill_tokens: int = 0,
     ) -> None:
+        """``prefill_tokens``: the most new tokens a prefill graph takes (0: none)."""
         self.model, self.attention = model, attention
         self.max_bs = max_bs
         self.sizes = capture_sizes(max_bs)
@@ -115,11 +122,23 @@ class CudaGraphRunner:
         self.v_logits_indices = torch.arange(most, **long)  # type: ignore[arg-type]
         self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verify_replays = 0  # verify steps served from a graph (tests read it)
+        self.prefill: PaddedPrefill | None = None
+        if prefill_tokens > 0 and hasattr(attention, "prepare_extend_graph"):
+            self.prefill = PaddedPrefill(
+                model, attention, kv_pool, req_to_token, self.pad_row, prefill_tokens, device
+            )  # type: ignore[arg-type]
+        self.prefill_graphs: dict[Shape, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.p_hidden_out: dict[Shape, dict[int, torch.Tensor]] = {}
+        self.prefill_replays = 0  # prefill steps served from a graph (tests read it)
         self._capture_all()
         # the scheduler pads drafts to one length so that verify steps replay these graphs
         self.uniform_verify = bool(self.verify_graphs)
 
     def _capture_all(self) -> None:
+        if self.prefill is not None:
+            for shape in self.prefill.shapes:
+                self.prefill_graphs[shape] = self._capture_prefill(shape, self._pool)
+            logger.info("captured prefill graphs (requests, tokens) %s", self.prefill.shapes)
         for bs in sorted(self.verify_shapes, reverse=True):
             self.verify_graphs[bs] = self._capture_verify(bs, self.verify_shapes[bs], self._pool)
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
@@ -144,17 +163,20 @@ class CudaGraphRunner:
         if (layers, consumer) == (self.capture_layers, self.hidden_consumer) or self.max_bs == 0:
             return
         torch.cuda.synchronize()
-        for graph, _ in [*self.graphs.values(), *self.verify_graphs.values()]:
-            graph.reset()
-        self.graphs.clear()
-        self.verify_graphs.clear()
-        self.hidden_out.clear()
-        self.v_hidden_out.clear()
+        self._reset_graphs()
         # a new memory pool: the old one went with its last graph
         self._pool = torch.cuda.graph_pool_handle()
         self.capture_layers = layers
         self.hidden_consumer = consumer
         self._capture_all()
+
+    def _reset_graphs(self) -> None:
+        every = [*self.graphs.values(), *self.verify_graphs.values(), *self.prefill_graphs.values()]
+        for graph, _ in every:
+            graph.reset()
+        for kept in (self.graphs, self.verify_graphs, self.prefill_graphs, self.hidden_out,
+                     self.v_hidden_out, self.p_hidden_out):  # fmt: skip
+            kept.clear()
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         return ForwardBatch(
@@ -227,6 +249,33 @@ class CudaGraphRunner:
         self.v_hidden_out[bs] = batch.hidden_states or {}
         return captured
 
+    def _capture_prefill(
+        self, shape: Shape, pool: Any
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        assert self.prefill is not None
+        prefill = self.prefill
+        batch = prefill.static_batch(shape, self.capture_layers)
+        prefill.reset(shape)
+
+        def run() -> torch.Tensor:
+            prefill.prepare(shape)
+            return self._forward_and_consume(batch)
+
+        captured = capture_graph(run, pool)
+        self.p_hidden_out[shape] = batch.hidden_states or {}
+        return captured
+
+    def _replay_prefill(self, batch: ForwardBatch) -> torch.Tensor | None:
+        shape = self.prefill.shape_for(batch) if self.prefill is not None else None
+        if shape is None or shape not in self.prefill_graphs:
+            return None
+        self.prefill.fill(batch, shape)  # type: ignore[union-attr]
+        graph, logits = self.prefill_graphs[shape]
+        graph.replay()
+        self.prefill_replays += 1
+        self._hand_hidden(batch, self.p_hidden_out[shape], batch.num_tokens)
+        return logits[: batch.batch_size]
+
     def _replay_verify(self, batch: ForwardBatch, q: int) -> torch.Tensor | None:
         bs = batch.batch_size
         fits = [b for b, bq in self.verify_shapes.items() if b >= bs and bq == q]
@@ -268,16 +317,12 @@ class CudaGraphRunner:
         collectives must go before the tensor-parallel group does: destroying a communicator
         that live graphs still reference hangs (pytorch issue 115388)."""
         torch.cuda.synchronize()  # no replay may still be running on the device
-        for graph, _ in [*self.graphs.values(), *self.verify_graphs.values()]:
-            graph.reset()
-        self.graphs.clear()
-        self.verify_graphs.clear()
-        self.hidden_out.clear()
-        self.v_hidden_out.clear()
+        self._reset_graphs()
         # the consumer is a method of the speculative plugin: holding it would keep the
         # plugin's feature pool and draft KV on the device after the engine shut down
         self.hidden_consumer = None
         self.verify_shapes = {}
+        self.prefill = None
         self.max_bs = 0  # every later batch runs eagerly
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
@@ -293,6 +338,10 @@ class CudaGraphRunner:
                 logits = self._replay_verify(batch, q)
                 if logits is not None:
                     return logits
+        if batch.num_decode == 0:
+            logits = self._replay_prefill(batch)
+            if logits is not None:
+                return logits
         if batch.num_decode != bs or bs > self.max_bs or batch.logits_indices.numel() != bs:
             self.attention.prepare(batch)
             return self.model.forward(batch)

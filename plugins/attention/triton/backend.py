@@ -114,6 +114,13 @@ class TritonAttention(AttentionBackend):
         dev = torch.stack([rows, lens, ones, torch.cumsum(ones, 0) - 1])
         self._meta = self._step_meta(rows.shape[0], dev, 0)
 
+    def prepare_extend_graph(self, meta: torch.Tensor, max_ext_len: int) -> None:
+        """``prepare`` for a step of prefill chunks alone, from the device tensor ``meta``
+        [4, R] int32 (request rows, sequence lengths, new tokens, first flattened rows), for
+        capture in a CUDA graph: the grid fits ``max_ext_len`` new tokens a request, and a
+        request's query blocks past its own new tokens do no work."""
+        self._meta = self._step_meta(0, meta, max_ext_len)
+
     def _step_meta(self, nd: int, dev: torch.Tensor, max_ext_len: int) -> StepMeta:
         splits = num_decode_splits(nd, self.num_kv_heads, self.num_sms, self.decode_config)
         shape = (nd, self.num_heads, splits)
