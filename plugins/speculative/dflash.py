@@ -22,8 +22,9 @@ Sampled requests get the same greedy drafts: the core accepts a draft token whil
 the target's own sample, which keeps sampling exact.
 
 The context projection runs inside the target's CUDA graphs (``target_hidden_capturable``); the
-block itself runs eagerly. Not covered: KV that arrives without a target forward
-(the decode side of prefill/decode disaggregation: no features, poor drafts, still correct).
+block forward replays graphs of its own (``dflash_graph.py``). Not covered: KV that arrives
+without a target forward (the decode side of prefill/decode disaggregation: no features, poor
+drafts, still correct).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from radixserve.core.hookspecs import hookimpl
 from radixserve.core.interfaces import Draft, SpeculativeAlgorithm, SpeculativeContext
 from radixserve.core.request import Req, token_slice
 from radixserve.core.weights import count_parameters
+from radixserve.plugins.speculative.dflash_graph import DFlashBlockGraphs
 from radixserve.plugins.speculative.dflash_head import (
     DFlashConfig,
     DFlashHead,
@@ -62,6 +64,7 @@ class DFlashDraft(SpeculativeAlgorithm):
 
     def __init__(self) -> None:
         self.capture_hidden_layers: tuple[int, ...] = ()
+        self.graphs: DFlashBlockGraphs | None = None
 
     def memory_needs(self, config: Any, host: Any, dtype: torch.dtype) -> tuple[int, int]:
         path = drafter_dir(config, host)
@@ -98,6 +101,8 @@ class DFlashDraft(SpeculativeAlgorithm):
             torch.zeros(shape, dtype=context.dtype, device=context.device)
             for _ in range(c.num_layers)
         ]
+        self._block_offsets = torch.arange(c.block_size, device=context.device)
+        self.graphs = _block_graphs(self, context)
 
     @torch.inference_mode()
     def target_hidden(self, batch: ForwardBatch) -> None:
@@ -112,32 +117,45 @@ class DFlashDraft(SpeculativeAlgorithm):
 
     @torch.inference_mode()
     def propose(self, reqs: Sequence[Req], max_drafts: Sequence[int]) -> list[Draft]:
-        """One block forward for all requests; the drafts stay on the device
-        (``Draft.pending``)."""
-        c = self.head.config
-        bsz = c.block_size
-        ctx_lens = [req.kv_len for req in reqs]
-        width = max(ctx_lens)
-        table = self.req_to_token.table
-        slots = torch.zeros(len(reqs), width, dtype=table.dtype)  # padding rows read slot 0
-        for i, req in enumerate(reqs):
-            slots[i, : req.kv_len] = table[req.req_pool_idx, : req.kv_len]  # type: ignore[misc]
-        slots_d = to_device(slots, self.device)
-        last = [token_slice(r.input_ids, r.output_ids, r.kv_len, 1)[0] for r in reqs]
-        lens = torch.tensor(ctx_lens, dtype=torch.int64)
-        positions = lens[:, None] + torch.arange(bsz)[None, :]
-        dev = self.device
-        ctx_kv = [(k[slots_d], v[slots_d]) for k, v in zip(self.k, self.v, strict=True)]
-        mask = block_attention_mask(to_device(lens, dev), width, bsz)
-        x = self.head.block_inputs(self.embed(to_device(torch.tensor(last), dev)))
-        h = self.head.run_block(x, to_device(positions, dev), ctx_kv, mask)
-        logits = self.lm_head(self.head.norm(h[:, 1:]).flatten(0, 1))
-        drafts = logits.argmax(dim=-1).view(len(reqs), bsz - 1)
+        """One block forward for all requests, from a CUDA graph where one takes them
+        (``dflash_graph.py``); the drafts stay on the device (``Draft.pending``)."""
+        shape = self.graphs.shape_for(reqs) if self.graphs is not None else None
+        if shape is not None:
+            drafts = self.graphs.launch(reqs, shape)  # type: ignore[union-attr]
+        else:
+            drafts = self._eager_block(reqs)
+        bsz = self.head.config.block_size
         out = []
         for i, limit in enumerate(max_drafts):
             m = min(limit, bsz - 1)
             out.append(Draft([0] * m, None, drafts[i, :m]) if m > 0 else Draft([]))
         return out
+
+    def _eager_block(self, reqs: Sequence[Req]) -> torch.Tensor:
+        ctx_lens = [req.kv_len for req in reqs]
+        table = self.req_to_token.table
+        slots = torch.zeros(len(reqs), max(ctx_lens), dtype=torch.int64)  # padding: slot 0
+        for i, req in enumerate(reqs):
+            slots[i, : req.kv_len] = table[req.req_pool_idx, : req.kv_len]  # type: ignore[misc]
+        last = [token_slice(r.input_ids, r.output_ids, r.kv_len, 1)[0] for r in reqs]
+        dev = self.device
+        lens = to_device(torch.tensor(ctx_lens, dtype=torch.int64), dev)
+        return self.block(to_device(slots, dev), lens, to_device(torch.tensor(last), dev))
+
+    def block(
+        self, slots: torch.Tensor, ctx_lens: torch.Tensor, last: torch.Tensor
+    ) -> torch.Tensor:
+        """The drafts [n, B - 1] of n blocks, from device tensors alone (capturable): each
+        request's context ``slots`` [n, W] (positions at or past its ``ctx_lens`` [n] are
+        masked), and its ``last`` [n] verified token, at position ctx_lens."""
+        bsz = self.head.config.block_size
+        positions = ctx_lens[:, None] + self._block_offsets[None, :]
+        ctx_kv = [(k[slots], v[slots]) for k, v in zip(self.k, self.v, strict=True)]
+        mask = block_attention_mask(ctx_lens, slots.shape[1], bsz)
+        x = self.head.block_inputs(self.embed(last))
+        h = self.head.run_block(x, positions, ctx_kv, mask)
+        logits = self.lm_head(self.head.norm(h[:, 1:]).flatten(0, 1))
+        return logits.argmax(dim=-1).view(len(ctx_lens), bsz - 1)
 
 
 def drafter_dir(config: Any, host: Any, target: ModelConfig | None = None) -> str:
@@ -161,6 +179,22 @@ def drafter_dir(config: Any, host: Any, target: ModelConfig | None = None) -> st
             "drafter directory; tools/train_dflash.py trains one): none ships for this target"
         )
     return str(HEADS_DIR / name)
+
+
+def _block_graphs(drafter: DFlashDraft, context: SpeculativeContext) -> DFlashBlockGraphs | None:
+    """The block forward as CUDA graphs per batch size up to FULL_DRAFT_BATCH (the core
+    shortens drafts past it; the graphs would still serve them, but bigger batches gain
+    little from a graph) where the platform can capture them."""
+    from radixserve.core.speculative import FULL_DRAFT_BATCH
+    from radixserve.plugins.hardware.cuda_graph import capture_sizes
+    from radixserve.plugins.speculative.draft_chain import graphs_capturable
+
+    if not graphs_capturable(context, None):
+        return None
+    config = context.config
+    limit = min(FULL_DRAFT_BATCH, config.speculative_disable_batch_size)
+    pool = context.req_to_token
+    return DFlashBlockGraphs(drafter, pool, capture_sizes(limit), pool.max_context, context.device)
 
 
 def _check_fits(c: DFlashConfig, target: ModelConfig, path: str) -> None:

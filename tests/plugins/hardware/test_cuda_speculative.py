@@ -2,9 +2,9 @@
 replayed from captured graphs) gives the same greedy tokens as ``torch_native`` without
 speculation, on traffic that reuses KV: identical and repeated prompts, n=2, a small paged
 pool that forces retraction, stop tokens and logprobs; for the n-gram plugin, the standalone
-plugin with the target as its own draft, a random draft, and random EAGLE and EAGLE-3 heads
-(whose graphs also keep the target layers the heads read, and whose proposals replay a graph of
-their own). Skipped without CUDA.
+plugin with the target as its own draft, a random draft, random EAGLE and EAGLE-3 heads and a
+random DFlash drafter (whose graphs also keep the target layers the heads read, and whose
+proposals replay graphs of their own). Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def heads(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Random EAGLE and EAGLE-3 heads for the target (what is tested is the plumbing: the
-    features the graphs keep, not what the heads draft)."""
+    """Random EAGLE and EAGLE-3 heads and a DFlash drafter for the target (what is tested is
+    the plumbing: the features the graphs keep, not what the heads draft)."""
     from radixserve.core.config import ModelConfig
     from radixserve.core.weights import iter_weights
+    from radixserve.plugins.speculative.dflash_head import DFlashConfig, DFlashHead
     from radixserve.plugins.speculative.eagle3_head import new_head
     from radixserve.plugins.speculative.eagle_head import new_eagle_head
     from radixserve.plugins.speculative.head_layer import save_head
@@ -50,6 +51,11 @@ def heads(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -
     save_head(new_eagle_head(mc, seed=3), out["eagle"], torch.float32, {})
     eagle3 = new_head(mc, embed, torch.arange(min(256, mc.vocab_size)), seed=3)
     save_head(eagle3, out["eagle3"], torch.float32, {})
+    out["dflash"] = tmp_path_factory.mktemp("dflash")
+    torch.manual_seed(3)
+    dflash = DFlashHead(DFlashConfig.for_target(mc, [0, 2], 4), 4096, torch.float32, "cpu")
+    dflash.init_weights(std=0.3)
+    save_head(dflash, out["dflash"], torch.float32, {})
     return out
 
 
@@ -86,7 +92,9 @@ def _run(target: Path, attention: str, **kw: Any) -> tuple[list[list[int]], Any]
     ) as engine:  # fmt: skip
         outputs = _traffic(engine)
         runner = engine.core.runner.step
-        chain = getattr(getattr(engine.core.speculator, "algorithm", None), "chain", None)
+        algorithm = getattr(engine.core.speculator, "algorithm", None)
+        # the heads' proposal graphs, or DFlash's block graphs
+        chain = getattr(algorithm, "chain", None) or getattr(algorithm, "graphs", None)
         replays = (getattr(runner, "verify_replays", 0), chain.replays if chain else 0)
         return outputs, (engine.core.spec_stats(), replays)
 
@@ -112,6 +120,7 @@ HEAD_CASES = {
     "eagle3-random-head": ("EAGLE3", "eagle3"),
     "eagle-random-head": ("EAGLE", "eagle"),
     "eagle3-random-head-trees": ("EAGLE3", "eagle3"),
+    "dflash-random-drafter": ("DFLASH", "dflash"),
 }
 #: draft trees: topk 3, depth 3, 6 nodes (trees while at most 4 requests draft, chains above)
 TREES = {"speculative_eagle_topk": 3, "speculative_num_steps": 3,

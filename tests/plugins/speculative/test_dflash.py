@@ -29,6 +29,7 @@ from radixserve.core.plugins import default_host
 from radixserve.core.weights import iter_weights
 from radixserve.plugins.hardware.cpu import CpuPlatform
 from radixserve.plugins.speculative.dflash import DFlashDraft
+from radixserve.plugins.speculative.dflash_graph import DFlashBlockGraphs, context_widths
 from radixserve.plugins.speculative.dflash_head import (
     DFlashConfig,
     DFlashHead,
@@ -75,7 +76,11 @@ def test_block_mask_sees_the_context_before_the_block_and_the_whole_block() -> N
             assert mask[i, row].tolist() == [k < n for k in range(3)] + [True] * BLOCK
 
 
-def _drafter(model_dir: Path, head: Path) -> tuple[DFlashDraft, ReqToTokenPool, Any]:
+def _drafter(
+    model_dir: Path, head: Path, padded: bool = False
+) -> tuple[DFlashDraft, ReqToTokenPool, Any]:
+    """``padded``: proposals run the CUDA graphs' padded forward (``dflash_graph.py``), eagerly,
+    and never the plain eager one."""
     mc = ModelConfig.from_dir(model_dir)
     emb, lm = _weights(model_dir)
     pool = ReqToTokenPool(4, 128)
@@ -91,6 +96,14 @@ def _drafter(model_dir: Path, head: Path) -> tuple[DFlashDraft, ReqToTokenPool, 
             target_model=target, req_to_token=pool, kv_size=256, page_size=1,
         )
     )  # fmt: skip
+    if padded:
+        draft.graphs = DFlashBlockGraphs(draft, pool, [1, 2, 4], pool.max_context, "cpu", False)
+        assert draft.graphs.widths == [64, 128]
+
+        def unpadded(reqs: Any) -> None:
+            raise AssertionError("the padded forward should have served this proposal")
+
+        draft._eager_block = unpadded  # type: ignore[method-assign]
     return draft, pool, (emb, lm)
 
 
@@ -122,10 +135,11 @@ def _feed(
     )  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["eager", "graph-padded"])
 def test_plugin_drafts_what_the_block_training_forward_predicts(
-    tiny_llama_dir: Path, head_dir: Path
+    tiny_llama_dir: Path, head_dir: Path, padded: bool
 ) -> None:
-    draft, pool, weights = _drafter(tiny_llama_dir, head_dir)
+    draft, pool, weights = _drafter(tiny_llama_dir, head_dir, padded)
     gen = torch.Generator().manual_seed(0)
     vocab = weights[0].shape[0]
     tokens = torch.randint(3, vocab, (40,), generator=gen).tolist()
@@ -180,11 +194,13 @@ def test_plugin_drafts_what_the_block_training_forward_predicts(
     assert fourth.pending.tolist() != second.pending.tolist()
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["eager", "graph-padded"])
 def test_batched_proposals_equal_one_request_at_a_time(
-    tiny_llama_dir: Path, head_dir: Path
+    tiny_llama_dir: Path, head_dir: Path, padded: bool
 ) -> None:
-    """Padding the shorter contexts of a batch changes nothing."""
-    draft, pool, weights = _drafter(tiny_llama_dir, head_dir)
+    """Padding the shorter contexts of a batch (and, for the graphs, the batch to 4 requests
+    and the contexts to a width of 64) changes nothing."""
+    draft, pool, weights = _drafter(tiny_llama_dir, head_dir, padded)
     gen = torch.Generator().manual_seed(1)
     reqs = []
     for i, n in enumerate([3, 17, 9]):
@@ -238,3 +254,9 @@ def test_drafters_that_cannot_serve_the_target_are_refused(
     for kw, reason in cases:
         with pytest.raises(ConfigError, match=reason.replace("[", r"\[").replace("]", r"\]")):
             Engine(str(tiny_llama_dir), speculative_algorithm="DFLASH", **kw)
+
+
+def test_graph_widths_double_from_64_to_the_cap() -> None:
+    assert context_widths(128) == [64, 128]
+    assert context_widths(300) == [64, 128, 256, 300]
+    assert context_widths(8193) == [64, 128, 256, 512, 1024, 2048, 4096]
