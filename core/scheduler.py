@@ -500,10 +500,13 @@ class Scheduler:
             else 0
         )
         for req in decodes:
-            left = min(
-                req.sampling.max_new_tokens - req.num_output_tokens,
-                self.config.max_context - req.seq_len,
-            )
+            left = self.config.max_context - req.seq_len
+            if not self.config.uniform_drafts:
+                left = min(left, req.sampling.max_new_tokens - req.num_output_tokens)
+            # With uniform drafts a request near its token budget drafts the full length all
+            # the same (what it emits past the budget is cut at commit): one shorter draft
+            # made the whole step's verify uneven, and such a step runs eagerly (~20 ms of
+            # host time for the default model on an H200, against ~1 ms from a graph).
             limit = min(k, left - 1)
             # wants() first: a paused request's pause counts every step, also one whose last
             # token is still on the device (overlap scheduling)

@@ -53,7 +53,8 @@ def heads(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -
     save_head(eagle3, out["eagle3"], torch.float32, {})
     out["dflash"] = tmp_path_factory.mktemp("dflash")
     torch.manual_seed(3)
-    dflash = DFlashHead(DFlashConfig.for_target(mc, [0, 2], 4), 4096, torch.float32, "cpu")
+    # block 5: 4 drafts, the default draft length (the verify graphs take one length)
+    dflash = DFlashHead(DFlashConfig.for_target(mc, [0, 2], 5), 4096, torch.float32, "cpu")
     dflash.init_weights(std=0.3)
     save_head(dflash, out["dflash"], torch.float32, {})
     return out

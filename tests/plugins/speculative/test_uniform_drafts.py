@@ -1,8 +1,10 @@
 """Drafts padded to one length (``SchedulerConfig.uniform_drafts``, set where the step executor
 replays verify graphs of one length, i.e. CUDA): every request of a speculating step verifies
 the step's full draft length, whether its n-gram lookup found a shorter draft, none at all, or
-the request is paused (its filler then counts in no accept statistic); and greedy outputs still
-equal speculation off. Checked on the CPU with the setting forced on."""
+the request is paused (its filler then counts in no accept statistic), or the request has fewer
+tokens left to make than that (what it emits past its budget is cut); and greedy outputs still
+equal speculation off, every one exactly ``max_new_tokens`` long. Checked on the CPU with the
+setting forced on."""
 
 from __future__ import annotations
 
@@ -53,16 +55,18 @@ def test_every_request_of_a_speculating_step_verifies_the_full_length(
 
     draft = Scheduler._draft
     checked = {"steps": 0, "own_drafts": 0}
+    near_the_end = False
 
     def checked_draft(self: Scheduler, decodes: list[Any]) -> Any:
+        nonlocal near_the_end
         drafts = draft(self, decodes)
         if drafts:
             checked["steps"] += 1
             checked["own_drafts"] += len(drafts) - len(self._filler_only)
             for req in decodes:
-                left = req.sampling.max_new_tokens - req.num_output_tokens
-                if left - 1 >= K and speculating(req):
+                if speculating(req):
                     assert len(drafts[req.rid].tokens) == K, (req.input_ids, drafts)
+                    near_the_end |= req.sampling.max_new_tokens - req.num_output_tokens <= K
         return drafts
 
     monkeypatch.setattr(Speculator, "wants", paused_every_other_step)
@@ -73,6 +77,8 @@ def test_every_request_of_a_speculating_step_verifies_the_full_length(
         speculative_disable_batch_size=len(PROMPTS),  # every request (the CPU's cut-off: 2)
     )  # fmt: skip
     assert checked["steps"] >= 5
+    assert near_the_end, "no request drafted the full length within K tokens of its budget"
     assert outputs == reference
+    assert all(len(out) == NEW_TOKENS for out in outputs)
     # a paused request's filler is verified, but neither judged nor counted as its drafts
     assert stats["verified_requests"] == checked["own_drafts"], (stats, checked)
