@@ -401,9 +401,12 @@ class Scheduler:
                 draft = batch.drafts[i]
                 if draft.parents is not None:
                     self._keep_accepted_nodes(req, draft, token)
-                self._commit_verified(req, batch.extend_lens[i], token)
+                kept = self._commit_verified(req, batch.extend_lens[i], token)
                 if req.rid not in self._filler_only:
-                    verified.append((req, _draft_gain(draft), len(token) - 1))
+                    gain = _draft_gain(draft)
+                    if kept < len(token):  # cut by a stop or the token budget (uniform
+                        gain = min(gain, kept - 1)  # drafts draft past it): count what was kept
+                    verified.append((req, gain, kept - 1))
             elif token is not None:
                 req.num_pending -= 1
                 self._append_sampled(req, *token)
@@ -420,9 +423,10 @@ class Scheduler:
             self.speculator.verified(reqs, drafted, accepted, len(batch.reqs))
         return changed
 
-    def _commit_verified(self, req: Req, n: int, tokens: list[SampledToken]) -> None:
+    def _commit_verified(self, req: Req, n: int, tokens: list[SampledToken]) -> int:
         """Append a verify entry's emitted tokens in order, up to a stop (or a grammar's
-        jump-forward), keep the KV of the positions they follow and free the rest."""
+        jump-forward), keep the KV of the positions they follow and free the rest. Returns
+        how many tokens were appended."""
         start = req.kv_len - n  # the position of the step's first input (the last token)
         req.num_pending -= 1
         committed = 0
@@ -433,6 +437,7 @@ class Scheduler:
                 break
         req.kv_len = start + committed
         self.free_positions(req, req.kv_len, start + n)
+        return committed
 
     def _keep_accepted_nodes(self, req: Req, draft: Draft, tokens: list[SampledToken]) -> None:
         """A tree's accepted nodes: their slots move to positions kv_len + 1 .. in path order

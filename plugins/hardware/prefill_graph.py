@@ -68,6 +68,9 @@ class PaddedPrefill:
         device: str,
     ) -> None:
         self.model, self.attention = model, attention
+        # The padding request reads positions 0 .. T - n - 1 of the padding row: at most the
+        # table's width (a context length under the limit caps it).
+        max_tokens = min(max_tokens, req_to_token.table.shape[1])
         self.shapes = prefill_shapes(max_tokens)
         self._tokens = sorted({t for _, t in self.shapes})
         self.pad_row = pad_row

@@ -22,6 +22,7 @@ pytest.importorskip("triton", reason="the 'triton' package is not installed")
 
 from radixserve import Engine  # noqa: E402
 from radixserve.core.batch import ForwardBatch  # noqa: E402
+from radixserve.core.memory import ReqToTokenPool  # noqa: E402
 from radixserve.plugins.hardware.prefill_graph import (  # noqa: E402
     PaddedPrefill,
     prefill_shapes,
@@ -133,7 +134,8 @@ def _batch(extend_lens: list[int], num_decode: int = 0, logits: int | None = Non
 
 
 def test_which_steps_are_padded() -> None:
-    prefill = PaddedPrefill(None, None, None, None, 0, MAX_TOKENS, "cpu")  # type: ignore[arg-type]
+    table = ReqToTokenPool(2, 128)
+    prefill = PaddedPrefill(None, None, None, table, 0, MAX_TOKENS, "cpu")  # type: ignore[arg-type]
     assert prefill.shape_for(_batch([10])) == (1, 32)
     assert prefill.shape_for(_batch([33])) == (1, 64)
     assert prefill.shape_for(_batch([10, 10, 10])) == (4, 32)
@@ -144,6 +146,35 @@ def test_which_steps_are_padded() -> None:
     with_pooling = _batch([10])
     with_pooling.hidden_rows = torch.zeros(1, dtype=torch.int64)
     assert prefill.shape_for(with_pooling) is None
+    # a short context caps the shapes at the slot table's width (the padding request reads
+    # that many positions of the padding row)
+    narrow = PaddedPrefill(None, None, None, ReqToTokenPool(2, 17), 0, MAX_TOKENS, "cpu")  # type: ignore[arg-type]
+    assert narrow.shapes == [(1, 17), (2, 17), (4, 17)]
+    assert narrow.shape_for(_batch([11, 11, 11])) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's interpreted Triton")
+def test_a_context_shorter_than_the_largest_shape_pads_within_the_table(
+    tiny_llama_dir: Path,
+) -> None:
+    """Three 11-token prompts with a 16-token context: unpadded they would take the 64-token
+    shape, whose padding request would read 31 positions of a 17-wide table row."""
+    prompts = [[i] * 11 for i in (5, 6, 7)]
+    greedy = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
+
+    def run(padded: bool) -> tuple[list[list[int]], list[tuple[int, int]]]:
+        with _engine(tiny_llama_dir, context_length=16, disable_overlap_schedule=True) as engine:
+            steps = PaddedEagerSteps(engine.core.runner) if padded else None
+            if steps is not None:
+                engine.core.runner.step = steps
+            out = [engine.generate(input_ids=prompts[0], sampling_params=greedy)]
+            out += engine.generate(input_ids=prompts, sampling_params=greedy)
+            return [o["output_ids"] for o in out], steps.shapes if steps else []
+
+    plain, _ = run(False)
+    ours, shapes = run(True)
+    assert ours == plain
+    assert shapes == [(1, 17)]  # the lone prompt; the three together ran eagerly
 
 
 @pytest.mark.gpu

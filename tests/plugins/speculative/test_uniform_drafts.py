@@ -28,15 +28,21 @@ PROMPTS = [
 ]
 
 
-def _generate(model: Path, uniform: bool, **kw: Any) -> tuple[list[list[int]], dict]:
+def _generate(
+    model: Path, uniform: bool, new_tokens: int = NEW_TOKENS, **kw: Any
+) -> tuple[list[list[int]], dict]:
     with Engine(
         str(model), plugins=["attention=torch_native", "hardware=cpu"], dtype="float32",
         debug_leak_check=True, **kw,
     ) as engine:  # fmt: skip
         scheduler = engine.core.scheduler
         scheduler.config = dataclasses.replace(scheduler.config, uniform_drafts=uniform)
-        params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+        params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
         out = engine.generate(input_ids=PROMPTS, sampling_params=params)
+        for o in out:  # a verify emits its accepted drafts + 1, also where the budget cut it
+            meta = o["meta_info"]
+            emitted = meta.get("spec_accepted_tokens", 0) + meta.get("spec_verify_ct", 0)
+            assert emitted <= len(o["output_ids"]) - 1, meta  # the first came from the prefill
         return [o["output_ids"] for o in out], engine.core.spec_stats()
 
 
@@ -82,3 +88,20 @@ def test_every_request_of_a_speculating_step_verifies_the_full_length(
     assert all(len(out) == NEW_TOKENS for out in outputs)
     # a paused request's filler is verified, but neither judged nor counted as its drafts
     assert stats["verified_requests"] == checked["own_drafts"], (stats, checked)
+
+
+@pytest.mark.parametrize("new_tokens", [3, 6])
+def test_drafts_cut_by_the_budget_count_only_what_was_kept(
+    tiny_llama_dir: Path, new_tokens: int
+) -> None:
+    """Every draft accepted (simulated), budgets of 3 and 6 tokens: the last verify of each
+    request drafts 4 tokens past what is left; its statistics count the tokens kept."""
+    outputs, stats = _generate(
+        tiny_llama_dir, uniform=True, new_tokens=new_tokens, speculative_algorithm="NGRAM",
+        speculative_num_steps=K, speculative_disable_pause=True,
+        speculative_disable_batch_size=len(PROMPTS), speculative_simulate_accept_len=K + 1.0,
+    )  # fmt: skip
+    assert all(len(out) == new_tokens for out in outputs)
+    assert stats["verified_requests"] > 0
+    # each request: one token from its prefill, then accepted drafts + 1 a verify
+    assert stats["accepted_tokens"] + stats["verified_requests"] == len(PROMPTS) * (new_tokens - 1)
