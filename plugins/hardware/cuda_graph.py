@@ -266,10 +266,11 @@ class CudaGraphRunner:
         return captured
 
     def _replay_prefill(self, batch: ForwardBatch) -> torch.Tensor | None:
-        shape = self.prefill.shape_for(batch) if self.prefill is not None else None
-        if shape is None or shape not in self.prefill_graphs:
+        prefill = self.prefill
+        shape = prefill.shape_for(batch) if prefill is not None else None
+        if prefill is None or shape is None or shape not in self.prefill_graphs:
             return None
-        self.prefill.fill(batch, shape)  # type: ignore[union-attr]
+        prefill.fill(batch, shape)
         graph, logits = self.prefill_graphs[shape]
         graph.replay()
         self.prefill_replays += 1

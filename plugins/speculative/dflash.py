@@ -39,9 +39,9 @@ from radixserve.core.batch import ForwardBatch, to_device
 from radixserve.core.config import ConfigError, ModelConfig
 from radixserve.core.hookspecs import hookimpl
 from radixserve.core.interfaces import Draft, SpeculativeAlgorithm, SpeculativeContext
-from radixserve.core.request import Req, token_slice
+from radixserve.core.request import Req
 from radixserve.core.weights import count_parameters
-from radixserve.plugins.speculative.dflash_graph import DFlashBlockGraphs
+from radixserve.plugins.speculative.dflash_graph import DFlashBlockGraphs, block_inputs
 from radixserve.plugins.speculative.dflash_head import (
     DFlashConfig,
     DFlashHead,
@@ -132,15 +132,14 @@ class DFlashDraft(SpeculativeAlgorithm):
         return out
 
     def _eager_block(self, reqs: Sequence[Req]) -> torch.Tensor:
-        ctx_lens = [req.kv_len for req in reqs]
+        """The block forward at the batch's own context width (no graph takes it)."""
+        rows, ctx_lens, last = block_inputs(reqs)
         table = self.req_to_token.table
         slots = torch.zeros(len(reqs), max(ctx_lens), dtype=torch.int64)  # padding: slot 0
-        for i, req in enumerate(reqs):
-            slots[i, : req.kv_len] = table[req.req_pool_idx, : req.kv_len]  # type: ignore[misc]
-        last = [token_slice(r.input_ids, r.output_ids, r.kv_len, 1)[0] for r in reqs]
-        dev = self.device
-        lens = to_device(torch.tensor(ctx_lens, dtype=torch.int64), dev)
-        return self.block(to_device(slots, dev), lens, to_device(torch.tensor(last), dev))
+        for i, (row, n) in enumerate(zip(rows, ctx_lens, strict=True)):
+            slots[i, :n] = table[row, :n]
+        lens_last = to_device(torch.tensor([ctx_lens, last], dtype=torch.int64), self.device)
+        return self.block(to_device(slots, self.device), lens_last[0], lens_last[1])
 
     def block(
         self, slots: torch.Tensor, ctx_lens: torch.Tensor, last: torch.Tensor

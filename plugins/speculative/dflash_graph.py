@@ -39,6 +39,16 @@ def context_widths(max_context: int) -> list[int]:
     return widths + [top]
 
 
+def block_inputs(reqs: Sequence[Req]) -> list[list[int]]:
+    """[table rows, context lengths, last tokens] of a proposal's requests: a block starts at
+    position kv_len with the token there (not yet verified)."""
+    return [
+        [r.req_pool_idx for r in reqs],  # type: ignore[misc]
+        [r.kv_len for r in reqs],
+        [token_slice(r.input_ids, r.output_ids, r.kv_len, 1)[0] for r in reqs],
+    ]
+
+
 class DFlashBlockGraphs:
     def __init__(
         self,
@@ -87,11 +97,8 @@ class DFlashBlockGraphs:
     def launch(self, reqs: Sequence[Req], shape: tuple[int, int]) -> torch.Tensor:
         """The drafts [len(reqs), B - 1] of one block forward, on the device."""
         fill = self.staged.shape[1] - len(reqs)
-        host = [
-            [r.req_pool_idx for r in reqs] + [self.req_to_token.pad_row] * fill,
-            [r.kv_len for r in reqs] + [0] * fill,
-            [token_slice(r.input_ids, r.output_ids, r.kv_len, 1)[0] for r in reqs] + [0] * fill,
-        ]
+        rows, lens, last = block_inputs(reqs)
+        host = [rows + [self.req_to_token.pad_row] * fill, lens + [0] * fill, last + [0] * fill]
         stage(self.staged, host, self.req_to_token)
         if shape not in self.graphs:
             return self._block(*shape)[: len(reqs)]
