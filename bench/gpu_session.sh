@@ -5,6 +5,7 @@
 # tests at real sizes, then the benchmarks given as arguments, e.g.
 #   sh bench/gpu_session.sh tests "llama3-8b" "smollm2 --skip-big"
 #   sh bench/gpu_session.sh tp              # on nvidia-h200-x2: bench/tp.py
+#   sh bench/gpu_session.sh "py bench/l2_prefetch.py"   # any bench script
 #   sh bench/gpu_session.sh moe-tests models  # issue 20: fused MoE tests, bench/models.py
 #   sh bench/gpu_session.sh "spec --batches 1 8 --accept 3.5 2.5" spec-tests spec-profile
 #   sh bench/gpu_session.sh stash .gp/part00      # then at once, in the next call (issue 15):
@@ -104,6 +105,10 @@ while [ $# -gt 0 ]; do
     if [ "${job%% *}" = tp ]; then  # "tp [flags]": bench/tp.py, TP1 against TP2 (2 GPUs)
         python3 bench/tp.py --json-out "$OUT/tp.json" --workdir /tmp/models ${job#tp} \
             2>&1 | grep -v "it/s\]" | tail -40
+        continue
+    fi
+    if [ "${job%% *}" = py ]; then  # "py SCRIPT ARGS": any bench script, its output in py.log
+        python3 ${job#py} 2>&1 | grep -v "it/s\]" | tee -a "$OUT/py.log" | tail -60
         continue
     fi
     shape=${job%% *}
