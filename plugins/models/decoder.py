@@ -239,8 +239,6 @@ class DecoderLayer(nn.Module):
         self.gemv_silu = False  # SiLU(gate) * up inside down_proj's GEMV
         # q and k go to the attention backend unrotated, its K/V store applies RoPE
         self.rope_in_attention = False
-        # o_proj's weight goes to the attention backend, to be fetched into L2 while it runs
-        self.prefetch_o = False
 
     # ---- extension points ----
 
@@ -330,10 +328,6 @@ class DecoderLayer(nn.Module):
             k = self.k_norm(qk[:, self.num_heads :].reshape(-1, self.head_dim))
             qk = torch.cat((q.view(t, -1, self.head_dim), k.view(t, -1, self.head_dim)), dim=1)
         options = self.attn_options
-        if self.prefetch_o:
-            weight = getattr(self.o_proj, "weight", None)
-            if isinstance(weight, torch.Tensor) and weight.is_contiguous():
-                options = {**options, "prefetch": weight}
         if self.rope_in_attention:
             options = {**options, "rotary": (batch.positions, rope.cos, rope.sin)}
         else:
@@ -416,11 +410,8 @@ class DecoderForCausalLM(nn.Module, CausalLM):
         fused = fused_ops_for(device)
         attach_fused_ops(self, fused)
         rope_in_attention = takes_rotary(attention, fused is not None)
-        # only a GPU's L2 is worth filling ahead (the CPU's interpreted kernels ignore it)
-        prefetch_o = fused is not None and "prefetch" in attention_keywords(attention)
         for layer in self.layers:
             layer.rope_in_attention = rope_in_attention
-            layer.prefetch_o = prefetch_o
         gemv_cfg = triton_gemv_config(device)
         if gemv_cfg is not None:
             from radixserve.plugins.hardware.gemv import fuse_silu
@@ -545,18 +536,13 @@ def check_attention_options(attention: AttentionBackend, options: list[dict[str,
         )
 
 
-def attention_keywords(attention: AttentionBackend) -> set[str]:
-    """The keyword parameters of the backend's ``forward``."""
-    return set(inspect.signature(attention.forward).parameters)
-
-
 def takes_rotary(attention: AttentionBackend, fused_rope: bool) -> bool:
     """Whether q and k go to ``attention`` unrotated, for its K/V store to apply RoPE in the
     same launch (one launch a layer less): where its ``forward`` takes ``rotary`` and the model
     would otherwise run the Triton RoPE kernel (RADIXSERVE_ROPE_IN_ATTENTION: "0" never, "1"
     wherever the backend takes it, as on the CPU's interpreted kernels in tests)."""
     mode = os.environ.get("RADIXSERVE_ROPE_IN_ATTENTION", "auto")
-    if mode == "0" or "rotary" not in attention_keywords(attention):
+    if mode == "0" or "rotary" not in inspect.signature(attention.forward).parameters:
         return False
     return fused_rope or mode == "1"
 

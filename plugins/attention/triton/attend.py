@@ -18,8 +18,6 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 # Kernels may only read globals declared constexpr (the interpreter does not check this).
 _TWO_LOG2E = tl.constexpr(2.0 * LOG2E)
-# The default L2 eviction policy of K/V loads (a plain "" default would not be a constexpr).
-_NO_HINT = tl.constexpr("")
 
 
 def launch_settings(base: dict[str, int], spec: str | None) -> dict[str, int]:
@@ -55,24 +53,6 @@ def kv_slots(TableRow, n0, hi, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def prefetch_l2(addr, lines, pid, num_programs, BLOCK: tl.constexpr):
-    """Program ``pid`` of ``num_programs`` asks L2 to fetch and keep (evict-last) its share of
-    ``lines`` 128-byte lines from the byte address ``addr``: the weights a bandwidth-bound
-    kernel's successor reads, fetched with the bandwidth this kernel leaves unused (CUDA, sm_80+
-    only: PTX inline assembly)."""
-    share = tl.cdiv(lines, num_programs)
-    lo = pid * share
-    hi = tl.minimum(lo + share, lines)
-    for i0 in range(lo, hi, BLOCK):
-        i = i0 + tl.arange(0, BLOCK)
-        line = addr + tl.where(i < hi, i, lo).to(tl.int64) * 128
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;",
-            "=r,l", [line], dtype=tl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
-
-
-@triton.jit
 def softcap_scores(qk, softcap_log2):
     """cap * tanh(s / cap) of base-2 scores (``softcap_log2`` = cap * log2(e), so the result is
     the natural soft-capped score in base 2); tanh from exp2, which saturates to +-1."""
@@ -89,7 +69,6 @@ def attend_blocks(
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     SLIDING: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
-    KV_EVICT: tl.constexpr = _NO_HINT,
 ):  # fmt: skip
     """Attend the BLOCK_Q query rows ``q`` (scaled by ``sm_scale_log2`` in base 2) to keys
     ``[lo, hi)`` of KV head ``kvh``; with CAUSAL, row i sees keys at positions <= q_pos[i];
@@ -103,7 +82,7 @@ def attend_blocks(
         sm_scale_log2, window, softcap_log2,
         stride_kt, stride_kh, stride_vt, stride_vh,
         BLOCK_Q, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, CAUSAL, UPCAST, PRECISION,
-        SLIDING, SOFTCAP, KV_EVICT,
+        SLIDING, SOFTCAP,
     )  # fmt: skip
 
 
@@ -116,12 +95,10 @@ def attend_more(
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     SLIDING: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
-    KV_EVICT: tl.constexpr = _NO_HINT,
 ):  # fmt: skip
     """``attend_blocks`` continued from an online-softmax state (m_i, l_i, acc) over keys
     ``[lo, hi)``: so one query block can attend its unmasked keys and then, with CAUSAL, the
-    few blocks that need the mask. ``KV_EVICT``: the K/V loads' L2 eviction policy ("": the
-    default; "evict_first" streams them past what prefetch_l2 asked L2 to keep)."""
+    few blocks that need the mask."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
@@ -134,7 +111,6 @@ def attend_more(
             K + slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
             mask=kv_mask,
             other=0.0,
-            eviction_policy=KV_EVICT,
         )
         if UPCAST:
             k = k.to(tl.float32)
@@ -164,7 +140,6 @@ def attend_more(
             V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
             mask=kv_mask,
             other=0.0,
-            eviction_policy=KV_EVICT,
         )
         if UPCAST:
             v = v.to(tl.float32)

@@ -151,14 +151,11 @@ class TritonAttention(AttentionBackend):
         logit_softcap: float = 0.0,
         scale: float | None = None,
         rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-        prefetch: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The AttentionBackend call; the keywords are per-layer options (Gemma 2 style models):
         a sliding window of W keys (0: none), score soft-capping c * tanh(s / c) (0: none) and
         the score scale (None: head_dim ** -0.5). ``rotary``: (positions, cos, sin) when q and
-        k come unrotated; the K/V store rotates them (rotate-half RoPE) in its launch.
-        ``prefetch``: the weight the model reads next (o_proj's), which the decode launch asks
-        L2 to keep while it streams KV, where the decode config's ``prefetch`` is on."""
+        k come unrotated; the K/V store rotates them (rotate-half RoPE) in its launch."""
         meta, table = self._meta, self.table
         scale = self.scale if scale is None else scale
         options = {"sliding_window": sliding_window, "logit_softcap": logit_softcap}
@@ -174,8 +171,7 @@ class TritonAttention(AttentionBackend):
             decode_attention(
                 q[:nd], k_buf, v_buf, table, meta.req_rows[:nd], meta.seq_lens[:nd],
                 out[:nd], meta.part_out, meta.part_lse, scale, page_size=self.page_size,
-                counters=meta.counters, config=self.decode_config,
-                prefetch=prefetch if self.decode_config["prefetch"] else None, **options,
+                counters=meta.counters, config=self.decode_config, **options,
             )  # fmt: skip
         if meta.max_ext_len:
             extend_attention(

@@ -18,12 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.plugins.attention.triton.attend import (
-    LOG2E,
-    attend_blocks,
-    launch_settings,
-    prefetch_l2,
-)
+from radixserve.plugins.attention.triton.attend import LOG2E, attend_blocks, launch_settings
 
 MAX_SPLITS = 16
 #: the most splits the last program merges in the partial kernel's launch (more: a second kernel)
@@ -32,18 +27,13 @@ MERGE_IN_LAUNCH_SPLITS = 4
 #: bench/decode_sweep.py (the engine's slot layout, CUDA graphs, 2026-12-03) timed 3 splits and
 #: 2 stages 9% faster at batch 64 x 1,040-1,270 (252 against 276 us over its three lengths),
 #: but the engine A-B (bench/gpu_env_ab.py, RADIXSERVE_TRITON_DECODE) showed no gain: decode
-#: steps 7.25 ms both ways, tok/s within the rounds' spread; so these stay.
+#: steps 7.25 ms both ways, tok/s within the rounds' spread; so these stay. Neither did the
+#: KV heads' launch order, evict-first K/V loads nor an L2 prefetch of o_proj's weight from
+#: this launch gain in the engine (2026-12-04, commit ee868b7, docs/BENCHMARKS.md).
 #: ``splits`` > 0 fixes the number of splits (0: from ``programs_per_sm``, see num_decode_splits).
-#: ``kv_major`` 1 launches a request's KV heads next to each other (they read adjacent bytes of
-#: each token's row); ``evict_first`` 1 streams K/V past L2 with the evict-first policy (so a
-#: ``prefetch``ed weight stays there); ``prefetch`` 1 lets the backend pass the weight the
-#: model offers (o_proj's, read right after attention) for the launch to prefetch.
 GPU_CONFIG = {
     "block_n": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 8, "splits": 0,
-    "kv_major": 0, "evict_first": 0, "prefetch": 0,
 }  # fmt: skip
-#: 128-byte lines each program asks L2 for at a time when it prefetches
-PREFETCH_BLOCK = tl.constexpr(128)
 
 
 def decode_config(spec: str | None = None) -> dict[str, int]:
@@ -81,7 +71,7 @@ def _merge_splits(
 @triton.jit
 def _decode_partial_kernel(
     Q, K, V, Table, ReqRows, SeqLens, PartOut, PartLse, Out, Counters,
-    sm_scale_log2, window, softcap_log2, prefetch_addr, prefetch_lines,
+    sm_scale_log2, window, softcap_log2,
     stride_qt, stride_qh,
     stride_kt, stride_kh,
     stride_vt, stride_vh,
@@ -94,22 +84,10 @@ def _decode_partial_kernel(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, MERGE_LAST: tl.constexpr,
     BLOCK_S: tl.constexpr,
     SLIDING: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
-    KV_MAJOR: tl.constexpr = False, KV_EVICT: tl.constexpr = "", PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
-    if KV_MAJOR:
-        kvh = tl.program_id(0)
-        b = tl.program_id(1)
-        num_kv_heads = tl.num_programs(0)
-    else:
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
-        num_kv_heads = tl.num_programs(1)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
     split = tl.program_id(2)
-    if PREFETCH:
-        pid = (split * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0)
-        pid += tl.program_id(0)
-        num_programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        prefetch_l2(prefetch_addr, prefetch_lines, pid, num_programs, PREFETCH_BLOCK)
     seq_len = tl.load(SeqLens + b)
     row = tl.load(ReqRows + b).to(tl.int64)
     if SLIDING:
@@ -141,7 +119,7 @@ def _decode_partial_kernel(
         sm_scale_log2, window, softcap_log2,
         stride_kt, stride_kh, stride_vt, stride_vh,
         BLOCK_G, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, UPCAST, PRECISION,
-        SLIDING, SOFTCAP, KV_EVICT,
+        SLIDING, SOFTCAP,
     )  # fmt: skip
     has = l_i > 0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
@@ -159,7 +137,7 @@ def _decode_partial_kernel(
             # Every thread's partial is stored before the counter's release; the program that
             # takes the counter to NUM_SPLITS acquires them all, merges, and resets it.
             tl.debug_barrier()
-            counter = Counters + b * num_kv_heads + kvh
+            counter = Counters + b * tl.num_programs(1) + kvh
             if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
                 merged = _merge_splits(part_ptrs, lse_ptrs, stride_ps, mask_g, mask_gd,
                                        BLOCK_G, BLOCK_D, NUM_SPLITS, BLOCK_S)  # fmt: skip
@@ -225,7 +203,6 @@ def decode_attention(
     logit_softcap: float = 0.0,
     counters: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> None:
     """q, out: [B, H, D]; k_buf, v_buf: [slots, KVH, D]; table: [rows, max_context] int32 KV slots;
     req_rows, seq_lens: [B] int32 on the device; part_out: [B, H, S, D] and part_lse: [B, H, S]
@@ -234,9 +211,7 @@ def decode_attention(
     each decode sees its last W keys only; ``logit_softcap`` c > 0: scores s -> c tanh(s / c).
     ``counters``: [B, KVH] int32, zero (and left zero), lets the last split of each group merge
     up to MERGE_IN_LAUNCH_SPLITS splits in the same launch (``new_counters``); otherwise a
-    second kernel merges them. ``config``: GPU launch settings (default GPU_CONFIG).
-    ``prefetch``: a contiguous tensor (the next product's weight) the launch asks L2 to fetch
-    and keep while it streams KV (CUDA only)."""
+    second kernel merges them. ``config``: GPU launch settings (default GPU_CONFIG)."""
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     group = num_heads // num_kv_heads
@@ -246,18 +221,10 @@ def decode_attention(
     block_n = block_n or (16 if on_cpu else config["block_n"])
     precise = on_cpu or q.dtype == torch.float32
     merge_last = counters is not None and merges_in_launch(num_splits)
-    kv_major = bool(config.get("kv_major")) and not on_cpu
-    grid = (num_kv_heads, bs, num_splits) if kv_major else (bs, num_kv_heads, num_splits)
-    if prefetch is not None and not on_cpu and torch.version.hip is None:  # PTX: CUDA only
-        assert prefetch.is_contiguous(), "prefetch takes a contiguous tensor"
-        prefetch_addr = prefetch.data_ptr()
-        prefetch_lines = prefetch.numel() * prefetch.element_size() // 128
-    else:
-        prefetch_addr = prefetch_lines = 0
-    _decode_partial_kernel[grid](
+    _decode_partial_kernel[(bs, num_kv_heads, num_splits)](
         q, k_buf, v_buf, table, req_rows, seq_lens, part_out, part_lse, out,
         counters if merge_last else seq_lens,
-        scale * LOG2E, sliding_window, logit_softcap * LOG2E, prefetch_addr, prefetch_lines,
+        scale * LOG2E, sliding_window, logit_softcap * LOG2E,
         q.stride(0), q.stride(1),
         k_buf.stride(0), k_buf.stride(1),
         v_buf.stride(0), v_buf.stride(1),
@@ -270,9 +237,7 @@ def decode_attention(
         BLOCK_N=block_n, NUM_SPLITS=num_splits, PAGE_SIZE=page_size,
         UPCAST=on_cpu, PRECISION="ieee" if precise else "tf32",
         MERGE_LAST=merge_last, BLOCK_S=triton.next_power_of_2(num_splits),
-        SLIDING=sliding_window > 0, SOFTCAP=logit_softcap > 0, KV_MAJOR=kv_major,
-        KV_EVICT="evict_first" if config.get("evict_first") and not on_cpu else "",
-        PREFETCH=prefetch_lines > 0,
+        SLIDING=sliding_window > 0, SOFTCAP=logit_softcap > 0,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     if num_splits == 1 or merge_last:
