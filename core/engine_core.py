@@ -576,11 +576,14 @@ class EngineCore:
         platform.release()
 
     def _fail_unschedulable(self) -> list[Req]:
-        """Nothing could run although requests wait: the head can never fit; end it."""
-        if not self.scheduler.waiting or self.scheduler.running or self.scheduler.paused:
+        """Nothing could run although requests wait: the one admission stopped at can never
+        fit (nothing runs to free KV); end it. Not the oldest: the policy may have tried a
+        larger one first (lpm), and the oldest may fit once that one is gone."""
+        sched = self.scheduler
+        req = sched.blocked
+        if req is None or sched.running or sched.paused or all(r is not req for r in sched.waiting):
             return []
-        req = self.scheduler.waiting[0]
-        self.scheduler.abort(req.rid, "the request does not fit in the KV pool")
+        sched.abort(req.rid, "the request does not fit in the KV pool")
         return [req]
 
     def pause_admission(self, paused: bool) -> None:

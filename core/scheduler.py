@@ -165,6 +165,10 @@ class Scheduler:
         # Requests ended outside any batch (the KV pool cannot hold them); see pop_ended().
         self.ended: list[Req] = []
         self.running: list[Req] = []
+        # The waiting request this step's admission stopped at (it could not get KV); None
+        # when admission did not run or stopped for another reason. With nothing running it can
+        # never fit (EngineCore._fail_unschedulable ends it, not another one).
+        self.blocked: Req | None = None
         self.stats = SchedulerStats()
         self._rng = random.Random(config.random_seed)
         self.trace_steps = False
@@ -230,6 +234,7 @@ class Scheduler:
         Progress is guaranteed: when every running request is a prefill that cannot get KV,
         the newest is retracted (or, alone, ended with a reason), so a step never comes back
         empty while requests run."""
+        self.blocked = None
         if not self.config.mixed_chunk:
             alone = self._schedule_prefill_alone()
             if alone is not None:
@@ -253,6 +258,8 @@ class Scheduler:
                 raise RetractionNeeded
             self._unstall()
         # A request retracted this step would only be re-admitted into the same shortage.
+        if self._retracted_this_step:
+            self.blocked = None  # it may fit once the retraction's KV is back
         if budget > 0 and self.waiting and not self._retracted_this_step and not self.paused:
             if not self._gathering(bool(decodes) and not prefills, budget):
                 prefills += self._admit(budget)
@@ -739,6 +746,7 @@ class Scheduler:
                 continue
             chunk = self._admit_one(req, budget)
             if chunk == 0:
+                self.blocked = req
                 break
             self.waiting.remove(req)
             admitted.append((req, chunk))

@@ -7,12 +7,14 @@ check the same paths end to end; these pin the arithmetic that mutation testing 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from tiny_models import make_tokenizer_json
 
+from radixserve.core.engine_core import EngineCore
 from radixserve.core.interfaces import Draft
 from radixserve.core.memory import ReqToTokenPool, TokenAllocator
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
@@ -277,6 +279,42 @@ def test_pop_ended_returns_each_ended_request_once(tokenizer: Tokenizer) -> None
     assert not sched.has_work()
     sched.allocator.free(stolen)
     sched.check_no_leak()
+
+
+def test_the_request_admission_stopped_at_is_the_one_ended_as_too_big(
+    tokenizer: Tokenizer,
+) -> None:
+    """lpm tries the request with the longer cached prefix first. Here that one can never fit
+    (a grammar's jump-forward tokens took it past the pool). The engine must end it, not the
+    small request that came first and fits."""
+    sched = make(tokenizer, pool=32, schedule_policy="lpm")
+    shared = list(range(100, 120))
+    add(sched, Req("warm", [*shared, 5], params(1)))
+    run_to_idle(sched)  # the shared prefix is cached
+    small = req("small", 3, max_new_tokens=2)
+    big = Req("big", [*shared, 6, 7, 8], params(30))
+    for t in range(10, 22):  # forced tokens, appended before admission as a grammar does
+        sched.stop_checker.append(big, t)
+    add(sched, small, big)
+    assert big.seq_len > sched.allocator.size
+    assert sched.schedule() is None and sched.blocked is big
+    ended = EngineCore._fail_unschedulable(SimpleNamespace(scheduler=sched))  # type: ignore[arg-type]
+    assert ended == [big] and big.finish_reason is not None
+    assert big.finish_reason.message == "the request does not fit in the KV pool"
+    assert small.finish_reason is None and list(sched.waiting) == [small]
+    run_to_idle(sched)
+    assert len(small.output_ids) == 2
+    sched.check_no_leak()
+
+
+def test_nothing_is_ended_when_admission_did_not_stop_at_a_request(tokenizer: Tokenizer) -> None:
+    sched = make(tokenizer, pool=32)
+    sched.paused = True
+    add(sched, req("a", 4))
+    assert sched.schedule() is None and sched.blocked is None
+    sched.paused = False  # unpaused before the engine looks: still nothing to end
+    assert EngineCore._fail_unschedulable(SimpleNamespace(scheduler=sched)) == []  # type: ignore[arg-type]
+    run_to_idle(sched)
 
 
 def test_check_no_leak_names_slots_and_locks_left_at_idle(tokenizer: Tokenizer) -> None:
