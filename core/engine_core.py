@@ -524,6 +524,8 @@ class EngineCore:
                 continue
             for token in self.grammar_stepper.forced_tokens(req):
                 self.scheduler.stop_checker.append(req, token)
+                if req.finished:  # a stop (or the length) ends the forced text here
+                    break
             if req.finished:
                 finished.append(req)
             else:

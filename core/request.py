@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import regex
+
 from radixserve.core.interfaces import GRAMMAR_KINDS as GRAMMAR_FIELDS
 
 #: How an embedding request pools hidden states (here, not in core.pooling, so that flag
@@ -246,8 +248,9 @@ def _check_stop_regex(patterns: Any) -> None:
     for pattern in patterns:
         _check_text("stop_regex", pattern)
         try:
-            re.compile(pattern)
-        except (re.error, RecursionError, OverflowError) as e:
+            re.compile(pattern)  # re's syntax; the stop checker searches it with ``regex``
+            regex.compile(pattern)
+        except (re.error, regex.error, RecursionError, OverflowError) as e:
             raise InvalidRequest(
                 f"stop_regex {pattern[:80]!r} is not a valid regular expression: {e}",
                 param="stop_regex",

@@ -126,9 +126,9 @@ def _apply_penalties(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
         if params.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(req.input_ids) | set(req.output_ids)), device=row.device)
             vals = row[seen]
-            row[seen] = torch.where(
-                vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty
-            )
+            # a tiny penalty must not push a logit to inf (softmax would give nan)
+            boosted = (vals / params.repetition_penalty).clamp(max=torch.finfo(row.dtype).max)
+            row[seen] = torch.where(vals > 0, boosted, vals * params.repetition_penalty)
         if req.output_ids and (params.frequency_penalty or params.presence_penalty):
             ids = torch.tensor(req.output_ids, device=row.device)
             counts = torch.zeros_like(row).scatter_add_(
@@ -243,6 +243,7 @@ def _filter_probs(probs: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
     # NOTE: keep a token while the mass before it is below top_p, so the first always stays.
     drop |= (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[:, None]
     drop |= sorted_probs < (min_p * sorted_probs[:, 0])[:, None]
+    drop[:, 0] = False  # the likeliest token stays, whatever top_p rounds to (1e-46 -> 0)
     sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 

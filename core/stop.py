@@ -7,10 +7,11 @@ small decode, never a decode of the whole output.
 from __future__ import annotations
 
 import functools
-import re
 import time
 from collections.abc import Sequence
 from re import _parser as sre_parse  # type: ignore[attr-defined]
+
+import regex  # its search takes a timeout; re's cannot be interrupted
 
 from radixserve.core.request import FinishReason, Req
 from radixserve.core.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -112,6 +113,12 @@ class StopChecker:
         return True
 
 
+#: How long one stop_regex search may take before its request is ended: a pattern that
+#: backtracks catastrophically ((x|xx)+y over 30 characters) would otherwise hold the engine's
+#: thread, and every request with it. Searching 8,000 characters takes 2-90 µs for sane ones.
+STOP_REGEX_TIMEOUT_S = 0.05
+
+
 def _match_stop_regex(req: Req, detok: IncrementalDetokenizer, delta_len: int) -> bool:
     """Finish ``req`` when its text, grown by ``delta_len`` characters, matches one of its
     ``stop_regex`` patterns. The match is kept (SGLang's server keeps it: its trimming looks
@@ -130,7 +137,15 @@ def _match_stop_regex(req: Req, detok: IncrementalDetokenizer, delta_len: int) -
         # output, 2-90 µs per step (r"---+" .. r"\d+233") against 0.2-0.3 µs for a window;
         # SGLang also rescans the whole output for such patterns (and re-decodes it).
         start = 0 if longest is None else max(len(text) - delta_len - longest + 1, 0)
-        m = compiled.search(text, start)
+        try:
+            m = compiled.search(text, start, timeout=STOP_REGEX_TIMEOUT_S)
+        except TimeoutError:
+            message = (
+                f"stop_regex {pattern[:80]!r} took over {STOP_REGEX_TIMEOUT_S * 1e3:.0f} ms to "
+                "search the output (catastrophic backtracking); simplify the pattern"
+            )
+            req.finish(FinishReason("abort", message=message))
+            return True
         if m is not None and (best is None or m.end() < best[0]):
             best = (m.end(), pattern)
     if best is None:
@@ -142,9 +157,10 @@ def _match_stop_regex(req: Req, detok: IncrementalDetokenizer, delta_len: int) -
 
 
 @functools.lru_cache(maxsize=256)
-def _compiled(pattern: str) -> tuple[re.Pattern[str], int | None]:
-    """The compiled pattern and the most characters a match can span (None: no bound)."""
-    return re.compile(pattern), _max_width(sre_parse.parse(pattern))
+def _compiled(pattern: str) -> tuple[regex.Pattern[str], int | None]:
+    """The compiled pattern (``regex``, re's syntax) and the most characters a match can span
+    (None: no bound)."""
+    return regex.compile(pattern), _max_width(sre_parse.parse(pattern))
 
 
 def _max_width(parsed: object) -> int | None:

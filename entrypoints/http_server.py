@@ -11,7 +11,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 import msgspec
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
 import radixserve
@@ -79,6 +79,14 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
     return False
 
 
+async def refuse_deep_json(request: Request) -> None:
+    """Every route's body gets read_json's depth limit, those FastAPI parses into a model
+    included: pydantic takes any depth in free-form fields (tool parameters, template
+    arguments), which the handlers then walk recursively."""
+    if request.method in ("POST", "PUT", "PATCH"):
+        await read_json(request)
+
+
 async def read_object(request: Request) -> dict[str, Any]:
     """The body as a JSON object; any other JSON value is a 400."""
     body = await read_json(request)
@@ -91,7 +99,10 @@ async def read_object(request: Request) -> dict[str, Any]:
 def create_app(
     tm: TokenizerManager, args: ServerArgs, metrics: ServerMetrics | None = None
 ) -> FastAPI:
-    app = FastAPI(title="radixserve", version=radixserve.__version__, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="radixserve", version=radixserve.__version__, docs_url=None, redoc_url=None,
+        dependencies=[Depends(refuse_deep_json)],
+    )  # fmt: skip
     app.add_middleware(
         GuardMiddleware,
         api_key=args.api_key,

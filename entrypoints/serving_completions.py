@@ -95,7 +95,10 @@ class CompletionServing(OpenAIServing):
         return [fim_prompt(tokens, text, suffix) for text in texts]
 
     def _echo(self, body: CompletionRequest, req: ServerReq) -> str:
-        return self.tm.tokenizer.decode(req.prompt_ids) if body.echo else ""
+        if not body.echo:
+            return ""
+        # special tokens included: the echo must match the prompt logprobs' tokens and offsets
+        return self.tm.tokenizer.decode(req.prompt_ids, skip_special_tokens=False)
 
     async def _stream(
         self,

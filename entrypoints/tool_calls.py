@@ -104,8 +104,9 @@ def plan_tools(body: ChatCompletionRequest, parser: ToolParser | None = None) ->
         return ToolPlan(body.tools, **read)
     if choice == "required":
         return ToolPlan(body.tools, _call_schema(body.tools), **read)
-    if isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str):
-        name = choice["function"]["name"]
+    named = choice.get("function") if isinstance(choice, dict) else None
+    if isinstance(named, dict) and isinstance(named.get("name"), str):
+        name = named["name"]
         chosen = [t for t in body.tools if t["function"]["name"] == name]
         if not chosen:
             raise ApiError(

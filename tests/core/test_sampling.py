@@ -196,6 +196,16 @@ def test_top_p_and_min_p_at_exact_boundaries() -> None:
     assert sampling._filter_probs(probs, reqs_for(1, min_p=0.5))[0].tolist() == [0.5, 0.25, 0, 0]
 
 
+@pytest.mark.parametrize("top_p", [1e-46, 1e-300, 1e-9])
+def test_a_top_p_too_small_for_float32_keeps_the_likeliest_token(top_p: float) -> None:
+    """1e-46 rounds to 0 in float32: the nucleus must still hold the first token (it once
+    dropped every token, and the sampler then drew token 0)."""
+    probs = torch.tensor([[0.125, 0.5, 0.25, 0.125]])
+    kept = sampling._filter_probs(probs, reqs_for(1, top_p=top_p))[0]
+    assert kept.tolist() == [0.0, 0.5, 0.0, 0.0]
+    assert draw([0.1, 2.0, -1.0, 0.3], n=200, top_p=top_p, temperature=1.0) == [1] * 200
+
+
 # --- penalties, on the logits (SGLang's formulas) ---------------------------------------
 
 
@@ -226,6 +236,15 @@ def test_repetition_penalty_divides_positive_multiplies_negative(rp: float) -> N
     seen = {0, 1, 3, 4, 5}  # prompt and output both count; 5 is in (0, 1)
     want = [(x / rp if x > 0 else x * rp) if i in seen else x for i, x in enumerate(PEN_LOGITS)]
     assert out == pytest.approx(want)
+
+
+def test_a_tiny_repetition_penalty_keeps_the_logits_finite() -> None:
+    """1e-40 would divide a positive logit to inf, and softmax would give nan."""
+    out = penalized(PEN_LOGITS, prompt=[0, 1], output=[2], repetition_penalty=1e-40)
+    assert all(math.isfinite(x) for x in out)
+    assert min(out[0], out[2]) > PEN_LOGITS[3] > out[1]  # boosted, and the negative one cut
+    probs = torch.softmax(torch.tensor(out), -1)
+    assert not probs.isnan().any() and set(probs.nonzero().flatten().tolist()) <= {0, 2}
 
 
 def test_frequency_penalty_without_output_changes_nothing() -> None:

@@ -167,6 +167,25 @@ def test_completion_echo_with_logprobs_scores_the_prompt(
         complete(client, prompt=prompt, echo=True, logprobs=1, stream=True)
 
 
+def test_completion_echo_keeps_special_tokens_in_line_with_the_logprobs(
+    client: openai.OpenAI,
+) -> None:
+    """The echo is the prompt as its tokens spell it, special tokens included: the text and
+    the logprob tokens and offsets agree (they once dropped "<|im_start|>" from the text)."""
+    prompt = "<|im_start|>user hi"
+    r = complete(client, prompt=prompt, max_tokens=1, echo=True, logprobs=0)
+    choice = r.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt) and lp.tokens[0] == "<|im_start|>"
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == sorted(lp.text_offset)
+    assert [choice.text[o:] for o in lp.text_offset] == [
+        "".join(lp.tokens[i:]) for i in range(len(lp.tokens))
+    ]
+    ids = complete(client, prompt=[1, 2], max_tokens=0, echo=True).choices[0]
+    assert ids.text == "<|im_start|><|im_end|>"
+
+
 def test_repeated_prompt_reports_cached_tokens(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "def add(a, b): return a + b. " * 6}]
     first = chat(client, messages=messages, max_tokens=2)

@@ -120,6 +120,23 @@ def test_dead_end_is_an_abort_with_a_message(server: RunningServer) -> None:
     assert reason["type"] == "abort" and "grammar dead end" in reason["message"]
 
 
+@pytest.mark.parametrize("stop", [{"stop": "def"}, {"stop_regex": "d.f"}])
+def test_a_stop_inside_the_text_a_grammar_forces_ends_it_there(
+    server: RunningServer, stop: dict[str, str]
+) -> None:
+    """The regex forces all of its text (jump-forward appends it before the first step); a
+    stop string inside it ends the output there, with no text or tokens after it."""
+    params = {"regex": "abc def ghi jkl", "max_new_tokens": 60, **stop}
+    out = generate(server, text="x", sampling_params=params).json()
+    assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+    kept = "abc " if "stop" in stop else "abc def"  # a stop string is cut, a regex's match kept
+    assert out["text"] == kept, out
+    ids = requests.post(
+        server.url + "/tokenize", json={"text": "abc def"}, headers=server.headers, timeout=60
+    ).json()["tokens"]
+    assert len(out["output_ids"]) <= len(ids), out  # no tokens from past the stop
+
+
 @pytest.mark.parametrize(
     ("params", "problem"),
     [
@@ -148,6 +165,8 @@ def test_bad_grammar_is_a_400_naming_it(
         ({"response_format": {"type": "json_schema", "json_schema": {}}}, "schema must be"),
         ({"tools": [WEATHER], "tool_choice": {"function": {"name": "nope"}}}, "names 'nope'"),
         ({"tools": [{"type": "function"}]}, "tools[0] must be"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "f"}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"function": ["f"]}}, "tool_choice"),
         (
             {
                 "tools": [WEATHER],

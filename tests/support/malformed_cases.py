@@ -149,6 +149,29 @@ CASES: dict[str, list[Case]] = {
         raw(CHAT, '{"tools": ' + _nested(2_500, "[", "]") + "}"),
         raw(GEN, '{"input_ids": ' + _nested(3_000, "[", "]") + "}"),
         raw(COMP, _nested(100_000, "[", "]")),
+        # deep inside free-form fields the OpenAI routes' models accept as they are
+        chat(chat_template_kwargs={"a": json.loads(_nested(600, "[", "]"))}),
+        tool(
+            {"name": "f", "parameters": {"type": "object", "x": json.loads(_nested(600, "[", "]"))}}
+        ),
+        chat(
+            messages=[
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {
+                            "id": "c",
+                            "type": "function",
+                            "function": {
+                                "name": "f",
+                                "arguments": json.loads(_nested(600, "[", "]")),
+                            },
+                        }
+                    ],
+                },
+            ]
+        ),
     ],
     "invalid_schemas": [
         chat(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": 5}}),
