@@ -56,10 +56,17 @@ async def read_json(request: Request) -> Any:
     if not data.strip():
         return {}
     try:
-        body = msgspec.json.decode(data)
-        too_deep = _depth_exceeds(body, MAX_JSON_DEPTH)
+        return _decode_shallow(data)
     except msgspec.DecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def _decode_shallow(data: bytes) -> Any:
+    """``data`` decoded; a 400 where it nests deeper than MAX_JSON_DEPTH (msgspec.DecodeError
+    where it is not JSON)."""
+    try:
+        body = msgspec.json.decode(data)
+        too_deep = _depth_exceeds(body, MAX_JSON_DEPTH)
     except RecursionError:  # msgspec stops at the interpreter's recursion limit
         too_deep = True
     if too_deep:
@@ -82,9 +89,14 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
 async def refuse_deep_json(request: Request) -> None:
     """Every route's body gets read_json's depth limit, those FastAPI parses into a model
     included: pydantic takes any depth in free-form fields (tool parameters, template
-    arguments), which the handlers then walk recursively."""
-    if request.method in ("POST", "PUT", "PATCH"):
-        await read_json(request)
+    arguments), which the handlers then walk recursively. A body that is not JSON is left to
+    the route's own parser, which names what is wrong with it."""
+    if request.method not in ("POST", "PUT", "PATCH"):
+        return
+    try:
+        _decode_shallow(await request.body())
+    except msgspec.DecodeError:
+        return
 
 
 async def read_object(request: Request) -> dict[str, Any]:
