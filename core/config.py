@@ -38,7 +38,13 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"model directory '{model_dir}' has no config.json")
-        return cls.from_dict(json.loads(path.read_text()))
+        try:
+            raw = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+            raise ConfigError(f"{path} is not a valid JSON file: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+        return cls.from_dict(raw)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:

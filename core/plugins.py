@@ -194,6 +194,8 @@ def parse_plugin_selections(values: Iterable[str] | Mapping[str, str] | None) ->
     if values is None:
         return {}
     pairs: list[tuple[str, str]] = []
+    if isinstance(values, str):  # one selection, not its characters
+        values = [values]
     if isinstance(values, Mapping):
         pairs = list(values.items())
     else:
@@ -207,6 +209,10 @@ def parse_plugin_selections(values: Iterable[str] | Mapping[str, str] | None) ->
         if kind not in PLUGIN_KINDS:
             raise PluginError(
                 f"unknown plugin kind '{kind}' in --plugin; kinds: {', '.join(PLUGIN_KINDS)}"
+            )
+        if selections.get(kind, name) != name:
+            raise PluginError(
+                f"--plugin selects two {kind} plugins, '{selections[kind]}' and '{name}'; give one"
             )
         selections[kind] = name
     return selections

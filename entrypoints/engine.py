@@ -89,6 +89,10 @@ class Engine:
             tp_workers.watch(ranks, self._rank_died)
         self.tokenizer = self.core.tokenizer
         self._inbox: queue.Queue[Any] = queue.Queue()
+        # Held to queue work and to close the inbox, so nothing is queued after the loop's
+        # last look at it (that caller would wait forever).
+        self._inbox_lock = threading.Lock()
+        self._closed = False
         self._outboxes: dict[str, queue.Queue[Any]] = {}
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="radixserve-engine", daemon=True)
@@ -149,7 +153,9 @@ class Engine:
 
     def flush_cache(self) -> bool:
         done: queue.Queue[bool] = queue.Queue()
-        self._inbox.put(("flush", done))
+        with self._inbox_lock:
+            self._check_running()
+            self._inbox.put(("flush", done))
         return done.get()
 
     def shutdown(self) -> None:
@@ -211,14 +217,15 @@ class Engine:
     def _check_running(self) -> None:
         if self._error is not None:
             raise EngineDeadError(f"the engine loop failed: {self._error}")
-        if not self._thread.is_alive():
+        if self._closed or not self._thread.is_alive():
             raise EngineDeadError("the engine is shut down; start a new Engine")
 
     def _submit(self, req: Req) -> queue.Queue[Any]:
-        self._check_running()
         box: queue.Queue[Any] = queue.Queue()
-        self._outboxes[req.rid] = box
-        self._inbox.put(("add", req))
+        with self._inbox_lock:
+            self._check_running()
+            self._outboxes[req.rid] = box
+            self._inbox.put(("add", req))
         return box
 
     def _wait(self, req: Req, box: queue.Queue[Any]) -> dict[str, Any]:
@@ -277,6 +284,8 @@ class Engine:
             n = len(ids)
             decode = self._token_text if req.return_text_in_logprobs else None
             meta["output_token_logprobs"] = logprob_triples(req.output_logprobs[:n], ids, decode)
+            # as the server sends it: SGLang's frontend tells a cumulative list by this count
+            meta["output_token_logprobs_length"] = n
             if req.sampling.top_logprobs_num:
                 meta["output_top_logprobs"] = top_logprob_triples(
                     req.output_top_logprobs[:n], decode
@@ -311,6 +320,7 @@ class Engine:
                     block = False
                     if item is _STOP:
                         self._fail_all(live, "engine shut down")
+                        self._close_inbox("engine shut down")
                         return
                     self._handle(item, live)
                 for req in core.step():
@@ -319,7 +329,27 @@ class Engine:
                 logger.exception("engine loop failed")
                 self._error = self._error or e  # a dead rank, if that was the cause
                 self._fail_all(live, f"engine error: {e}")
+                self._close_inbox(f"engine error: {e}")
                 return
+
+    def _close_inbox(self, message: str) -> None:
+        """The loop is ending: answer what is still queued (requests end with ``message``, a
+        flush reports False) and refuse more, so no caller waits forever."""
+        with self._inbox_lock:
+            self._closed = True
+            while True:
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    return
+                if item is _STOP:
+                    continue
+                kind, arg = item
+                if kind == "add":
+                    arg.finish(FinishReason("abort", message=message))
+                    self._deliver(arg, {})
+                elif kind == "flush":
+                    arg.put(False)
 
     def _handle(self, item: tuple[str, Any], live: dict[str, Req]) -> None:
         kind, arg = item

@@ -242,6 +242,8 @@ def parse_server_args(argv: Sequence[str] | None = None) -> ServerArgs:
     for name in ("request_timeout", "shutdown_timeout", "max_stop_length", "request_read_timeout"):
         if values[name] is not None and not values[name] > 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {values[name]}")
+    if not 0 <= values["port"] <= 65535:  # else bind() fails only after the model loaded
+        parser.error(f"--port must be in [0, 65535], got {values['port']}")
     if values["embedding_pooling"] not in POOLING_METHODS:
         parser.error(
             f"--embedding-pooling must be one of {', '.join(POOLING_METHODS)}, "

@@ -29,6 +29,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, p
 from tokenizers.models import BPE
 from tqdm import tqdm
 
+from radixserve.core.config import ConfigError
 from radixserve.core.tokenizer import byte_level_alphabet
 
 logger = logging.getLogger(__name__)
@@ -148,7 +149,10 @@ def convert_gguf_to_hf_dir(
             f"{dest} is not empty and holds no complete conversion ({COMPLETE_MARKER} missing); "
             "remove it or choose another out_dir"
         )
-    reader = GGUFReader(src)
+    try:
+        reader = GGUFReader(src)
+    except (ValueError, OSError, struct.error) as e:  # e.g. "GGUF magic invalid"
+        raise ConfigError(f"{src} is not a GGUF file this loader can read: {e}") from None
     meta = {name: field.contents() for name, field in reader.fields.items()}
     family = gguf_family(meta, src.name)
     config = _build_config(src, meta, family, {t.name for t in reader.tensors})

@@ -154,6 +154,13 @@ def test_parse_plugin_selections() -> None:
     assert ", ".join(PLUGIN_KINDS) in str(info.value)
     with pytest.raises(PluginError, match="unknown plugin kind 'flux'"):
         parse_plugin_selections({"flux": "capacitor"})
+    # two plugins of one kind: refused (the later one used to win silently); the same twice
+    # is one selection
+    with pytest.raises(PluginError, match="two grammar plugins, 'xgrammar' and 'outlines'"):
+        parse_plugin_selections(["grammar=xgrammar", "grammar=outlines"])
+    assert parse_plugin_selections(["grammar=xgrammar"] * 2) == {"grammar": "xgrammar"}
+    # one selection as a string is that selection, not its characters
+    assert parse_plugin_selections("attention=torch_native") == {"attention": "torch_native"}
 
 
 def test_allow_restricts_which_entry_points_load() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -152,6 +153,10 @@ def test_generate_prints_the_engines_text(tiny_llama_dir: Path) -> None:
         (["--dtype", "fp8"], "unknown dtype 'fp8'; choose one of auto"),
         (["--log-level", "loud"], "unknown log level 'loud'"),
         (["--model-path", "/nonexistent/model"], "'/nonexistent/model' is not a model directory"),
+        (
+            ["--plugin", "grammar=xgrammar", "--plugin", "grammar=outlines"],
+            "selects two grammar plugins, 'xgrammar' and 'outlines'; give one",
+        ),
     ],
 )
 def test_generate_user_errors_before_loading(
@@ -162,6 +167,26 @@ def test_generate_user_errors_before_loading(
     assert captured.err.startswith("error: ") and captured.err.count("\n") == 1
     assert fragment in captured.err
     assert captured.out == ""
+
+
+def test_corrupt_model_files_are_one_error_line(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A config.json that is not JSON, or a .gguf that is not GGUF: one line naming the file,
+    not a traceback (they once raised JSONDecodeError and 'GGUF magic invalid')."""
+    bad_json = tmp_path / "bad-json"
+    bad_json.mkdir()
+    (bad_json / "config.json").write_text("{not json")
+    shutil.copy(tiny_llama_dir / "tokenizer.json", bad_json / "tokenizer.json")
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_bytes(bytes(range(256)) * 4)
+    for model, fragment in ((bad_json, "is not a valid JSON file"), (not_gguf, "not a GGUF file")):
+        argv = ["generate", "--prompt", "hi", "--model-path", str(model)]
+        assert cli.main([*argv, "--max-total-tokens", "256"]) == 2
+        captured = capsys.readouterr()
+        assert captured.err.startswith("error: ") and captured.err.count("\n") == 1, captured.err
+        assert fragment in captured.err and str(model) in captured.err
+        assert captured.out == ""
 
 
 def test_serve_hands_every_later_argument_to_launch_server(

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from radixserve import Engine
 from radixserve.core.plugins import PluginError
 from radixserve.core.request import InvalidRequest
+from radixserve.entrypoints.engine import EngineDeadError
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +80,62 @@ def test_bad_model_path(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="not a model directory"):
         Engine(str(tmp_path / "missing"))
+
+
+def test_a_failing_loop_answers_the_requests_queued_behind_its_step(tiny_llama_dir: Path) -> None:
+    """A request submitted while the failing step runs sits in the inbox the loop never reads
+    again: it must end with the loop's error, not leave its caller waiting forever."""
+    eng = Engine(str(tiny_llama_dir), max_total_tokens=512)
+    entered, release = threading.Event(), threading.Event()
+
+    def failing_step() -> list[Any]:
+        entered.set()
+        release.wait()  # the test decides when the step fails
+        raise RuntimeError("simulated device error")
+
+    eng.core.step = failing_step  # type: ignore[method-assign]
+    results: dict[str, Any] = {}
+
+    def call(tag: str) -> None:
+        try:
+            results[tag] = eng.generate("hello", {"max_new_tokens": 4})
+        except Exception as e:  # noqa: BLE001 - the outcome is asserted below
+            results[tag] = e
+
+    first = threading.Thread(target=call, args=("first",), daemon=True)
+    first.start()
+    assert entered.wait(120)
+    queued = threading.Thread(target=call, args=("queued",), daemon=True)
+    queued.start()
+    for _ in range(12_000):  # until its request is in the inbox (at most 60 s)
+        if eng._inbox.qsize():
+            break
+        time.sleep(0.005)
+    release.set()
+    first.join(120)
+    queued.join(120)
+    assert not first.is_alive() and not queued.is_alive(), "a caller still waits"
+    for tag in ("first", "queued"):
+        assert isinstance(results[tag], EngineDeadError), results[tag]
+        assert "simulated device error" in str(results[tag])
+    with pytest.raises(EngineDeadError, match="simulated device error"):
+        eng.flush_cache()
+    eng.shutdown()
+
+
+def test_flush_cache_after_shutdown_raises_instead_of_waiting(tiny_llama_dir: Path) -> None:
+    eng = Engine(str(tiny_llama_dir), max_total_tokens=256)
+    assert eng.flush_cache() is True
+    eng.shutdown()
+    outcome: list[Any] = []
+
+    def flush() -> None:
+        try:
+            outcome.append(eng.flush_cache())
+        except EngineDeadError as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=flush, daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive() and isinstance(outcome[0], EngineDeadError)

@@ -122,6 +122,19 @@ def test_penalties_change_greedy_output(engine: Engine) -> None:
     assert len(set(pres)) > len(set(base))
 
 
+def test_streamed_logprobs_say_how_many_they_hold(engine: Engine) -> None:
+    """Each streamed chunk's lists are cumulative, and ``output_token_logprobs_length`` says
+    so, as the server's do: SGLang's frontend trims by it (without it, it summed the lists)."""
+    params = {"max_new_tokens": 6, "ignore_eos": True, "temperature": 0}
+    chunks = list(engine.generate(PROMPT, params, return_logprob=True, stream=True))
+    assert chunks
+    for chunk in chunks:
+        meta = chunk["meta_info"]
+        n = meta["completion_tokens"]
+        assert meta["output_token_logprobs_length"] == n == len(meta["output_token_logprobs"])
+    assert chunks[-1]["meta_info"]["output_token_logprobs_length"] == 6
+
+
 def test_logprobs_with_top_k(engine: Engine) -> None:
     out = engine.generate(
         PROMPT,

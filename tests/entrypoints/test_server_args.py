@@ -53,7 +53,12 @@ def test_serve_and_generate_build_engine_flags_alike() -> None:
 
 @pytest.mark.parametrize(
     ("argv", "fragment"),
-    [(["--dtype", "fp8"], "unknown dtype 'fp8'"), (["--max-n", "0"], "--max-n must be >= 1")],
+    [
+        (["--dtype", "fp8"], "unknown dtype 'fp8'"),
+        (["--max-n", "0"], "--max-n must be >= 1"),
+        (["--port", "99999"], "--port must be in [0, 65535], got 99999"),
+        (["--port", "-1"], "--port must be in [0, 65535], got -1"),
+    ],
 )
 def test_bad_values_are_one_argparse_error(
     argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]
