@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,6 +50,7 @@ class StreamExecutor:
         self.children: list[StreamExecutor] = []
         self.assigned: list[str] = []  # variables this executor set (not inherited by a fork)
         self._done: set[str] = set()  # variables whose value is final
+        self._assigning: Counter[str] = Counter()  # queued gen/select per variable, not yet run
         self._partial: dict[str, str] = {}  # streamed variables, as far as they got
         self._pieces: dict[str, list[dict[str, Any]]] = {}  # each streamed piece's meta_info
         self._pending = 0
@@ -66,6 +68,7 @@ class StreamExecutor:
             if self._ended:
                 raise RuntimeError("this program has ended; its state takes no more expressions")
             self._pending += 1
+            self._assigning.update(_assigned_names(expr))
         if self._thread is None:
             self._run(expr)
         else:
@@ -82,13 +85,21 @@ class StreamExecutor:
             raise self.error
 
     def get_var(self, name: str) -> Any:
+        """The variable's value from the last gen/select queued so far that assigns it."""
         with self._cond:
-            self._cond.wait_for(lambda: name in self._done or self._pending == 0)
+            self._cond.wait_for(lambda: self._final(name) or self._pending == 0)
         self.raise_error()
         if name not in self._done:
             known = ", ".join(sorted(self._done)) or "none"
             raise KeyError(f"the program has no variable {name!r} (variables set: {known})")
         return self.variables[name]
+
+    def put_var(self, name: str, value: Any) -> None:
+        """Set a variable from the program, in order: after the queued gen/select that
+        assign it (a later one would overwrite it)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._assigning[name] == 0)
+        self.set_var(name, value, None)
 
     def get_meta_info(self, name: str) -> Any:
         self.get_var(name)
@@ -182,6 +193,7 @@ class StreamExecutor:
         finally:
             with self._cond:
                 self._pending -= 1
+                self._assigning.subtract(_assigned_names(expr))
                 self._cond.notify_all()
 
     def _finish(self) -> None:
@@ -189,17 +201,23 @@ class StreamExecutor:
             self.finished = True
             self._cond.notify_all()
 
+    def _final(self, name: str) -> bool:
+        """The variable is set and no queued gen/select will assign it again."""
+        return name in self._done and self._assigning[name] == 0
+
     def _current(self, name: str | None) -> str:
         if name is None:
             return self.text_
-        if name in self._done:
+        if self._final(name):
             return str(self.variables[name])
+        if self._assigning[name] > 1:
+            return ""  # any partial text is an earlier assignment's; stream the last one
         return self._partial.get(name, "")
 
     def _over(self, name: str | None) -> bool:
         if self.error is not None or self.finished:
             return True
-        return name is not None and name in self._done
+        return name is not None and self._final(name)
 
     # -- expressions ---------------------------------------------------------------------------
 
@@ -284,6 +302,15 @@ class StreamExecutor:
         self.messages_.append({"role": role, "content": content.lstrip()})
         self.cur_role = None
         self._append(self.chat_template.prefix_and_suffix(role)[1])
+
+
+def _assigned_names(expr: ir.Expr) -> list[str]:
+    """The variables a gen/select in ``expr`` sets when it runs."""
+    if isinstance(expr, ir.ExprList):
+        return [name for item in expr.items for name in _assigned_names(item)]
+    if isinstance(expr, (ir.Gen, ir.Select)) and expr.name is not None:
+        return [expr.name]
+    return []
 
 
 def merge_stream_meta(pieces: list[dict[str, Any]]) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -29,7 +29,7 @@ def get_default_backend() -> Backend | None:
 
 class Function:
     """``@function``-decorated program: ``fn.run(*args, **kwargs)`` or
-    ``fn.run_batch([kwargs, ...])``. Keyword arguments named like sampling options
+    ``fn.run_batch([kwargs or args, ...])``. Keyword arguments named like sampling options
     (``max_new_tokens``, ``temperature``, ``stop``, ...) that are not parameters of the program
     become defaults for every gen() in it."""
 
@@ -71,22 +71,23 @@ class Function:
 
     def run_batch(
         self,
-        batch_kwargs: Sequence[dict[str, Any]],
+        batch_kwargs: Sequence[Mapping[str, Any] | Sequence[Any]],
         *,
         backend: Backend | None = None,
         num_threads: int | str = "auto",
         progress_bar: bool = False,
         **sampling: Any,
     ) -> list[ProgramState]:
-        """Run the program once per kwargs dict, ``num_threads`` at a time; states come back in
-        input order. Errors stay in each state (``state.error()``; reading it raises). The
-        text all runs share up to their first argument or generation is sent to the backend
-        first (no generation) so its prefix cache holds it."""
+        """Run the program once per item (a dict of keyword arguments or a list/tuple of
+        positional ones), ``num_threads`` at a time; states come back in input order. Errors
+        stay in each state (``state.error()``; reading it raises). The text all runs share up
+        to their first argument or generation is sent to the backend first (no generation) so
+        its prefix cache holds it."""
         backend = _backend(backend)
         defaults, extra = self._split(sampling)
         if extra:
             raise TypeError(f"run_batch got unknown keyword arguments: {', '.join(extra)}")
-        items = [self._bind((), dict(kw)) for kw in batch_kwargs]
+        items = [self._bind_batch_item(i, item) for i, item in enumerate(batch_kwargs)]
         if len(items) > 1:
             prefix = shared_prefix(self.func, backend.chat_template)
             if prefix:
@@ -118,6 +119,16 @@ class Function:
             return self.signature.bind(None, *args, **{**self.bound, **kwargs})
         except TypeError as e:
             raise TypeError(f"{self.__name__}: {e}") from None
+
+    def _bind_batch_item(self, index: int, item: Any) -> inspect.BoundArguments:
+        if isinstance(item, Mapping):
+            return self._bind((), dict(item))
+        if isinstance(item, (list, tuple)):
+            return self._bind(item, {})
+        raise TypeError(
+            f"{self.__name__}.run_batch: item {index} is a {type(item).__name__}; give a dict "
+            "of keyword arguments or a list/tuple of positional arguments"
+        )
 
     def _execute(
         self, state: ProgramState, call: inspect.BoundArguments, raise_errors: bool = False

@@ -13,7 +13,8 @@ from radixserve.lang.interpreter import StreamExecutor
 
 class ProgramState:
     """The state of one running program: ``s += text | gen(...) | select(...) | role block``;
-    ``s["name"]`` waits for a variable; ``s.text()`` and ``s.messages()`` wait for all."""
+    ``s["name"]`` waits for a variable, ``s["name"] = value`` sets one; ``s.text()`` and
+    ``s.messages()`` wait for all."""
 
     def __init__(self, executor: StreamExecutor) -> None:
         self.executor = executor
@@ -26,8 +27,21 @@ class ProgramState:
     def __getitem__(self, name: str) -> Any:
         return self.executor.get_var(name)
 
+    def __setitem__(self, name: str, value: Any) -> None:
+        self.set_var(name, value)
+
+    def __contains__(self, name: str) -> bool:
+        """Whether the program has set variable ``name`` (waits for submitted work)."""
+        self.sync()
+        return name in self.executor.variables
+
     def get_var(self, name: str) -> Any:
         return self.executor.get_var(name)
+
+    def set_var(self, name: str, value: Any) -> None:
+        """Set variable ``name`` to ``value`` (no text is added; its meta_info is None),
+        after any queued gen/select that assigns it."""
+        self.executor.put_var(name, value)
 
     def get_meta_info(self, name: str) -> Any:
         """What the backend reported for variable ``name`` (cached_tokens, scores, ...)."""

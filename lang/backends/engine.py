@@ -53,7 +53,9 @@ class EngineBackend(NativeBackend):
         return self._generate(body, stream=False)
 
     def post_stream(self, body: Body) -> Iterator[dict[str, Any]]:
-        yield from self._generate(body, stream=True)
+        for event in self._generate(body, stream=True):
+            _raise_if_aborted(event)
+            yield event
 
     def shutdown(self) -> None:
         if self._owns_engine:

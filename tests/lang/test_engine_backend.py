@@ -76,3 +76,15 @@ def test_refused_requests_are_backend_errors(backend: EngineBackend) -> None:
 
     with pytest.raises(BackendError, match="max_new_tokens"):
         bad.run(backend=backend)
+
+
+def test_aborted_requests_raise_with_and_without_stream(backend: EngineBackend) -> None:
+    @function
+    def bad_regex(s):
+        s += "x" + gen("y", max_tokens=4, regex="[0-9")
+
+    with pytest.raises(BackendError, match="aborted the request: regex rejected"):
+        bad_regex.run(backend=backend)
+    state = bad_regex.run(backend=backend, stream=True)
+    with pytest.raises(BackendError, match="aborted the request: regex rejected"):
+        list(state.text_iter("y"))

@@ -112,6 +112,42 @@ def test_unknown_variable_is_a_key_error_naming_what_exists() -> None:
         reads_missing.run(backend=FakeBackend())
 
 
+def test_a_read_waits_for_the_latest_assignment_of_a_variable() -> None:
+    @function
+    def chat(s, questions):
+        seen = []
+        for q in questions:
+            s += rs.user(q)
+            s += rs.assistant(gen("answer"))
+            seen.append((s["answer"], s.get_meta_info("answer")["prompt_tokens"]))
+        s += gen("twice") + select("twice", ["a", "bb"])  # queued together: the last one wins
+        seen.append(s["twice"])
+        return seen
+
+    backend = FakeBackend(delay=0.05)  # each read comes before its generation ends
+    state = chat.run(["q1", "q2", "q3"], backend=backend)
+    prompts = [len(view.text) for view, _ in backend.gens()]
+    assert state.ret_value == [
+        ("out1", prompts[0]), ("out2", prompts[1]), ("out3", prompts[2]), "bb",
+    ]  # fmt: skip
+
+
+def test_state_sets_and_checks_variables_like_sglang() -> None:
+    @function
+    def prog(s):
+        s += gen("x")
+        s["x"] = "mine"  # after the queued gen, so the gen does not overwrite it
+        s.set_var("y", 2)
+        s += "x=" + s["x"]
+        return "x" in s, "y" in s, "z" in s
+
+    state = prog.run(backend=FakeBackend(delay=0.05))
+    assert state.ret_value == (True, True, False)
+    assert state.text() == "out1x=mine"
+    assert state.variables() == {"x": "mine", "y": 2}
+    assert state.get_meta_info("y") is None
+
+
 def test_backend_errors_surface_from_run_and_from_the_state() -> None:
     backend = FakeBackend(fail_on="boom")
     with pytest.raises(BackendError, match="boom"):
@@ -226,6 +262,14 @@ def test_run_batch_caches_the_traced_prefix_and_keeps_order() -> None:
     assert all(v.text.startswith(backend.prefixes[0]) for v, _ in backend.gens())
     with pytest.raises(TypeError, match="unknown keyword"):
         classify.run_batch([{"text": "a"}], backend=backend, tempurature=0)
+
+
+def test_run_batch_binds_lists_positionally_and_dicts_by_keyword() -> None:
+    backend = FakeBackend(reply=lambda v, o: "!")
+    states = qa.run_batch([("a",), ["b", "?!"], {"question": "c"}], backend=backend)
+    assert [s.text() for s in states] == ["Q: a?\nA:!", "Q: b?!\nA:!", "Q: c?\nA:!"]
+    with pytest.raises(TypeError, match="qa.run_batch: item 1 is a str; give a dict"):
+        qa.run_batch([("a",), "b"], backend=backend)
 
 
 def test_run_batch_prefix_stops_at_the_first_generation() -> None:

@@ -36,6 +36,23 @@ def test_text_iter_of_the_program_streams_all_text_then_ends() -> None:
     assert state.text() == "A story about dogs: once upon a time\nThe end.!"
 
 
+def test_text_iter_of_a_reassigned_variable_streams_the_latest_assignment() -> None:
+    @function
+    def turns(s):
+        s += "1:" + gen("a")
+        first = "".join(s.text_iter("a"))
+        s += "2:" + gen("a")
+        second = "".join(s.text_iter("a"))
+        s += "3:" + gen("a") + "4:" + gen("a")  # both queued: stream only the last
+        return first, second, list(s.text_iter("a"))
+
+    replies = iter(["first answer", "second", "third one, longer", "4th"])
+    state = turns.run(stream=True, backend=FakeBackend(reply=lambda v, o: next(replies)))
+    list(state.text_iter())  # ends once the program has returned
+    first, second, last = state.ret_value
+    assert (first, second, "".join(last)) == ("first answer", "second", "4th")
+
+
 def test_async_iterator_yields_the_same_text() -> None:
     async def collect() -> list[str]:
         state = story.run("owls", stream=True, backend=_backend())
