@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 STRICT = ConfigDict(strict=True)
 SEED_MAX = 2**64 - 1
@@ -46,6 +46,8 @@ class StreamOptions(BaseModel):
     model_config = STRICT
 
     include_usage: bool = False
+    # SGLang / vLLM: the running usage in every chunk, not only in the final one
+    continuous_usage_stats: bool = False
 
 
 class PromptTokensDetails(BaseModel):
@@ -64,13 +66,28 @@ class SamplingRequest(BaseModel):
 
     model_config = STRICT
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI's spec makes these fields nullable, and clients that send every field send
+        null for the unset ones (vLLM takes them): a null takes the field's default."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            k: v
+            for k, v in data.items()
+            if v is not None or k not in fields or fields[k].default is None
+        }
+
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=0)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=128)
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
+    # int64 as OpenAI documents it (a negative one maps onto the engine's 64-bit seeds)
+    seed: int | None = Field(default=None, ge=-(2**63), le=SEED_MAX)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     stream: bool = False
@@ -126,6 +143,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # SGLang's: the stop string or token id that ended the choice (finish_reason 'stop')
+    matched_stop: int | str | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -186,6 +205,10 @@ class ChatCompletionRequest(SamplingRequest):
     # SGLang accept the same two fields).
     documents: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM / SGLang: render without the assistant turn's opening (false), or continue the
+    # last (assistant) message instead of starting a new turn (a prefilled answer)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     parallel_tool_calls: bool = True  # false: at most one tool call is returned
     # SGLang: with --reasoning-parser, split reasoning_content from content, and stream it as
     # it comes (false: in one piece when the reasoning ends)
@@ -219,6 +242,8 @@ class ChatCompletionChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    # SGLang's: the stop string or token id that ended the choice (finish_reason 'stop')
+    matched_stop: int | str | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -242,6 +267,8 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    # SGLang's: the stop string or token id that ended the choice (finish_reason 'stop')
+    matched_stop: int | str | None = None
 
 
 class ChatCompletionChunk(BaseModel):

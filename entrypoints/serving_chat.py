@@ -28,7 +28,13 @@ from radixserve.entrypoints.openai_protocol import (
     UsageInfo,
 )
 from radixserve.entrypoints.serving_openai import OpenAIServing
-from radixserve.entrypoints.streaming import Update, finish_reason, json_response, sse
+from radixserve.entrypoints.streaming import (
+    Update,
+    finish_reason,
+    json_response,
+    matched_stop,
+    sse,
+)
 from radixserve.entrypoints.structured_output import chat_grammar
 from radixserve.entrypoints.tokenizer_manager import ServerReq
 from radixserve.entrypoints.tool_calls import plan_tools
@@ -62,7 +68,12 @@ class ChatServing(OpenAIServing):
         if plan.active:
             extra["tools"] = plan.tools
         template = self.tm.tokenizer.template_for(extra.get("tools")) or ""
+        prefill = _final_assistant_text(body, messages)
+        if prefill is not None:
+            messages = messages[:-1]
         ids = self.tm.encode_chat(plan.prompt_messages(messages, template), **extra)
+        if prefill:  # the answer goes on from the client's text (SGLang's way)
+            ids += self.tm.encode(prefill, add_special_tokens=False)
         max_tokens, field = self.output_budget(body)
         top_n = body.top_logprobs or 0
         if top_n and not body.logprobs:
@@ -88,6 +99,7 @@ class ChatServing(OpenAIServing):
                     message=message,
                     logprobs=self._logprobs(r, 0, len(r.output_ids)) if body.logprobs else None,
                     finish_reason=_finish_reason(r, bool(calls)),
+                    matched_stop=matched_stop(r),
                 )
             )
         response = ChatCompletionResponse(
@@ -104,7 +116,6 @@ class ChatServing(OpenAIServing):
         output: ChatOutput,
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None) -> BaseModel:
             return ChatCompletionChunk(
@@ -127,13 +138,14 @@ class ChatServing(OpenAIServing):
                 delta=delta,
                 logprobs=logprobs,
                 finish_reason=_finish_reason(u.req, stream.calls_sent > 0) if u.finished else None,
+                matched_stop=matched_stop(u.req) if u.finished else None,
             )
 
         streams = [output.stream() for _ in reqs]
         for i in range(len(reqs)):
             role = DeltaMessage(role="assistant", content="")
             yield sse(chunk([ChatStreamChoice(index=i, delta=role)], None))
-        async for event in self.stream_chunks(reqs, body.n, include_usage, choice, chunk):
+        async for event in self.stream_chunks(reqs, body.n, body.stream_options, choice, chunk):
             yield event
 
     def _logprobs(self, req: ServerReq, start: int, end: int) -> ChoiceLogprobs:
@@ -161,7 +173,7 @@ def _finish_reason(req: ServerReq, called: bool) -> str | None:
     return "tool_calls" if called and reason == "stop" else reason
 
 
-_TEMPLATE_ARGS = ("messages", "tools", "add_generation_prompt")
+_TEMPLATE_ARGS = ("messages", "tools")
 
 
 def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
@@ -173,9 +185,33 @@ def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
                 f"chat_template_kwargs may not set '{name}' (the server sets it)",
                 param="chat_template_kwargs",
             )
+    # as vLLM: the template kwargs' add_generation_prompt wins over the request field
+    opening = extra.get("add_generation_prompt", body.add_generation_prompt)
+    if not isinstance(opening, bool):
+        raise ApiError(
+            400, "add_generation_prompt must be true or false", param="chat_template_kwargs"
+        )
+    # continuing the last message: the turn before it is rendered with the assistant's opening
+    extra["add_generation_prompt"] = opening or body.continue_final_message
     if body.documents is not None:
         extra["documents"] = body.documents
     return extra
+
+
+def _final_assistant_text(
+    body: ChatCompletionRequest, messages: list[dict[str, Any]]
+) -> str | None:
+    """With continue_final_message: the last message's text, which the answer continues (it
+    must be the assistant's); else None."""
+    if not body.continue_final_message:
+        return None
+    if messages[-1]["role"] != "assistant" or messages[-1].get("tool_calls"):
+        raise ApiError(
+            400,
+            "continue_final_message needs the last message to be an assistant message with text",
+            param="continue_final_message",
+        )
+    return str(messages[-1]["content"])
 
 
 def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:

@@ -22,7 +22,13 @@ from radixserve.entrypoints.openai_protocol import (
     UsageInfo,
 )
 from radixserve.entrypoints.serving_openai import OpenAIServing
-from radixserve.entrypoints.streaming import Update, finish_reason, json_response, sse
+from radixserve.entrypoints.streaming import (
+    Update,
+    finish_reason,
+    json_response,
+    matched_stop,
+    sse,
+)
 from radixserve.entrypoints.tokenizer_manager import ServerReq
 
 
@@ -62,6 +68,7 @@ class CompletionServing(OpenAIServing):
                 if body.logprobs is not None
                 else None,
                 finish_reason=finish_reason(r),
+                matched_stop=matched_stop(r),
             )
             for i, r in enumerate(reqs)
         ]
@@ -109,7 +116,6 @@ class CompletionServing(OpenAIServing):
         model: str,
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         offsets = [len(e) for e in echoes]
 
         def chunk(choices: list[CompletionChoice], usage: UsageInfo | None) -> BaseModel:
@@ -130,12 +136,13 @@ class CompletionServing(OpenAIServing):
                 text=u.text,
                 logprobs=logprobs,
                 finish_reason=finish_reason(u.req) if u.finished else None,
+                matched_stop=matched_stop(u.req) if u.finished else None,
             )
 
         for i, echo in enumerate(echoes):
             if echo:
                 yield sse(chunk([CompletionChoice(index=i, text=echo)], None))
-        async for event in self.stream_chunks(reqs, body.n, include_usage, choice, chunk):
+        async for event in self.stream_chunks(reqs, body.n, body.stream_options, choice, chunk):
             yield event
 
     def _choice_logprobs(

@@ -17,6 +17,7 @@ from radixserve.entrypoints.http_errors import ApiError, error_body
 from radixserve.entrypoints.openai_protocol import (
     PromptTokensDetails,
     SamplingRequest,
+    StreamOptions,
     UsageInfo,
 )
 from radixserve.entrypoints.streaming import SSE_DONE, Update, follow, sse, usage_counts
@@ -94,7 +95,7 @@ class OpenAIServing:
             "ignore_eos": body.ignore_eos,
             "skip_special_tokens": body.skip_special_tokens,
             "no_stop_trim": body.no_stop_trim,
-            "seed": body.seed,
+            "seed": None if body.seed is None else body.seed % (1 << 64),
             "logprobs": logprobs,
             "top_logprobs_num": top_logprobs,
             "json_schema": body.json_schema,
@@ -160,12 +161,15 @@ class OpenAIServing:
         self,
         reqs: list[ServerReq],
         n: int,
-        include_usage: bool,
+        options: StreamOptions | None,
         make_choice: Callable[[Update], BaseModel | None],
         make_chunk: Callable[[list[Any], UsageInfo | None], BaseModel],
     ) -> AsyncIterator[bytes]:
         """The SSE events of a stream: one chunk per step with a choice per updated request
-        (``make_choice`` may skip one), errors as error events, the usage chunk, [DONE]."""
+        (``make_choice`` may skip one), errors as error events, the usage chunk (with
+        ``include_usage``; with ``continuous_usage_stats`` every chunk carries the usage so
+        far), [DONE]."""
+        continuous = options is not None and options.continuous_usage_stats
         async for updates in follow(self.tm, reqs):
             choices = []
             for u in updates:
@@ -174,8 +178,8 @@ class OpenAIServing:
                 elif (choice := make_choice(u)) is not None:
                     choices.append(choice)
             if choices:
-                yield sse(make_chunk(choices, None))
-        if include_usage:
+                yield sse(make_chunk(choices, self.usage(reqs, n) if continuous else None))
+        if options is not None and options.include_usage:
             yield sse(make_chunk([], self.usage(reqs, n)))
         yield SSE_DONE
 

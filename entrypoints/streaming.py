@@ -76,6 +76,11 @@ def finish_reason(req: ServerReq) -> str | None:
     return None if req.finish is None else req.finish.type
 
 
+def matched_stop(req: ServerReq) -> int | str | None:
+    """The stop string or token id that ended ``req`` (None unless it stopped on one)."""
+    return req.finish.matched if req.finish is not None and req.finish.type == "stop" else None
+
+
 def usage_counts(reqs: Sequence[ServerReq], n: int) -> tuple[int, int, int]:
     """(prompt, completion, cached) tokens; each prompt is counted once for its n choices."""
     prompt = completion = cached = 0
