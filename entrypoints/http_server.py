@@ -12,7 +12,9 @@ from typing import Any
 
 import msgspec
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from pydantic import ValidationError
 
 import radixserve
 from radixserve.core.config import ModelConfig
@@ -48,6 +50,11 @@ from radixserve.entrypoints.tokenizer_manager import TokenizerManager
 HEALTH_TIMEOUT_S = 20.0
 GET_POST = ["GET", "POST"]
 MAX_JSON_DEPTH = 256  # deeper request bodies are refused (no real request nests past ~5)
+# /tokenize's fields that shape a chat's rendering, as on /v1/chat/completions
+CHAT_RENDER_FIELDS = (
+    "messages", "tools", "tool_choice", "documents", "chat_template_kwargs",
+    "add_generation_prompt", "continue_final_message",
+)  # fmt: skip
 
 
 async def read_json(request: Request) -> Any:
@@ -273,32 +280,68 @@ def create_app(
             raise InvalidRequest("send {'rid': <request id>} or {'abort_all': true}")
         return {"success": True}
 
+    # SGLang registers both the /v1/ and the bare paths (TokenizeRequest, DetokenizeRequest).
+    @app.post("/v1/tokenize")
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> Any:
         body = await read_object(raw)
         prompt = body.get("prompt", body.get("text"))
         special = body.get("add_special_tokens", True) is not False
-        if isinstance(prompt, str):
-            tokens: Any = tm.encode(prompt, special)
+        if body.get("messages") is not None:
+            if prompt is not None:
+                raise InvalidRequest("send exactly one of 'prompt' or 'messages'")
+            tokens: Any = chat_prompt_ids(body)
             count: Any = len(tokens)
+        elif isinstance(prompt, str):
+            tokens = tm.encode(prompt, special)
+            count = len(tokens)
         elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
             tokens = [tm.encode(p, special) for p in prompt]
             count = [len(t) for t in tokens]
         else:
-            raise InvalidRequest("prompt must be a string or a list of strings")
+            raise InvalidRequest(
+                "prompt must be a string or a list of strings (or send 'messages', a chat)"
+            )
         return {"tokens": tokens, "count": count, "max_model_len": tm.info.max_context}
 
+    def chat_prompt_ids(body: dict[str, Any]) -> list[int]:
+        """/tokenize's ``messages``: the ids a chat completion with these messages (and tools,
+        documents, chat_template_kwargs, add_generation_prompt, continue_final_message)
+        prompts with, from the chat route's own rendering."""
+        fields = {k: body[k] for k in CHAT_RENDER_FIELDS if body.get(k) is not None}
+        try:
+            request = ChatCompletionRequest.model_validate(fields)
+        except ValidationError as e:  # 400 naming the field, as on /v1/chat/completions
+            raise RequestValidationError(e.errors()) from None
+        return chat.prompt_ids(request)
+
+    @app.post("/v1/detokenize")
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> Any:
         body = await read_object(raw)
         tokens = body.get("tokens")
-        vocab = tm.info.vocab_size
-        if not isinstance(tokens, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens
-        ):
-            raise InvalidRequest(f"tokens must be a list of token ids in [0, {vocab})")
         skip = body.get("skip_special_tokens", True) is not False
-        return {"text": tm.tokenizer.decode(tokens, skip_special_tokens=skip)}
+        if isinstance(tokens, list) and tokens and isinstance(tokens[0], list):  # a batch
+            batch = [_token_ids(t, f"tokens[{i}]") for i, t in enumerate(tokens)]
+            return {"text": [tm.tokenizer.decode(t, skip_special_tokens=skip) for t in batch]}
+        ids = _token_ids(tokens, "tokens", batch_ok=True)
+        return {"text": tm.tokenizer.decode(ids, skip_special_tokens=skip)}
+
+    def _token_ids(value: Any, field: str, batch_ok: bool = False) -> list[int]:
+        vocab = tm.info.vocab_size
+        shape = "a list of token ids or a list of such lists" if batch_ok else "a list of token ids"
+        if not isinstance(value, list):
+            raise InvalidRequest(f"{field} must be {shape}", param=field)
+        for j, t in enumerate(value):
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise InvalidRequest(
+                    f"{field} must be {shape}; {field}[{j}] is {t!r:.100}", param=field
+                )
+            if not 0 <= t < vocab:
+                raise InvalidRequest(
+                    f"{field}[{j}] = {t} is outside the vocabulary [0, {vocab})", param=field
+                )
+        return value
 
     @app.api_route("/start_profile", methods=GET_POST)
     async def start_profile_route(raw: Request) -> Any:

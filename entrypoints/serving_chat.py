@@ -37,7 +37,7 @@ from radixserve.entrypoints.streaming import (
 )
 from radixserve.entrypoints.structured_output import chat_grammar
 from radixserve.entrypoints.tokenizer_manager import ServerReq
-from radixserve.entrypoints.tool_calls import plan_tools
+from radixserve.entrypoints.tool_calls import ToolPlan, plan_tools
 from radixserve.entrypoints.tool_parsers import get_tool_parser
 
 
@@ -63,17 +63,7 @@ class ChatServing(OpenAIServing):
             # the format's markers are special tokens: the parser must see them
             body = body.model_copy(update={"skip_special_tokens": False})
         grammar = chat_grammar(body, plan)
-        messages = [_message_dict(i, m) for i, m in enumerate(body.messages)]
-        extra = _template_kwargs(body)
-        if plan.active:
-            extra["tools"] = plan.tools
-        template = self.tm.tokenizer.template_for(extra.get("tools")) or ""
-        prefill = _final_assistant_text(body, messages)
-        if prefill is not None:
-            messages = messages[:-1]
-        ids = self.tm.encode_chat(plan.prompt_messages(messages, template), **extra)
-        if prefill:  # the answer goes on from the client's text (SGLang's way)
-            ids += self.tm.encode(prefill, add_special_tokens=False)
+        ids = self.prompt_ids(body, plan)
         max_tokens, field = self.output_budget(body)
         top_n = body.top_logprobs or 0
         if top_n and not body.logprobs:
@@ -106,6 +96,24 @@ class ChatServing(OpenAIServing):
             id=rid, model=model, choices=choices, usage=self.usage(reqs, body.n)
         )
         return json_response(response)
+
+    def prompt_ids(self, body: ChatCompletionRequest, plan: ToolPlan | None = None) -> list[int]:
+        """The prompt's token ids: the messages (and tools, documents, template kwargs)
+        through the chat template; with continue_final_message, the last (assistant)
+        message's text goes on unclosed. /tokenize renders chats with it too."""
+        plan = plan or plan_tools(body, self.tool_parser)
+        messages = [_message_dict(i, m) for i, m in enumerate(body.messages)]
+        extra = _template_kwargs(body)
+        if plan.active:
+            extra["tools"] = plan.tools
+        template = self.tm.tokenizer.template_for(extra.get("tools")) or ""
+        prefill = _final_assistant_text(body, messages)
+        if prefill is not None:
+            messages = messages[:-1]
+        ids = self.tm.encode_chat(plan.prompt_messages(messages, template), **extra)
+        if prefill:  # the answer goes on from the client's text (SGLang's way)
+            ids += self.tm.encode(prefill, add_special_tokens=False)
+        return ids
 
     async def _stream(
         self,

@@ -227,6 +227,97 @@ def test_tokenize_detokenize_round_trip(server: RunningServer) -> None:
     assert post(server, "/detokenize", {"tokens": [10**9]}).status_code == 400
 
 
+def test_tokenize_detokenize_v1_paths(server: RunningServer) -> None:
+    # SGLang registers /v1/tokenize and /v1/detokenize beside the bare paths
+    body = {"prompt": ["Hello world", "def add(a, b)"], "add_special_tokens": False}
+    tok = post(server, "/v1/tokenize", body)
+    assert tok.status_code == 200, tok.text
+    assert tok.json() == post(server, "/tokenize", body).json()
+    assert tok.json()["count"] == [len(t) for t in tok.json()["tokens"]]
+    detok = post(server, "/v1/detokenize", {"tokens": tok.json()["tokens"][0]})
+    assert detok.status_code == 200, detok.text
+    assert detok.json() == {"text": "Hello world"}
+
+
+def test_tokenize_messages_renders_the_chat_template(server: RunningServer) -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello world"},
+    ]
+    tok = post(server, "/tokenize", {"messages": messages})
+    assert tok.status_code == 200, tok.text
+    out = tok.json()
+    assert set(out) == {"tokens", "count", "max_model_len"}
+    assert out["count"] == len(out["tokens"]) and out["max_model_len"] == TINY_CONTEXT
+    text = post(server, "/detokenize", {"tokens": out["tokens"], "skip_special_tokens": False})
+    expected = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello world<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert text.json()["text"] == expected  # add_generation_prompt defaults to true
+    # the very prompt a chat completion with these messages is given
+    chat = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["prompt_tokens"] == out["count"]
+    bare = post(server, "/v1/tokenize", {"messages": messages, "add_generation_prompt": False})
+    assert bare.status_code == 200, bare.text
+    assert out["tokens"][: bare.json()["count"]] == bare.json()["tokens"]
+    assert bare.json()["count"] < out["count"]
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        ({"messages": "hi"}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": ["hi"]}, "messages.0"),
+        ({"messages": [{"content": "hi"}]}, "role"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+        ({"messages": [{"role": "user", "content": 7}]}, "content"),
+        ({"messages": [{"role": "user", "content": "hi"}], "prompt": "hi"}, "exactly one"),
+        ({"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": 1}, "add_gen"),
+        ({"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}, "cont"),
+        ({"prompt": ["hi", 7]}, "prompt"),
+    ],
+)
+def test_tokenize_refuses_bad_input(server: RunningServer, body: Any, reason: str) -> None:
+    r = post(server, "/tokenize", body)
+    assert r.status_code == 400, r.text
+    assert reason in r.json()["error"]["message"], r.text
+
+
+def test_detokenize_batch(server: RunningServer) -> None:
+    texts = ["Hello world", "def add(a, b): return a + b"]
+    body = {"prompt": texts, "add_special_tokens": False}
+    ids = post(server, "/tokenize", body).json()["tokens"]
+    r = post(server, "/detokenize", {"tokens": ids})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"text": texts}
+    assert post(server, "/v1/detokenize", {"tokens": [ids[0], []]}).json() == {
+        "text": [texts[0], ""]
+    }
+    assert post(server, "/detokenize", {"tokens": []}).json() == {"text": ""}
+
+
+@pytest.mark.parametrize(
+    ("tokens", "reason"),
+    [
+        ([[1, 2], [10**9]], "tokens[1][0] = 1000000000 is outside the vocabulary"),
+        ([[1, 2], [-1]], "outside the vocabulary"),
+        ([1, [2]], "tokens[1]"),
+        ([[1], 2], "tokens[1]"),
+        ([[1], ["a"]], "tokens[1]"),
+        ([[1, True]], "tokens[0]"),
+        ("hello", "list of token ids"),
+        ([1.5], "tokens[0]"),
+    ],
+)
+def test_detokenize_refuses_bad_input(server: RunningServer, tokens: Any, reason: str) -> None:
+    r = post(server, "/detokenize", {"tokens": tokens})
+    assert r.status_code == 400, r.text
+    assert reason in r.json()["error"]["message"], r.text
+
+
 def test_client_disconnect_aborts_the_request(server: RunningServer) -> None:
     aborted = metric(server, "sglang:num_aborted_requests_total")
     body = {"text": "Hello", "stream": True, "sampling_params": {"max_new_tokens": 1800, **GREEDY}}
