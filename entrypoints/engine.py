@@ -66,6 +66,8 @@ class Engine:
             raise ConfigError(f"model path '{model_path}' is not a model directory or a .gguf file")
         if isinstance(plugins, dict):
             plugins = [f"{k}={v}" for k, v in plugins.items()]
+        elif isinstance(plugins, str):  # one selection, not its characters
+            plugins = [plugins]
         self.config = EngineConfig(
             model_path=str(resolved), plugins=tuple(plugins), plugin_allow=allow, **settings
         )
@@ -309,6 +311,7 @@ class Engine:
     def _loop(self) -> None:
         core = self.core
         live: dict[str, Req] = {}
+        handling: Any = None  # the inbox item being handled, if the step fails on it
         while True:
             try:
                 block = not core.has_work()
@@ -322,13 +325,17 @@ class Engine:
                         self._fail_all(live, "engine shut down")
                         self._close_inbox("engine shut down")
                         return
+                    handling = item
                     self._handle(item, live)
+                    handling = None
                 for req in core.step():
                     self._deliver(req, live)
             except Exception as e:  # noqa: BLE001 - surfaced to every waiting caller
                 logger.exception("engine loop failed")
                 self._error = self._error or e  # a dead rank, if that was the cause
                 self._fail_all(live, f"engine error: {e}")
+                if handling is not None:  # taken from the inbox, so _close_inbox cannot see it
+                    self._refuse(handling, f"engine error: {e}")
                 self._close_inbox(f"engine error: {e}")
                 return
 
@@ -342,14 +349,19 @@ class Engine:
                     item = self._inbox.get_nowait()
                 except queue.Empty:
                     return
-                if item is _STOP:
-                    continue
-                kind, arg = item
-                if kind == "add":
-                    arg.finish(FinishReason("abort", message=message))
-                    self._deliver(arg, {})
-                elif kind == "flush":
-                    arg.put(False)
+                if item is not _STOP:
+                    self._refuse(item, message)
+
+    def _refuse(self, item: tuple[str, Any], message: str) -> None:
+        """Answer an inbox item the loop will not carry out: a request ends with ``message``,
+        a flush reports False."""
+        kind, arg = item
+        if kind == "add":
+            if not arg.finished:
+                arg.finish(FinishReason("abort", message=message))
+            self._deliver(arg, {})
+        elif kind == "flush":
+            arg.put(False)
 
     def _handle(self, item: tuple[str, Any], live: dict[str, Req]) -> None:
         kind, arg = item

@@ -59,6 +59,9 @@ CHAT_RENDER_FIELDS = (
 
 async def read_json(request: Request) -> Any:
     """The body as JSON; an empty body is ``{}``. Invalid JSON is a 400."""
+    checked = getattr(request.state, "checked_json", None)
+    if checked is not None:  # refuse_deep_json decoded it already (one decode per body)
+        return checked[0]
     data = await request.body()
     if not data.strip():
         return {}
@@ -100,10 +103,13 @@ async def refuse_deep_json(request: Request) -> None:
     the route's own parser, which names what is wrong with it."""
     if request.method not in ("POST", "PUT", "PATCH"):
         return
+    data = await request.body()
     try:
-        _decode_shallow(await request.body())
+        body = _decode_shallow(data) if data.strip() else {}
     except msgspec.DecodeError:
         return
+    # read_json hands the route this value, not a second decode of the same bytes
+    request.state.checked_json = (body,)
 
 
 async def read_object(request: Request) -> dict[str, Any]:

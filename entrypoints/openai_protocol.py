@@ -61,6 +61,11 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+#: Fields whose null means something of its own: a completion's max_tokens null is "up to the
+#: context" (vLLM), not its default of 16.
+_NULL_KEEPS = frozenset({"max_tokens"})
+
+
 class SamplingRequest(BaseModel):
     """Fields shared by chat and completion requests."""
 
@@ -77,7 +82,7 @@ class SamplingRequest(BaseModel):
         return {
             k: v
             for k, v in data.items()
-            if v is not None or k not in fields or fields[k].default is None
+            if v is not None or k not in fields or fields[k].default is None or k in _NULL_KEEPS
         }
 
     model: str | None = None

@@ -54,7 +54,7 @@ class CompletionServing(OpenAIServing):
         score_prompt = body.echo and body.logprobs is not None
         start = 0 if score_prompt else -1
         reqs = self.submit_all(prompts, params, body.n, max_field, start, body=body)
-        echoes = [self._echo(body, r) for r in reqs]
+        echoes = self._echoes(body, reqs)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             stream = self._stream(body, reqs, echoes, rid, model)
@@ -101,11 +101,19 @@ class CompletionServing(OpenAIServing):
             raise ApiError(400, "suffix needs a text prompt (not token ids)", param="suffix")
         return [fim_prompt(tokens, text, suffix) for text in texts]
 
-    def _echo(self, body: CompletionRequest, req: ServerReq) -> str:
+    def _echoes(self, body: CompletionRequest, reqs: list[ServerReq]) -> list[str]:
+        """Each choice's echo: its prompt as sent (SGLang's), a token-id prompt as its text
+        with special tokens (the text of its logprob tokens)."""
         if not body.echo:
-            return ""
-        # special tokens included: the echo must match the prompt logprobs' tokens and offsets
-        return self.tm.tokenizer.decode(req.prompt_ids, skip_special_tokens=False)
+            return [""] * len(reqs)
+        sent = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        out = []
+        for i, req in enumerate(reqs):
+            prompt = sent[i // body.n] if i // body.n < len(sent) else None
+            if not isinstance(prompt, str):
+                prompt = self.tm.tokenizer.decode(req.prompt_ids, skip_special_tokens=False)
+            out.append(prompt)
+        return out
 
     async def _stream(
         self,

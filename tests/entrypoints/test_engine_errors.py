@@ -139,3 +139,22 @@ def test_flush_cache_after_shutdown_raises_instead_of_waiting(tiny_llama_dir: Pa
     t.start()
     t.join(120)
     assert not t.is_alive() and isinstance(outcome[0], EngineDeadError)
+
+
+def test_the_item_the_loop_fails_on_is_answered_too(tiny_llama_dir: Path) -> None:
+    """A flush whose own handling fails was taken from the inbox already: it must still get an
+    answer (False), and later calls an EngineDeadError, not a wait."""
+    eng = Engine(str(tiny_llama_dir), max_total_tokens=256)
+
+    def failing_flush() -> bool:
+        raise RuntimeError("simulated flush failure")
+
+    eng.core.flush_cache = failing_flush  # type: ignore[method-assign]
+    outcome: list[Any] = []
+    t = threading.Thread(target=lambda: outcome.append(eng.flush_cache()), daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive() and outcome == [False]
+    with pytest.raises(EngineDeadError, match="simulated flush failure"):
+        eng.generate("hello", {"max_new_tokens": 2})
+    eng.shutdown()
