@@ -109,7 +109,7 @@ class CompletionServing(OpenAIServing):
         sent = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         out = []
         for i, req in enumerate(reqs):
-            prompt = sent[i // body.n] if i // body.n < len(sent) else None
+            prompt = sent[i // body.n]  # choices are prompt-major; an id list holds >= 1 id
             if not isinstance(prompt, str):
                 prompt = self.tm.tokenizer.decode(req.prompt_ids, skip_special_tokens=False)
             out.append(prompt)
