@@ -6,6 +6,10 @@ fresh engine per value, warms it up at the workload's shapes and times it (overl
 decode-only steps' median comes from the ``step_finished`` stats.
 
     python bench/gpu_env_ab.py --env RADIXSERVE_ROPE_IN_ATTENTION --values 1 0 --rounds 2
+    python bench/gpu_env_ab.py --env=--chunked-prefill-size --values 8192 65536
+
+An ``--env`` that starts with ``--`` names one of the tuning flags instead (bench/gpu.py's
+``add_tuning_flags``), set to each value in turn.
 
 It measured the skinny GEMM of issue 18 (RADIXSERVE_TRITON_SKINNY, no longer
 in the model) as no gain: 7.21 against 7.19 ms a decode step (docs/BENCHMARKS.md).
@@ -41,7 +45,8 @@ WORKLOAD = (64, 1024, 256)
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--env", required=True)
+    p.add_argument("--env", required=True,
+                   help="an environment variable, or a tuning flag such as --page-size")  # fmt: skip
     p.add_argument("--values", nargs="+", required=True)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
@@ -61,12 +66,25 @@ def one_run(model_dir: Path, args: argparse.Namespace, seed: int) -> dict[str, A
         stats.steps.clear()
         seconds = run_generate(engine, prompts(n, prompt, vocab, seed), out)
         decode = [s["step_time_s"] for s in stats.steps if s["num_prefill_tokens"] == 0]
-        return {"tok_s": n * out / seconds, "decode_median_ms": 1e3 * statistics.median(decode)}
+        prefill = [s["step_time_s"] for s in stats.steps if s["num_prefill_tokens"] > 0]
+        return {"tok_s": n * out / seconds, "decode_median_ms": 1e3 * statistics.median(decode),
+                "prefill_steps": len(prefill), "prefill_s": sum(prefill)}
     finally:
         engine.shutdown()
         del engine
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def set_value(args: argparse.Namespace, value: str) -> None:
+    """``--env``'s variable, or its tuning flag (``--page-size``), set to ``value``."""
+    if not args.env.startswith("--"):
+        os.environ[args.env] = value
+        return
+    name = args.env[2:].replace("-", "_")
+    if not hasattr(args, name):
+        raise SystemExit(f"--env {args.env}: not one of bench/gpu.py's tuning flags")
+    setattr(args, name, type(getattr(args, name))(value))
 
 
 def main() -> int:
@@ -83,7 +101,7 @@ def main() -> int:
         write_random_llama(model_dir, args.shape, "cuda")
     for rnd in range(args.rounds):
         for value in args.values:
-            os.environ[args.env] = value
+            set_value(args, value)
             run = {"round": rnd, "value": value, **one_run(model_dir, args, 50 + 2 * rnd)}
             run["of_bound"] = run["tok_s"] / bound
             res["runs"].append(run)
@@ -94,8 +112,10 @@ def main() -> int:
     for value in args.values:
         mine = [r for r in res["runs"] if r["value"] == value]
         rows.append([value, *(f"{r['tok_s']:.0f} ({r['of_bound']:.3f})" for r in mine),
-                     statistics.median(r["decode_median_ms"] for r in mine)])  # fmt: skip
-    head = [args.env, *(f"round {i} tok/s" for i in range(args.rounds)), "decode step ms"]
+                     statistics.median(r["decode_median_ms"] for r in mine),
+                     statistics.median(r["prefill_s"] for r in mine)])  # fmt: skip
+    head = [args.env, *(f"round {i} tok/s" for i in range(args.rounds)), "decode step ms",
+            "prefill steps s"]
     print(format_table(head, rows))
     return 0
 
