@@ -285,7 +285,7 @@ class SpecLoop:
         of accepted drafts, so t0..ta are its new tokens."""
         s = self.scheduler
         changed: list[Req] = []
-        judged: list[tuple[Req, int]] = []
+        judged: list[tuple[Req, int, int]] = []  # (request, drafts counted, drafts kept)
         for req, row in zip(self.reqs, emitted, strict=True):
             if req.finished or req not in s.running:
                 continue  # ended a cycle ago (or aborted): this cycle's tokens are dropped
@@ -299,19 +299,22 @@ class SpecLoop:
                     break
             req.kv_len = start + committed
             self._trusted[req.rid] = start  # the cycle's catch-up wrote draft KV up to here
-            judged.append((req, accepted))
+            # a stop or the token budget may cut the accepted run: count what was kept (as the
+            # scheduler's verify commit does), else the stats and the policy overrate the cycle
+            kept = committed - 1
+            drafted = self.cycle.k if kept == accepted else min(self.cycle.k, kept)
+            judged.append((req, drafted, kept))
             if req.finished:
                 s.free_positions(req, req.kv_len, self._slot_end.pop(req.rid))
                 s.release(req)
             changed.append(req)
         now = time.perf_counter()
         if judged:
-            reqs = [r for r, _ in judged]
-            counts = [a for _, a in judged]
+            reqs = [r for r, _, _ in judged]
+            drafts = [m for _, m, _ in judged]
+            counts = [a for _, _, a in judged]
             self.speculator.observe_step(True, len(self.reqs), now - self._last_commit_at)
-            self.speculator.verified(
-                reqs, [self.cycle.k] * len(reqs), counts, len(self.reqs), judge=False
-            )
+            self.speculator.verified(reqs, drafts, counts, len(self.reqs), judge=False)
             self._judge(reqs, counts)
         self._last_commit_at = now
         return changed

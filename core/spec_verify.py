@@ -72,6 +72,14 @@ class DraftPosition:
         return self.req.grammar
 
     @property
+    def bias_entries(self) -> Any:  # logit_bias parsed once per request (apply_logit_bias)
+        return self.req.bias_entries
+
+    @bias_entries.setter
+    def bias_entries(self, entries: Any) -> None:
+        self.req.bias_entries = entries
+
+    @property
     def failed(self) -> str | None:
         return self.req.failed
 

@@ -30,7 +30,7 @@ from radixserve.core.hookspecs import hookimpl
 from radixserve.core.interfaces import Draft, SpeculativeAlgorithm, SpeculativeContext
 from radixserve.core.memory import KVPool
 from radixserve.core.request import Req, token_slice
-from radixserve.core.sampling import adjusted_logits, target_probs
+from radixserve.core.sampling import adjusted_logits, row_seed, target_probs
 from radixserve.core.spec_verify import DraftPosition
 from radixserve.core.weights import count_parameters, iter_weights
 from radixserve.plugins.speculative.draft_kv import (
@@ -233,13 +233,32 @@ class StandaloneDraft(SpeculativeAlgorithm):
         if sampled:
             q = target_probs(logits[sampled], [views[j] for j in sampled])  # type: ignore[misc]
             q = q / q.sum(dim=-1, keepdim=True)
-            ids[to_device(torch.tensor(sampled), ids.device)] = torch.multinomial(q, 1).squeeze(1)
+            drawn = _draw(q, [views[j] for j in sampled])
+            ids[to_device(torch.tensor(sampled), ids.device)] = drawn
             for k, j in enumerate(sampled):
                 probs[order[j]].append(q[k])
         if on_host is not None:
             for i, t in zip(order, ids.tolist(), strict=True):
                 on_host[i].append(t)
         return ids
+
+
+#: Mixed into a seeded request's seed for its draft draws, so they are not the verify's draws
+DRAFT_SEED_SALT = 0xD4AF7
+
+
+def _draw(q: torch.Tensor, views: list[DraftPosition]) -> torch.Tensor:
+    """One draft token per row of ``q`` (normalised probabilities). A seeded request draws
+    from a generator keyed by its seed and output position, so its output (which follows the
+    drafted tokens through rejection sampling) repeats from run to run."""
+    ids = torch.multinomial(q, 1).squeeze(1)
+    for k, view in enumerate(views):
+        seed = view.sampling.seed
+        if seed is not None:
+            gen = torch.Generator(device=q.device)
+            gen.manual_seed(row_seed(seed ^ DRAFT_SEED_SALT, view.num_output_tokens))
+            ids[k] = torch.multinomial(q[k], 1, generator=gen)[0]
+    return ids
 
 
 #: Largest batch drafted by the chain graph. Measured on an H200 (8B target, one-layer draft,

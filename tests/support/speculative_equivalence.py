@@ -1,7 +1,7 @@
 """Greedy outputs with speculation on equal speculation off, token for token, on SmolLM2 in
 float32: 200+ requests mixing plain text, stop strings and stop tokens, JSON-schema and regex
-constraints, logprobs, n > 1 and streaming, for each built-in speculative plugin, and for
-eagle3 drafting trees (``eagle3-tree``: constrained requests draft chains there).
+constraints, logit_bias, logprobs, n > 1 and streaming, for each built-in speculative plugin,
+and for eagle3 drafting trees (``eagle3-tree``: constrained requests draft chains there).
 
 The n-gram plugin drafts from each request's own text (prompts that ask to copy text make it
 accept); the standalone plugin uses SmolLM2 itself as the draft, so nearly every draft is
@@ -95,6 +95,8 @@ def _requests() -> list[tuple[str, dict[str, Any]]]:
                 params["repetition_penalty"] = 1.1
             elif kind == 8:
                 params["min_new_tokens"] = 12
+            elif kind == 9:
+                params["logit_bias"] = {"30": -100.0, "28": 2.0}  # "." banned, "," favoured
             out.append((text, params))
     for k in range(100):
         topic = TOPICS[k % len(TOPICS)]

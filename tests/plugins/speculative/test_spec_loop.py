@@ -86,6 +86,11 @@ def test_loop_outputs_equal_speculation_off(
         assert got["output_ids"] == want["output_ids"]
         assert got["text"] == want["text"]
         assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+        # each verify emits its accepted drafts plus one token, the prefill one: a cycle cut
+        # by a stop or the budget counts only the drafts it kept
+        meta = got["meta_info"]
+        verified = meta["spec_verify_ct"] + meta["spec_accepted_tokens"]
+        assert verified <= meta["completion_tokens"] - 1, meta
     reasons = {str(o["meta_info"]["finish_reason"]["type"]) for o in out}
     assert {"stop", "length"} <= reasons
 
