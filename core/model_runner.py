@@ -70,6 +70,13 @@ class ChosenPlugins:
         return " ".join(f"{k}={v}" for k, v in self.names.items())
 
 
+#: config.json fields that a weight reload must leave as they are (reload_weights)
+RELOAD_FIXED_FIELDS = (
+    "tie_word_embeddings", "intermediate_size", "rms_norm_eps", "rope_theta", "rope_scaling",
+    "rope_parameters", "sliding_window", "head_dim",
+)  # fmt: skip
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -226,6 +233,14 @@ class ModelRunner:
                 raise ConfigError(
                     f"'{model_dir}' has {name}={getattr(new, name)!r}; the running model has "
                     f"{getattr(old, name)!r} (only weights of the same shape can be loaded)"
+                )
+        # Fields the model fixed when it was built (RoPE tables, norms, whether the LM head is
+        # the embedding): loading weights does not rebuild them, so a change is refused
+        for name in RELOAD_FIXED_FIELDS:
+            if new.raw.get(name) != old.raw.get(name):
+                raise ConfigError(
+                    f"'{model_dir}' has {name}={new.raw.get(name)!r}; the running model was "
+                    f"built with {old.raw.get(name)!r} (restart the server to load this model)"
                 )
         weights = iter_weights(model_dir, self.dtype)
         reload_in_place(self.model, lambda: self.model.load_weights(weights))  # type: ignore[arg-type]

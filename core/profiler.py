@@ -59,8 +59,8 @@ class EngineProfiler:
         directory = Path(output_dir).expanduser()
         try:
             directory.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ProfilerError(f"cannot create output_dir '{output_dir}': {e}") from None
+        except (OSError, ValueError) as e:  # ValueError: a NUL in the path
+            raise ProfilerError(f"cannot create output_dir {output_dir!r}: {e}") from None
         kinds = {"CPU": ProfilerActivity.CPU, "GPU": ProfilerActivity.CUDA}
         prof = profile(
             activities=[kinds[a] for a in chosen],

@@ -23,6 +23,10 @@ class ChatOutput:
 
     @property
     def splits_reasoning(self) -> bool:
+        # a forced tool_choice's grammar makes the whole output the call's JSON: no reasoning
+        # block to split off (a parser that assumes one open would take the call as reasoning)
+        if self.plan.forced_schema is not None:
+            return False
         return self.reasoning_parser is not None and self.body.separate_reasoning
 
     def _split(self) -> ReasoningSplit:

@@ -345,14 +345,14 @@ class EngineLoop:
             return reply(call_id=msg.call_id, ok=True, message="trace written", trace_path=path)
         except ProfilerError as e:
             return reply(call_id=msg.call_id, ok=False, message=str(e))
-        except OSError as e:  # writing the trace failed; the profile has ended
+        except (OSError, ValueError) as e:  # writing the trace failed; the profile has ended
             return reply(call_id=msg.call_id, ok=False, message=f"cannot write the trace: {e}")
 
     def _profile_step(self) -> None:
         """Count a profiled step; the last of ``num_steps`` writes the trace."""
         try:
             self.profiler.after_step()
-        except OSError:
+        except (OSError, ValueError):  # e.g. a path the file system refuses
             logger.exception("cannot write the profile trace")
 
     def _flush(self) -> None:

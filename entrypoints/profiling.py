@@ -51,8 +51,12 @@ def _answer(reply: ipc.ProfileReply, done: str) -> dict[str, Any]:
     }
 
 
+#: The most steps a profile may count (the engine's messages carry 64-bit integers)
+MAX_PROFILE_STEPS = 1 << 31
+
+
 def _start_fields(body: dict[str, Any]) -> dict[str, Any]:
-    output_dir = _optional(body, "output_dir", str) or default_output_dir()
+    output_dir = _path_part(body, "output_dir") or default_output_dir()
     activities = _optional(body, "activities", list) or list(ACTIVITIES)
     bad = [a for a in activities if a not in ACTIVITIES]
     if bad:
@@ -62,8 +66,10 @@ def _start_fields(body: dict[str, Any]) -> dict[str, Any]:
         raise InvalidRequest("start_step is not supported; start the profile when it should run")
     if _optional(body, "profile_by_stage", bool):
         raise InvalidRequest("profile_by_stage is not supported; profile without it")
-    prefix = _optional(body, "profile_prefix", str)
+    prefix = _path_part(body, "profile_prefix")
     profile_id = str(body.get("profile_id") or time.time())
+    if not profile_id.isprintable():
+        raise InvalidRequest(f"profile_id must be printable text, got {profile_id!r:.200}")
     name = f"{prefix + '-' if prefix else ''}{profile_id}-TP-0.trace.json.gz"
     if "/" in name or name.startswith("."):
         raise InvalidRequest(f"profile_prefix and profile_id must not form a path: {name!r:.200}")
@@ -86,6 +92,15 @@ def _optional(body: dict[str, Any], key: str, kind: type) -> Any:
     return value
 
 
+def _path_part(body: dict[str, Any], key: str) -> str | None:
+    """An optional string that becomes part of a file path: no NUL or control characters
+    (which no path holds, and which made the engine's mkdir raise)."""
+    value = _optional(body, key, str)
+    if value is not None and not value.isprintable():
+        raise InvalidRequest(f"{key} must be printable text, got {value!r:.200}")
+    return value
+
+
 def _count(body: dict[str, Any], key: str) -> int | None:
     """A positive step count; SGLang's bench client sends it as a string."""
     value = body.get(key)
@@ -93,6 +108,8 @@ def _count(body: dict[str, Any], key: str) -> int | None:
         return None
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise InvalidRequest(f"{key} must be a positive integer, got {value!r:.200}")
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_PROFILE_STEPS:
+        raise InvalidRequest(
+            f"{key} must be a positive integer up to {MAX_PROFILE_STEPS}, got {value!r:.200}"
+        )
     return value

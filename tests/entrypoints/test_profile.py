@@ -109,10 +109,17 @@ def test_profile_errors(profiled: tuple[RunningServer, Path], tmp_path: Path) ->
         {"start_step": 2},
         {"profile_by_stage": True},
         {"profile_prefix": "../x"},
+        # a NUL made the engine's mkdir (or the trace's write) raise ValueError: the engine died
+        {"output_dir": str(tmp_path / "a\x00b")},
+        {"profile_id": "a\x00b", "num_steps": 1},
+        {"profile_prefix": "a\nb"},
+        {"num_steps": 2**70},  # past the engine messages' 64-bit integers: was a 500
+        {"num_steps": str(2**70)},
     ]
     for body in bad:
         assert error(post(server, "/start_profile", body)), body
     assert "not in progress" in error(post(server, "/stop_profile"))  # none of them started
+    generate(server, 2)  # and the engine still serves
     blocked = tmp_path / "a-file"
     blocked.write_text("")
     assert "output_dir" in error(post(server, "/start_profile", {"output_dir": str(blocked)}))

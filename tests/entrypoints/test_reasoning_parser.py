@@ -149,3 +149,29 @@ def test_http_separate_and_stream_reasoning_off(client: openai.OpenAI) -> None:
 def test_http_bad_fields_are_400(client: openai.OpenAI, bad: dict[str, Any]) -> None:
     with pytest.raises(openai.BadRequestError, match=next(iter(bad))):
         forced_chat(client, "x", **bad)
+
+
+NO_ARGS = {"type": "object", "properties": {}, "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": NO_ARGS}}]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+def test_http_forced_tool_choice_is_a_call_not_reasoning(
+    client: openai.OpenAI, choice: Any
+) -> None:
+    """A forced tool_choice's grammar makes the whole output the call: qwen3's parser, which
+    takes an output as opening inside a think block, must not turn it into reasoning."""
+    kw: dict[str, Any] = {
+        "model": TINY_MODEL_NAME, "messages": [{"role": "user", "content": "Call f."}],
+        "tools": TOOLS, "tool_choice": choice, "max_tokens": 200, "temperature": 0,
+    }  # fmt: skip
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls", whole
+    assert whole.message.reasoning_content is None
+    assert [c.function.name for c in whole.message.tool_calls or []] == ["f"]
+    names, reasoning = [], ""
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            reasoning += c.delta.reasoning_content or ""
+            names += [t.function.name for t in c.delta.tool_calls or [] if t.function.name]
+    assert (names, reasoning) == (["f"], "")

@@ -29,6 +29,12 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     a = make_tiny_llama_dir(tmp / "a", seed=0, max_position_embeddings=1024)
     b = make_tiny_llama_dir(tmp / "b", seed=1, max_position_embeddings=1024)
     wider = make_tiny_llama_dir(tmp / "wider", seed=2, hidden_size=96, max_position_embeddings=1024)
+    # B's shapes, but RoPE or the LM head's tying differ from A's: fixed when A's model was
+    # built, so a reload cannot take them (a reload used to answer 200 and keep A's)
+    rope = make_tiny_llama_dir(tmp / "rope", seed=1, rope_theta=5e5, max_position_embeddings=1024)
+    tied = make_tiny_llama_dir(
+        tmp / "tied", seed=1, tie_word_embeddings=True, max_position_embeddings=1024
+    )
     # B's config, but the last tensor read (the final norm) has the wrong shape: loading fails
     # after every other tensor was copied in, so the old weights must be put back.
     broken = tmp / "broken"
@@ -36,7 +42,7 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tensors = load_file(str(broken / "model.safetensors"))
     tensors["model.norm.weight"] = tensors["model.norm.weight"][:-1].clone()
     save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
-    return {"a": a, "b": b, "wider": wider, "broken": broken}
+    return {"a": a, "b": b, "wider": wider, "broken": broken, "rope": rope, "tied": tied}
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +96,8 @@ def test_update_weights_in_place(server_a: RunningServer, dirs: dict[str, Path])
     for path, needle in [
         (dirs["a"] / "missing", "not a model directory"),
         (dirs["wider"], "hidden_size"),
+        (dirs["rope"], "rope_theta"),
+        (dirs["tied"], "tie_word_embeddings"),
         (dirs["broken"], "model.norm.weight"),
     ]:
         r = update(server_a, path)
