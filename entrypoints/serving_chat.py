@@ -219,6 +219,12 @@ def _final_assistant_text(
             "continue_final_message needs the last message to be an assistant message with text",
             param="continue_final_message",
         )
+    if len(messages) == 1:  # the turns before it are rendered alone: there must be one
+        raise ApiError(
+            400,
+            "continue_final_message needs a message before the assistant message it continues",
+            param="continue_final_message",
+        )
     return str(messages[-1]["content"])
 
 

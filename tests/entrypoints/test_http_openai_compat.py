@@ -65,6 +65,12 @@ def test_continue_final_message_goes_on_from_the_assistants_text(
             model=TINY_MODEL_NAME, messages=[USER], max_tokens=2,
             extra_body={"continue_final_message": True},
         )  # fmt: skip
+    # the prefill alone: nothing before it to render (was "messages must be a non-empty list")
+    with pytest.raises(openai.BadRequestError, match="a message before the assistant"):
+        client.chat.completions.create(
+            model=TINY_MODEL_NAME, messages=[PREFILL], max_tokens=2,
+            extra_body={"continue_final_message": True},
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("where", ["field", "chat_template_kwargs"])
