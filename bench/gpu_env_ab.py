@@ -46,7 +46,7 @@ WORKLOAD = (64, 1024, 256)
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--env", required=True,
-                   help="an environment variable, or a tuning flag such as --page-size")  # fmt: skip
+                   help="an environment variable, or a tuning flag: --page-size")  # fmt: skip
     p.add_argument("--values", nargs="+", required=True)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
