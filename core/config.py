@@ -304,6 +304,11 @@ class EngineConfig:
         "Prefill: the port of its bootstrap server, where decode servers fetch KV (the port "
         "given to sglang-router's --prefill URL PORT)",
     )
+    disaggregation_bootstrap_host: str | None = _opt(
+        None,
+        "Prefill: the address its bootstrap server listens on (default: the server's --host; "
+        "the offline Engine's: every interface)",
+    )
     disaggregation_transfer_timeout: float = _opt(
         300.0,
         "Seconds a decode waits for a request's KV, and a prefill keeps KV that no decode has "

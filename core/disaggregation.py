@@ -93,6 +93,7 @@ class PrefillSide:
             raise InvalidRequest(refused)
         # The decode server generates the rest; here only the first token is sampled.
         s = req.sampling
+        req.asked_max_new_tokens = s.max_new_tokens  # the grammar's budget check reads it
         req.sampling = dataclasses.replace(
             s, max_new_tokens=1, min_new_tokens=min(1, s.min_new_tokens)
         )
@@ -153,7 +154,10 @@ class PrefillSide:
                 self.sent.discard(req.rid)
                 continue
             why = req.finish_reason.message if req.finish_reason is not None else None
-            self.connector.cancel(room, f"the prefill server ended the request: {why}")
+            if req.refused:  # a client error (e.g. its grammar): the decode answers 400 too
+                self.connector.cancel(room, f"the prefill server refused the request: {why}", True)
+            else:
+                self.connector.cancel(room, f"the prefill server ended the request: {why}")
 
 
 class DecodeSide:
@@ -231,7 +235,9 @@ class DecodeSide:
             if req is None:
                 continue
             self.deadlines.pop(req.rid, None)
-            if not event.ok:
+            if event.refused:  # the prefill refused its copy: the client's error, not ours
+                self._fail(req, event.error, refused=True)
+            elif not event.ok:
                 self._fail(req, f"KV transfer from the prefill server failed: {event.error}")
             else:
                 problem = self._start_decoding(req, event.meta)
@@ -316,8 +322,12 @@ class DecodeSide:
         table.free(req.req_pool_idx)
         req.req_pool_idx = None
 
-    def _fail(self, req: Req, message: str) -> None:
+    def _fail(self, req: Req, message: str, refused: bool = False) -> None:
+        """End ``req``: refused (the server answers 400) or failed (500)."""
         logger.warning("request %s: %s", req.rid, message)
         self._free(req)
-        req.failed = message
+        if refused:
+            req.refused = True
+        else:
+            req.failed = message
         req.finish(FinishReason("abort", message=message))

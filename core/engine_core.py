@@ -130,6 +130,7 @@ class EngineCore:
             return None
         name = self.runner.plugins.names["kv_transfer"]
         connector = host.registries["kv_transfer"].get(name).factory()
+        connector.bootstrap_host = config.disaggregation_bootstrap_host or ""
         connector.start(
             config.disaggregation_mode,
             self.runner.kv_pool,
@@ -277,7 +278,8 @@ class EngineCore:
         alone."""
         disagg = self.disagg
         if isinstance(disagg, PrefillSide) and room not in disagg.live:
-            disagg.connector.cancel(room, f"the prefill server refused the request: {message}")
+            reason = f"the prefill server refused the request: {message}"
+            disagg.connector.cancel(room, reason, refused=True)
         elif isinstance(disagg, DecodeSide) and peer is not None and not disagg.holds(room):
             reason = f"the decode server refused the request: {message}"
             disagg.connector.refuse(room, peer, reason)

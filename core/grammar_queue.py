@@ -271,8 +271,10 @@ def compile_error_message(req: Req, backend: str, error: BaseException) -> str:
 
 def _budget_problem(req: Req, floor: int | None) -> str | None:
     """Why ``req``'s budget cannot hold any complete output of its grammar (one needs at least
-    ``floor`` tokens), if it cannot."""
-    budget = req.sampling.max_new_tokens
+    ``floor`` tokens), if it cannot. A PD prefill's request is checked against the client's
+    budget (the decode generates the rest), not the one token it samples."""
+    asked = req.asked_max_new_tokens
+    budget = req.sampling.max_new_tokens if asked is None else asked
     if floor is not None and 0 < budget < floor:
         return (
             f"every output {_field(req)} allows is at least {floor} tokens long, but "

@@ -486,7 +486,9 @@ class TransferEvent:
 
     Decode side: ``ok`` True once the room's KV is in the slots given to ``receive`` and
     ``meta`` holds the prefill's message; ``ok`` False when the transfer failed (``error``
-    names the peer and the cause). Prefill side: ``ok`` False when the decode gave the room up
+    names the peer and the cause), with ``refused`` True when the prefill refused the request
+    (``cancel(..., refused=True)``: a client error, which the decode answers with a 400 and
+    ``error``, not a failure). Prefill side: ``ok`` False when the decode gave the room up
     (aborted, timed out, disconnected) before or while it was sent.
     """
 
@@ -494,6 +496,7 @@ class TransferEvent:
     ok: bool
     meta: bytes = b""
     error: str = ""
+    refused: bool = False
 
 
 class KVConnector(ABC):
@@ -519,6 +522,9 @@ class KVConnector(ABC):
     #: A file descriptor that is readable while ``poll`` has events; the engine waits on it
     #: (with its inbound socket) when it has nothing else to do. None: the engine polls.
     wakeup_fd: int | None = None
+    #: Prefill: the address its bootstrap server listens on (the server's --host; "": every
+    #: interface). Set by the engine before ``start``.
+    bootstrap_host: str = ""
 
     @abstractmethod
     def start(self, role: str, kv_pool: KVPool, bootstrap_port: int, timeout: float) -> None:
@@ -540,9 +546,10 @@ class KVConnector(ABC):
         match the prefill's fails the room. Completion or failure comes through ``poll``."""
 
     @abstractmethod
-    def cancel(self, room: int, reason: str) -> None:
+    def cancel(self, room: int, reason: str, refused: bool = False) -> None:
         """Give ``room`` up on this side; the peer learns it (a decode's ``receive`` fails with
-        ``reason``; a prefill reports the room through ``poll`` and drops its data). No
+        ``reason``, and with ``refused`` when it is set: the prefill refused the request, a
+        client error; a prefill reports the room through ``poll`` and drops its data). No
         event for ``room`` follows on this side. Unknown rooms are ignored."""
 
     @abstractmethod

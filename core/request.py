@@ -354,6 +354,9 @@ class Req:
         # Prefill/decode disaggregation: where its KV comes from or goes to
         # (core.disaggregation.Bootstrap); None: the request runs whole here.
         self.bootstrap: Any = None
+        # The client's max_new_tokens where the engine cut the budget (a PD prefill samples
+        # only the first token): what a grammar's shortest output is checked against.
+        self.asked_max_new_tokens: int | None = None
         # Why the engine failed this request (the server answers 500), once it has.
         self.failed: str | None = None
         # timing

@@ -213,6 +213,10 @@ def create_app(
         info = tm.info
         return {
             **args.to_json(),
+            # resolved (the flags are None for the default model): sglang-router registers the
+            # worker under served_model_name, else model_path, else as "unknown"
+            "served_model_name": name,
+            "model_path": args.engine.model_path or info.model_dir,
             "version": radixserve.__version__,
             "model_name": name,
             "model_dir": info.model_dir,
@@ -244,6 +248,26 @@ def create_app(
             "num_live_requests": len(tm.reqs),
             "draining": tm.draining,
         }
+
+    @app.get("/get_load")
+    async def get_load() -> Any:
+        """SGLang's worker load, one entry per data-parallel rank (here one), which
+        sglang-router's power_of_two policy reads. Waiting: every live request not running
+        (queued, compiling its grammar, or on a decode waiting for its KV); tokens: the KV in
+        use plus the prompts of requests that have no output yet."""
+        state = await tm.engine_state()
+        live = [r for r in tm.reqs.values() if not r.finished]
+        num_reqs = max(len(live), state.num_running + state.num_waiting)
+        kv = state.kv
+        queued = sum(len(r.prompt_ids) for r in live if not r.output_ids)
+        return [
+            {
+                "dp_rank": 0,
+                "num_reqs": num_reqs,
+                "num_waiting_reqs": num_reqs - state.num_running,
+                "num_tokens": kv["in_use"] + kv["locked"] + queued,
+            }
+        ]
 
     @app.get("/health")
     async def health() -> Any:

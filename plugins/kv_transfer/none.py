@@ -23,7 +23,7 @@ class NoKVConnector(KVConnector):
     def receive(self, room: int, peer: tuple[str, int], kv_slots: Any) -> None:
         raise RuntimeError(_OFF)
 
-    def cancel(self, room: int, reason: str) -> None:
+    def cancel(self, room: int, reason: str, refused: bool = False) -> None:
         pass
 
     def poll(self) -> list[TransferEvent]:

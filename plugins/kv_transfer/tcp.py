@@ -4,7 +4,8 @@ without Mooncake or NIXL.
 The prefill's bootstrap server listens on ``--disaggregation-bootstrap-port``. For each room a
 decode opens one connection and sends ``Want`` (room, its KV layout, the prompt length); the
 prefill answers, once the room's KV is ready, with ``Data`` followed by the raw KV bytes, or
-with ``Gone`` (the prefill ended the request, or the layouts differ). A decode that closes
+with ``Gone`` (the prefill ended or refused the request, or the layouts differ; ``refused``
+marks a refusal, which the decode answers as the client error it is). A decode that closes
 the connection early gives the room up. A decode that refused a request (``refuse``) sends
 ``Drop`` on a connection of its own instead: the prefill gives the room up at once. Frames
 are a 4-byte big-endian length, a msgpack header (msgspec structs) and, after ``Data``,
@@ -62,6 +63,7 @@ class Data(msgspec.Struct, tag="data", kw_only=True):
 class Gone(msgspec.Struct, tag="gone", kw_only=True):
     room: int
     message: str
+    refused: bool = False  # the prefill refused the request (a client error, not a failure)
 
 
 class Drop(msgspec.Struct, tag="drop", kw_only=True):
@@ -133,7 +135,7 @@ class TcpKVConnector(KVConnector):
         # prefill
         self._server: socket.socket | None = None
         self._ready: dict[int, _Ready] = {}
-        self._gone: dict[int, tuple[str, float]] = {}  # room -> (why, expires)
+        self._gone: dict[int, tuple[str, bool, float]] = {}  # room -> (why, refused, expires)
         self._refused: dict[int, tuple[str, float]] = {}  # room -> (why, expires): Drop
         # decode
         self._received: list[tuple[int, torch.Tensor, bytes, bytearray | None]] = []
@@ -149,10 +151,14 @@ class TcpKVConnector(KVConnector):
         self.role, self.pool, self.timeout = role, kv_pool, timeout
         self.layout = pool_layout(kv_pool)
         if role == "prefill":
-            server = socket.create_server(("", bootstrap_port), reuse_port=False)
+            host = self.bootstrap_host
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            server = socket.create_server((host, bootstrap_port), family=family, reuse_port=False)
             self._server = server
             threading.Thread(target=self._accept, name="kv-bootstrap", daemon=True).start()
-            logger.info("KV bootstrap server (tcp) on port %d", bootstrap_port)
+            # Staged KV expires on its own, also while the engine sleeps (no step, no poll).
+            threading.Thread(target=self._expire_loop, name="kv-expire", daemon=True).start()
+            logger.info("KV bootstrap server (tcp) on %s:%d", host or "*", bootstrap_port)
 
     def poll(self) -> list[TransferEvent]:
         with contextlib.suppress(BlockingIOError):
@@ -214,7 +220,7 @@ class TcpKVConnector(KVConnector):
         (uint8 [2 * layers, tokens, row bytes]), sent as they are."""
         return data.cpu().view(torch.uint8).flatten(2).numpy()
 
-    def cancel(self, room: int, reason: str) -> None:
+    def cancel(self, room: int, reason: str, refused: bool = False) -> None:
         if self.role == "decode":
             with self._lock:
                 self._cancelled.add(room)
@@ -224,18 +230,29 @@ class TcpKVConnector(KVConnector):
             return
         with self._lock:
             self._ready.pop(room, None)
-            self._gone[room] = (reason, self._deadline())
+            self._gone[room] = (reason, refused, self._deadline())
             self._lock.notify_all()
 
     def _deadline(self) -> float:
         return time.monotonic() + self.timeout
+
+    def _expire_loop(self) -> None:
+        """Prefill: expire rooms when they are due, whether or not the engine polls."""
+        with self._lock:
+            while not self._closed:
+                now = time.monotonic()
+                self._expire(now)
+                due = [e.expires for e in self._ready.values()]
+                due += [e[-1] for e in (*self._gone.values(), *self._refused.values())]
+                # woken early (notify_all) when a room is staged, given up or refused
+                self._lock.wait(max(min(due) - now, 0.0) + 0.01 if due else None)
 
     def _expire(self, now: float) -> None:
         """Drop rooms no decode asked for in time (called with the lock held)."""
         for room in [r for r, ready in self._ready.items() if ready.expires <= now]:
             logger.warning("no decode server asked for the KV of room %d; dropped it", room)
             del self._ready[room]
-        for room in [r for r, (_, expires) in self._gone.items() if expires <= now]:
+        for room in [r for r, (*_, expires) in self._gone.items() if expires <= now]:
             del self._gone[room]
         for room in [r for r, (_, expires) in self._refused.items() if expires <= now]:
             del self._refused[room]
@@ -250,7 +267,7 @@ class TcpKVConnector(KVConnector):
         report it (a running request is aborted; ``refused`` names it to a late one)."""
         with self._lock:
             self._ready.pop(room, None)
-            self._gone[room] = (message, self._deadline())
+            self._gone[room] = (message, False, self._deadline())
             self._refused[room] = (message, self._deadline())
             self._lock.notify_all()
         logger.warning("room %d given up: %s", room, message)
@@ -289,8 +306,9 @@ class TcpKVConnector(KVConnector):
                 found = self._wait_for(room, conn)
                 if found is None:
                     return
-                if isinstance(found, str):
-                    write_frame(conn, Gone(room=room, message=found))
+                if isinstance(found, tuple):
+                    why, refused = found
+                    write_frame(conn, Gone(room=room, message=why, refused=refused))
                     return
                 if found.num_tokens != want.num_tokens:
                     message = (
@@ -312,20 +330,22 @@ class TcpKVConnector(KVConnector):
         write_frame(conn, frame)
         conn.sendall(ready.payload)
 
-    def _wait_for(self, room: int, conn: socket.socket) -> _Ready | str | None:
-        """The room's KV (taken), why the prefill gave it up, or None when the decode went
-        away or the wait timed out (the room is then given up here too)."""
+    def _wait_for(self, room: int, conn: socket.socket) -> _Ready | tuple[str, bool] | None:
+        """The room's KV (taken), why the prefill gave it up and whether it refused the
+        request, or None when the decode went away or the wait timed out (the room is then
+        given up here too)."""
         deadline = self._deadline() + BACKSTOP_GRACE_S
         with self._lock:
             while True:
                 if room in self._ready:
                     return self._ready.pop(room)
                 if room in self._gone:
-                    return self._gone.pop(room)[0]
+                    why, refused, _ = self._gone.pop(room)
+                    return why, refused
                 if self._closed:
-                    return "the prefill server is shutting down"
+                    return "the prefill server is shutting down", False
                 if time.monotonic() >= deadline:
-                    return f"the prefill server got no request for room {room} in time"
+                    return f"the prefill server got no request for room {room} in time", False
                 self._lock.wait(0.2)
                 if _peer_closed(conn):
                     break
@@ -371,7 +391,7 @@ class TcpKVConnector(KVConnector):
                 conn.settimeout(self.timeout + BACKSTOP_GRACE_S)
                 frame = read_frame(conn)
                 if isinstance(frame, Gone):
-                    self._fail(room, f"{where}: {frame.message}")
+                    self._fail(room, f"{where}: {frame.message}", frame.refused)
                     return
                 if not isinstance(frame, Data) or frame.room != room:
                     raise PeerError(f"unexpected frame {frame!r:.80}")
@@ -403,11 +423,11 @@ class TcpKVConnector(KVConnector):
             raise PeerError(f"{frame.nbytes} bytes of KV, expected {expected}")
         return read_exact(conn, frame.nbytes)
 
-    def _fail(self, room: int, message: str) -> None:
+    def _fail(self, room: int, message: str, refused: bool = False) -> None:
         with self._lock:
             if room in self._cancelled:
                 return
-        self._event(TransferEvent(room, False, error=message))
+        self._event(TransferEvent(room, False, error=message, refused=refused))
 
     def _bytes_per_token(self) -> int:
         pool = self.pool

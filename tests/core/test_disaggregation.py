@@ -27,7 +27,7 @@ class Wire:
 
     def __init__(self) -> None:
         self.sent: dict[int, tuple[list[torch.Tensor], bytes]] = {}
-        self.gone: dict[int, str] = {}
+        self.gone: dict[int, tuple[str, bool]] = {}  # room -> (why, refused)
         self.decode_gave_up: list[int] = []
 
 
@@ -50,12 +50,12 @@ class MemoryConnector(KVConnector):
         assert peer == PEER
         self.waiting[room] = kv_slots
 
-    def cancel(self, room: int, reason: str) -> None:
+    def cancel(self, room: int, reason: str, refused: bool = False) -> None:
         if self.role == "decode":
             self.waiting.pop(room, None)
             self.wire.decode_gave_up.append(room)
         else:
-            self.wire.gone[room] = reason
+            self.wire.gone[room] = (reason, refused)
 
     def poll(self) -> list[TransferEvent]:
         if self.role == "prefill":
@@ -64,7 +64,8 @@ class MemoryConnector(KVConnector):
         events = []
         for room, slots in list(self.waiting.items()):
             if room in self.wire.gone:
-                events.append(TransferEvent(room, False, error=self.wire.gone[room]))
+                reason, refused = self.wire.gone[room]
+                events.append(TransferEvent(room, False, error=reason, refused=refused))
             elif room in self.wire.sent:
                 rows, meta = self.wire.sent.pop(room)
                 buffers = [t for layer in range(len(self.pool.k))

@@ -102,14 +102,24 @@ def test_room_that_never_arrives(pair: PDPair) -> None:
     assert_no_kv_held(pair.prefill, pair.decode)
 
 
-@pytest.mark.parametrize("route", ["/generate", "/v1/completions"])
+@pytest.mark.parametrize("route", ["/generate", "/v1/completions", "grammar"])
 def test_prefill_refusal_reaches_the_decode(pair: PDPair, route: str) -> None:
     """The prefill refuses its copy of a call (here: a bad parameter only it gets, as when it
-    is overloaded); the decode's request ends with the prefill's reason, not a timeout."""
+    is overloaded; or a grammar its engine refuses); the decode's request ends at once with the
+    prefill's reason and the same client error (400: sglang-router neither retries it nor
+    counts it against the workers), not a timeout or a 500."""
     r = room()
     if route == "/generate":
         good = pair.body(r, text="refused on the prefill", sampling_params=GREEDY)
         bad = {**good, "sampling_params": {**GREEDY, "temperature": -1}}
+    elif route == "grammar":  # refused in the prefill's engine, once the request was queued
+        good = pair.body(r, text="refused on the prefill", sampling_params=GREEDY)
+        bad = {**good, "sampling_params": {**GREEDY, "regex": "[0-9]{100}"}}
+        route = "/generate"
+        # compiled once first (it is cached): the refusal then comes well before the
+        # decode's transfer timeout
+        warm = {"text": "x", "sampling_params": bad["sampling_params"]}
+        assert post(pair.prefill.url, warm).status_code == 400
     else:
         good = pair.body(r, model="m", prompt="refused on the prefill", max_tokens=4)
         bad = {**good, "max_tokens": 10**6}
@@ -118,10 +128,54 @@ def test_prefill_refusal_reaches_the_decode(pair: PDPair, route: str) -> None:
         refused = post(pair.prefill.url, bad, route)
         answer = decode.result()
     assert refused.status_code == 400, refused.text
-    assert answer.status_code == 500, answer.text
+    assert answer.status_code == 400, answer.text
     message = answer.json()["error"]["message"]
     assert "the prefill server refused the request" in message, message
     assert_no_kv_held(pair.prefill, pair.decode)
+
+
+def test_prefill_checks_a_grammar_against_the_clients_budget(
+    pair: PDPair, server: RunningServer
+) -> None:
+    """The prefill samples one token, but a grammar whose outputs are all longer than that
+    fits the client's max_new_tokens: the pair serves it as one server does."""
+    params = {"temperature": 0, "max_new_tokens": 16, "regex": "[0-9]{40}"}
+    body: dict[str, Any] = {"text": "digits please", "sampling_params": params}
+    alone = requests.post(server.url + "/generate", json=body, headers=server.headers,
+                          timeout=TIMEOUT)  # fmt: skip
+    assert alone.status_code == 200, alone.text
+    urls = [pair.prefill.url, pair.decode.url]
+    for url in urls:  # compiled first (it is cached): well within the transfer timeout then
+        assert post(url, body).status_code == 200
+    with ThreadPoolExecutor(2) as pool:
+        both = pair.body(room(), **body)
+        answers = list(pool.map(lambda url: post(url, both), urls))
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    assert answers[1].json()["text"] == alone.json()["text"]
+    assert_no_kv_held(pair.prefill, pair.decode)
+
+
+def test_staged_kv_expires_while_the_prefill_is_idle(pair: PDPair) -> None:
+    """KV that no decode asks for is dropped after the transfer timeout, also when nothing
+    else happens on the prefill afterwards (no request, no engine step)."""
+    r = room()
+    body = pair.body(r, text="no decode asks for this", sampling_params=GREEDY)
+    assert post(pair.prefill.url, body).status_code == 200
+    dropped = f"no decode server asked for the KV of room {r}"
+    deadline = time.monotonic() + TIMEOUT
+    while dropped not in pair.prefill.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert dropped in pair.prefill.log()
+
+
+def test_bootstrap_server_listens_on_the_server_host(pair: PDPair) -> None:
+    """The servers run with --host 127.0.0.1: so does the prefill's KV bootstrap server."""
+    listening = [
+        c.laddr.ip
+        for c in psutil.net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == pair.bootstrap_port
+    ]
+    assert listening == ["127.0.0.1"]
 
 
 def test_decode_refusal_reaches_the_prefill(pair: PDPair) -> None:

@@ -11,6 +11,7 @@ stops the engine, which /health would show).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 import requests
 from pd_cluster import PDPair, Router, kv_state, pd_pair, pd_router
-from server_process import RunningServer
+from server_process import RunningServer, start_server, stop_server
 
 from radixserve.core.plugins import default_host
 
@@ -159,6 +160,49 @@ def test_router_logprobs_travel_with_kv(router: Router, server: RunningServer) -
         assert lp == pytest.approx(ref, abs=1e-4)
     assert len(got["output_top_logprobs"]) == 5
     assert len(got["input_token_logprobs"]) == len(want["input_token_logprobs"])
+
+
+def test_router_reads_worker_load(router: Router, pair: PDPair) -> None:
+    """/get_load is SGLang's (one entry per dp rank), and a request waiting for its KV on the
+    decode counts as waiting; the router's /get_loads reads it (power_of_two's input)."""
+    rid = "pd-load-waiting"
+    body = pair.body(123456789, text="waiting for KV that never comes", rid=rid,
+                     sampling_params={**GREEDY, "max_new_tokens": 4})  # fmt: skip
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(requests.post, pair.decode.url + "/generate", json=body,
+                              timeout=TIMEOUT)  # fmt: skip
+        load: list[dict[str, Any]] = []
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline:  # until the decode holds it
+            load = requests.get(pair.decode.url + "/get_load", timeout=10).json()
+            if load[0]["num_waiting_reqs"]:
+                break
+            time.sleep(0.05)
+        abort = requests.post(pair.decode.url + "/abort_request", json={"rid": rid}, timeout=10)
+        assert abort.status_code == 200
+        waiting.result()
+    assert [sorted(e) for e in load] == [["dp_rank", "num_reqs", "num_tokens", "num_waiting_reqs"]]
+    assert load[0]["dp_rank"] == 0 and load[0]["num_reqs"] == 1, load
+    assert load[0]["num_waiting_reqs"] == 1 and load[0]["num_tokens"] > 0, load
+    loads = requests.get(router.url + "/get_loads", timeout=10)
+    assert loads.status_code == 200, loads.text
+    assert "-1" not in loads.text, loads.text
+    assert_no_kv_held(pair)
+
+
+def test_server_info_names_the_model(tiny_long_llama_dir: Path, tmp_path: Path) -> None:
+    """Without --served-model-name, /server_info still names the model served and the path
+    loaded (sglang-router registers a worker under them, else as "unknown")."""
+    args = ["--model-path", str(tiny_long_llama_dir), "--max-total-tokens", "4096"]
+    srv = start_server(args, tmp_path / "server.log")
+    try:
+        served = requests.get(srv.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        for path in ("/server_info", "/get_server_info"):
+            info = requests.get(srv.url + path, timeout=10).json()
+            assert info["served_model_name"] == served
+            assert info["model_path"] == str(tiny_long_llama_dir)
+    finally:
+        stop_server(srv)
 
 
 def assert_no_kv_held(pair: PDPair) -> None:
