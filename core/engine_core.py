@@ -271,15 +271,21 @@ class EngineCore:
         elif req.bootstrap is None or not isinstance(self.disagg, DecodeSide):
             self.scheduler.add_request(req)  # (a decode's waits for its KV in disagg)
 
-    def cancel_room(self, room: int, message: str, peer: tuple[str, int] | None = None) -> None:
+    def cancel_room(
+        self, room: int, message: str, peer: tuple[str, int] | None = None, refused: bool = True
+    ) -> None:
         """This server refused a request of ``room`` (here or in the server): on a prefill the
-        decode waiting for its KV learns why at once; on a decode the prefill at ``peer``
-        (its bootstrap server) does, and gives the room up. Rooms of live requests are left
-        alone."""
+        decode waiting for its KV learns why at once, and whether the request was at fault
+        (``refused``: the decode answers 400; else 500, e.g. an overloaded prefill, which a
+        router may retry elsewhere); on a decode the prefill at ``peer`` (its bootstrap server)
+        does, and gives the room up. Rooms of live requests are left alone."""
         disagg = self.disagg
         if isinstance(disagg, PrefillSide) and room not in disagg.live:
-            reason = f"the prefill server refused the request: {message}"
-            disagg.connector.cancel(room, reason, refused=True)
+            if refused:
+                reason = f"the prefill server refused the request: {message}"
+            else:
+                reason = f"the prefill server could not take the request: {message}"
+            disagg.connector.cancel(room, reason, refused=refused)
         elif isinstance(disagg, DecodeSide) and peer is not None and not disagg.holds(room):
             reason = f"the decode server refused the request: {message}"
             disagg.connector.refuse(room, peer, reason)

@@ -54,6 +54,8 @@ class CancelRoomRequest(msgspec.Struct, tag="cancel_room"):
     message: str
     host: str = ""
     port: int = 0
+    # the call's fault (a 4xx): the decode answers 400 too; else (a 5xx: overloaded, ...) 500
+    client_error: bool = True
 
 
 class FlushCacheRequest(msgspec.Struct, tag="flush_cache"):

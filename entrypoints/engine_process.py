@@ -288,7 +288,8 @@ class EngineLoop:
                 req.finish(FinishReason("abort", message=message))
                 self.output.add(req, error_status=500)
         elif isinstance(msg, ipc.CancelRoomRequest):
-            core.cancel_room(msg.room, msg.message, (msg.host, msg.port) if msg.host else None)
+            peer = (msg.host, msg.port) if msg.host else None
+            core.cancel_room(msg.room, msg.message, peer, refused=msg.client_error)
         elif isinstance(msg, ipc.AbortRequest):
             aborted = core.abort(msg.rid, msg.message)
             if aborted is not None:

@@ -42,6 +42,16 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+def is_client_error(exc: BaseException) -> bool:
+    """Whether ``exc`` makes a 4xx answer (the request's fault) rather than a 5xx (the
+    server's: overloaded, its engine gone, a bug), which a client or router may retry."""
+    if isinstance(exc, ApiError):
+        return exc.status < 500
+    if isinstance(exc, StarletteHTTPException):
+        return exc.status_code < 500
+    return isinstance(exc, InvalidRequest | RequestValidationError)
+
+
 def error_body(
     status: int, message: str, param: str | None = None, code: str | int | None = None
 ) -> dict[str, Any]:

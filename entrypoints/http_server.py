@@ -27,6 +27,7 @@ from radixserve.entrypoints.http_errors import (
     error_body,
     error_response,
     install_error_handlers,
+    is_client_error,
 )
 from radixserve.entrypoints.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from radixserve.entrypoints.metrics import ServerMetrics
@@ -163,7 +164,7 @@ def create_app(
         try:
             return await call
         except Exception as e:
-            tm.refuse_rooms(refused_rooms(body), str(e))
+            tm.refuse_rooms(refused_rooms(body), str(e), is_client_error(e))
             raise
 
     @app.post("/v1/chat/completions")

@@ -23,6 +23,7 @@ from radixserve.core.request import INT64_MAX, InvalidRequest, SamplingParams
 from radixserve.entrypoints.bootstrap import expand_bootstrap, refused_rooms
 from radixserve.entrypoints.fanout import choice_params
 from radixserve.entrypoints.fanout import per_item as _per_item
+from radixserve.entrypoints.http_errors import is_client_error
 from radixserve.entrypoints.serving_openai import error_event, raise_if_failed
 from radixserve.entrypoints.spec_meta import spec_meta_info
 from radixserve.entrypoints.streaming import SSE_DONE, follow, json_response, sse
@@ -54,7 +55,7 @@ class NativeServing:
             stream, batch, reqs, req_options = self._start(body)
         except Exception as e:
             # the PD router's other server waits for (or computes) these rooms: tell it now
-            self.tm.refuse_rooms(refused_rooms(body), str(e))
+            self.tm.refuse_rooms(refused_rooms(body), str(e), is_client_error(e))
             raise
         if stream:
             stream = self._stream(reqs, req_options, batch)

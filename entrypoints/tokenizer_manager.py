@@ -224,16 +224,20 @@ class TokenizerManager:
             req.timer = asyncio.get_running_loop().call_later(timeout, self._time_out, rid)
         return req
 
-    def refuse_rooms(self, bootstraps: list[Bootstrap | None], message: str) -> None:
+    def refuse_rooms(
+        self, bootstraps: list[Bootstrap | None], message: str, client_error: bool = True
+    ) -> None:
         """This server refused a call whose requests carry these rooms. A prefill tells the
-        decode servers waiting for them (else each would wait --disaggregation-transfer-timeout);
-        a decode tells the prefill servers (else each would compute the prompt and keep its KV
-        for that long)."""
+        decode servers waiting for them (else each would wait --disaggregation-transfer-timeout),
+        and whether the call was at fault (``client_error``: the decode answers 400, else 500,
+        which a router retries); a decode tells the prefill servers (else each would compute the
+        prompt and keep its KV for that long)."""
         if self.info.disaggregation_mode not in ("prefill", "decode") or self.dead is not None:
             return
         for b in bootstraps:
             if b is not None:
-                self.client.send(ipc.CancelRoomRequest(b.room, message, b.host, b.port))
+                request = ipc.CancelRoomRequest(b.room, message, b.host, b.port, client_error)
+                self.client.send(request)
 
     def abort(self, rid: str, message: str = "aborted by the client") -> None:
         if rid in self.reqs and self.dead is None:

@@ -187,6 +187,25 @@ def test_prefill_ending_without_sending_fails_the_decode(tiny_llama_dir: Path) -
     assert_no_leak(prefill, decode)
 
 
+@pytest.mark.parametrize("client_error", [True, False])
+def test_prefill_refusal_ends_the_decode_as_the_callers_fault_or_not(
+    tiny_llama_dir: Path, client_error: bool
+) -> None:
+    """A call the prefill server refused before queueing it: the decode's request ends at once,
+    refused (a 400) when the call was at fault, failed (a 500, which sglang-router retries on
+    another prefill) when the prefill could not take it, e.g. overloaded."""
+    prefill, decode, _ = make_pair(tiny_llama_dir)
+    d = req("d", PROMPTS[2], 13)
+    decode.add_request(d)
+    decode.step()  # preallocates and asks for room 13
+    prefill.cancel_room(13, "overloaded" if not client_error else "bad field", refused=client_error)
+    changed = decode.step()
+    assert d in changed and d.state == ReqState.ABORTED
+    assert d.refused is client_error
+    assert (d.failed is None) is client_error
+    assert_no_leak(prefill, decode)
+
+
 def test_late_room_frees_its_slots(tiny_llama_dir: Path) -> None:
     _, decode, _ = make_pair(tiny_llama_dir)
     disagg = decode.disagg
@@ -220,3 +239,4 @@ def test_requests_without_a_room_run_whole(tiny_llama_dir: Path) -> None:
     drive(prefill, decode)
     assert len(a.output_ids) == len(b.output_ids) == 8 and a.output_ids == b.output_ids
     assert_no_leak(prefill, decode)
+

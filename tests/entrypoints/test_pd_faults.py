@@ -275,3 +275,19 @@ def _kill_tree(pid: int) -> None:
     for p in [*proc.children(recursive=True), proc]:
         p.kill()
     psutil.wait_procs([proc], timeout=10)
+
+
+def test_refusals_that_are_the_callers_fault() -> None:
+    """Which refused calls a prefill reports as the caller's fault (the decode answers 400)
+    and which as its own (500): an overloaded prefill must not turn into a client error."""
+    from radixserve.core.request import InvalidRequest
+    from radixserve.entrypoints.admission import Overloaded
+    from radixserve.entrypoints.engine_client import EngineDied
+    from radixserve.entrypoints.http_errors import ApiError, is_client_error
+
+    assert is_client_error(InvalidRequest("temperature must be >= 0"))
+    assert is_client_error(ApiError(404, "no such model"))
+    assert not is_client_error(ApiError(503, "draining"))
+    assert not is_client_error(Overloaded("the queue is full", 1))
+    assert not is_client_error(EngineDied("gone"))
+    assert not is_client_error(RuntimeError("a bug"))
