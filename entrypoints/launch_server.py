@@ -67,8 +67,11 @@ def _read_chat_template(value: str | None) -> str | None:
 
 async def serve(args: ServerArgs, chat_template: str | None = None) -> int:
     client = EngineClient()
+    engine = dataclasses.asdict(args.engine)
+    # the KV bootstrap server (a PD prefill) listens where the HTTP server does, unless told
+    engine["disaggregation_bootstrap_host"] = engine["disaggregation_bootstrap_host"] or args.host
     try:
-        client.start_process(dataclasses.asdict(args.engine))
+        client.start_process(engine)
         try:
             info = await client.wait_ready()
         except EngineDied as e:

@@ -228,9 +228,6 @@ def parse_server_args(argv: Sequence[str] | None = None) -> ServerArgs:
     engine_values = {f.name: values.pop(f.name) for f in dataclasses.fields(EngineConfig)}
     engine_values["plugins"] = tuple(engine_values["plugins"] or ())
     engine_values["plugin_allow"] = tuple(engine_values["plugin_allow"] or ())
-    if engine_values["disaggregation_bootstrap_host"] is None:
-        # the KV bootstrap server listens where the HTTP server does (SGLang's too)
-        engine_values["disaggregation_bootstrap_host"] = values["host"]
     if engine_values["model_path"] == DEFAULT_MODEL_NAME:
         engine_values["model_path"] = None  # the hub id of the default model: use the bundled copy
     try:
