@@ -132,6 +132,13 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         inv_freq = inv_freq / scaling["factor"]
     elif kind not in (None, "default"):
         raise NotImplementedError(f"rope_scaling type '{kind}' is not supported")
+    # a Llama-3.x GGUF's scaling, as llama.cpp applies it: each frequency divided by its factor
+    if (factors := raw.get("rope_freq_factors")) is not None:
+        if len(factors) != inv_freq.numel():
+            raise ConfigError(
+                f"rope_freq_factors has {len(factors)} values; head_dim {dim} needs {dim // 2}"
+            )
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float64)
     return inv_freq.float()
 
 

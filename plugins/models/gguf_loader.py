@@ -98,8 +98,11 @@ GGUF_FAMILIES = {
         "Gemma2ForCausalLM", "gemma2", {**_ATTENTION, **_DENSE_MLP, **_GEMMA2_NORMS}, False, 1.0
     ),
 }  # fmt: skip
-# Llama-3.1 files carry precomputed RoPE frequency factors; HF derives them from rope_scaling.
-_SKIPPED_TENSORS = {"rope_freqs.weight"}
+# Llama-3.x files carry their RoPE scaling as per-frequency factors (llama.cpp writes this
+# tensor and no rope.scaling.type): it goes to config.json as ROPE_FREQ_FACTORS, not a weight.
+_ROPE_FREQS = "rope_freqs.weight"
+#: config.json key of a GGUF's RoPE frequency factors (decoder.rope_inv_freq divides by them)
+ROPE_FREQ_FACTORS = "rope_freq_factors"
 
 # tokenizer.ggml.pre values that split text like GPT-2 (ByteLevel's built-in regex). llama.cpp's
 # "smollm" adds a per-digit split, a no-op for SmolLM's vocabulary (it has no multi-digit tokens).
@@ -156,6 +159,10 @@ def convert_gguf_to_hf_dir(
     meta = {name: field.contents() for name, field in reader.fields.items()}
     family = gguf_family(meta, src.name)
     config = _build_config(src, meta, family, {t.name for t in reader.tensors})
+    for tensor in reader.tensors:
+        if tensor.name == _ROPE_FREQS:
+            factors = dequantize(tensor.data, tensor.tensor_type).reshape(-1)
+            config[ROPE_FREQ_FACTORS] = [float(f) for f in factors]
     dest.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the destination and rename: nobody ever sees a half-written directory.
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
@@ -177,7 +184,7 @@ def convert_gguf_to_hf_dir(
 
 
 # Bump when the conversion's output changes, so stale cached conversions are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: a Llama-3.x file's RoPE frequency factors kept
 
 
 def _cache_dir_for(src: pathlib.Path) -> pathlib.Path:
@@ -319,9 +326,8 @@ def _write_weights(
 ) -> None:
     plan = []  # (gguf tensor, hf name, numpy shape)
     for tensor in reader.tensors:
-        if tensor.name in _SKIPPED_TENSORS:
-            logger.warning("%s: ignoring %s (HF derives it from rope_scaling)", path, tensor.name)
-            continue
+        if tensor.name == _ROPE_FREQS:
+            continue  # in config.json (ROPE_FREQ_FACTORS)
         if (hf_name := _hf_tensor_name(tensor.name, family)) is None:
             raise ValueError(
                 f"GGUF tensor {tensor.name!r} has no {family.architecture} equivalent; the "

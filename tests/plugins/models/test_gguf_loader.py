@@ -15,7 +15,9 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
+from radixserve.core.config import ModelConfig
 from radixserve.plugins.models import gguf_loader
+from radixserve.plugins.models.decoder import rope_inv_freq
 from radixserve.plugins.models.gguf_loader import (
     COMPLETE_MARKER,
     convert_gguf_to_hf_dir,
@@ -154,9 +156,13 @@ def _llamacpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _write_tiny_gguf(
-    path: pathlib.Path, arch: str = "llama", tokenizer: str = "llama"
+    path: pathlib.Path,
+    arch: str = "llama",
+    tokenizer: str = "llama",
+    rope_freqs: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
-    """Write a 1-layer llama with a sentencepiece vocabulary and an untied lm_head, all float32;
+    """Write a 1-layer llama with a sentencepiece vocabulary and an untied lm_head, all float32
+    (and ``rope_freqs``: a Llama-3.x file's RoPE frequency factors, as llama.cpp writes them);
     return the HF-layout tensors it was made from."""
     rng = np.random.default_rng(0)
     words = ["hello", "world", "the", "thing", "low", "lower", "newest", "wide"]
@@ -210,6 +216,8 @@ def _write_tiny_gguf(
         if gguf_name.endswith(("attn_q", "attn_k")):
             weight = _llamacpp_permute(weight, 2 if gguf_name.endswith("q") else 1)
         writer.add_tensor(gguf_name + ".weight", np.ascontiguousarray(weight))
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -238,6 +246,25 @@ def test_tiny_sentencepiece_model_roundtrips(tmp_path: pathlib.Path) -> None:
         assert ids == reference.encode(text), text
         assert ids[0] == 1  # add_bos_token from the file
         assert tokenizer.decode(ids) == reference.decode(ids, skip_special_tokens=True), text
+
+
+def test_llama3_rope_frequency_factors_are_kept(tmp_path: pathlib.Path) -> None:
+    """llama.cpp writes a Llama-3.x model's RoPE scaling as a rope_freqs tensor of per-frequency
+    factors and no rope.scaling.type: the converted model's frequencies are the scaled ones
+    (they were the unscaled ones: every output of a Llama-3.1 GGUF was off)."""
+    _write_tiny_gguf(tmp_path / "plain.gguf")
+    plain_dir = convert_gguf_to_hf_dir(tmp_path / "plain.gguf", tmp_path / "plain")
+    raw = json.loads((plain_dir / "config.json").read_text())
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+    plain = rope_inv_freq(ModelConfig.from_dict(raw))
+    want = rope_inv_freq(ModelConfig.from_dict({**raw, "rope_scaling": scaling}))
+    assert not torch.allclose(plain, want)  # head_dim 8, wavelengths 6 to 6,283: some scaled
+    src = tmp_path / "llama3.gguf"
+    expected = _write_tiny_gguf(src, rope_freqs=(plain.double() / want.double()).numpy())
+    out = convert_gguf_to_hf_dir(src, tmp_path / "out")
+    torch.testing.assert_close(rope_inv_freq(ModelConfig.from_dir(out)), want, rtol=1e-6, atol=0)
+    assert load_file(out / "model.safetensors").keys() == expected.keys()  # not a weight
 
 
 def test_rejects_what_it_cannot_convert(tmp_path: pathlib.Path) -> None:
