@@ -4,6 +4,7 @@ it from a thread, the server's engine process from its socket loop."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
@@ -243,6 +244,15 @@ class EngineCore:
         if n >= usable:
             raise InvalidRequest(f"the prompt has {n} tokens; the KV pool holds {usable}")
         req.sampling.validate(vocab)
+        s = req.sampling
+        if n + s.max_new_tokens > usable:
+            # As SGLang: the output budget is cut to what the pool holds beside the prompt, so
+            # the request ends with "length" there, not with an abort after filling the pool
+            # (and retracting everyone else) once it runs alone
+            room = usable - n
+            req.sampling = dataclasses.replace(
+                s, max_new_tokens=room, min_new_tokens=min(s.min_new_tokens, room)
+            )
         if req.pooling is not None and req.pooling not in POOLING_METHODS:
             raise InvalidRequest(f"pooling must be one of {POOLING_METHODS}, got {req.pooling!r}")
         labels = req.label_token_ids

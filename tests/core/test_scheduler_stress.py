@@ -148,6 +148,24 @@ def test_a_mid_prefill_request_is_retracted_for_running_decodes(tiny_llama_dir: 
     assert [len(r.output_ids) for r in (r0, r1)] == [8, 8]
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_an_output_budget_past_the_pool_ends_with_length(
+    tiny_llama_dir: Path, page_size: int
+) -> None:
+    """A request whose prompt fits the pool but whose max_new_tokens does not: its budget is
+    cut to the pool (as SGLang does), so it ends with "length" once it fills it, not with an
+    abort (which the server answered as a 200 with finish_reason "abort")."""
+    core = _core(tiny_llama_dir, max_total_tokens=160, page_size=page_size)
+    usable = core.runner.allocator.size
+    req = Req("r", tokens(403, 100), greedy(400))
+    core.add_request(req)
+    while core.has_work():
+        core.step()
+    assert req.finish_reason is not None and req.finish_reason.type == "length", req.finish_reason
+    assert len(req.output_ids) == usable - 100
+    core.scheduler.check_no_leak()
+
+
 def test_a_lone_prefill_that_cannot_extend_ends_with_a_reason(tiny_llama_dir: Path) -> None:
     """The only running request is mid-prefill and the pool cannot give it its next chunk even
     with the cache evicted: it ends with a reason instead of an endless run of empty steps."""
