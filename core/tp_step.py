@@ -22,6 +22,7 @@ broadcast of host ints (two for large steps) and, off the CPU, one of device int
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,8 @@ import torch
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.memory import KVPool, ReqToTokenPool
 from radixserve.core.parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
 
 STEP, STOP = 1, 2
 HEADER = 8
@@ -160,5 +163,9 @@ def follow_steps(
             req_to_token_pool=req_to_token,
             hidden_rows=dev[3 * t + n_logits :] if n_hidden else None,
         )
-        step(batch)
+        try:
+            step(batch)
+        except Exception:  # noqa: BLE001 - rank 0 fails the same step's requests and goes on
+            # (EngineCore._fail_batch); a rank that ended here would take the server down
+            logger.exception("rank %d: a step failed; rank 0 fails its requests", tp.rank)
         steps += 1

@@ -211,9 +211,25 @@ def test_the_same_runaway_twice_at_once_is_refused_for_both(isolated: RunningSer
     assert ok.status_code == 200 and ok.json()["text"] in ("yes", "no"), ok.text
 
 
+@pytest.fixture(scope="module")
+def isolated_tp2(
+    tiny_long_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    """The faulty model with tensor parallelism: every rank's forward raises on the bad step."""
+    tmp = tmp_path_factory.mktemp("isolation-tp2")
+    env = install_plugin(tmp / "site", "radixserve_test_faults")
+    flags = ["--plugin", "model=FaultyLlama", "--tp-size", "2"]
+    with own_server(tiny_long_llama_dir, tmp / "server.log", *flags, env=env) as running:
+        yield running
+
+
+@pytest.mark.parametrize("tp", [1, 2])
 def test_request_that_raises_in_the_engine_is_500_and_the_engine_goes_on(
-    isolated: RunningServer,
+    request: pytest.FixtureRequest, tp: int
 ) -> None:
+    """Also with --tp-size 2, where the other rank's forward raised too and ended that rank:
+    the server went down with it."""
+    isolated: RunningServer = request.getfixturevalue("isolated" if tp == 1 else "isolated_tp2")
     body = {"input_ids": [5, FAULT_TOKEN, 7], "sampling_params": {"max_new_tokens": 4}}
     url = isolated.url + "/generate"
     for _ in range(5):  # more than any count of failures in a row the engine would tolerate
