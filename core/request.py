@@ -193,7 +193,8 @@ class SamplingParams:
         given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
         for name in given:
             value = getattr(self, name)
-            if not isinstance(value, str) or not value.strip():
+            # "" only: a regex of one space or newline is a grammar too
+            if not isinstance(value, str) or not (value.strip() or name == "regex" and value):
                 raise InvalidRequest(f"{name} must be a non-empty string, got {value!r:.200}")
             _check_text(name, value)
         if len(given) > 1:

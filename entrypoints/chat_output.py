@@ -23,11 +23,21 @@ class ChatOutput:
 
     @property
     def splits_reasoning(self) -> bool:
-        # a forced tool_choice's grammar makes the whole output the call's JSON: no reasoning
-        # block to split off (a parser that assumes one open would take the call as reasoning)
-        if self.plan.forced_schema is not None:
+        # a JSON grammar (a forced tool_choice, response_format, json_schema) makes the whole
+        # output JSON from the first token: no reasoning block to split off (a parser that
+        # assumes one open would take the answer as reasoning). A regex or EBNF may spell one.
+        if self.json_only:
             return False
         return self.reasoning_parser is not None and self.body.separate_reasoning
+
+    @property
+    def json_only(self) -> bool:
+        fmt = self.body.response_format
+        return (
+            self.plan.forced_schema is not None
+            or (fmt is not None and fmt.type != "text")
+            or self.body.json_schema is not None
+        )
 
     def _split(self) -> ReasoningSplit:
         assert self.reasoning_parser is not None

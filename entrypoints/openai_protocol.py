@@ -124,6 +124,13 @@ class SamplingRequest(BaseModel):
     ebnf: str | None = None
 
 
+class ResponseFormat(BaseModel):
+    model_config = STRICT
+
+    type: str = "text"  # text | json_object | json_schema
+    json_schema: dict[str, Any] | None = None  # {"name": ..., "schema": {...}, "strict": ...}
+
+
 # -- completions -----------------------------------------------------------------------------
 
 
@@ -133,6 +140,7 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = None
+    response_format: ResponseFormat | None = None  # as chat's (SGLang and vLLM take it here too)
     suffix: str | None = None
 
 
@@ -172,13 +180,6 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
-
-
-class ResponseFormat(BaseModel):
-    model_config = STRICT
-
-    type: str = "text"  # text | json_object | json_schema
-    json_schema: dict[str, Any] | None = None  # {"name": ..., "schema": {...}, "strict": ...}
 
 
 class FunctionCall(BaseModel):

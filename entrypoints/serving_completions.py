@@ -29,6 +29,7 @@ from radixserve.entrypoints.streaming import (
     matched_stop,
     sse,
 )
+from radixserve.entrypoints.structured_output import response_format_schema
 from radixserve.entrypoints.tokenizer_manager import ServerReq
 
 
@@ -41,6 +42,7 @@ class CompletionServing(OpenAIServing):
         prompts = self._prompts(body.prompt, body.suffix)
         top_n = body.logprobs or 0
         max_tokens, field = self.output_budget(body)
+        schema = response_format_schema(body.response_format)
         params, max_field = self.sampling(
             body,
             [len(p) for p in prompts],
@@ -48,6 +50,7 @@ class CompletionServing(OpenAIServing):
             field,
             body.logprobs is not None,
             top_n,
+            None if schema is None else {"json_schema": schema},
         )
         # echo + logprobs (how scoring clients such as lm-eval read a text's likelihood): the
         # echoed prompt tokens carry their logprobs too, so score the prompt from position 0.

@@ -101,8 +101,16 @@ class OpenAIServing:
             "json_schema": body.json_schema,
             "regex": body.regex,
             "ebnf": body.ebnf,
-            **(grammar or {}),  # response_format / forced tool calls (chat)
         }
+        if grammar:  # response_format / a forced tool call: one constraint, not two
+            given = [k for k in ("json_schema", "regex", "ebnf") if values[k] is not None]
+            if given:
+                raise ApiError(
+                    400,
+                    f"give either {given[0]} or response_format / a forced tool_choice, not both",
+                    param=given[0],
+                )
+            values.update(grammar)
         return SamplingParams.from_dict(values), (max_field if explicit else None)
 
     @staticmethod

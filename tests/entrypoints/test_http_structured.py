@@ -64,6 +64,26 @@ def test_response_format_json_schema(client: openai.OpenAI) -> None:
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
 
 
+def test_completions_take_response_format(client: openai.OpenAI) -> None:
+    """As SGLang's and vLLM's /v1/completions do (it was ignored: free text came back)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
+    r = client.completions.create(
+        model=TINY_MODEL_NAME, prompt="The weather:", max_tokens=200, temperature=1.0, n=2,
+        extra_body={"response_format": fmt},
+    )  # fmt: skip
+    for choice in r.choices:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.text), SCHEMA)
+
+
+def test_a_whitespace_regex_is_a_grammar(server: RunningServer) -> None:
+    """Only "" is refused: a regex of one space or newline is valid (both were 400s)."""
+    for regex in (" ", "\n"):
+        r = generate(server, text="Hello", sampling_params={"max_new_tokens": 4, "regex": regex})
+        assert r.status_code == 200, r.text
+        assert r.json()["text"] == regex, r.json()
+
+
 def test_response_format_json_object(client: openai.OpenAI) -> None:
     r = chat(client, response_format={"type": "json_object"}, temperature=0, max_tokens=24)
     text = r.choices[0].message.content
@@ -176,6 +196,15 @@ def test_bad_grammar_is_a_400_naming_it(
             "either response_format or a forced tool_choice",
         ),
         ({"extra_body": {"regex": "(ab"}}, "parenthesis"),
+        # a second constraint was dropped silently (the response_format or tool call won)
+        (
+            {"response_format": {"type": "json_object"}, "extra_body": {"regex": "[a-z]+"}},
+            "give either regex or response_format",
+        ),
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "extra_body": {"json_schema": "{}"}},
+            "give either json_schema or response_format",
+        ),
     ],
 )
 def test_bad_chat_structure_is_a_400(
