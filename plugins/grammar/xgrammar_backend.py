@@ -4,6 +4,7 @@ tags through the xgrammar library, with its C++ mask kernels."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import re
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ from radixserve.core.hookspecs import hookimpl
 from radixserve.core.interfaces import Grammar, GrammarBackend
 from radixserve.core.tokenizer import Tokenizer
 from radixserve.plugins.grammar.output_floor import Unparsed, output_floor
+from radixserve.plugins.grammar.schema_walk import map_schema
 from radixserve.plugins.grammar.vocab import (
     encoded_vocab,
     special_token_ids,
@@ -25,6 +27,9 @@ from radixserve.plugins.grammar.vocab import (
 logger = logging.getLogger(__name__)
 
 # xgrammar prefixes its errors with "[hh:mm:ss] /path/file.cc:123: " and check boilerplate.
+# JSON-schema keywords xgrammar's converter accepts but does not enforce (outputs broke them and
+# still ended with "stop"): refused, naming the keyword and the backends that enforce it.
+_UNENFORCED = ("not", "if", "contains", "dependentRequired", "dependentSchemas", "dependencies")
 _NOISE = re.compile(r"\[[\d:]+\] \S+:\d+: |Check failed: \(.*?\) is false: ")
 
 
@@ -99,6 +104,7 @@ class XGrammarBackend(GrammarBackend):
 
         try:
             if kind == "json_schema":
+                _check_enforced(spec)
                 # Compact JSON with fixed separators: no runaway whitespace, and keys and
                 # punctuation become forced strings that jump-forward skips.
                 grammar = xgr.Grammar.from_json_schema(spec, any_whitespace=False)
@@ -155,3 +161,30 @@ def register_grammar_backends(register) -> None:  # type: ignore[no-untyped-def]
         available=_available,
         description="xgrammar: JSON schema, regex, EBNF, structural tags",
     )
+
+
+def _check_enforced(spec: str) -> None:
+    """ValueError naming the first keyword of ``spec`` that xgrammar would not enforce."""
+    try:
+        schema = json.loads(spec)
+    except json.JSONDecodeError:
+        return  # xgrammar names the problem itself
+    map_schema(schema, _enforced)
+
+
+def _enforced(node: dict[str, Any], path: str) -> dict[str, Any]:
+    found = [key for key in _UNENFORCED if key in node]
+    if node.get("uniqueItems"):
+        found.append("uniqueItems")
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        found.append("allOf with more than one schema")
+    names = node.get("properties")
+    if isinstance(names, dict) and isinstance(node.get("required"), list):
+        if missing := [r for r in node["required"] if r not in names]:
+            found.append(f"required names missing from properties ({missing[0]!r})")
+    if found:
+        raise ValueError(
+            f"{found[0]} at {path} is not enforced by the xgrammar backend (outputs could break "
+            "it); leave it out of the schema"
+        )
+    return node

@@ -11,6 +11,7 @@ import torch
 from tiny_models import SPECIAL_TOKENS
 
 from radixserve.core.interfaces import Grammar, GrammarBackend
+from radixserve.core.plugins import default_host
 from radixserve.core.tokenizer import Tokenizer
 from radixserve.plugins.grammar.vocab import token_bytes
 
@@ -232,3 +233,32 @@ def test_structural_tag(backend: GrammarBackend, tiny_tokenizer: Tokenizer, tag:
     for token in ids(tiny_tokenizer, "Hi <f>"):
         assert g.accept_token(token)
     assert not any(g.accept_token(t) for t in ids(tiny_tokenizer, "x"))  # JSON must follow
+
+
+OBJ = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(
+    ("schema", "keyword"),
+    [
+        ({"allOf": [OBJ, {"type": "object", "properties": {"b": {"type": "string"}}}]}, "allOf"),
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+        ({"type": "integer", "not": {"const": 3}}, "not"),
+        ({**OBJ, "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if"),
+        ({"type": "array", "contains": {"const": 1}}, "contains"),
+        ({**OBJ, "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+        ({**OBJ, "required": ["a", "zz"]}, "required names missing"),
+    ],
+)
+def test_xgrammar_refuses_what_it_would_not_enforce(
+    tiny_tokenizer: Tokenizer, schema: dict, keyword: str
+) -> None:
+    """xgrammar's converter takes these keywords and ignores them: outputs broke the schema and
+    still ended with "stop". They are refused, named."""
+    factory = default_host().registries["grammar"].get("xgrammar").factory
+    xgrammar = factory(tiny_tokenizer, tiny_tokenizer.vocab_size, [STOP])
+    with pytest.raises(ValueError, match=keyword):
+        xgrammar.compile("json_schema", json.dumps(schema))
+    # what it does enforce still compiles: one allOf branch, uniqueItems false
+    xgrammar.compile("json_schema", json.dumps({"allOf": [OBJ]}))
+    xgrammar.compile("json_schema", json.dumps({"type": "array", "uniqueItems": False}))
