@@ -10,7 +10,10 @@ from radixserve.plugins.grammar.schema_walk import map_schema
 
 MAX_ENUM_RANGE = 1000
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-_UNENFORCED = ("multipleOf", "uniqueItems", "patternProperties", "not", "if", "contains")
+_UNENFORCED = (
+    "multipleOf", "uniqueItems", "patternProperties", "not", "if", "contains", "minProperties",
+    "maxProperties", "propertyNames", "dependentRequired", "dependentSchemas", "dependencies",
+)  # fmt: skip
 
 
 def enforceable_schema(spec: str) -> Any:
@@ -26,6 +29,8 @@ def _enforceable(node: dict[str, Any], path: str) -> dict[str, Any]:
     for key in _UNENFORCED:
         if key in node:
             raise ValueError(f"'{key}' at {path} is not supported by the outlines backend")
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        raise ValueError(f"'allOf' of several schemas at {path} is not supported by outlines")
     if not any(k in node for k in _BOUNDS):
         return node
     lo, hi = node.get("minimum"), node.get("maximum")

@@ -55,6 +55,12 @@ def test_outlines_bounded_integers_become_enums() -> None:
             {"type": "array", "uniqueItems": True},
             "'uniqueItems' at #/properties/prop is not supported",
         ),
+        # taken and ignored by outlines-core (outputs broke them): refused too
+        ({"type": "object", "minProperties": 1}, "'minProperties'"),
+        ({"type": "object", "maxProperties": 1}, "'maxProperties'"),
+        ({"type": "object", "propertyNames": {"maxLength": 2}}, "'propertyNames'"),
+        ({"type": "object", "dependentRequired": {"a": ["b"]}}, "'dependentRequired'"),
+        ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "'allOf' of several schemas"),
     ],
 )
 def test_outlines_refuses_what_it_cannot_enforce(node: dict, problem: str) -> None:
