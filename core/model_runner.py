@@ -70,11 +70,15 @@ class ChosenPlugins:
         return " ".join(f"{k}={v}" for k, v in self.names.items())
 
 
-#: config.json fields that a weight reload must leave as they are (reload_weights)
-RELOAD_FIXED_FIELDS = (
-    "tie_word_embeddings", "intermediate_size", "rms_norm_eps", "rope_theta", "rope_scaling",
-    "rope_parameters", "sliding_window", "head_dim",
-)  # fmt: skip
+#: config.json fields that do not shape the built model (a reload may change them): every other
+#: field, and "architectures" through ``architecture``, must equal the running model's, since
+#: loading weights does not rebuild what the config fixed (RoPE tables, norms, soft-capping,
+#: sliding windows, activations, the stop tokens, ...). Keys starting with "_" are free too.
+RELOAD_FREE_FIELDS = frozenset({
+    "architectures", "torch_dtype", "dtype", "transformers_version", "use_cache",
+    "bos_token_id", "pad_token_id", "initializer_range", "attention_dropout",
+    "output_attentions", "output_hidden_states", "return_dict", "auto_map",
+})  # fmt: skip
 
 
 class ModelRunner:
@@ -234,9 +238,14 @@ class ModelRunner:
                     f"'{model_dir}' has {name}={getattr(new, name)!r}; the running model has "
                     f"{getattr(old, name)!r} (only weights of the same shape can be loaded)"
                 )
-        # Fields the model fixed when it was built (RoPE tables, norms, whether the LM head is
-        # the embedding): loading weights does not rebuild them, so a change is refused
-        for name in RELOAD_FIXED_FIELDS:
+        # Every other field may have shaped the model when it was built (RoPE tables, norms,
+        # whether the LM head is the embedding, ...): loading weights does not rebuild it
+        fixed = sorted(
+            name
+            for name in new.raw.keys() | old.raw.keys()
+            if name not in RELOAD_FREE_FIELDS and not name.startswith("_")
+        )
+        for name in fixed:
             if new.raw.get(name) != old.raw.get(name):
                 raise ConfigError(
                     f"'{model_dir}' has {name}={new.raw.get(name)!r}; the running model was "

@@ -131,7 +131,10 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     elif kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif kind not in (None, "default"):
-        raise NotImplementedError(f"rope_scaling type '{kind}' is not supported")
+        raise ConfigError(
+            f"config.json's rope_scaling type '{kind}' is not supported (supported: default, "
+            "linear, llama3)"
+        )
     # a Llama-3.x GGUF's scaling, as llama.cpp applies it: each frequency divided by its factor
     if (factors := raw.get("rope_freq_factors")) is not None:
         if len(factors) != inv_freq.numel():
@@ -188,17 +191,42 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         return lambda x: F.gelu(x, approximate="tanh")
     if name == "gelu":
         return F.gelu
-    raise NotImplementedError(f"activation '{name}' is not supported")
+    raise ConfigError(
+        f"config.json's hidden_act '{name}' is not supported (supported: silu, gelu, gelu_tanh)"
+    )
+
+
+def required(raw: dict[str, Any], key: str) -> Any:
+    """``raw[key]``; a ``ConfigError`` naming the field where config.json lacks it."""
+    value = raw.get(key)
+    if value is None:
+        raise ConfigError(f"config.json lacks required field '{key}'")
+    return value
+
+
+def check_supported(raw: dict[str, Any]) -> None:
+    """Stop at build time, naming the field, on config settings the skeleton does not
+    implement (rather than at weight loading or the first step)."""
+    if raw.get("mlp_bias"):
+        raise ConfigError(
+            "config.json sets mlp_bias=true (biases on the MLP), which is not supported"
+        )
 
 
 def layer_window(raw: dict[str, Any], layer_id: int) -> int:
-    """The sliding window of one layer from ``layer_types`` (transformers' per-layer list), 0 for
-    full attention."""
-    types = raw.get("layer_types")
+    """The sliding window of one layer, 0 for full attention, as transformers' Qwen2/Qwen3
+    configs derive it: ``sliding_window`` counts only with ``use_sliding_window`` (where the
+    config has that field); the layers ``layer_types`` (the per-layer list) marks slide, or, when
+    the config has no ``layer_types``, those from ``max_window_layers`` (default 28) on."""
     window = raw.get("sliding_window")
-    if not types or not window or types[layer_id] != "sliding_attention":
+    if not window or not raw.get("use_sliding_window", True):
         return 0
-    return int(window)
+    types = raw.get("layer_types")
+    if not types:
+        if not raw.get("use_sliding_window"):
+            return 0
+        return int(window) if layer_id >= int(raw.get("max_window_layers", 28)) else 0
+    return int(window) if types[layer_id] == "sliding_attention" else 0
 
 
 class DecoderLayer(nn.Module):
@@ -259,7 +287,7 @@ class DecoderLayer(nn.Module):
         return {"sliding_window": window} if window else {}
 
     def build_mlp(self, config: ModelConfig) -> None:
-        inter = split_range(int(config.raw["intermediate_size"]), self.tp).size  # this rank's
+        inter = split_range(int(required(config.raw, "intermediate_size")), self.tp).size
         self.intermediate_size = inter
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=False)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, False, self.tp)
@@ -394,6 +422,8 @@ class DecoderForCausalLM(nn.Module, CausalLM):
         self.tie_word_embeddings = bool(
             raw.get("tie_word_embeddings", self.default_tie_word_embeddings)
         )
+        check_supported(raw)
+        rope_inv_freq(config)  # an unsupported rope_scaling stops here, before any allocation
         norm_cls = self.layer_cls.norm_cls
         self.tp = tp = current_tp()
         with torch.device("meta"):

@@ -38,7 +38,11 @@ ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 
 class LlamaLayer(DecoderLayer):
     def attention_options(self, config: ModelConfig) -> dict[str, object]:
-        # NOTE: Mistral's `sliding_window` is not applied (as before the decoder skeleton).
+        # Mistral slides every layer when the config sets a window; Llama has none (transformers'
+        # Llama ignores a ``sliding_window`` field).
+        window = config.raw.get("sliding_window")
+        if window and config.architecture == "MistralForCausalLM":
+            return {"sliding_window": int(window)}
         return {}
 
 

@@ -39,6 +39,7 @@ from radixserve.plugins.models.decoder import (
     DecoderLayer,
     Target,
     activation,
+    required,
 )
 
 
@@ -138,11 +139,17 @@ class Qwen3MoeLayer(MoELayer):
             and (self.layer_id + 1) % step == 0
         )
 
+    def attention_options(self, config: ModelConfig) -> dict[str, Any]:
+        # transformers' Qwen3-MoE slides every layer (no layer_types, max_window_layers unused)
+        raw = config.raw
+        window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
+        return {"sliding_window": int(window)} if window else {}
+
     def moe_settings(self, raw: dict[str, Any]) -> tuple[int, int, int, bool]:
         return (
             _num_experts(raw),
-            int(raw["num_experts_per_tok"]),
-            int(raw["moe_intermediate_size"]),
+            int(required(raw, "num_experts_per_tok")),
+            int(required(raw, "moe_intermediate_size")),
             bool(raw.get("norm_topk_prob", False)),
         )
 
@@ -154,9 +161,9 @@ class MixtralLayer(MoELayer):
 
     def moe_settings(self, raw: dict[str, Any]) -> tuple[int, int, int, bool]:
         return (
-            int(raw["num_local_experts"]),
-            int(raw["num_experts_per_tok"]),
-            int(raw["intermediate_size"]),
+            int(required(raw, "num_local_experts")),
+            int(required(raw, "num_experts_per_tok")),
+            int(required(raw, "intermediate_size")),
             True,
         )
 

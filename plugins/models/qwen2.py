@@ -1,8 +1,8 @@
 """Qwen2 (``Qwen2ForCausalLM``): the Llama decoder with biases on the q, k and v projections.
 
 The whole family difference is one extension point of the decoder skeleton (``decoder.py``):
-``attention_biases``. Sliding-window layers, when a config enables them (``layer_types``), come
-from the skeleton.
+``attention_biases``. Sliding-window layers, when a config enables them (``use_sliding_window``:
+``layer_types``, or without it the layers from ``max_window_layers`` on), come from the skeleton.
 """
 
 from __future__ import annotations
