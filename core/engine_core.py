@@ -229,7 +229,8 @@ class EngineCore:
         )
 
     def validate(self, req: Req) -> None:
-        """Raise InvalidRequest when ``req`` can never be served."""
+        """Raise InvalidRequest when ``req`` can never be served; cut its output budget to what
+        the KV pool holds beside its prompt."""
         n = len(req.input_ids)
         if n == 0:
             raise InvalidRequest("the prompt is empty; send at least one token")

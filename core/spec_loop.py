@@ -302,8 +302,7 @@ class SpecLoop:
             # a stop or the token budget may cut the accepted run: count what was kept (as the
             # scheduler's verify commit does), else the stats and the policy overrate the cycle
             kept = committed - 1
-            drafted = self.cycle.k if kept == accepted else min(self.cycle.k, kept)
-            judged.append((req, drafted, kept))
+            judged.append((req, self.cycle.k if kept == accepted else kept, kept))
             if req.finished:
                 s.free_positions(req, req.kv_len, self._slot_end.pop(req.rid))
                 s.release(req)

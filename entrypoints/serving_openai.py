@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from radixserve.core.disaggregation import Bootstrap
-from radixserve.core.request import SamplingParams
+from radixserve.core.request import GRAMMAR_FIELDS, SamplingParams
 from radixserve.entrypoints.bootstrap import expand_bootstrap
 from radixserve.entrypoints.fanout import choice_params
 from radixserve.entrypoints.http_errors import ApiError, error_body
@@ -103,7 +103,7 @@ class OpenAIServing:
             "ebnf": body.ebnf,
         }
         if grammar:  # response_format / a forced tool call: one constraint, not two
-            given = [k for k in ("json_schema", "regex", "ebnf") if values[k] is not None]
+            given = [k for k in GRAMMAR_FIELDS if values.get(k) is not None]
             if given:
                 raise ApiError(
                     400,

@@ -26,10 +26,11 @@ from radixserve.plugins.grammar.vocab import (
 
 logger = logging.getLogger(__name__)
 
-# xgrammar prefixes its errors with "[hh:mm:ss] /path/file.cc:123: " and check boilerplate.
 # JSON-schema keywords xgrammar's converter accepts but does not enforce (outputs broke them and
-# still ended with "stop"): refused, naming the keyword and the backends that enforce it.
+# still ended with "stop"): refused, naming the keyword (with uniqueItems, a multi-schema allOf
+# and required names missing from properties, _enforced).
 _UNENFORCED = ("not", "if", "contains", "dependentRequired", "dependentSchemas", "dependencies")
+# xgrammar prefixes its errors with "[hh:mm:ss] /path/file.cc:123: " and check boilerplate.
 _NOISE = re.compile(r"\[[\d:]+\] \S+:\d+: |Check failed: \(.*?\) is false: ")
 
 
