@@ -2,7 +2,7 @@
 
 Benchmarks are scripts, not tests: each prints a table and can write every number plus the
 machine it ran on to a JSON file (``--json-out``), so a result can be recorded in
-docs/BENCHMARKS.md together with its command, machine and date.
+docs/benchmarks.md together with its command, machine and date.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/bin/sh
-# One call on the lent GPU machine (see docs/BENCHMARKS.md): make this checkout importable as
+# One call on the lent GPU machine (see docs/benchmarks.md): make this checkout importable as
 # `radixserve`, install the wheels carried in .whl/ that the device image lacks (gguf, the
 # serving stack; bench/install_wheels.py: none over the image's torch stack), run the GPU
 # tests at real sizes, then the benchmarks given as arguments, e.g.
@@ -80,19 +80,19 @@ while [ $# -gt 0 ]; do
         continue
     fi
     if [ "$job" = spec-loop-profile ]; then  # issue 15: where a loop cycle's time goes
-        python3 bench/spec_loop_profile.py --group json_repeat --tokens 512 --profile-top 40 \
+        PYTHONPATH=bench python3 bench/experiments/spec_loop_profile.py --group json_repeat --tokens 512 --profile-top 40 \
             2>&1 | grep -v Warning | tee "$OUT/spec-loop-profile.txt" | grep -E "^prompt|graph"
         continue
     fi
     if [ "$job" = spec-loop-churn ]; then  # issue 15: the loop's restarts, code edits at batch 4
         for args in "--group code_edit" "--group code_edit --disable-pause" "--group json_repeat"; do
-            python3 bench/spec_loop_churn.py --batch 4 $args 2>&1 | grep -v Warning \
+            PYTHONPATH=bench python3 bench/experiments/spec_loop_churn.py --batch 4 $args 2>&1 | grep -v Warning \
                 | grep -v Converting | tail -24 | tee -a "$OUT/spec-loop-churn.txt"
         done
         continue
     fi
     if [ "$job" = spec-profile ]; then  # after "spec": where a batch-1 step's time goes
-        python3 bench/spec_profile.py /tmp/models/llama3-8b /tmp/models/llama3-8b-draft-1layer \
+        PYTHONPATH=bench python3 bench/experiments/spec_profile.py /tmp/models/llama3-8b /tmp/models/llama3-8b-draft-1layer \
             > "$OUT/spec-profile.txt" 2>&1 || echo "spec_profile failed (see spec-profile.txt)"
         grep "steps, " "$OUT/spec-profile.txt" || true
         continue

@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:-bench/results/cpu-issue19}
 PORT=${PORT:-30979}
 mkdir -p "$OUT"
-. bench/serve_lib.sh
+. bench/experiments/serve_lib.sh
 
 echo "=== offline, float32 (peers in the same run) $(date -u +%H:%M:%S), load $(load)"
 .venv/bin/python bench/offline.py --json-out "$OUT/offline-f32.json" 2>&1 | grep -v "it/s\]" | tail -12

@@ -298,7 +298,7 @@ def write_model(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         total = json.loads(index.read_text())["metadata"]["total_size"]
         return {"weight_bytes": total, "model_reused": True}
     code = (
-        f"import sys, torch; sys.path.insert(0, {str(BENCH)!r}); from pathlib import Path; "
+        f"import sys, torch; sys.path.insert(0, {str(BENCH.parent)!r}); from pathlib import Path; "
         "from gpu_model import write_random_llama; "
         "dev = 'cuda' if torch.cuda.is_available() else 'cpu'; "
         f"print(write_random_llama(Path({str(model_dir)!r}), {args.shape!r}, dev))"

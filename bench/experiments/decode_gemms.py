@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from common import format_table, write_json
 from gpu import copy_ms
-from tp_micro import graph_us  # bench/ is the script's own folder, first on sys.path
+from tp_micro import graph_us  # bench/ on sys.path (PYTHONPATH=bench)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 LAYERS = 32

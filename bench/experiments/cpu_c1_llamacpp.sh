@@ -13,7 +13,7 @@ ROUNDS=${2:-3}
 FLAGS=${SERVER_FLAGS:---quantization gguf}
 PORT=${PORT:-30983}
 mkdir -p "$OUT"
-. bench/serve_lib.sh
+. bench/experiments/serve_lib.sh
 
 for r in $(seq "$ROUNDS"); do
   echo "=== round $r: llama-cpp-python b1 $(date -u +%H:%M:%S), load $(load)"

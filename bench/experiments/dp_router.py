@@ -35,7 +35,7 @@ from typing import Any
 
 import requests
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
 
 from common import format_table, machine_info, write_json  # noqa: E402
 from gpu_model import write_random_llama  # noqa: E402

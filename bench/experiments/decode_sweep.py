@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from common import format_table, write_json
-from tp_micro import graph_us  # bench/ is the script's own folder, first on sys.path
+from tp_micro import graph_us  # bench/ on sys.path (PYTHONPATH=bench)
 
 from radixserve.plugins.attention.triton import decode_kernel as dk
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
 
 from radixserve.core.config import EngineConfig  # noqa: E402
 from radixserve.core.engine_core import EngineCore  # noqa: E402
