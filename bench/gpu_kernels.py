@@ -79,6 +79,9 @@ def tune_decode() -> tuple[dict[str, Any], list[list[Any]]]:
 
 
 def main() -> None:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help
     best, rows = tune_decode()
     head = ["block_n", "warps", "stages", "prog/SM"]
     for bs, ctx in SHAPES:
