@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 30000
 
-.PHONY: serve test lint bench mutation setup clean bytecode
+.PHONY: serve test lint docs bench mutation setup clean bytecode
 
 setup: $(STAMP)
 
@@ -57,7 +57,7 @@ serve: $(STAMP) bytecode
 # pytest-xdist hands out files by their number of tests, which mixes the few-test model-heavy
 # files with many-test light ones; handing out the heavy ones first ran slower on the 2-core CI
 # machine (24:22 against 20:03: both workers computing at once, and servers starting slowly).
-test: $(STAMP) lint bytecode
+test: $(STAMP) lint docs bytecode
 	$(BIN)/python -m pytest -q -n auto --dist loadfile --durations=25
 
 lint: $(STAMP)
@@ -68,15 +68,22 @@ lint: $(STAMP)
 	mkdir -p .mypy_src && ln -sfn "$(CURDIR)" .mypy_src/radixserve
 	$(BIN)/mypy .mypy_src/radixserve/core
 
+# The docs site: the generated reference pages must be current, and the site must build with
+# no warning (a broken link or anchor fails). Output in .site/ (ignored); tests/test_docs.py
+# checks the same and runs the pages' marked code examples.
+docs: $(STAMP)
+	$(BIN)/python tools/gen_docs.py --check
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
 bench: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python bench/offline.py
 
 # Mutation testing of the core, each module against only the tests that cover it (not part of
-# `make test`; mutates a copy under /tmp, never the checkout). Results: docs/TESTING.md.
+# `make test`; mutates a copy under /tmp, never the checkout). Results: tests/TESTING.md.
 mutation: $(STAMP)
 	$(BIN)/pip install -q -e '.[mutation]'
 	$(BIN)/python tests/support/mutation.py $(MODULES)
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .site

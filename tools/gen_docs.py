@@ -39,7 +39,7 @@ KIND_FLAGS = {
     "hardware": "`--plugin hardware=NAME` (default: the first available, by priority)",
     "attention": "`--plugin attention=NAME` (default: chosen by the hardware platform)",
     "model": "the `architectures` entry of the model's `config.json`",
-    "grammar": "`--plugin grammar=NAME` (default: xgrammar where installed)",
+    "grammar": "`--grammar-backend NAME` or `--plugin grammar=NAME` (default: xgrammar)",
     "speculative": "`--speculative-algorithm NAME` or `--plugin speculative=NAME`",
     "kv_transfer": "`--disaggregation-transfer-backend NAME` or `--plugin kv_transfer=NAME`",
 }
