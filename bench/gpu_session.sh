@@ -5,7 +5,7 @@
 # tests at real sizes, then the benchmarks given as arguments, e.g.
 #   sh bench/gpu_session.sh tests "llama3-8b" "smollm2 --skip-big"
 #   sh bench/gpu_session.sh tp              # on nvidia-h200-x2: bench/tp.py
-#   sh bench/gpu_session.sh "py bench/l2_prefetch.py"   # any bench script
+#   sh bench/gpu_session.sh "py bench/offline.py --help"   # any bench script
 #   sh bench/gpu_session.sh moe-tests models  # issue 20: fused MoE tests, bench/models.py
 #   sh bench/gpu_session.sh "spec --batches 1 8 --accept 3.5 2.5" spec-tests spec-profile
 #   sh bench/gpu_session.sh stash .gp/part00      # then at once, in the next call (issue 15):

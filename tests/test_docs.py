@@ -175,3 +175,12 @@ def test_grafana_dashboard_uses_exported_metric_names() -> None:
         n for n in names if f'"{re.sub(r"_(total|bucket|sum|count)$", "", n)}"' not in source
     )
     assert names and not unknown, f"not exported by entrypoints/metrics.py: {unknown}"
+
+
+def test_benchmark_charts_exist_and_are_shown() -> None:
+    """Each chart of bench/figures.json is drawn (bench/charts.py) and on the benchmarks page."""
+    charts = json.loads((ROOT / "bench" / "figures.json").read_text())["charts"]
+    page = (DOCS / "benchmarks.md").read_text()
+    for chart in charts:
+        assert (DOCS / "assets" / "benchmarks" / f"{chart['name']}.svg").is_file(), chart["name"]
+        assert f"(assets/benchmarks/{chart['name']}.svg)" in page, chart["name"]
