@@ -67,7 +67,7 @@ def tiny3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _engine_outputs(model_dir: Path, **settings: Any) -> list[list[int]]:
     with Engine(str(model_dir), **SETTINGS, **settings) as engine:
         runner = engine.core.runner
-        if runner.tp.size > 1:  # rank 0's KV pool holds only its KV heads (1 of 3 here)
+        if runner.ranks.size > 1:  # rank 0's KV pool holds only its KV heads (1 of 3 here)
             mc = runner.model_config
             assert mc.num_kv_heads == 3 and runner.kv_pool.k[0].shape[1] == 1
         first = engine.generate(PROMPTS, GREEDY)
