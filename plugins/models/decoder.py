@@ -53,19 +53,13 @@ from radixserve.core.parallel import (
     split_range,
     vocab_shard,
 )
+from radixserve.plugins.models.eager_ops import rms_norm_eager
 from radixserve.plugins.models.parallel_layers import (
     DECODER_TP_PLAN,
     RowParallelLinear,
     VocabParallelEmbedding,
     gather_vocab,
 )
-
-
-def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in eager torch: normalized in float32, rounded to x's dtype, times ``weight``."""
-    normed = x.float()
-    normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
