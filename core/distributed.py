@@ -221,12 +221,17 @@ def join(platform: HardwarePlatform, config: EngineConfig, rendezvous: Rendezvou
         backend, init_method=rendezvous.init_method, rank=rendezvous.rank,
         world_size=size, timeout=timeout,
     )  # fmt: skip
-    # Host-side metadata travels over gloo. Its timeout is long on purpose: the other ranks
-    # wait in it for the next step while the server idles; a dead rank is noticed by the
-    # parent process (its sentinel), not by this timeout.
-    cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=30))
-    fast = _agreed_fast_all_reduce(platform, dist.group.WORLD, size, cpu_group,
-                                   not config.disable_custom_all_reduce)  # fmt: skip
+    try:
+        # Host-side metadata travels over gloo. Its timeout is long on purpose: the other
+        # ranks wait in it for the next step while the server idles; a dead rank is noticed by
+        # the parent process (its sentinel), not by this timeout.
+        cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=30))
+        fast = _agreed_fast_all_reduce(platform, dist.group.WORLD, size, cpu_group,
+                                       not config.disable_custom_all_reduce)  # fmt: skip
+    except BaseException:
+        torch.set_num_threads(threads_before)  # no Ranks will close the group: do it here
+        teardown()
+        raise
     group = TensorParallel(rendezvous.rank, size, dist.group.WORLD, cpu_group, fast)
     logger.info("tensor-parallel rank %d of %d on %s (%s%s)", rendezvous.rank, size,
                 platform.device, backend,

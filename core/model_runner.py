@@ -91,15 +91,60 @@ class ModelRunner:
         several (``core/distributed.py``; rank 0 leads every step, the others follow). ``usage``:
         the caller's defaults for settings left unset, before the platform's (for example the
         offline Engine's, ``EngineConfig.with_platform_defaults``)."""
+        self.grammar_masker: GrammarMasker | None = None  # set by EngineCore
+        self.speculator: Speculator | None = None  # set by EngineCore when speculating
         selections = parse_plugin_selections(config.plugins)
         hw = host.select_hardware(selections.get("hardware"))
         self.platform: HardwarePlatform = hw.factory()
         self.ranks: Ranks = join(self.platform, config, rendezvous)
+        try:
+            self._start(model_dir, config, host, hw.name, selections, usage)
+        except BaseException:
+            self.ranks.close()  # a failed start leaves no group behind in this process
+            raise
+
+    def _start(
+        self,
+        model_dir: Path,
+        config: EngineConfig,
+        host: PluginHost,
+        hardware: str,
+        selections: Mapping[str, str],
+        usage: tuple[str, Mapping[str, Any]] | None,
+    ) -> None:
         self.device = self.platform.device
         self.platform.seed_everything(config.random_seed)
-        self.model_config = ModelConfig.from_dir(model_dir)
+        self.model_config = mc = ModelConfig.from_dir(model_dir)
+        model_reg = self._choose_plugins(host, hardware, selections)
+        self.dtype = (
+            self.platform.default_dtype() if config.dtype == "auto" else _DTYPES[config.dtype]
+        )
+        self.kv_dtype = (
+            self.dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
+        )
+        # Each rank holds its heads' share of the weights and of the KV pool.
+        self.local_config = self.ranks.local_config(mc)
+        weight_bytes = self.ranks.share(count_parameters(model_dir) * self.dtype.itemsize)
+        self.ranks.check_plugins(self.plugins.names, config)
+        self._reserve_speculative(config, host)
+        config, self.settings = config.with_platform_defaults(
+            hardware, self.platform.engine_defaults(mc, weight_bytes), usage
+        )
+        self.max_context = min(config.context_length or mc.max_context, mc.max_context)
+        self.kv_size = self.ranks.agree_min(self._kv_pool_size(weight_bytes, config))
+        config, self.settings = self._fit_running_to_pool(config)
+        self.config = config  # every setting resolved (see self.settings for their origins)
+        self._build_memory(config)
+        self._build_attention(host, config)
+        self._build_model(model_dir, model_reg, config)
+
+    def _choose_plugins(
+        self, host: PluginHost, hardware: str, selections: Mapping[str, str]
+    ) -> Any:
+        """Resolve every plugin kind (the platform's defaults where none is selected); the
+        model's registration."""
         defaults = self.platform.default_plugins()
-        chosen = {"hardware": hw.name}
+        chosen = {"hardware": hardware}
         for kind in PLUGIN_KINDS:
             if kind in ("hardware", "model"):
                 continue
@@ -107,32 +152,19 @@ class ModelRunner:
         model_reg = self._select_model(host, selections.get("model"))
         chosen["model"] = model_reg.name
         self.plugins = ChosenPlugins(chosen)
+        return model_reg
 
-        self.dtype = (
-            self.platform.default_dtype() if config.dtype == "auto" else _DTYPES[config.dtype]
-        )
-        mc = self.model_config
-        # Each rank holds its heads' share of the weights and of the KV pool.
-        self.local_config = self.ranks.local_config(mc)
-        self.kv_dtype = (
-            self.dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
-        )
-        weight_bytes = self.ranks.share(count_parameters(model_dir) * self.dtype.itemsize)
-        self.ranks.check_plugins(chosen, config)
-        # A speculative algorithm is built here, so its device memory (a draft model and its
-        # KV) is set aside before the KV pool is sized; EngineCore sets it up later.
-        spec_factory = host.registries["speculative"].get(chosen["speculative"]).factory
+    def _reserve_speculative(self, config: EngineConfig, host: PluginHost) -> None:
+        """Build the speculative algorithm now, so its device memory (a draft model and its
+        KV) is set aside before the KV pool is sized; EngineCore sets it up later."""
+        spec_factory = host.registries["speculative"].get(self.plugins.names["speculative"]).factory
         self.speculative_algorithm = spec_factory()
         self._spec_weight_bytes, self._spec_kv_bytes = self.speculative_algorithm.memory_needs(
             config, host, self.dtype
         )
-        config, self.settings = config.with_platform_defaults(
-            hw.name, self.platform.engine_defaults(mc, weight_bytes), usage
-        )
-        self.max_context = min(config.context_length or mc.max_context, mc.max_context)
-        self.kv_size = self.ranks.agree_min(self._kv_pool_size(weight_bytes, config))
-        config, self.settings = self._fit_running_to_pool(config)
-        self.config = config  # every setting resolved (see self.settings for their origins)
+
+    def _build_memory(self, config: EngineConfig) -> None:
+        """The KV slot allocator, the req->token table and the KV pool (this rank's heads)."""
         self.allocator = TokenAllocator(self.kv_size, config.page_size)
         # Scratch rows for draft trees: their nodes' rows in verify steps (reserved here) and
         # the drafter's (reserved at its setup).
@@ -143,20 +175,29 @@ class ModelRunner:
             self.settings.max_running_requests + 1 + scratch, self.max_context + 1
         )
         self._tree_rows = self.req_to_token.reserve(node_rows)
-        local = self.local_config
+        mc, local = self.model_config, self.local_config
         self.kv_pool = KVPool(
             self.kv_size, mc.num_layers, local.num_kv_heads, mc.head_dim, self.kv_dtype,
             self.device, page_size=config.page_size, compute_dtype=self.dtype,
         )  # fmt: skip
-        attn_factory = host.registries["attention"].get(chosen["attention"]).factory
-        self.attention: AttentionBackend = attn_factory(self.kv_pool, local, self.device)
+
+    def _build_attention(self, host: PluginHost, config: EngineConfig) -> None:
+        name = self.plugins.names["attention"]
+        attn_factory = host.registries["attention"].get(name).factory
+        self.attention: AttentionBackend = attn_factory(
+            self.kv_pool, self.local_config, self.device
+        )
         if self.kv_dtype != self.dtype and not self.attention.reads_other_kv_dtype:
             model_dtype = str(self.dtype).removeprefix("torch.")
             raise ConfigError(
-                f"--kv-cache-dtype {config.kv_cache_dtype}: the {chosen['attention']} attention "
+                f"--kv-cache-dtype {config.kv_cache_dtype}: the {name} attention "
                 f"backend reads KV only in the model's dtype ({model_dtype}); choose "
                 "--kv-cache-dtype auto, or the torch_native or cpu_paged backend"
             )
+
+    def _build_model(self, model_dir: Path, model_reg: Any, config: EngineConfig) -> None:
+        """The model with its weights, prepared by the platform, and the step executor."""
+        mc = self.model_config
         self.model: CausalLM = self.ranks.build_model(
             model_reg.name, model_reg.factory, mc, self.attention, self.dtype, self.device
         )
@@ -170,8 +211,6 @@ class ModelRunner:
             self.model, self.attention, self.kv_pool, self.req_to_token, config
         )
         self.step = self.ranks.lead(self.step, self.req_to_token, self.device)
-        self.grammar_masker: GrammarMasker | None = None  # set by EngineCore
-        self.speculator: Speculator | None = None  # set by EngineCore when speculating
 
     def close(self) -> None:
         """Several ranks: stop the other ranks' step loops and leave their group, so a new

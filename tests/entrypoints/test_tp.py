@@ -105,6 +105,21 @@ def test_engine_tp2_equals_tp1(model_dir: Path, reference: list[list[int]]) -> N
     assert _engine_outputs(model_dir, tp_size=2, enable_overlap_schedule=True) == reference
 
 
+def test_a_start_refused_after_joining_leaves_no_group_behind(tiny3_dir: Path) -> None:
+    """Speculation is refused with TP once the group is up: the failed engine leaves the group
+    and gives the process its torch threads back (a rank took its share), so this process can
+    go on and start another engine."""
+    import torch
+
+    from radixserve.core.config import ConfigError
+
+    threads = torch.get_num_threads()
+    with pytest.raises(ConfigError, match=r"speculative decoding \(ngram\) does not run with"):
+        Engine(str(tiny3_dir), **SETTINGS, tp_size=2, speculative_algorithm="ngram")
+    assert not torch.distributed.is_initialized()
+    assert torch.get_num_threads() == threads
+
+
 class TP2Servers:
     """One --tp-size 2 server per model, started on first use and kept for the module (the
     kill test ends the tiny model's). Servers still running at the end must exit 0: with
