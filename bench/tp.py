@@ -394,18 +394,18 @@ def run_tp(
         getattr(runner.step, "run", None), "graphs"
     )
     res[f"{name}_overlap"] = eng.core.overlap
-    res[f"{name}_custom_all_reduce"] = runner.tp.fast_all_reduce is not None
+    res[f"{name}_custom_all_reduce"] = runner.ranks.group.fast_all_reduce is not None
     print(f"  {name}: engine up in {res[f'{name}_start_s']:.1f}s", flush=True)
     sends: list[float] = []  # rank 0's host time broadcasting each step (TP > 1)
-    if runner.broadcaster is not None:
-        send = runner.broadcaster.send
+    if runner.ranks.broadcaster is not None:
+        send = runner.ranks.broadcaster.send
 
         def timed_send(batch: Any) -> None:
             start = time.perf_counter()
             send(batch)
             sends.append(time.perf_counter() - start)
 
-        runner.broadcaster.send = timed_send
+        runner.ranks.broadcaster.send = timed_send
     try:
         n, i, o = w["b1"]
         run_generate(eng, prompts(n, i, vocab, 1), o)  # warm-up at the exact shape
@@ -551,7 +551,7 @@ def greedy_check(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             outs[tp] = [
                 r["output_ids"] for r in eng.generate(input_ids=batch, sampling_params=params)
             ]
-            custom = eng.core.runner.tp.fast_all_reduce is not None
+            custom = eng.core.runner.ranks.group.fast_all_reduce is not None
         finally:
             eng.shutdown()
         print(f"  greedy: tp{tp} done", flush=True)

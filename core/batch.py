@@ -10,12 +10,14 @@ never keep a private copy of the table across steps).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from radixserve.core.memory import ReqToTokenPool
+# NOTE: to_device is re-exported here, where callers have always imported it from; it lives in
+# memory.py so that memory.py needs nothing of this module (no import cycle).
+from radixserve.core.memory import KVPool, ReqToTokenPool
+from radixserve.core.memory import to_device as to_device
 
 
 @dataclass(slots=True)
@@ -29,7 +31,7 @@ class ForwardBatch:
     extend_lens: list[int]  # [B] new tokens this step
     num_decode: int  # the first num_decode requests have extend_len == 1
     logits_indices: torch.Tensor  # rows of the flattened sequence whose logits are needed
-    kv_pool: object  # radixserve.core.memory.KVPool
+    kv_pool: KVPool
     req_to_token_pool: ReqToTokenPool  # owns the table and its device mirror
     # Layers whose output (the residual stream after the layer, HF's hidden_states[i + 1]) the
     # model keeps for every new token in ``hidden_states`` (draft heads read them).
@@ -50,15 +52,6 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
-
-
-def to_device(tensor: torch.Tensor, device: str | torch.device) -> torch.Tensor:
-    """Copy a host tensor to ``device`` without waiting for the work queued there: a plain copy
-    blocks the host until the device is idle, which would undo overlap scheduling."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def prepare_from_device(

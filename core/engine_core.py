@@ -14,11 +14,11 @@ from typing import Any, NamedTuple
 
 from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.core.disaggregation import DecodeSide, PrefillSide, transfers
+from radixserve.core.distributed import Rendezvous
 from radixserve.core.grammar import GrammarMasker, GrammarStepper
 from radixserve.core.grammar_queue import GrammarQueue
 from radixserve.core.interfaces import SpeculativeContext
 from radixserve.core.model_runner import LaunchedStep, ModelRunner
-from radixserve.core.parallel import Rendezvous
 from radixserve.core.plugins import PluginHost
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
 from radixserve.core.request import POOLING_METHODS, FinishReason, InvalidRequest, Req
@@ -54,7 +54,7 @@ class EngineCore:
         rendezvous: Rendezvous | None = None,
         usage: tuple[str, Mapping[str, Any]] | None = None,
     ) -> None:
-        """``rendezvous``: rank 0 of a tensor-parallel group (config.tp_size > 1), whose other
+        """``rendezvous``: this process as rank 0 of an engine of several ranks, whose other
         ranks were started beside it (see ModelRunner); ``usage``: the caller's defaults (see
         ModelRunner)."""
         self.host = host
@@ -582,7 +582,7 @@ class EngineCore:
         if not hasattr(self, "runner"):
             return  # already shut down
         platform = self.runner.platform
-        self.runner.close()  # the other tensor-parallel ranks stop with this one
+        self.runner.close()  # the engine's other ranks stop with this one
         self._in_flight = None
         self.spec_loop = None  # it holds the plugin's cycle graphs
         self._changed_outside_step = []

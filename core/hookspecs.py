@@ -39,8 +39,9 @@ def register_attention_backends(register: Any) -> None:
 def register_models(register: Any) -> None:
     """Register model architectures, named as in HF ``config.json`` ``architectures``.
 
-    ``factory(model_config, attention, dtype, device)`` returns a ``CausalLM``.
-    Called once per process.
+    ``factory(model_config, attention, dtype, device)`` returns a ``CausalLM``. With more than
+    one tensor-parallel rank it also gets ``group=`` (``core.parallel.TensorParallel``), the
+    group to build this rank's share of the model for. Called once per process.
     """
 
 

@@ -14,7 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.core.batch import to_device
+
+def to_device(tensor: torch.Tensor, device: str | torch.device) -> torch.Tensor:
+    """Copy a host tensor to ``device`` without waiting for the work queued there: a plain copy
+    blocks the host until the device is idle, which would undo overlap scheduling."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 class TokenAllocator:

@@ -17,6 +17,7 @@ import torch
 from radixserve.core import spec_tree
 from radixserve.core.batch import ForwardBatch, to_device
 from radixserve.core.config import ConfigError, EngineConfig, ModelConfig, PlatformSettings
+from radixserve.core.distributed import Ranks, Rendezvous, join
 from radixserve.core.grammar import GrammarMasker
 from radixserve.core.interfaces import (
     PLUGIN_KINDS,
@@ -27,9 +28,6 @@ from radixserve.core.interfaces import (
 )
 from radixserve.core.logprobs import record_input_logprobs, scored_positions
 from radixserve.core.memory import KVPool, ReqToTokenPool, TokenAllocator
-from radixserve.core.parallel import Rendezvous, local_model_config, shard_weights
-from radixserve.core.parallel import setup as setup_parallel
-from radixserve.core.parallel import teardown as teardown_parallel
 from radixserve.core.plugins import PluginError, PluginHost, parse_plugin_selections
 from radixserve.core.pooling import finish_pooling, plan_pooling, record_label_logprobs
 from radixserve.core.request import Req, token_slice
@@ -38,7 +36,6 @@ from radixserve.core.scheduler import SampledToken, ScheduledBatch
 from radixserve.core.spec_tree import ancestors
 from radixserve.core.spec_verify import verify_drafts
 from radixserve.core.speculative import Speculator
-from radixserve.core.tp_step import StepBroadcaster, release_step
 from radixserve.core.weights import (
     count_parameters,
     iter_weights,
@@ -90,21 +87,64 @@ class ModelRunner:
         rendezvous: Rendezvous | None = None,
         usage: tuple[str, Mapping[str, Any]] | None = None,
     ) -> None:
-        """``rendezvous``: this process's rank of a tensor-parallel group (config.tp_size > 1);
-        rank 0 broadcasts every step, the others run ``core.tp_step.follow_steps``. ``usage``:
+        """``rendezvous``: where this process meets the engine's other ranks, when it has
+        several (``core/distributed.py``; rank 0 leads every step, the others follow). ``usage``:
         the caller's defaults for settings left unset, before the platform's (for example the
         offline Engine's, ``EngineConfig.with_platform_defaults``)."""
+        self.grammar_masker: GrammarMasker | None = None  # set by EngineCore
+        self.speculator: Speculator | None = None  # set by EngineCore when speculating
         selections = parse_plugin_selections(config.plugins)
         hw = host.select_hardware(selections.get("hardware"))
         self.platform: HardwarePlatform = hw.factory()
-        self.tp = setup_parallel(
-            self.platform, config.tp_size, rendezvous, not config.disable_custom_all_reduce
-        )
+        self.ranks: Ranks = join(self.platform, config, rendezvous)
+        try:
+            self._start(model_dir, config, host, hw.name, selections, usage)
+        except BaseException:
+            self.ranks.close()  # a failed start leaves no group behind in this process
+            raise
+
+    def _start(
+        self,
+        model_dir: Path,
+        config: EngineConfig,
+        host: PluginHost,
+        hardware: str,
+        selections: Mapping[str, str],
+        usage: tuple[str, Mapping[str, Any]] | None,
+    ) -> None:
         self.device = self.platform.device
         self.platform.seed_everything(config.random_seed)
-        self.model_config = ModelConfig.from_dir(model_dir)
+        self.model_config = mc = ModelConfig.from_dir(model_dir)
+        model_reg = self._choose_plugins(host, hardware, selections)
+        self.dtype = (
+            self.platform.default_dtype() if config.dtype == "auto" else _DTYPES[config.dtype]
+        )
+        self.kv_dtype = (
+            self.dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
+        )
+        # Each rank holds its heads' share of the weights and of the KV pool.
+        self.local_config = self.ranks.local_config(mc)
+        weight_bytes = self.ranks.share(count_parameters(model_dir) * self.dtype.itemsize)
+        self.ranks.check_plugins(self.plugins.names, config)
+        self._reserve_speculative(config, host)
+        config, self.settings = config.with_platform_defaults(
+            hardware, self.platform.engine_defaults(mc, weight_bytes), usage
+        )
+        self.max_context = min(config.context_length or mc.max_context, mc.max_context)
+        self.kv_size = self.ranks.agree_min(self._kv_pool_size(weight_bytes, config))
+        config, self.settings = self._fit_running_to_pool(config)
+        self.config = config  # every setting resolved (see self.settings for their origins)
+        self._build_memory(config)
+        self._build_attention(host, config)
+        self._build_model(model_dir, model_reg, config)
+
+    def _choose_plugins(
+        self, host: PluginHost, hardware: str, selections: Mapping[str, str]
+    ) -> Any:
+        """Resolve every plugin kind (the platform's defaults where none is selected); the
+        model's registration."""
         defaults = self.platform.default_plugins()
-        chosen = {"hardware": hw.name}
+        chosen = {"hardware": hardware}
         for kind in PLUGIN_KINDS:
             if kind in ("hardware", "model"):
                 continue
@@ -112,42 +152,19 @@ class ModelRunner:
         model_reg = self._select_model(host, selections.get("model"))
         chosen["model"] = model_reg.name
         self.plugins = ChosenPlugins(chosen)
+        return model_reg
 
-        self.dtype = (
-            self.platform.default_dtype() if config.dtype == "auto" else _DTYPES[config.dtype]
-        )
-        mc = self.model_config
-        # Each rank holds its heads' share of the weights and of the KV pool.
-        self.local_config = local_model_config(mc, self.tp)
-        self.kv_dtype = (
-            self.dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
-        )
-        weight_bytes = count_parameters(model_dir) * self.dtype.itemsize // self.tp.size
-        if self.tp.size > 1 and chosen["speculative"] != "none":
-            raise ConfigError(
-                f"speculative decoding ({chosen['speculative']}) does not run with "
-                f"tp_size={self.tp.size} yet; drop one of them"
-            )
-        disaggregation = config.disaggregation_mode
-        if self.tp.size > 1 and disaggregation != "null":
-            raise ConfigError(
-                f"disaggregation_mode={disaggregation} does not run with tp_size={self.tp.size} "
-                "yet (each rank's KV pool holds only its heads); drop one of them"
-            )
-        # A speculative algorithm is built here, so its device memory (a draft model and its
-        # KV) is set aside before the KV pool is sized; EngineCore sets it up later.
-        spec_factory = host.registries["speculative"].get(chosen["speculative"]).factory
+    def _reserve_speculative(self, config: EngineConfig, host: PluginHost) -> None:
+        """Build the speculative algorithm now, so its device memory (a draft model and its
+        KV) is set aside before the KV pool is sized; EngineCore sets it up later."""
+        spec_factory = host.registries["speculative"].get(self.plugins.names["speculative"]).factory
         self.speculative_algorithm = spec_factory()
         self._spec_weight_bytes, self._spec_kv_bytes = self.speculative_algorithm.memory_needs(
             config, host, self.dtype
         )
-        config, self.settings = config.with_platform_defaults(
-            hw.name, self.platform.engine_defaults(mc, weight_bytes), usage
-        )
-        self.max_context = min(config.context_length or mc.max_context, mc.max_context)
-        self.kv_size = self.tp.agree_min(self._kv_pool_size(weight_bytes, config))
-        config, self.settings = self._fit_running_to_pool(config)
-        self.config = config  # every setting resolved (see self.settings for their origins)
+
+    def _build_memory(self, config: EngineConfig) -> None:
+        """The KV slot allocator, the req->token table and the KV pool (this rank's heads)."""
         self.allocator = TokenAllocator(self.kv_size, config.page_size)
         # Scratch rows for draft trees: their nodes' rows in verify steps (reserved here) and
         # the drafter's (reserved at its setup).
@@ -158,22 +175,34 @@ class ModelRunner:
             self.settings.max_running_requests + 1 + scratch, self.max_context + 1
         )
         self._tree_rows = self.req_to_token.reserve(node_rows)
-        local = self.local_config
+        mc, local = self.model_config, self.local_config
         self.kv_pool = KVPool(
             self.kv_size, mc.num_layers, local.num_kv_heads, mc.head_dim, self.kv_dtype,
             self.device, page_size=config.page_size, compute_dtype=self.dtype,
         )  # fmt: skip
-        attn_factory = host.registries["attention"].get(chosen["attention"]).factory
-        self.attention: AttentionBackend = attn_factory(self.kv_pool, local, self.device)
+
+    def _build_attention(self, host: PluginHost, config: EngineConfig) -> None:
+        name = self.plugins.names["attention"]
+        attn_factory = host.registries["attention"].get(name).factory
+        self.attention: AttentionBackend = attn_factory(
+            self.kv_pool, self.local_config, self.device
+        )
         if self.kv_dtype != self.dtype and not self.attention.reads_other_kv_dtype:
             model_dtype = str(self.dtype).removeprefix("torch.")
             raise ConfigError(
-                f"--kv-cache-dtype {config.kv_cache_dtype}: the {chosen['attention']} attention "
+                f"--kv-cache-dtype {config.kv_cache_dtype}: the {name} attention "
                 f"backend reads KV only in the model's dtype ({model_dtype}); choose "
                 "--kv-cache-dtype auto, or the torch_native or cpu_paged backend"
             )
-        self.model: CausalLM = model_reg.factory(mc, self.attention, self.dtype, self.device)
-        self.model.load_weights(self._weights(model_dir))
+
+    def _build_model(self, model_dir: Path, model_reg: Any, config: EngineConfig) -> None:
+        """The model with its weights, prepared by the platform, and the step executor."""
+        mc = self.model_config
+        self.model: CausalLM = self.ranks.build_model(
+            model_reg.name, model_reg.factory, mc, self.attention, self.dtype, self.device
+        )
+        weights = iter_weights(model_dir, self.dtype)
+        self.model.load_weights(self.ranks.shard(weights, self.model, model_reg.name, mc))
         if config.quantization is not None:
             self.platform.quantize_model(self.model, config.quantization)
         self.platform.prepare_model(self.model, config)
@@ -181,49 +210,19 @@ class ModelRunner:
         self.step = self.platform.step_executor(
             self.model, self.attention, self.kv_pool, self.req_to_token, config
         )
-        self.broadcaster: StepBroadcaster | None = None
-        if self.tp.size > 1 and self.tp.leader:
-            self.broadcaster = StepBroadcaster(self.tp, self.req_to_token, self.device, self.step)
-            self.step = self.broadcaster
-        self.grammar_masker: GrammarMasker | None = None  # set by EngineCore
-        self.speculator: Speculator | None = None  # set by EngineCore when speculating
-
-    def _weights(self, model_dir: Path) -> Any:
-        """The checkpoint's tensors, cut to this rank's shard by the model's ``tp_plan``."""
-        weights = iter_weights(model_dir, self.dtype)
-        if self.tp.size == 1:
-            return weights
-        plan = getattr(self.model, "tp_plan", None)
-        if plan is None:
-            raise ConfigError(
-                f"model plugin '{self.plugins.names['model']}' declares no tp_plan, so it cannot "
-                f"run with tp_size={self.tp.size} (docs/plugins.md: tensor parallelism)"
-            )
-        return shard_weights(weights, plan, self.model_config, self.tp)
+        self.step = self.ranks.lead(self.step, self.req_to_token, self.device)
 
     def close(self) -> None:
-        """Tensor parallelism: stop the other ranks' step loops and leave the group, so a new
+        """Several ranks: stop the other ranks' step loops and leave their group, so a new
         engine can start in this process. A no-op with one rank; calling it again does
         nothing."""
-        if self.tp.size == 1:
-            return
-        try:
-            if self.broadcaster is not None:
-                self.broadcaster.stop()
-        except RuntimeError as e:  # a rank already gone: nothing is left to stop there
-            logger.warning("could not stop the other tensor-parallel ranks: %s", e)
-        finally:
-            release_step(self.step)  # captured collectives go before the group does
-            teardown_parallel()
+        self.ranks.close(self.step)
 
     def reload_weights(self, model_dir: Path) -> None:
         """Load the weights of ``model_dir`` into the running model in place. Raise
         ConfigError (or the model's ValueError) naming the problem, with the old weights still
         loaded, when the checkpoint is not one of this model's shape."""
-        if self.tp.size > 1:
-            raise ConfigError(
-                f"loading new weights is not supported with tp_size={self.tp.size} yet"
-            )
+        self.ranks.check_reload()
         if self.config.quantization is not None:
             raise ConfigError(
                 f"loading new weights into a model quantized at load "

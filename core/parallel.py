@@ -1,10 +1,11 @@
-"""Tensor parallelism: the process group, how a model's heads, MLP and vocabulary split across
-the ranks, and the weight shard plan the loader applies.
+"""Tensor parallelism: the group a model's collectives go through, how a model's heads, MLP and
+vocabulary split across the ranks, and the weight shard plan the loader applies.
 
 One engine process per rank, each driving one device (``HardwarePlatform.bind_rank``); the
-hardware plugin chooses the torch.distributed backend (nccl on CUDA, gloo on the host). Rank 0
-runs the scheduler and broadcasts each step's forward inputs (``core/tp_step.py``); every rank
-runs the model on its share of the weights, in lockstep.
+hardware plugin chooses the torch.distributed backend (nccl on CUDA, gloo on the host). Joining
+the group is ``core/distributed.py``'s; rank 0 runs the scheduler and broadcasts each step's
+forward inputs (``core/tp_step.py``); every rank runs the model on its share of the weights, in
+lockstep.
 
 How a model splits (``split_heads``, ``split_range``, ``vocab_shard``):
 - query heads follow their KV heads. With at least as many KV heads as ranks, the KV heads are
@@ -19,29 +20,21 @@ How a model splits (``split_heads``, ``split_range``, ``vocab_shard``):
 
 A model plugin declares how its checkpoint tensors shard with a ``tp_plan`` (HF tensor name
 patterns -> one of ``SHARD_KINDS``; see docs/plugins.md) and builds its layers at this rank's
-sizes from ``current()``; ``shard_weights`` cuts each tensor to this rank's slice as it is read.
+sizes from the ``group`` (a ``TensorParallel``) its factory is given; ``shard_weights`` cuts each
+tensor to this rank's slice as it is read. Nothing here is process-wide state: the group is
+passed, never looked up.
 """
 
 from __future__ import annotations
 
-import datetime
 import fnmatch
-import logging
-import os
-import sys
-import threading
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from dataclasses import replace
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from radixserve.core.config import ConfigError, ModelConfig
-
-if TYPE_CHECKING:
-    from radixserve.core.interfaces import HardwarePlatform
-
-logger = logging.getLogger(__name__)
 
 #: What a ``tp_plan`` entry may say about a checkpoint tensor (rows = dim 0, columns = dim 1).
 #: Tensors no pattern matches are replicated on every rank.
@@ -53,17 +46,6 @@ SHARD_KINDS = {
     "row": "an even cut of the columns (down_proj weight; a 1-D bias is replicated)",
     "vocab": "this rank's vocabulary shard of the rows, zero-padded (embeddings, LM head)",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class Rendezvous:
-    """Where and as which rank one engine process joins its tensor-parallel group."""
-
-    init_method: str  # torch.distributed init method, e.g. "file:///private/dir/store"
-    rank: int
-    size: int
-    #: seconds a collective of a step may wait for the other ranks (then it fails, not hangs)
-    timeout_s: float = 300.0
 
 
 class FastAllReduce(Protocol):
@@ -145,119 +127,8 @@ def _all_gather(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
     gather(out, x, group=group)
 
 
+#: the group of an engine of one rank: every collective is the identity
 SINGLE = TensorParallel()
-_current: TensorParallel = SINGLE
-_threads_before = 0  # torch threads before bind_rank (a platform may change them)
-
-
-def current() -> TensorParallel:
-    """The tensor-parallel group of this process (size 1 unless an engine set one up). Model
-    plugins read it while they build their layers."""
-    return _current
-
-
-def setup(
-    platform: HardwarePlatform,
-    size: int,
-    rendezvous: Rendezvous | None,
-    custom_all_reduce: bool = True,
-) -> TensorParallel:
-    """Join the group ``rendezvous`` names, on the device of its rank; the group becomes
-    ``current()``. ``custom_all_reduce``: use the platform's ``fast_all_reduce`` where it
-    has one (every rank or none). With ``size == 1`` nothing happens."""
-    global _current, _threads_before
-    if size == 1:
-        return SINGLE
-    if rendezvous is None or rendezvous.size != size:
-        raise ConfigError(
-            f"tp_size={size} needs one engine process per rank started together "
-            "(the server and radixserve.Engine start them)"
-        )
-    if _current is not SINGLE:
-        raise ConfigError("this process already runs a tensor-parallel engine; shut it down")
-    if _stuck_group:
-        raise ConfigError(
-            "the tensor-parallel group of an earlier engine in this process did not close; "
-            "start a tensor-parallel engine in a new process"
-        )
-    dist = torch.distributed
-    if sys.platform == "linux":
-        # The ranks of one engine share a host and meet on loopback; without this, gloo binds
-        # to whatever the hostname resolves to, which fails in containers without one.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    _threads_before = torch.get_num_threads()
-    platform.bind_rank(rendezvous.rank, size)
-    backend = platform.distributed_backend()
-    timeout = datetime.timedelta(seconds=rendezvous.timeout_s)
-    dist.init_process_group(
-        backend, init_method=rendezvous.init_method, rank=rendezvous.rank,
-        world_size=size, timeout=timeout,
-    )  # fmt: skip
-    # Host-side metadata travels over gloo. Its timeout is long on purpose: the other ranks
-    # wait in it for the next step while the server idles; a dead rank is noticed by the
-    # parent process (its sentinel), not by this timeout.
-    cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=30))
-    fast = _agreed_fast_all_reduce(platform, dist.group.WORLD, size, cpu_group,
-                                   custom_all_reduce)  # fmt: skip
-    _current = TensorParallel(rendezvous.rank, size, dist.group.WORLD, cpu_group, fast)
-    logger.info("tensor-parallel rank %d of %d on %s (%s%s)", rendezvous.rank, size,
-                platform.device, backend,
-                f", small all-reduces: {type(fast).__name__}" if fast else "")  # fmt: skip
-    return _current
-
-
-def _agreed_fast_all_reduce(
-    platform: HardwarePlatform, group: Any, size: int, cpu_group: Any, wanted: bool
-) -> FastAllReduce | None:
-    """The platform's fast all-reduce if every rank built one, else None on every rank (a
-    rank that summed some tensors another way would wait forever in a different kernel)."""
-    fast = None
-    if wanted:
-        try:
-            fast = platform.fast_all_reduce(group, size)
-        except Exception as e:  # noqa: BLE001 - the backend's all-reduce still works
-            logger.warning("custom all-reduce unavailable, %s's is used: %s",
-                           platform.distributed_backend(), e)  # fmt: skip
-    have = torch.tensor([int(fast is not None)], dtype=torch.int64)
-    torch.distributed.all_reduce(have, op=torch.distributed.ReduceOp.MIN, group=cpu_group)
-    if fast is not None and not have.item():
-        logger.warning("custom all-reduce off: another rank could not set it up")
-        fast.close()
-        fast = None
-    return fast
-
-
-#: seconds ``teardown`` waits for the group to close before it gives up on it
-TEARDOWN_TIMEOUT_S = 15.0
-_stuck_group = False  # an earlier group never closed (a new one cannot start here)
-
-
-def teardown() -> None:
-    """Leave the group (after the last step), so a new engine can start in this process.
-
-    Call it after the step executor let go of what it captured (``tp_step.release_step``):
-    a communicator destroyed while CUDA graphs still hold its collectives hangs. Even so, the
-    group is closed on a daemon thread and given up on after ``TEARDOWN_TIMEOUT_S``: a
-    shutdown is never a hang (a later tensor-parallel engine in this process is refused)."""
-    global _current, _stuck_group
-    if _current is SINGLE:
-        return
-    tp, _current = _current, SINGLE
-    torch.set_num_threads(_threads_before)  # an offline Engine's process goes on after it
-    if tp.fast_all_reduce is not None:
-        tp.fast_all_reduce.close()
-        tp.fast_all_reduce = None
-    if not torch.distributed.is_initialized():
-        return
-    closer = threading.Thread(
-        target=torch.distributed.destroy_process_group, name="tp-teardown", daemon=True
-    )
-    closer.start()
-    closer.join(TEARDOWN_TIMEOUT_S)
-    if closer.is_alive():
-        _stuck_group = True
-        logger.error("the tensor-parallel group did not close in %.0f s; left open",
-                     TEARDOWN_TIMEOUT_S)  # fmt: skip
 
 
 # ---- how a model splits ----------------------------------------------------------------------

@@ -19,7 +19,7 @@ The request emits the accepted drafts plus one target token (a + 1 tokens, 1 <= 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -36,10 +36,16 @@ from radixserve.core.sampling import (
 from radixserve.core.spec_tree import accepted_nodes, ancestors
 from radixserve.core.stop import TopLogprobs
 
-if TYPE_CHECKING:
-    from radixserve.core.speculative import Speculator
-
 SampledToken = tuple[int, float | None, TopLogprobs | None]
+
+
+class AcceptSimulation(Protocol):
+    """What verifying reads of the speculator (``core.speculative.Speculator``, which imports
+    this module): whether accept lengths are simulated (benchmarks), and the simulated count."""
+
+    simulate_accept_len: float | None
+
+    def simulated(self, num_drafted: int, rid: str = "") -> int: ...
 
 
 class DraftPosition:
@@ -126,7 +132,7 @@ def verify_drafts(
     drafts: Sequence[Draft | None],
     eos_ids: Sequence[int],
     masker: Any,
-    speculator: Speculator,
+    speculator: AcceptSimulation,
 ) -> list[list[SampledToken]]:
     """``verify`` for drafts some of which may still be on the device: one host sync reads
     them, and, where every request is sampled by a bare argmax, the target's tokens too."""
@@ -150,7 +156,7 @@ def verify(
     draft_probs: Sequence[torch.Tensor | None],
     eos_ids: Sequence[int],
     masker: Any,
-    speculator: Speculator,
+    speculator: AcceptSimulation,
     greedy_ids: list[int] | None = None,
     trees: Sequence[list[int] | None] | None = None,
 ) -> list[list[SampledToken]]:

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from radixserve.core.config import ConfigError, EngineConfig
+from radixserve.core.distributed import teardown as teardown_parallel
 from radixserve.core.engine_core import EngineCore
 from radixserve.core.output import input_logprob_entries, logprob_triples, top_logprob_triples
-from radixserve.core.parallel import teardown as teardown_parallel
 from radixserve.core.plugins import PluginHost, default_host
 from radixserve.core.request import FinishReason, InvalidRequest, Req, SamplingParams
 from radixserve.core.stop import streamable_text
@@ -83,7 +83,8 @@ class Engine:
                 usage=("offline Engine", OFFLINE_DEFAULTS),
             )
         except BaseException:
-            teardown_parallel()
+            if self._rendezvous is not None:  # not a group this process had before the Engine
+                teardown_parallel()
             tp_workers.end_all(self._workers, 10.0)  # they fail alike, or wait for rank 0
             raise
         if self._workers:

@@ -22,10 +22,10 @@ import zmq
 
 from radixserve.core import ipc
 from radixserve.core.config import ConfigError, EngineConfig
+from radixserve.core.distributed import Rendezvous
 from radixserve.core.engine_core import EngineCore
 from radixserve.core.gen_rate import GenRate
 from radixserve.core.grammar_sandbox import SandboxSpec
-from radixserve.core.parallel import Rendezvous
 from radixserve.core.plugins import PluginError, PluginHost, default_host
 from radixserve.core.profiler import EngineProfiler, ProfilerError
 from radixserve.core.request import FinishReason, InvalidRequest, Req, SamplingParams

@@ -25,8 +25,8 @@ from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # core.parallel imports torch; --help and the server process need not
-    from radixserve.core.parallel import Rendezvous
+if TYPE_CHECKING:  # core.distributed imports torch; --help and the server process need not
+    from radixserve.core.distributed import Rendezvous
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def rendezvous(size: int, timeout_s: float) -> list[Rendezvous]:
     """One Rendezvous per rank, meeting through a file store in a private (0700) directory:
     no TCP key-value store listens on the host for anyone to write into. (gloo's and NCCL's own
     connections between the ranks stay on loopback.)"""
-    from radixserve.core.parallel import Rendezvous
+    from radixserve.core.distributed import Rendezvous
 
     directory = tempfile.mkdtemp(prefix="radixserve-tp-")
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
@@ -64,10 +64,9 @@ def run_worker(settings: dict[str, Any], rdv: Rendezvous) -> None:
     """Process entry of rank ``rdv.rank`` > 0: build this rank's ModelRunner, then run the
     steps rank 0 broadcasts until it says stop."""
     from radixserve.core.config import ConfigError
+    from radixserve.core.distributed import teardown
     from radixserve.core.model_runner import ModelRunner
-    from radixserve.core.parallel import teardown
     from radixserve.core.plugins import PluginError
-    from radixserve.core.tp_step import follow_steps, release_step
     from radixserve.entrypoints.engine_process import engine_config
     from radixserve.entrypoints.process_exit import exit_now
 
@@ -85,12 +84,11 @@ def run_worker(settings: dict[str, Any], rdv: Rendezvous) -> None:
         teardown()
         sys.exit(2)
     try:
-        steps = follow_steps(runner.tp, runner.req_to_token, runner.kv_pool, runner.device,
-                             runner.step)  # fmt: skip
+        steps = runner.ranks.follow(runner.req_to_token, runner.kv_pool, runner.device,
+                                    runner.step)  # fmt: skip
         logger.info("rank %d stopped after %d steps", rdv.rank, steps)
     finally:
-        release_step(runner.step)  # captured collectives go before the group does
-        teardown()
+        runner.close()  # captured collectives go before the group does
     # Nothing of this process is needed any more: skip the interpreter's finalisers (device
     # and communicator destructors have hung at exit after CUDA graphs held collectives).
     exit_now(0)

@@ -5,7 +5,7 @@ RMSNorm, residual add + RMSNorm, SiLU(gate) * up and RoPE, each one C++ pass
 A float32 decode step of the default model at batch 32 spent ~40 ms of ~330 in those small ops
 (profile in docs/BENCHMARKS.md, issue 19). Inputs the kernels do not take (other dtypes) and
 steps dynamo traces (``--enable-torch-compile``: inductor fuses the eager code itself) run the
-eager formulas, which are the model's own (``plugins/models/decoder.py``).
+eager formulas, which are the model's own (``plugins/models/eager_ops.py``, the decoder's).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.plugins.hardware import cpu_kernels
-from radixserve.plugins.models.decoder import rms_norm_eager
+from radixserve.plugins.models.eager_ops import rms_norm_eager
 
 _F32 = torch.float32
 

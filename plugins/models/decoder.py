@@ -46,21 +46,20 @@ from torch import nn
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.config import ConfigError, ModelConfig
 from radixserve.core.interfaces import AttentionBackend, CausalLM
-from radixserve.core.parallel import current as current_tp
-from radixserve.core.parallel import split_heads, split_range, vocab_shard
+from radixserve.core.parallel import (
+    SINGLE,
+    TensorParallel,
+    split_heads,
+    split_range,
+    vocab_shard,
+)
+from radixserve.plugins.models.eager_ops import rms_norm_eager
 from radixserve.plugins.models.parallel_layers import (
     DECODER_TP_PLAN,
     RowParallelLinear,
     VocabParallelEmbedding,
     gather_vocab,
 )
-
-
-def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in eager torch: normalized in float32, rounded to x's dtype, times ``weight``."""
-    normed = x.float()
-    normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -236,14 +235,20 @@ class DecoderLayer(nn.Module):
     #: per-head RMSNorm of q and k (over head_dim) before RoPE, as Qwen3 does
     qk_norm: bool = False
 
-    def __init__(self, config: ModelConfig, layer_id: int, attention: AttentionBackend) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        attention: AttentionBackend,
+        group: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
         raw = config.raw
         self.config = config
         self.layer_id = layer_id
         self.attention = attention
         # Tensor parallelism: this rank's query heads and the KV heads they read.
-        self.tp = tp = current_tp()
+        self.tp = tp = group
         heads = split_heads(config.num_heads, config.num_kv_heads, tp)
         self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
         self.head_dim = config.head_dim
@@ -414,8 +419,15 @@ class DecoderForCausalLM(nn.Module, CausalLM):
     tp_plan: dict[str, str] | None = DECODER_TP_PLAN
 
     def __init__(
-        self, config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: str
+        self,
+        config: ModelConfig,
+        attention: AttentionBackend,
+        dtype: torch.dtype,
+        device: str,
+        group: TensorParallel = SINGLE,
     ) -> None:
+        """``group``: the tensor-parallel group this rank's share of the model is built for
+        (its layers hold this rank's heads, features and vocabulary rows)."""
         super().__init__()
         self.config = config
         raw = config.raw
@@ -425,11 +437,11 @@ class DecoderForCausalLM(nn.Module, CausalLM):
         check_supported(raw)
         rope_inv_freq(config)  # an unsupported rope_scaling stops here, before any allocation
         norm_cls = self.layer_cls.norm_cls
-        self.tp = tp = current_tp()
+        self.tp = tp = group
         with torch.device("meta"):
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
             self.layers = nn.ModuleList(
-                self.layer_cls(config, i, attention) for i in range(config.num_layers)
+                self.layer_cls(config, i, attention, tp) for i in range(config.num_layers)
             )
             self.norm = norm_cls(config.hidden_size, float(raw.get("rms_norm_eps", 1e-6)))
             if not self.tie_word_embeddings:

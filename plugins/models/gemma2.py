@@ -22,6 +22,7 @@ import torch
 from radixserve.core.config import ModelConfig
 from radixserve.core.hookspecs import hookimpl
 from radixserve.core.interfaces import AttentionBackend
+from radixserve.core.parallel import SINGLE, TensorParallel
 from radixserve.plugins.models.decoder import DecoderForCausalLM, DecoderLayer, GemmaRMSNorm
 
 
@@ -36,8 +37,14 @@ def gemma2_layer_types(raw: dict[str, Any]) -> list[str]:
 class Gemma2Layer(DecoderLayer):
     norm_cls = GemmaRMSNorm
 
-    def __init__(self, config: ModelConfig, layer_id: int, attention: AttentionBackend) -> None:
-        super().__init__(config, layer_id, attention)
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        attention: AttentionBackend,
+        group: TensorParallel = SINGLE,
+    ) -> None:
+        super().__init__(config, layer_id, attention, group)
         eps = float(config.raw.get("rms_norm_eps", 1e-6))
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
@@ -69,9 +76,14 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
     default_tie_word_embeddings = True
 
     def __init__(
-        self, config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: str
+        self,
+        config: ModelConfig,
+        attention: AttentionBackend,
+        dtype: torch.dtype,
+        device: str,
+        group: TensorParallel = SINGLE,
     ) -> None:
-        super().__init__(config, attention, dtype, device)
+        super().__init__(config, attention, dtype, device, group)
         # HF rounds the normalizer to the weights' dtype
         self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=dtype).item()
         cap = config.raw.get("final_logit_softcapping")
@@ -89,9 +101,13 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
 
 
 def build_gemma2(
-    config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: str
+    config: ModelConfig,
+    attention: AttentionBackend,
+    dtype: torch.dtype,
+    device: str,
+    group: TensorParallel = SINGLE,
 ) -> Gemma2ForCausalLM:
-    return Gemma2ForCausalLM(config, attention, dtype, device)
+    return Gemma2ForCausalLM(config, attention, dtype, device, group)
 
 
 @hookimpl

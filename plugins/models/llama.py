@@ -13,6 +13,7 @@ import torch
 from radixserve.core.config import ModelConfig
 from radixserve.core.hookspecs import hookimpl
 from radixserve.core.interfaces import AttentionBackend
+from radixserve.core.parallel import SINGLE, TensorParallel
 from radixserve.plugins.models.decoder import (
     DecoderForCausalLM,
     DecoderLayer,
@@ -51,9 +52,13 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
 
 def build_llama(
-    config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: str
+    config: ModelConfig,
+    attention: AttentionBackend,
+    dtype: torch.dtype,
+    device: str,
+    group: TensorParallel = SINGLE,
 ) -> LlamaForCausalLM:
-    return LlamaForCausalLM(config, attention, dtype, device)
+    return LlamaForCausalLM(config, attention, dtype, device, group)
 
 
 @hookimpl

@@ -34,6 +34,7 @@ from torch import nn
 from radixserve.core.config import ModelConfig
 from radixserve.core.hookspecs import hookimpl
 from radixserve.core.interfaces import AttentionBackend
+from radixserve.core.parallel import SINGLE, TensorParallel
 from radixserve.plugins.models.decoder import (
     DecoderForCausalLM,
     DecoderLayer,
@@ -182,9 +183,14 @@ class MoEForCausalLM(DecoderForCausalLM):
     tp_plan = None  # experts are not sharded yet: --tp-size > 1 is refused for MoE models
 
     def __init__(
-        self, config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: str
+        self,
+        config: ModelConfig,
+        attention: AttentionBackend,
+        dtype: torch.dtype,
+        device: str,
+        group: TensorParallel = SINGLE,
     ) -> None:
-        super().__init__(config, attention, dtype, device)
+        super().__init__(config, attention, dtype, device, group)
         kernels = fused_moe_for(device)
         for module in self.modules():
             if isinstance(module, SparseMoE):
@@ -228,15 +234,23 @@ def fused_moe_for(device: str) -> ModuleType | None:
 
 
 def build_qwen3_moe(
-    config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: str
+    config: ModelConfig,
+    attention: AttentionBackend,
+    dtype: torch.dtype,
+    device: str,
+    group: TensorParallel = SINGLE,
 ) -> Qwen3MoeForCausalLM:
-    return Qwen3MoeForCausalLM(config, attention, dtype, device)
+    return Qwen3MoeForCausalLM(config, attention, dtype, device, group)
 
 
 def build_mixtral(
-    config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: str
+    config: ModelConfig,
+    attention: AttentionBackend,
+    dtype: torch.dtype,
+    device: str,
+    group: TensorParallel = SINGLE,
 ) -> MixtralForCausalLM:
-    return MixtralForCausalLM(config, attention, dtype, device)
+    return MixtralForCausalLM(config, attention, dtype, device, group)
 
 
 @hookimpl

@@ -1,8 +1,8 @@
 """Tensor-parallel layers for model plugins (see ``core/parallel.py`` for how a model splits).
 
-A model built under ``radixserve.core.parallel.current()`` of size N holds its column-parallel
-projections (q/k/v heads, gate/up) as plain ``nn.Linear`` layers of this rank's width; these
-classes add what needs a collective:
+A model built for a group (``radixserve.core.parallel.TensorParallel``, its factory's ``group``)
+of size N holds its column-parallel projections (q/k/v heads, gate/up) as plain ``nn.Linear``
+layers of this rank's width; these classes add what needs a collective:
 
 - ``RowParallelLinear``: input features split (o_proj over the query heads, down_proj over the
   intermediate features); partial outputs are all-reduced, the bias added once after;

@@ -14,6 +14,7 @@ import torch
 from radixserve.core.config import ModelConfig
 from radixserve.core.hookspecs import hookimpl
 from radixserve.core.interfaces import AttentionBackend
+from radixserve.core.parallel import SINGLE, TensorParallel
 from radixserve.plugins.models.decoder import DecoderForCausalLM, DecoderLayer
 
 
@@ -27,9 +28,13 @@ class Qwen2ForCausalLM(DecoderForCausalLM):
 
 
 def build_qwen2(
-    config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: str
+    config: ModelConfig,
+    attention: AttentionBackend,
+    dtype: torch.dtype,
+    device: str,
+    group: TensorParallel = SINGLE,
 ) -> Qwen2ForCausalLM:
-    return Qwen2ForCausalLM(config, attention, dtype, device)
+    return Qwen2ForCausalLM(config, attention, dtype, device, group)
 
 
 @hookimpl

@@ -9,6 +9,7 @@ import torch
 from radixserve.core.config import ModelConfig
 from radixserve.core.hookspecs import hookimpl
 from radixserve.core.interfaces import AttentionBackend
+from radixserve.core.parallel import SINGLE, TensorParallel
 from radixserve.plugins.models.decoder import DecoderForCausalLM, DecoderLayer
 
 
@@ -21,9 +22,13 @@ class Qwen3ForCausalLM(DecoderForCausalLM):
 
 
 def build_qwen3(
-    config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: str
+    config: ModelConfig,
+    attention: AttentionBackend,
+    dtype: torch.dtype,
+    device: str,
+    group: TensorParallel = SINGLE,
 ) -> Qwen3ForCausalLM:
-    return Qwen3ForCausalLM(config, attention, dtype, device)
+    return Qwen3ForCausalLM(config, attention, dtype, device, group)
 
 
 @hookimpl

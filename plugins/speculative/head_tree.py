@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
@@ -26,9 +26,24 @@ from radixserve.core.batch import to_device
 from radixserve.core.interfaces import Draft
 from radixserve.core.memory import ReqToTokenPool
 from radixserve.core.request import Req
+from radixserve.plugins.speculative.head_layer import DraftHead
 
-if TYPE_CHECKING:
-    from radixserve.plugins.speculative.head_draft import HeadDraft
+
+class TreeHead(Protocol):
+    """What a tree needs of its drafter (``head_draft.HeadDraft``, which imports this module)."""
+
+    head: DraftHead
+    device: str
+
+    def head_hidden(
+        self,
+        reqs: Sequence[Any],
+        batch: list[tuple[int, int, int]],
+        input_ids: torch.Tensor,
+        feature: torch.Tensor,
+    ) -> torch.Tensor:
+        """The head's output at the last row of each ``batch`` entry."""
+        ...
 
 
 @dataclass(slots=True)
@@ -53,7 +68,7 @@ class _Row:
 class TreeDrafter:
     def __init__(
         self,
-        drafter: HeadDraft,
+        drafter: TreeHead,
         topk: int,
         req_to_token: ReqToTokenPool,
         rows: list[int],

@@ -1,4 +1,5 @@
-"""Tensor parallelism's collectives (core/parallel.py, core/tp_step.py) without processes: a
+"""Tensor parallelism's collectives (core/parallel.py, core/distributed.py, core/tp_step.py)
+without processes: a
 platform's fast all-reduce is tried first and the backend's takes what it declines; it is used
 on every rank or on none; leaving a group that does not close gives up after a limit, never
 hangs; and a follower rebuilds each step the leader broadcast, small or large."""
@@ -11,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from radixserve.core import parallel
+from radixserve.core import distributed
 from radixserve.core.batch import ForwardBatch
-from radixserve.core.config import ConfigError
+from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.core.parallel import TensorParallel
 
 
@@ -80,7 +81,7 @@ def _agree(platform: Any, others_have_it: bool, monkeypatch: pytest.MonkeyPatch)
         x.fill_(min(int(x.item()), int(others_have_it)))
 
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
-    return parallel._agreed_fast_all_reduce(platform, "group", 2, "cpu-group", True)
+    return distributed._agreed_fast_all_reduce(platform, "group", 2, "cpu-group", True)
 
 
 def test_the_fast_all_reduce_runs_on_every_rank_or_on_none(
@@ -97,7 +98,7 @@ def test_the_fast_all_reduce_runs_on_every_rank_or_on_none(
 def test_disabled_the_platform_is_not_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda x, op=None, group=None: None)
     platform = Platform(RuntimeError("must not be called"))
-    assert parallel._agreed_fast_all_reduce(platform, "g", 2, "cpu", False) is None
+    assert distributed._agreed_fast_all_reduce(platform, "g", 2, "cpu", False) is None
 
 
 def test_a_group_that_does_not_close_is_left_open_not_waited_on(
@@ -106,18 +107,26 @@ def test_a_group_that_does_not_close_is_left_open_not_waited_on(
     release = threading.Event()
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "destroy_process_group", release.wait)
-    monkeypatch.setattr(parallel, "TEARDOWN_TIMEOUT_S", 0.2)
-    monkeypatch.setattr(parallel, "_stuck_group", False)  # restored to False afterwards
+    monkeypatch.setattr(distributed, "TEARDOWN_TIMEOUT_S", 0.2)
     fast = FakeFast(8)
-    monkeypatch.setattr(parallel, "_current", TensorParallel(0, 2, fast_all_reduce=fast))
-    monkeypatch.setattr(parallel, "_threads_before", torch.get_num_threads())
+    group = TensorParallel(0, 2, fast_all_reduce=fast)
+    ranks = distributed.Ranks(group, torch.get_num_threads())
+    config = EngineConfig(tp_size=2)
     try:
-        parallel.teardown()  # returns after the limit
-        assert parallel.current() is parallel.SINGLE and fast.closed
+        ranks.close()  # returns after the limit
+        assert fast.closed and group.fast_all_reduce is None
         with pytest.raises(ConfigError, match="did not close; start a tensor-parallel engine"):
-            parallel.setup(Platform(None), 2, parallel.Rendezvous("file:///x", 0, 2))  # type: ignore[arg-type]
+            distributed.join(Platform(None), config, distributed.Rendezvous("file:///x", 0, 2))  # type: ignore[arg-type]
+        ranks.close()  # a second close does nothing (no second closing thread)
+        assert sum(t.name == distributed._CLOSER_THREAD for t in threading.enumerate()) == 1
     finally:
         release.set()
+    for t in threading.enumerate():
+        if t.name == distributed._CLOSER_THREAD:
+            t.join(5)
+    # once the group has closed after all, a new engine may start here again: the refusal
+    # came from the closing thread still running, not from a flag that stays set
+    assert not distributed._stuck()
 
 
 # ---- the per-step broadcast (core/tp_step.py), through a fake broadcast ----------------------

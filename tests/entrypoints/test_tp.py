@@ -67,7 +67,7 @@ def tiny3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _engine_outputs(model_dir: Path, **settings: Any) -> list[list[int]]:
     with Engine(str(model_dir), **SETTINGS, **settings) as engine:
         runner = engine.core.runner
-        if runner.tp.size > 1:  # rank 0's KV pool holds only its KV heads (1 of 3 here)
+        if runner.ranks.size > 1:  # rank 0's KV pool holds only its KV heads (1 of 3 here)
             mc = runner.model_config
             assert mc.num_kv_heads == 3 and runner.kv_pool.k[0].shape[1] == 1
         first = engine.generate(PROMPTS, GREEDY)
@@ -103,6 +103,21 @@ def reference(model_dir: Path) -> list[list[int]]:
 def test_engine_tp2_equals_tp1(model_dir: Path, reference: list[list[int]]) -> None:
     # overlap scheduling on: step N+1 is broadcast before step N's tokens are committed
     assert _engine_outputs(model_dir, tp_size=2, enable_overlap_schedule=True) == reference
+
+
+def test_a_start_refused_after_joining_leaves_no_group_behind(tiny3_dir: Path) -> None:
+    """Speculation is refused with TP once the group is up: the failed engine leaves the group
+    and gives the process its torch threads back (a rank took its share), so this process can
+    go on and start another engine."""
+    import torch
+
+    from radixserve.core.config import ConfigError
+
+    threads = torch.get_num_threads()
+    with pytest.raises(ConfigError, match=r"speculative decoding \(ngram\) does not run with"):
+        Engine(str(tiny3_dir), **SETTINGS, tp_size=2, speculative_algorithm="ngram")
+    assert not torch.distributed.is_initialized()
+    assert torch.get_num_threads() == threads
 
 
 class TP2Servers:
