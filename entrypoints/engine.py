@@ -23,13 +23,17 @@ from typing import Any
 
 from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.core.engine_core import EngineCore
-from radixserve.core.output import input_logprob_entries, logprob_triples, top_logprob_triples
 from radixserve.core.parallel import teardown as teardown_parallel
 from radixserve.core.plugins import PluginHost, default_host
 from radixserve.core.request import FinishReason, InvalidRequest, Req, SamplingParams
 from radixserve.core.stop import streamable_text
 from radixserve.entrypoints import tp_workers
 from radixserve.entrypoints.fanout import choice_params, per_item
+from radixserve.entrypoints.output import (
+    input_logprob_entries,
+    logprob_triples,
+    top_logprob_triples,
+)
 from radixserve.entrypoints.spec_meta import spec_meta_info
 
 logger = logging.getLogger(__name__)

@@ -20,16 +20,16 @@ from typing import Any
 import msgspec
 import zmq
 
-from radixserve.core import ipc
 from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.core.engine_core import EngineCore
-from radixserve.core.gen_rate import GenRate
 from radixserve.core.grammar_sandbox import SandboxSpec
 from radixserve.core.parallel import Rendezvous
 from radixserve.core.plugins import PluginError, PluginHost, default_host
-from radixserve.core.profiler import EngineProfiler, ProfilerError
 from radixserve.core.request import FinishReason, InvalidRequest, Req, SamplingParams
+from radixserve.entrypoints import ipc
 from radixserve.entrypoints.gc_timer import freeze_if_asked, process_gc_timer
+from radixserve.entrypoints.gen_rate import GenRate
+from radixserve.entrypoints.profiler import EngineProfiler, ProfilerError
 from radixserve.entrypoints.step_output import StepOutputBuilder
 
 logger = logging.getLogger(__name__)

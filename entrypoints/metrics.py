@@ -23,7 +23,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from radixserve.core import ipc
+from radixserve.entrypoints import ipc
 
 # The exposition format generate_latest writes, as prometheus_client names it.
 CONTENT_TYPE = CONTENT_TYPE_LATEST

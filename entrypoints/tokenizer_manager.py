@@ -15,11 +15,11 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from radixserve.core import ipc
 from radixserve.core.disaggregation import Bootstrap
 from radixserve.core.request import FinishReason, InvalidRequest, SamplingParams
 from radixserve.core.stop import streamable_text
 from radixserve.core.tokenizer import Tokenizer
+from radixserve.entrypoints import ipc
 from radixserve.entrypoints.admission import Limits
 from radixserve.entrypoints.engine_client import EngineClient, EngineDied
 from radixserve.entrypoints.metrics import ServerMetrics

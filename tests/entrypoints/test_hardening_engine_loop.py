@@ -14,8 +14,8 @@ import msgspec
 import pytest
 import zmq
 
-from radixserve.core import ipc
 from radixserve.core.request import FinishReason, Req, SamplingParams
+from radixserve.entrypoints import ipc
 from radixserve.entrypoints.engine_process import MAX_FAILED_STEPS, EngineLoop
 
 HANG_GUARD_MS = 60_000
