@@ -4,7 +4,6 @@ it from a thread, the server's engine process from its socket loop."""
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import time
@@ -21,7 +20,7 @@ from radixserve.core.model_runner import LaunchedStep, ModelRunner
 from radixserve.core.parallel import Rendezvous
 from radixserve.core.plugins import PluginHost
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
-from radixserve.core.request import POOLING_METHODS, FinishReason, InvalidRequest, Req
+from radixserve.core.request import FinishReason, InvalidRequest, Req
 from radixserve.core.scheduler import (
     RetractionNeeded,
     ScheduledBatch,
@@ -33,6 +32,7 @@ from radixserve.core.spec_loop import LOOP_BATCH, DeviceVerify, SpecLoop
 from radixserve.core.speculative import Speculator
 from radixserve.core.stop import StopChecker
 from radixserve.core.tokenizer import Tokenizer
+from radixserve.core.validation import ServingLimits, check_request, fit_output_budget
 
 logger = logging.getLogger(__name__)
 
@@ -229,36 +229,15 @@ class EngineCore:
         )
 
     def validate(self, req: Req) -> None:
-        """Raise InvalidRequest when ``req`` can never be served; cut its output budget to what
-        the KV pool holds beside its prompt."""
-        n = len(req.input_ids)
-        if n == 0:
-            raise InvalidRequest("the prompt is empty; send at least one token")
-        vocab = self.runner.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in req.input_ids):
-            raise InvalidRequest(f"input_ids must be token ids in [0, {vocab})")
-        if n >= self.max_context:
-            raise InvalidRequest(
-                f"the prompt has {n} tokens; this model's context length is {self.max_context}"
-            )
+        """Raise InvalidRequest when ``req`` can never be served (core/validation.py); cut its
+        output budget to what the KV pool holds beside its prompt."""
         usable = self.runner.allocator.size  # whole pages only
-        if n >= usable:
-            raise InvalidRequest(f"the prompt has {n} tokens; the KV pool holds {usable}")
-        req.sampling.validate(vocab)
-        s = req.sampling
-        if n + s.max_new_tokens > usable:
-            # As SGLang: the output budget is cut to what the pool holds beside the prompt, so
-            # the request ends with "length" there, not with an abort after filling the pool
-            # (and retracting everyone else) once it runs alone
-            room = usable - n
-            req.sampling = dataclasses.replace(
-                s, max_new_tokens=room, min_new_tokens=min(s.min_new_tokens, room)
-            )
-        if req.pooling is not None and req.pooling not in POOLING_METHODS:
-            raise InvalidRequest(f"pooling must be one of {POOLING_METHODS}, got {req.pooling!r}")
-        labels = req.label_token_ids
-        if labels is not None and (not labels or any(not 0 <= t < vocab for t in labels)):
-            raise InvalidRequest(f"label_token_ids must be token ids in [0, {vocab})")
+        limits = ServingLimits(self.runner.model_config.vocab_size, self.max_context, usable)
+        check_request(
+            req.input_ids, req.sampling, limits,
+            pooling=req.pooling, label_token_ids=req.label_token_ids,
+        )  # fmt: skip
+        req.sampling = fit_output_budget(req.sampling, len(req.input_ids), usable)
 
     def add_request(self, req: Req) -> None:
         """Queue ``req``; one with a grammar first waits for it to compile (off this thread)."""
