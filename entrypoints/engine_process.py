@@ -77,7 +77,9 @@ def run_engine(
         # the engine's time or memory
         core.isolate_grammar_compiles()
         freeze_if_asked()
-        server_loop(core, pull, push).run()
+        loop = server_loop(core, pull, push)
+        start_watchdog(loop, core.config.watchdog_timeout)
+        loop.run()
     finally:
         if core is not None:
             core.close_runner()  # the other tensor-parallel ranks leave their step loops
@@ -122,16 +124,15 @@ def _ready(core: EngineCore) -> ipc.EngineReady:
 
 
 def server_loop(core: EngineCore, pull: zmq.Socket, push: zmq.Socket) -> EngineLoop:
-    """The engine loop over the server's sockets, with its watchdog running."""
-    loop = EngineLoop(
-        core, ZmqTransport(core, pull, push), isolate_failures=True, gc_timer=process_gc_timer()
-    )
-    watchdog = threading.Thread(
-        target=_watchdog, args=(loop, core.config.watchdog_timeout), name="engine-watchdog",
-        daemon=True,
-    )  # fmt: skip
-    watchdog.start()
-    return loop
+    """The engine loop over the server's sockets."""
+    transport = ZmqTransport(core, pull, push)
+    return EngineLoop(core, transport, isolate_failures=True, gc_timer=process_gc_timer())
+
+
+def start_watchdog(loop: EngineLoop, limit: float) -> None:
+    threading.Thread(
+        target=_watchdog, args=(loop, limit), name="engine-watchdog", daemon=True
+    ).start()
 
 
 def _watchdog(loop: EngineLoop, limit: float) -> None:

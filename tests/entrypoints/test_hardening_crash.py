@@ -176,7 +176,7 @@ def test_sigterm_aborts_what_runs_past_the_shutdown_timeout(
 WATCHDOG_SCRIPT = textwrap.dedent(
     """
     import time, types, zmq
-    from radixserve.entrypoints.engine_process import server_loop
+    from radixserve.entrypoints.engine_process import server_loop, start_watchdog
 
     class StuckCore:
         config = types.SimpleNamespace(watchdog_timeout=0.5, disaggregation_mode="null")
@@ -188,7 +188,9 @@ WATCHDOG_SCRIPT = textwrap.dedent(
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     pull.bind("inproc://in"); push.bind("inproc://out")
-    server_loop(StuckCore(), pull, push).run()
+    loop = server_loop(StuckCore(), pull, push)
+    start_watchdog(loop, StuckCore.config.watchdog_timeout)
+    loop.run()
     """
 )
 
