@@ -324,6 +324,13 @@ class EngineConfig:
                 "speculative", "speculative_algorithm", self.speculative_algorithm.lower()
             )
         self._check_speculative()
+        self._check_limits()
+        self._check_pages()
+        self._check_scheduling()
+        self._check_choices()
+
+    def _check_limits(self) -> None:
+        """Timeouts, sizes and counts in range."""
         if not self.grammar_compile_timeout > 0:
             raise ConfigError(
                 f"grammar_compile_timeout must be > 0 seconds, got {self.grammar_compile_timeout}"
@@ -349,6 +356,8 @@ class EngineConfig:
             raise ConfigError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ConfigError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
+
+    def _check_pages(self) -> None:
         if self.page_size not in PAGE_SIZES:
             raise ConfigError(
                 f"page_size must be a power of two from 1 to {PAGE_SIZES[-1]}, got {self.page_size}"
@@ -358,6 +367,8 @@ class EngineConfig:
                 f"max_total_tokens={self.max_total_tokens} holds no page of page_size="
                 f"{self.page_size} besides the reserved one; give at least {2 * self.page_size}"
             )
+
+    def _check_scheduling(self) -> None:
         shrink = self.prefill_shrink_after_decodes
         if shrink is not None and shrink < 0:
             raise ConfigError(f"prefill_shrink_after_decodes must be >= 0, got {shrink}")
@@ -378,6 +389,9 @@ class EngineConfig:
                 f"unknown schedule policy '{self.schedule_policy}'; "
                 f"choose one of {', '.join(SCHEDULE_POLICIES)}"
             )
+
+    def _check_choices(self) -> None:
+        """Named choices (log level, dtypes, quantization) and the memory fraction."""
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(
                 f"unknown log level '{self.log_level}'; choose one of {', '.join(LOG_LEVELS)}"

@@ -29,7 +29,7 @@ import msgspec
 
 from radixserve.core.request import FinishReason, InvalidRequest, Req, ReqState
 
-if TYPE_CHECKING:  # the server process imports Bootstrap (core/ipc.py) without torch
+if TYPE_CHECKING:  # the server process imports Bootstrap (entrypoints/ipc.py) without torch
     from radixserve.core.interfaces import KVConnector
     from radixserve.core.scheduler import Scheduler
 

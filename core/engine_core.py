@@ -4,7 +4,6 @@ it from a thread, the server's engine process from its socket loop."""
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import time
@@ -21,7 +20,7 @@ from radixserve.core.interfaces import SpeculativeContext
 from radixserve.core.model_runner import LaunchedStep, ModelRunner
 from radixserve.core.plugins import PluginHost
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
-from radixserve.core.request import POOLING_METHODS, FinishReason, InvalidRequest, Req
+from radixserve.core.request import FinishReason, InvalidRequest, Req
 from radixserve.core.scheduler import (
     RetractionNeeded,
     ScheduledBatch,
@@ -33,6 +32,7 @@ from radixserve.core.spec_loop import LOOP_BATCH, DeviceVerify, SpecLoop
 from radixserve.core.speculative import Speculator
 from radixserve.core.stop import StopChecker
 from radixserve.core.tokenizer import Tokenizer
+from radixserve.core.validation import ServingLimits, check_request, fit_output_budget
 
 logger = logging.getLogger(__name__)
 
@@ -229,36 +229,15 @@ class EngineCore:
         )
 
     def validate(self, req: Req) -> None:
-        """Raise InvalidRequest when ``req`` can never be served; cut its output budget to what
-        the KV pool holds beside its prompt."""
-        n = len(req.input_ids)
-        if n == 0:
-            raise InvalidRequest("the prompt is empty; send at least one token")
-        vocab = self.runner.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in req.input_ids):
-            raise InvalidRequest(f"input_ids must be token ids in [0, {vocab})")
-        if n >= self.max_context:
-            raise InvalidRequest(
-                f"the prompt has {n} tokens; this model's context length is {self.max_context}"
-            )
+        """Raise InvalidRequest when ``req`` can never be served (core/validation.py); cut its
+        output budget to what the KV pool holds beside its prompt."""
         usable = self.runner.allocator.size  # whole pages only
-        if n >= usable:
-            raise InvalidRequest(f"the prompt has {n} tokens; the KV pool holds {usable}")
-        req.sampling.validate(vocab)
-        s = req.sampling
-        if n + s.max_new_tokens > usable:
-            # As SGLang: the output budget is cut to what the pool holds beside the prompt, so
-            # the request ends with "length" there, not with an abort after filling the pool
-            # (and retracting everyone else) once it runs alone
-            room = usable - n
-            req.sampling = dataclasses.replace(
-                s, max_new_tokens=room, min_new_tokens=min(s.min_new_tokens, room)
-            )
-        if req.pooling is not None and req.pooling not in POOLING_METHODS:
-            raise InvalidRequest(f"pooling must be one of {POOLING_METHODS}, got {req.pooling!r}")
-        labels = req.label_token_ids
-        if labels is not None and (not labels or any(not 0 <= t < vocab for t in labels)):
-            raise InvalidRequest(f"label_token_ids must be token ids in [0, {vocab})")
+        limits = ServingLimits(self.runner.model_config.vocab_size, self.max_context, usable)
+        check_request(
+            req.input_ids, req.sampling, limits,
+            pooling=req.pooling, label_token_ids=req.label_token_ids,
+        )  # fmt: skip
+        req.sampling = fit_output_budget(req.sampling, len(req.input_ids), usable)
 
     def add_request(self, req: Req) -> None:
         """Queue ``req``; one with a grammar first waits for it to compile (off this thread)."""
@@ -642,6 +621,107 @@ class EngineCore:
             return False
         self.cache.evict(1 << 62)
         return True
+
+    # -- what the entrypoints read and ask of the core ---------------------------------------
+    # The offline Engine and the server's engine process use these, never the core's parts
+    # (scheduler, runner, disaggregation side, grammar queue, speculator) directly.
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.model_config.vocab_size
+
+    @property
+    def kv_size(self) -> int:
+        """Token slots in the KV pool."""
+        return self.runner.kv_size
+
+    @property
+    def max_running_requests(self) -> int:
+        return self.runner.settings.max_running_requests
+
+    def settings_summary(self) -> dict[str, dict[str, Any]]:
+        """The resolved runtime settings, as the start-up banner and /server_info show them."""
+        return self.runner.settings.describe()
+
+    def plugin_names(self) -> dict[str, str]:
+        """Plugin kind -> the name of the plugin chosen for it."""
+        return dict(self.runner.plugins.names)
+
+    @property
+    def spec_num_draft(self) -> int | None:
+        """Draft tokens per request and verify step; None when speculation is off."""
+        return None if self.speculator is None else self.speculator.num_draft
+
+    @property
+    def num_grammar_queue(self) -> int:
+        """Requests waiting for their grammar to compile."""
+        return len(self.grammars)
+
+    def isolate_grammar_compiles(self) -> None:
+        """Compile each new grammar in a capped sandbox process first (core/grammar_sandbox.py),
+        so that no request's grammar can take the engine's time or memory."""
+        from radixserve.core.grammar_sandbox import SandboxSpec  # here: a server's choice
+
+        grammars, config = self.grammars, self.config
+        if grammars.backend_name == "none":
+            return  # it refuses every grammar at once
+        grammars.isolate(
+            SandboxSpec(
+                backend=grammars.backend_name,
+                model_dir=str(config.model_path),
+                vocab_size=self.vocab_size,
+                stop_token_ids=tuple(self.eos_token_ids),
+                plugin_allow=tuple(config.plugin_allow),
+                memory_mb=config.grammar_compile_memory,
+            )
+        )
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def running_rids(self) -> list[str]:
+        """The running requests' ids, in the scheduler's order."""
+        return [req.rid for req in self.scheduler.running]
+
+    def kv_accounting(self) -> dict[str, int]:
+        return self.scheduler.kv_accounting()
+
+    def scheduler_counters(self) -> dict[str, Any]:
+        """The scheduler's counters since start: cache_hit_rate, retractions, steps and
+        steps_by_kind (each kind's counts as JSON)."""
+        stats = self.scheduler.stats
+        return {
+            "cache_hit_rate": stats.cache_hit_rate,
+            "retractions": stats.retractions,
+            "steps": stats.steps,
+            "steps_by_kind": {k: v.to_json() for k, v in stats.by_kind.items()},
+        }
+
+    @property
+    def wakeup_fd(self) -> int | None:
+        """A descriptor that becomes readable when a KV transfer ends (disaggregation), for
+        the caller to wait on beside its inbox; None without one."""
+        return None if self.disagg is None else self.disagg.connector.wakeup_fd
+
+    def bind_server_engine(self) -> None:
+        """Let the hardware platform place this process as a server's engine."""
+        self.runner.platform.bind_server_engine()
+
+    def close_transfers(self) -> None:
+        """Close the KV connector (its server and transfer agent, in order), if there is one;
+        once (shutdown does not close it again)."""
+        if self.disagg is not None:
+            self.disagg.connector.close()
+            self.disagg = None
+
+    def close_runner(self) -> None:
+        """The other tensor-parallel ranks leave their step loops."""
+        self.runner.close()
 
 
 def _eos_from_tokenizer(tokenizer: Tokenizer) -> tuple[int, ...]:

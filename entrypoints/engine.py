@@ -24,16 +24,20 @@ from typing import Any
 from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.core.distributed import teardown as teardown_parallel
 from radixserve.core.engine_core import EngineCore
-from radixserve.core.output import input_logprob_entries, logprob_triples, top_logprob_triples
 from radixserve.core.plugins import PluginHost, default_host
 from radixserve.core.request import FinishReason, InvalidRequest, Req, SamplingParams
 from radixserve.core.stop import streamable_text
-from radixserve.entrypoints import tp_workers
+from radixserve.entrypoints import ipc, tp_workers
+from radixserve.entrypoints.engine_loop import EngineLoop, Inbound, Transport
 from radixserve.entrypoints.fanout import choice_params, per_item
+from radixserve.entrypoints.output import (
+    input_logprob_entries,
+    logprob_triples,
+    top_logprob_triples,
+)
 from radixserve.entrypoints.spec_meta import spec_meta_info
 
 logger = logging.getLogger(__name__)
-_STOP = object()
 
 #: Settings the offline Engine chooses where the caller does not, before the platform's: it
 #: runs batches, where no one watches tokens arrive, so a step takes a whole prefill chunk
@@ -91,14 +95,12 @@ class Engine:
             ranks = [(i + 1, p) for i, p in enumerate(self._workers)]
             tp_workers.watch(ranks, self._rank_died)
         self.tokenizer = self.core.tokenizer
-        self._inbox: queue.Queue[Any] = queue.Queue()
-        # Held to queue work and to close the inbox, so nothing is queued after the loop's
-        # last look at it (that caller would wait forever).
-        self._inbox_lock = threading.Lock()
-        self._closed = False
-        self._outboxes: dict[str, queue.Queue[Any]] = {}
+        self._transport = QueueTransport(self)
+        self._inbox = self._transport.inbox
         self._ids = itertools.count()
-        self._thread = threading.Thread(target=self._loop, name="radixserve-engine", daemon=True)
+        # the same loop as the server's engine process, over in-process queues
+        self.loop = EngineLoop(self.core, self._transport, isolate_failures=False)
+        self._thread = threading.Thread(target=self.loop.run, name="radixserve-engine", daemon=True)
         self._thread.start()
 
     # -- public API ------------------------------------------------------------------------
@@ -152,20 +154,16 @@ class Engine:
         )
 
     def abort(self, rid: str) -> None:
-        self._inbox.put(("abort", rid))
+        self._inbox.put(ipc.AbortRequest(rid))
 
     def flush_cache(self) -> bool:
-        done: queue.Queue[bool] = queue.Queue()
-        with self._inbox_lock:
-            self._check_running()
-            self._inbox.put(("flush", done))
-        return done.get()
+        return self._transport.call(ipc.FlushCacheRequest(next(self._ids)))
 
     def shutdown(self) -> None:
         """Stop the engine and free its device memory, so another Engine can start in this
         process. Calling it again does nothing."""
         if self._thread.is_alive():
-            self._inbox.put(_STOP)
+            self._inbox.put(ipc.ShutdownRequest())
             self._thread.join()
         tp_workers.stop_watching(self._workers)  # their exits are expected from here on
         self.core.shutdown()  # rank 0 tells the other tensor-parallel ranks to stop
@@ -220,16 +218,11 @@ class Engine:
     def _check_running(self) -> None:
         if self._error is not None:
             raise EngineDeadError(f"the engine loop failed: {self._error}")
-        if self._closed or not self._thread.is_alive():
+        if self._transport.closed or not self._thread.is_alive():
             raise EngineDeadError("the engine is shut down; start a new Engine")
 
     def _submit(self, req: Req) -> queue.Queue[Any]:
-        box: queue.Queue[Any] = queue.Queue()
-        with self._inbox_lock:
-            self._check_running()
-            self._outboxes[req.rid] = box
-            self._inbox.put(("add", req))
-        return box
+        return self._transport.submit(req)
 
     def _wait(self, req: Req, box: queue.Queue[Any]) -> dict[str, Any]:
         while box.get() is not _FINISHED:
@@ -279,10 +272,10 @@ class Engine:
         }
         if finished and req.finish_time is not None:
             meta["e2e_latency"] = req.finish_time - req.arrival_time
-        speculator = self.core.speculator
-        if speculator is not None:  # SGLang adds these only while speculation is on
+        num_draft = self.core.spec_num_draft
+        if num_draft is not None:  # SGLang adds these only while speculation is on
             verify_ct, accepted = spec or (req.spec_verify_ct, req.spec_accepted_tokens)
-            meta.update(spec_meta_info(verify_ct, accepted, speculator.num_draft))
+            meta.update(spec_meta_info(verify_ct, accepted, num_draft))
         if req.sampling.logprobs:
             n = len(ids)
             decode = self._token_text if req.return_text_in_logprobs else None
@@ -309,84 +302,67 @@ class Engine:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _loop(self) -> None:
-        core = self.core
-        live: dict[str, Req] = {}
-        handling: Any = None  # the inbox item being handled, if the step fails on it
+
+class QueueTransport(Transport):
+    """The offline Engine's side of the loop: callers queue messages in ``inbox`` (a Req to
+    add, ipc structs for the rest); each request's progress goes to its caller's own queue as
+    a snapshot taken between steps, then ``_FINISHED``."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.inbox: queue.Queue[Inbound] = queue.Queue()
+        self._pending: list[Inbound] = []  # taken from the inbox by ``wait``
+        # Held to queue work and to close the inbox, so nothing is queued after the loop's
+        # last look at it (that caller would wait forever).
+        self._lock = threading.Lock()
+        self.closed = False
+        self._outboxes: dict[str, tuple[Req, queue.Queue[Any], list[int]]] = {}
+        self._calls: dict[int, queue.Queue[bool]] = {}
+
+    # -- the callers' side -------------------------------------------------------------------
+
+    def submit(self, req: Req) -> queue.Queue[Any]:
+        box: queue.Queue[Any] = queue.Queue()
+        with self._lock:
+            self.engine._check_running()
+            self._outboxes[req.rid] = (req, box, [0])
+            self.inbox.put(req)
+        return box
+
+    def call(self, msg: ipc.FlushCacheRequest) -> bool:
+        answer: queue.Queue[bool] = queue.Queue()
+        with self._lock:
+            self.engine._check_running()
+            self._calls[msg.call_id] = answer
+            self.inbox.put(msg)
+        return answer.get()
+
+    # -- the loop's side ---------------------------------------------------------------------
+
+    def wait(self, timeout: float | None) -> bool:
+        try:
+            self._pending.append(self.inbox.get(timeout=timeout))
+        except queue.Empty:
+            pass
+        return True  # the caller is this process
+
+    def receive(self) -> Iterator[Inbound]:
+        while self._pending:
+            yield self._pending.pop(0)
         while True:
             try:
-                block = not core.has_work()
-                while True:
-                    try:
-                        item = self._inbox.get(block=block)
-                    except queue.Empty:
-                        break
-                    block = False
-                    if item is _STOP:
-                        self._fail_all(live, "engine shut down")
-                        self._close_inbox("engine shut down")
-                        return
-                    handling = item
-                    self._handle(item, live)
-                    handling = None
-                for req in core.step():
-                    self._deliver(req, live)
-            except Exception as e:  # noqa: BLE001 - surfaced to every waiting caller
-                logger.exception("engine loop failed")
-                self._error = self._error or e  # a dead rank, if that was the cause
-                self._fail_all(live, f"engine error: {e}")
-                if handling is not None:  # taken from the inbox, so _close_inbox cannot see it
-                    self._refuse(handling, f"engine error: {e}")
-                self._close_inbox(f"engine error: {e}")
+                yield self.inbox.get_nowait()
+            except queue.Empty:
                 return
 
-    def _close_inbox(self, message: str) -> None:
-        """The loop is ending: answer what is still queued (requests end with ``message``, a
-        flush reports False) and refuse more, so no caller waits forever."""
-        with self._inbox_lock:
-            self._closed = True
-            while True:
-                try:
-                    item = self._inbox.get_nowait()
-                except queue.Empty:
-                    return
-                if item is not _STOP:
-                    self._refuse(item, message)
-
-    def _refuse(self, item: tuple[str, Any], message: str) -> None:
-        """Answer an inbox item the loop will not carry out: a request ends with ``message``,
-        a flush reports False."""
-        kind, arg = item
-        if kind == "add":
-            if not arg.finished:
-                arg.finish(FinishReason("abort", message=message))
-            self._deliver(arg, {})
-        elif kind == "flush":
-            arg.put(False)
-
-    def _handle(self, item: tuple[str, Any], live: dict[str, Req]) -> None:
-        kind, arg = item
-        if kind == "add":
-            try:
-                self.core.add_request(arg)
-            except InvalidRequest as e:
-                arg.finish(FinishReason("abort", message=str(e)))
-                self._deliver(arg, live)
-                return
-            live[arg.rid] = arg
-        elif kind == "abort":
-            req = self.core.abort(arg)
-            if req is not None:
-                self._deliver(req, live)
-        elif kind == "flush":
-            arg.put(self.core.flush_cache())
-
-    def _deliver(self, req: Req, live: dict[str, Req]) -> None:
-        box = self._outboxes.get(req.rid)
-        if box is None:
-            return
+    def deliver(self, req: Req, error_status: int = 0) -> int:
+        entry = self._outboxes.get(req.rid)
+        if entry is None:
+            return 0
+        _, box, sent = entry
+        new = len(req.output_ids) - sent[0]
+        sent[0] = len(req.output_ids)
         if req.finished:
-            live.pop(req.rid, None)
             self._outboxes.pop(req.rid, None)
             box.put(_FINISHED)
         else:
@@ -396,12 +372,43 @@ class Engine:
             text = req.detok.text if req.detok is not None else ""
             spec = (req.spec_verify_ct, req.spec_accepted_tokens)
             box.put((len(req.output_ids), streamable_text(text, req.sampling.stop), spec))
+        return new
 
-    def _fail_all(self, live: dict[str, Req], message: str) -> None:
-        for req in list(live.values()):
-            if not req.finished:
-                req.finish(FinishReason("abort", message=message))
-            self._deliver(req, live)
+    def reply(self, msg: ipc.EngineOutbound) -> None:
+        if isinstance(msg, ipc.FlushCacheReply):
+            self._calls.pop(msg.call_id).put(msg.ok)
+
+    def close(self, error: Exception | None, handling: Inbound | None) -> None:
+        """Requests still running or queued end with an abort naming why, a flush waiting for
+        its answer gets False, and later calls an EngineDeadError."""
+        if error is None:
+            message = "engine shut down"
+        else:
+            message = f"engine error: {error}"
+            self.engine._error = self.engine._error or error  # a dead rank, if that was the cause
+            if handling is not None:  # taken from the inbox already: answer it here
+                self._refuse(handling, message)
+        with self._lock:
+            self.closed = True
+            for item in self._pending:
+                self._refuse(item, message)
+            while True:
+                try:
+                    self._refuse(self.inbox.get_nowait(), message)
+                except queue.Empty:
+                    break
+        for req, _, _ in list(self._outboxes.values()):
+            self._refuse(req, message)
+
+    def _refuse(self, item: Inbound, message: str) -> None:
+        """Answer a message the loop will not carry out: a request ends with ``message``, a
+        flush reports False."""
+        if isinstance(item, Req):
+            if not item.finished:
+                item.finish(FinishReason("abort", message=message))
+            self.deliver(item)
+        elif isinstance(item, ipc.FlushCacheRequest):
+            self._calls.pop(item.call_id).put(False)
 
 
 _FINISHED = object()

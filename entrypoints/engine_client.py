@@ -20,8 +20,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from radixserve.core import ipc
-from radixserve.entrypoints import tp_workers
+from radixserve.entrypoints import ipc, tp_workers
 
 logger = logging.getLogger(__name__)
 

@@ -19,11 +19,11 @@ from typing import Any
 import uvicorn
 
 from radixserve.core.config import ConfigError
-from radixserve.core.ipc import EngineReady
 from radixserve.core.tokenizer import Tokenizer
 from radixserve.entrypoints.engine_client import EngineClient, EngineDied
 from radixserve.entrypoints.http_protocol import guarded_h11
 from radixserve.entrypoints.http_server import create_app
+from radixserve.entrypoints.ipc import EngineReady
 from radixserve.entrypoints.metrics import ServerMetrics
 from radixserve.entrypoints.server_args import ServerArgs, parse_server_args
 from radixserve.entrypoints.tokenizer_manager import TokenizerManager

@@ -23,7 +23,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from radixserve.core import ipc
+from radixserve.entrypoints import ipc
 
 # The exposition format generate_latest writes, as prometheus_client names it.
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -52,72 +52,85 @@ TOKEN_BUCKETS = (
 )  # fmt: skip
 
 
+STREAM = ("is_streaming",)  # the label that tells streamed requests from whole ones
+
+
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self._req_labels = {"model_name": model_name, "engine_type": ENGINE_TYPE}
         rank = {"tp_rank": "0", "pp_rank": "0", "moe_ep_rank": "0"}
         self._engine_labels = {**self._req_labels, **rank}
-        r = self.registry
+        self._register_counters()
+        self._register_histograms()
+        self.engine = _EngineMetrics(self.registry, self._engine_labels)
 
-        def counter(name: str, doc: str, extra: Sequence[str] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, [*TOKENIZER_LABELS, *extra], registry=r)
+    def _counter(self, name: str, doc: str, extra: Sequence[str] = ()) -> Counter:
+        labels = [*TOKENIZER_LABELS, *extra]
+        return Counter(PREFIX + name, doc, labels, registry=self.registry)
 
-        def histogram(name: str, doc: str, buckets: Sequence[float], extra: Sequence[str] = ()):
-            labels = [*TOKENIZER_LABELS, *extra]
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r)
+    def _histogram(
+        self, name: str, doc: str, buckets: Sequence[float], extra: Sequence[str] = ()
+    ) -> Histogram:
+        labels = [*TOKENIZER_LABELS, *extra]
+        return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
 
-        stream = ("is_streaming",)
-        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.", stream)
-        self.generation_tokens = counter(
-            "generation_tokens", "Number of generation tokens processed.", stream
+    def _register_counters(self) -> None:
+        self.prompt_tokens = self._counter(
+            "prompt_tokens", "Number of prefill tokens processed.", STREAM
         )
-        self.num_requests = counter("num_requests", "Number of requests processed.", stream)
-        self.num_aborted = counter("num_aborted_requests", "Number of requests aborted.")
-        self.num_so = counter("num_so_requests", "Number of structured output requests processed.")
-        self.cached_tokens = counter(
+        self.generation_tokens = self._counter(
+            "generation_tokens", "Number of generation tokens processed.", STREAM
+        )
+        self.num_requests = self._counter("num_requests", "Number of requests processed.", STREAM)
+        self.num_aborted = self._counter("num_aborted_requests", "Number of requests aborted.")
+        self.num_so = self._counter(
+            "num_so_requests", "Number of structured output requests processed."
+        )
+        self.cached_tokens = self._counter(
             "cached_tokens",
             "Number of cached prompt tokens by source (device/host/storage).",
             ("cache_source",),
         )
-        self.spec_verify_calls = counter(
+        self.spec_verify_calls = self._counter(
             "spec_verify_calls", "Number of speculative decoding verification calls."
         )
-        self.prompt_len = histogram(
+
+    def _register_histograms(self) -> None:
+        self.prompt_len = self._histogram(
             "prompt_tokens_histogram", "Histogram of prompt token length.", TOKEN_BUCKETS
         )
-        self.uncached_len = histogram(
+        self.uncached_len = self._histogram(
             "uncached_prompt_tokens_histogram",
             "Histogram of uncached (compute) prompt token length.",
             TOKEN_BUCKETS,
         )
-        self.generation_len = histogram(
+        self.generation_len = self._histogram(
             "generation_tokens_histogram", "Histogram of generation token length.", TOKEN_BUCKETS
         )
-        self.ttft = histogram(
+        self.ttft = self._histogram(
             "time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
             TTFT_BUCKETS,
-            stream,
+            STREAM,
         )
-        self.itl = histogram(
+        self.itl = self._histogram(
             "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
             ITL_BUCKETS,
         ).labels(**self._req_labels)  # fmt: skip
-        self.tpot = histogram(
+        self.tpot = self._histogram(
             "request_time_per_output_token_seconds",
             "Per-request TPOT in seconds: (finished_time - first_token_time) / "
             "(completion_tokens - 1).",
             ITL_BUCKETS,
-            stream,
+            STREAM,
         )
-        self.e2e = histogram(
+        self.e2e = self._histogram(
             "e2e_request_latency_seconds",
             "Histogram of End-to-end request latency in seconds",
             E2E_BUCKETS,
-            stream,
+            STREAM,
         )
-        self.engine = _EngineMetrics(r, self._engine_labels)
 
     def on_tokens(self, seconds_each: float, count: int) -> None:
         """``count`` output tokens arrived together, ``seconds_each`` apart on average."""

@@ -1,5 +1,5 @@
 """/start_profile and /stop_profile as SGLang has them: its body fields are checked here, and
-torch.profiler runs in the engine process, where the model runs (core/profiler.py). The trace
+torch.profiler runs in the engine process, where the model runs (entrypoints/profiler.py). The trace
 goes to ``output_dir``, by default $SGLANG_TORCH_PROFILER_DIR (or our alias
 $RADIXSERVE_TORCH_PROFILER_DIR), else /tmp, named ``<profile_id>-TP-0.trace.json.gz`` as
 SGLang names it."""
@@ -10,10 +10,10 @@ import os
 import time
 from typing import Any
 
-from radixserve.core import ipc
-from radixserve.core.ipc import PROFILE_ACTIVITIES as ACTIVITIES
 from radixserve.core.request import InvalidRequest
+from radixserve.entrypoints import ipc
 from radixserve.entrypoints.http_errors import ApiError
+from radixserve.entrypoints.ipc import PROFILE_ACTIVITIES as ACTIVITIES
 from radixserve.entrypoints.tokenizer_manager import TokenizerManager
 
 DIR_ENV = "SGLANG_TORCH_PROFILER_DIR"

@@ -19,9 +19,9 @@ from radixserve.core.config import (
     ConfigError,
     EngineConfig,
 )
-from radixserve.core.ipc import EngineReady
 from radixserve.core.request import POOLING_METHODS
 from radixserve.entrypoints.admission import Limits
+from radixserve.entrypoints.ipc import EngineReady
 from radixserve.entrypoints.reasoning import REASONING_PARSERS
 from radixserve.entrypoints.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 

@@ -18,12 +18,16 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from radixserve.core.disaggregation import Bootstrap
-from radixserve.core.output import input_logprob_entries, logprob_triples, top_logprob_triples
 from radixserve.core.request import INT64_MAX, InvalidRequest, SamplingParams
 from radixserve.entrypoints.bootstrap import expand_bootstrap, refused_rooms
 from radixserve.entrypoints.fanout import choice_params
 from radixserve.entrypoints.fanout import per_item as _per_item
 from radixserve.entrypoints.http_errors import is_client_error
+from radixserve.entrypoints.output import (
+    input_logprob_entries,
+    logprob_triples,
+    top_logprob_triples,
+)
 from radixserve.entrypoints.serving_openai import error_event, raise_if_failed
 from radixserve.entrypoints.spec_meta import spec_meta_info
 from radixserve.entrypoints.streaming import SSE_DONE, follow, json_response, sse

@@ -8,8 +8,8 @@ a few list appends; everything else goes to a ``ReqExtras`` only for the request
 
 from __future__ import annotations
 
-from radixserve.core import ipc
 from radixserve.core.request import Req
+from radixserve.entrypoints import ipc
 
 # What a live request has been sent: indices into the list kept per rid.
 _TOKENS, _TEXT, _CACHED, _VERIFY, _ACCEPTED = range(5)

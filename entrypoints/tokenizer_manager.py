@@ -15,11 +15,12 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from radixserve.core import ipc
 from radixserve.core.disaggregation import Bootstrap
 from radixserve.core.request import FinishReason, InvalidRequest, SamplingParams
 from radixserve.core.stop import streamable_text
 from radixserve.core.tokenizer import Tokenizer
+from radixserve.core.validation import ServingLimits, check_request
+from radixserve.entrypoints import ipc
 from radixserve.entrypoints.admission import Limits
 from radixserve.entrypoints.engine_client import EngineClient, EngineDied
 from radixserve.entrypoints.metrics import ServerMetrics
@@ -144,29 +145,27 @@ class TokenizerManager:
         return text
 
     def check(
-        self, ids: Sequence[int], params: SamplingParams, max_field: str | None = None
+        self,
+        ids: Sequence[int],
+        params: SamplingParams,
+        max_field: str | None = None,
+        *,
+        pooling: str | None = None,
+        label_token_ids: Sequence[int] | None = None,
     ) -> None:
-        """Raise InvalidRequest when the prompt or params can never be served. With
-        ``max_field`` (the name the client used) the output budget must fit the context."""
-        n, info = len(ids), self.info
-        if n == 0:
-            raise InvalidRequest("the prompt is empty; send at least one token")
-        bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {info.vocab_size})")
-        if n >= info.max_context:
-            raise InvalidRequest(
-                f"the prompt has {n} tokens; this model's context length is {info.max_context}"
-            )
-        if n >= info.kv_size:
-            raise InvalidRequest(f"the prompt has {n} tokens; the KV pool holds {info.kv_size}")
-        if max_field is not None and n + params.max_new_tokens > info.max_context:
-            raise InvalidRequest(
-                f"{max_field}={params.max_new_tokens} plus the prompt's {n} tokens exceeds "
-                f"this model's context length of {info.max_context} tokens"
-            )
-        params.validate(info.vocab_size)
+        """Raise InvalidRequest when the prompt or params can never be served (the engine's own
+        check, core/validation.py, then this server's size limits). With ``max_field`` (the
+        name the client used) the output budget must fit the context."""
+        check_request(
+            ids, params, self.serving_limits, pooling=pooling,
+            label_token_ids=label_token_ids, max_field=max_field,
+        )  # fmt: skip
         self.limits.check_params(params)
+
+    @property
+    def serving_limits(self) -> ServingLimits:
+        info = self.info
+        return ServingLimits(info.vocab_size, info.max_context, info.kv_size)
 
     def admit(self, count: int) -> None:
         """Raise Overloaded unless ``count`` more requests may be queued now."""

@@ -30,10 +30,10 @@ from typing import Any
 
 from common import machine_info, write_json
 
-from radixserve.core import ipc
 from radixserve.core.request import Req, SamplingParams
 from radixserve.core.stop import StopChecker
 from radixserve.core.tokenizer import Tokenizer
+from radixserve.entrypoints import ipc
 from radixserve.entrypoints.serving_native import LogprobOptions, NativeServing
 from radixserve.entrypoints.step_output import StepOutputBuilder
 from radixserve.entrypoints.streaming import sse

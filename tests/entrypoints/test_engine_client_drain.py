@@ -9,7 +9,7 @@ import time
 
 import zmq
 
-from radixserve.core import ipc
+from radixserve.entrypoints import ipc
 from radixserve.entrypoints.engine_client import EngineClient
 
 QUEUED = 5

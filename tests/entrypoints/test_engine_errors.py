@@ -44,7 +44,7 @@ def _still_serving(engine: Engine) -> None:
         ({"prompt": "Hi", "sampling_params": {"n": 0}}, "n must be >= 1"),
         ({"prompt": "Hi", "sampling_params": {"bogus": 1}}, "unknown sampling parameter 'bogus'"),
         ({"prompt": "Hi", "sampling_params": {"stop": [""]}}, "stop must be"),
-        ({"input_ids": [1, 2, 10**9]}, "input_ids must be token ids"),
+        ({"input_ids": [1, 2, 10**9]}, "is outside the vocabulary"),
         ({"input_ids": ["a"]}, "integer token ids"),
     ],
 )

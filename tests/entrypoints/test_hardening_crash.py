@@ -176,11 +176,11 @@ def test_sigterm_aborts_what_runs_past_the_shutdown_timeout(
 WATCHDOG_SCRIPT = textwrap.dedent(
     """
     import time, types, zmq
-    from radixserve.entrypoints.engine_process import EngineLoop
+    from radixserve.entrypoints.engine_process import server_loop, start_watchdog
 
     class StuckCore:
         config = types.SimpleNamespace(watchdog_timeout=0.5, disaggregation_mode="null")
-        disagg = None  # not a prefill or decode server
+        wakeup_fd = None  # not a prefill or decode server
         def has_work(self): return True
         def idle_wait(self): return None
         def step(self): time.sleep(3600); return []
@@ -188,7 +188,9 @@ WATCHDOG_SCRIPT = textwrap.dedent(
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     pull.bind("inproc://in"); push.bind("inproc://out")
-    EngineLoop(StuckCore(), pull, push).run()
+    loop = server_loop(StuckCore(), pull, push)
+    start_watchdog(loop, StuckCore.config.watchdog_timeout)
+    loop.run()
     """
 )
 

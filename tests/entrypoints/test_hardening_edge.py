@@ -169,7 +169,7 @@ def test_seeds_of_n_choices_wrap_within_64_bits(server: RunningServer) -> None:
 
 def test_request_the_engine_cannot_receive_is_400_and_holds_no_slot() -> None:
     """Were anything to get past validation that the message encoder refuses (the issue's
-    OverflowError in core/ipc.py), the request is a 400 and never becomes live: a request
+    OverflowError in entrypoints/ipc.py), the request is a 400 and never becomes live: a request
     counts against the admission limit only once the engine has it."""
     from types import SimpleNamespace
 

@@ -14,47 +14,49 @@ import msgspec
 import pytest
 import zmq
 
-from radixserve.core import ipc
 from radixserve.core.request import FinishReason, Req, SamplingParams
-from radixserve.entrypoints.engine_process import MAX_FAILED_STEPS, EngineLoop
+from radixserve.entrypoints import ipc
+from radixserve.entrypoints.engine_loop import MAX_FAILED_STEPS
+from radixserve.entrypoints.engine_process import server_loop
 
 HANG_GUARD_MS = 60_000
 
 
-class FakeScheduler:
-    def __init__(self) -> None:
-        self.running: list[Req] = []
-
-    def kv_accounting(self) -> dict[str, int]:
-        return {"in_use": 0, "locked": 0}
-
-
 class FakeCore:
     """Runs requests for one step each; ``fail`` makes steps raise, ``busy`` makes it step with
-    nothing running."""
+    nothing running. Only EngineCore's public methods that the loop calls."""
 
     config = types.SimpleNamespace(watchdog_timeout=300.0)
-    disagg = None  # not a prefill or decode server
+    wakeup_fd = None  # not a prefill or decode server
 
     def __init__(self) -> None:
-        self.scheduler = FakeScheduler()
+        self.running: list[Req] = []
         self.fail = False
         self.busy = False
         self.steps = 0
 
     def add_request(self, req: Req) -> None:
-        self.scheduler.running.append(req)
+        self.running.append(req)
 
     def abort(self, rid: str, message: str = "aborted") -> Req | None:
-        for req in self.scheduler.running:
+        for req in self.running:
             if req.rid == rid:
-                self.scheduler.running.remove(req)
+                self.running.remove(req)
                 req.finish(FinishReason("abort", message=message))
                 return req
         return None
 
+    def running_rids(self) -> list[str]:
+        return [req.rid for req in self.running]
+
+    def kv_accounting(self) -> dict[str, int]:
+        return {"in_use": 0, "locked": 0}
+
+    def close_transfers(self) -> None:
+        pass
+
     def has_work(self) -> bool:
-        return self.busy or bool(self.scheduler.running)
+        return self.busy or bool(self.running)
 
     def idle_wait(self) -> float | None:
         return None  # never only waiting for KV transfers
@@ -63,7 +65,7 @@ class FakeCore:
         self.steps += 1
         if self.fail:
             raise RuntimeError("a bug in the step")
-        done, self.scheduler.running = self.scheduler.running, []
+        done, self.running = self.running, []
         for req in done:
             req.output_ids.append(1)
             req.finish(FinishReason("length", length=1))
@@ -80,7 +82,7 @@ def loop() -> Iterator[tuple[FakeCore, zmq.Socket, zmq.Socket, threading.Thread]
     from_engine.bind("inproc://out")
     engine_out.connect("inproc://out")
     core = FakeCore()
-    thread = threading.Thread(target=EngineLoop(core, engine_in, engine_out).run, daemon=True)  # type: ignore[arg-type]
+    thread = threading.Thread(target=server_loop(core, engine_in, engine_out).run, daemon=True)  # type: ignore[arg-type]
     thread.start()
     yield core, to_engine, from_engine, thread
     to_engine.send(ipc.encode(ipc.ShutdownRequest()))

@@ -10,8 +10,8 @@ import asyncio
 import random
 import types
 
-from radixserve.core import ipc
 from radixserve.core.request import FinishReason, Req, SamplingParams
+from radixserve.entrypoints import ipc
 from radixserve.entrypoints.step_output import StepOutputBuilder
 from radixserve.entrypoints.tokenizer_manager import ServerReq, TokenizerManager
 

@@ -82,7 +82,7 @@ PROFILE_ACTIVITIES = ("CPU", "GPU")  # what ProfileRequest.activities may name
 
 
 class ProfileRequest(msgspec.Struct, tag="profile", kw_only=True):
-    """Start or stop torch.profiler in the engine (core/profiler.py); the server has checked
+    """Start or stop torch.profiler in the engine (entrypoints/profiler.py); the server has checked
     the fields. ``num_steps``: stop by itself after that many engine steps."""
 
     call_id: int
@@ -194,7 +194,7 @@ class EngineState(msgspec.Struct, tag="state_reply", kw_only=True):
     steps: int
     # EngineCore.spec_stats() now: settings and accept statistics; None when speculation is off
     speculative: dict[str, Any] | None = None
-    # output tokens per second over the last few seconds of steps (core/gen_rate.py)
+    # output tokens per second over the last few seconds of steps (entrypoints/gen_rate.py)
     gen_throughput: float = 0.0
     num_grammar_queue: int = 0  # requests waiting for their grammar to compile
     # steps so far by kind (decode, mixed, prefill): StepKindStats.to_json() of each

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from radixserve.core.ipc import PROFILE_ACTIVITIES
+from radixserve.entrypoints.ipc import PROFILE_ACTIVITIES
 
 logger = logging.getLogger(__name__)
 
