@@ -34,7 +34,7 @@ def add_native_routes(
     @app.post("/v1/tokenize")
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> Any:
-        return _tokenize(tm, chat, await read_object(raw))
+        return await _tokenize(tm, chat, await read_object(raw))
 
     @app.post("/v1/detokenize")
     @app.post("/detokenize")
@@ -50,19 +50,21 @@ def add_native_routes(
         return {"text": tm.tokenizer.decode(ids, skip_special_tokens=skip)}
 
 
-def _tokenize(tm: TokenizerManager, chat: ChatServing, body: dict[str, Any]) -> dict[str, Any]:
+async def _tokenize(
+    tm: TokenizerManager, chat: ChatServing, body: dict[str, Any]
+) -> dict[str, Any]:
     prompt = body.get("prompt", body.get("text"))
     special = body.get("add_special_tokens", True) is not False
     if body.get("messages") is not None:
         if prompt is not None:
             raise InvalidRequest("send exactly one of 'prompt' or 'messages'")
-        tokens: Any = _chat_prompt_ids(chat, body)
+        tokens: Any = await _chat_prompt_ids(chat, body)
         count: Any = len(tokens)
     elif isinstance(prompt, str):
-        tokens = tm.encode(prompt, special)
+        tokens = (await tm.encode_async([prompt], special))[0]
         count = len(tokens)
     elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
-        tokens = [tm.encode(p, special) for p in prompt]
+        tokens = await tm.encode_async(prompt, special)
         count = [len(t) for t in tokens]
     else:
         raise InvalidRequest(
@@ -71,7 +73,7 @@ def _tokenize(tm: TokenizerManager, chat: ChatServing, body: dict[str, Any]) -> 
     return {"tokens": tokens, "count": count, "max_model_len": tm.info.max_context}
 
 
-def _chat_prompt_ids(chat: ChatServing, body: dict[str, Any]) -> list[int]:
+async def _chat_prompt_ids(chat: ChatServing, body: dict[str, Any]) -> list[int]:
     """/tokenize's ``messages``: the ids a chat completion with these messages (and tools,
     documents, chat_template_kwargs, add_generation_prompt, continue_final_message) prompts
     with, from the chat route's own rendering."""
@@ -80,7 +82,7 @@ def _chat_prompt_ids(chat: ChatServing, body: dict[str, Any]) -> list[int]:
         request = ChatCompletionRequest.model_validate(fields)
     except ValidationError as e:  # 400 naming the field, as on /v1/chat/completions
         raise RequestValidationError(e.errors()) from None
-    return chat.prompt_ids(request)
+    return await chat.prompt_ids(request)
 
 
 def _token_ids(value: Any, field: str, vocab: int, batch_ok: bool = False) -> list[int]:

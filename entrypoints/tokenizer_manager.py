@@ -35,6 +35,9 @@ DISCONNECT_CHECK_S = 0.5
 # tokens are runs of spaces or repeated symbols), so such a text cannot fit, and tokenizing it
 # first would hold the HTTP process for seconds and leave it gigabytes larger.
 MAX_CHARS_PER_TOKEN = 32
+# Texts up to this many characters in all are tokenized on the event loop (well under a
+# millisecond); longer ones in a worker thread, where the tokenizer releases the GIL.
+INLINE_TOKENIZE_CHARS = 4096
 # A weight update waits for the running requests to finish, then loads the checkpoint.
 WEIGHT_UPDATE_TIMEOUT_S = 1800.0
 
@@ -167,12 +170,27 @@ class TokenizerManager:
             self.check_text_size(len(text))
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def encode_chat(self, messages: list[dict[str, Any]], **extra: Any) -> list[int]:
+    async def encode_async(
+        self, texts: list[str], add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        """``encode`` of each text, off the event loop unless they are short: a long prompt
+        must not hold up /health or other clients while it is tokenized. Each text is checked
+        against ``max_prompt_chars`` first."""
+        for text in texts:
+            if isinstance(text, str):
+                self.check_text_size(len(text))
+        if sum(len(t) for t in texts if isinstance(t, str)) <= INLINE_TOKENIZE_CHARS:
+            return [self.tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+        return await asyncio.to_thread(self.tokenizer.encode_batch, texts, add_special_tokens)
+
+    async def encode_chat_async(self, messages: list[dict[str, Any]], **extra: Any) -> list[int]:
+        """The chat's prompt ids through the chat template, tokenized off the event loop (the
+        template renders on it: its input is capped by then)."""
         self.check_text_size(_text_size(messages) + _text_size(extra), "the chat's text")
         text = self.tokenizer.apply_chat_template(messages, **extra)
         self.check_text_size(len(text), "the rendered chat")
         # The template already holds any BOS it wants, so no special tokens are added here.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return (await self.encode_async([text], add_special_tokens=False))[0]
 
     def token_text(self, token_id: int) -> str:
         """The text of one token (special tokens included), memoized: logprob responses ask
