@@ -10,16 +10,22 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-from hardening import assert_openai_error, own_server, server_state, wait_idle
+from hardening import (
+    assert_openai_error,
+    own_server,
+    reset,
+    rss_mib,
+    send_raw_generate,
+    wait_idle,
+    wait_state,
+)
 from model_gate import PACE_S, Gate, gated_prompt, install_test_models
 from server_process import RunningServer
 
@@ -133,13 +139,6 @@ BIG_BODIES = {
 }
 
 
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
-
-
 class HealthProbe(threading.Thread):
     """Asks /health over and over; records each answer's latency."""
 
@@ -161,7 +160,7 @@ def test_a_20mb_prompt_is_refused_before_tokenizing(server: RunningServer) -> No
     and the process grew by ~3 GB. Now each is refused on its length alone (the message counts
     characters: no token count exists), /health keeps answering, and the memory goes back."""
     bodies = {route: json.dumps(body).encode() for route, body in BIG_BODIES.items()}
-    rss_start = _rss_mib(server.proc.pid)
+    rss_start = rss_mib(server.proc.pid)
     probe = HealthProbe(server)
     probe.start()
     try:
@@ -180,7 +179,7 @@ def test_a_20mb_prompt_is_refused_before_tokenizing(server: RunningServer) -> No
     # 20 MB body (tens of ms), never tokenizing (which took seconds per request)
     assert max(probe.latencies) < 2.0, sorted(probe.latencies)[-5:]
     del bodies
-    grown = _rss_mib(server.proc.pid) - rss_start
+    grown = rss_mib(server.proc.pid) - rss_start
     assert grown < 200, f"the HTTP process grew by {grown:.0f} MiB"
     # a prompt just inside the cap is tokenized and refused on its token count, as before
     fits = {"text": "a " * 30_000, "sampling_params": {"max_new_tokens": 1}}
@@ -190,33 +189,6 @@ def test_a_20mb_prompt_is_refused_before_tokenizing(server: RunningServer) -> No
 
 
 # -- dropped non-streaming clients ------------------------------------------------------------
-
-
-def _send_and_drop(server: RunningServer, body: dict[str, Any]) -> socket.socket:
-    data = json.dumps(body).encode()
-    host, port = server.url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)))
-    head = (
-        f"POST /generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        f"Authorization: Bearer {server.api_key}\r\nContent-Length: {len(data)}\r\n\r\n"
-    )
-    sock.sendall(head.encode() + data)
-    return sock
-
-
-def _reset(sock: socket.socket) -> None:
-    # SO_LINGER 0: close() sends a reset, as a client that crashed or timed out does
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-    sock.close()
-
-
-def _wait_state(server: RunningServer, done: Any, guard_s: float = HANG_GUARD_S) -> dict:
-    deadline = time.monotonic() + guard_s
-    while True:
-        state = server_state(server)
-        if done(state) or time.monotonic() > deadline:
-            return state
-        time.sleep(0.02)
 
 
 def test_dropped_non_streaming_clients_are_aborted_at_once(
@@ -230,13 +202,13 @@ def test_dropped_non_streaming_clients_are_aborted_at_once(
     body = {"text": "hello", "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True}}
     gate.pace()
     try:
-        socks = [_send_and_drop(server, body) for _ in range(count)]
-        state = _wait_state(server, lambda s: s["num_running_reqs"] == count)
+        socks = [send_raw_generate(server, body) for _ in range(count)]
+        state = wait_state(server, lambda s: s["num_running_reqs"] == count, HANG_GUARD_S)
         assert state["num_running_reqs"] == count, state
         dropped = time.monotonic()
         for sock in socks:
-            _reset(sock)
-        state = _wait_state(server, lambda s: s["num_live_requests"] == 0, guard_s=30)
+            reset(sock)
+        state = wait_state(server, lambda s: s["num_live_requests"] == 0, 30)
         elapsed = time.monotonic() - dropped
     finally:
         gate.pace(False)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +22,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-from hardening import ValidTraffic, assert_openai_error, own_server, server_state, wait_idle
+from hardening import (
+    ValidTraffic,
+    assert_openai_error,
+    own_server,
+    reset,
+    rss_mib,
+    send_raw_generate,
+    server_state,
+    wait_idle,
+)
 from server_process import RunningServer
 from tiny_models import make_tiny_llama_dir
 
@@ -33,13 +41,6 @@ SOAK_S = float(os.environ.get("RADIXSERVE_SOAK_SECONDS", "40"))
 RSS_BOUND_MIB = 250
 HANG_GUARD_S = 120
 BIG_PROMPT = "a " * 2_500_000  # 5 MB
-
-
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 @pytest.fixture(scope="module")
@@ -53,16 +54,9 @@ def soaked(tiny_long_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 def _drop(server: RunningServer, body: dict, after_s: float) -> None:
     """Send a /generate and reset the connection after ``after_s`` (a client that crashed)."""
-    data = json.dumps(body).encode()
-    host, port = server.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port))) as sock:
-        head = (
-            f"POST /generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Authorization: Bearer {server.api_key}\r\nContent-Length: {len(data)}\r\n\r\n"
-        )
-        sock.sendall(head.encode() + data)
-        time.sleep(after_s)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    sock = send_raw_generate(server, body)
+    time.sleep(after_s)
+    reset(sock)
 
 
 class Probes(threading.Thread):
@@ -101,7 +95,7 @@ def test_adversarial_soak_leaves_nothing_behind(soaked: RunningServer) -> None:
     with ValidTraffic(soaked) as warm:  # warm up: the process's steady size
         time.sleep(2)
     warm.assert_untouched()
-    rss_start = _rss_mib(soaked.proc.pid)
+    rss_start = rss_mib(soaked.proc.pid)
     stop = threading.Event()
     probes = Probes(soaked, stop)
     with ValidTraffic(soaked) as traffic:
@@ -115,7 +109,7 @@ def test_adversarial_soak_leaves_nothing_behind(soaked: RunningServer) -> None:
     state = wait_idle(soaked, timeout=HANG_GUARD_S)
     assert state["num_live_requests"] == 0 and state["num_running_reqs"] == 0, state
     assert state["kv"]["in_use"] == 0 and state["kv"]["locked"] == 0, state
-    grown = _rss_mib(soaked.proc.pid) - rss_start
+    grown = rss_mib(soaked.proc.pid) - rss_start
     assert grown < RSS_BOUND_MIB, f"the HTTP process grew by {grown:.0f} MiB"
     assert soaked.proc.poll() is None
 
