@@ -27,6 +27,15 @@ SHAPE_FIELDS = (
     "vocab_size",
 )  # fmt: skip
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
+# Tensors whose shape follows from the config alone, by the end of their HF names: the rest
+# depend on the model family's layout and are checked when they load.
+_SHAPES = {
+    "embed_tokens.weight": lambda c: [c.vocab_size, c.hidden_size],
+    "lm_head.weight": lambda c: [c.vocab_size, c.hidden_size],
+    "model.norm.weight": lambda c: [c.hidden_size],
+    "input_layernorm.weight": lambda c: [c.hidden_size],
+    "post_attention_layernorm.weight": lambda c: [c.hidden_size],
+}
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
@@ -86,10 +95,15 @@ def check_checkpoint(model_dir: str | Path, running: ModelConfig) -> None:
         raise ConfigError(f"'{model_dir}' is not a model directory")
     check_reload_config(ModelConfig.from_dir(model_dir), running, model_dir)
     for path in safetensors_files(model_dir):
-        _check_header(path)
+        for name, shape in _read_header(path).items():
+            expected = next((f(running) for end, f in _SHAPES.items() if name.endswith(end)), None)
+            if expected is not None and shape != expected:
+                raise ConfigError(f"'{path}': {name} has shape {shape}; this model's is {expected}")
 
 
-def _check_header(path: Path) -> None:
+def _read_header(path: Path) -> dict[str, list[int]]:
+    """The shapes of the tensors in the safetensors file ``path``, from its header alone;
+    ConfigError where the file cannot be read or its header is broken or points past it."""
     try:
         with open(path, "rb") as f:
             size = path.stat().st_size
@@ -103,7 +117,7 @@ def _check_header(path: Path) -> None:
         raise ConfigError(f"'{path}' has no readable safetensors header: {e}") from None
     if not isinstance(header, dict):
         raise ConfigError(f"'{path}' has no readable safetensors header")
-    data = size - 8 - length
+    data, shapes = size - 8 - length, {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
@@ -112,3 +126,5 @@ def _check_header(path: Path) -> None:
             raise ConfigError(f"'{path}': tensor {name!r:.100} has no valid data_offsets")
         if offsets[1] > data:
             raise ConfigError(f"'{path}' is truncated: tensor {name!r:.100} ends past the file")
+        shapes[name] = entry.get("shape")
+    return shapes
