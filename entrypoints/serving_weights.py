@@ -50,7 +50,7 @@ def add_weight_routes(app: FastAPI, tm: TokenizerManager) -> None:
                 f"load_format {body.load_format!r:.100} is not supported; use 'auto' or "
                 "'safetensors'"
             )
-        if Path(body.model_path).is_dir():  # else a path a resolve_model_dir plugin converts
+        if _local_path(body.model_path):  # else a name a resolve_model_dir plugin resolves
             try:  # off the event loop: it reads files
                 await asyncio.to_thread(check_checkpoint, body.model_path, running)
             except ConfigError as e:
@@ -65,3 +65,14 @@ def add_weight_routes(app: FastAPI, tm: TokenizerManager) -> None:
             "num_paused_requests": reply.num_paused_requests,
         }
         return JSONResponse(content, status_code=200 if reply.success else 400)
+
+
+def _local_path(model_path: str) -> bool:
+    """Whether ``model_path`` names a local checkpoint directory (or a missing one): a
+    directory, or a path spelled as one (absolute, ./, ../) that does not exist. A file (a
+    .gguf) or a hub name is left to the engine's resolve_model_dir plugins."""
+    path = Path(model_path)
+    if path.is_dir():
+        return True
+    spelled = model_path.startswith(("/", "./", "../"))
+    return spelled and not path.exists()

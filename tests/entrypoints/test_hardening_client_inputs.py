@@ -245,7 +245,11 @@ def test_a_bad_weights_path_is_a_400_before_anything_pauses(
         thread = _gated_request(server, results)
         gate.wait_entered(gate.entered() + 1)
         url = server.url + "/update_weights_from_disk"
-        for path, needle in [("/etc", "config.json"), ("/", "config.json")]:
+        for path, needle in [
+            ("/etc", "config.json"),
+            ("/", "config.json"),
+            ("/no/such/checkpoint", "not a model directory"),
+        ]:
             r = httpx.post(url, json={"model_path": path}, headers=server.headers, timeout=30)
             assert r.status_code == 400, r.text
             assert r.json()["success"] is False and needle in r.json()["message"], r.text
