@@ -16,6 +16,7 @@ import torch
 
 from radixserve.core import spec_tree
 from radixserve.core.batch import ForwardBatch, to_device
+from radixserve.core.checkpoint import check_checkpoint
 from radixserve.core.config import ConfigError, EngineConfig, ModelConfig, PlatformSettings
 from radixserve.core.distributed import Ranks, Rendezvous, join
 from radixserve.core.grammar import GrammarMasker
@@ -65,17 +66,6 @@ class ChosenPlugins:
 
     def __str__(self) -> str:
         return " ".join(f"{k}={v}" for k, v in self.names.items())
-
-
-#: config.json fields that do not shape the built model (a reload may change them): every other
-#: field, and "architectures" through ``architecture``, must equal the running model's, since
-#: loading weights does not rebuild what the config fixed (RoPE tables, norms, soft-capping,
-#: sliding windows, activations, the stop tokens, ...). Keys starting with "_" are free too.
-RELOAD_FREE_FIELDS = frozenset({
-    "architectures", "torch_dtype", "dtype", "transformers_version", "use_cache",
-    "bos_token_id", "pad_token_id", "initializer_range", "attention_dropout",
-    "output_attentions", "output_hidden_states", "return_dict", "auto_map",
-})  # fmt: skip
 
 
 class ModelRunner:
@@ -228,28 +218,7 @@ class ModelRunner:
                 f"loading new weights into a model quantized at load "
                 f"(quantization={self.config.quantization}) is not supported; restart instead"
             )
-        new = ModelConfig.from_dir(model_dir)
-        old = self.model_config
-        for name in ("architecture", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "vocab_size"):  # fmt: skip
-            if getattr(new, name) != getattr(old, name):
-                raise ConfigError(
-                    f"'{model_dir}' has {name}={getattr(new, name)!r}; the running model has "
-                    f"{getattr(old, name)!r} (only weights of the same shape can be loaded)"
-                )
-        # Every other field may have shaped the model when it was built (RoPE tables, norms,
-        # whether the LM head is the embedding, ...): loading weights does not rebuild it
-        fixed = sorted(
-            name
-            for name in new.raw.keys() | old.raw.keys()
-            if name not in RELOAD_FREE_FIELDS and not name.startswith("_")
-        )
-        for name in fixed:
-            if new.raw.get(name) != old.raw.get(name):
-                raise ConfigError(
-                    f"'{model_dir}' has {name}={new.raw.get(name)!r}; the running model was "
-                    f"built with {old.raw.get(name)!r} (restart the server to load this model)"
-                )
+        check_checkpoint(model_dir, self.model_config)
         weights = iter_weights(model_dir, self.dtype)
         reload_in_place(self.model, lambda: self.model.load_weights(weights))  # type: ignore[arg-type]
         weights_reloaded(self.model)  # type: ignore[arg-type]

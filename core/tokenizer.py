@@ -69,6 +69,17 @@ class Tokenizer:
                 ) from None
             raise
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """``encode`` of each text. The tokenizer releases the GIL for a batch (not for one
+        ``encode``), so another thread, e.g. a server's event loop, runs meanwhile."""
+        try:
+            batch = self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)
+        except TypeError:
+            for text in texts:
+                self.encode(text, add_special_tokens)  # raises naming the lone surrogate
+            raise
+        return [e.ids for e in batch]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 

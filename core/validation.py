@@ -54,13 +54,13 @@ def check_prompt(ids: Sequence[int], limits: ServingLimits) -> None:
     n = len(ids)
     if n == 0:
         raise InvalidRequest("the prompt is empty; send at least one token")
-    bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
-    if n >= limits.max_context:
+    if n >= limits.max_context:  # before the O(n) scan below: a huge prompt is refused at once
         raise InvalidRequest(
             f"the prompt has {n} tokens; this model's context length is {limits.max_context}"
         )
+    bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
     if n >= limits.kv_tokens:
         raise InvalidRequest(f"the prompt has {n} tokens; the KV pool holds {limits.kv_tokens}")
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -10,32 +9,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from radixserve.core.config import ConfigError
+from radixserve.core.checkpoint import safetensors_files
 
-
-def safetensors_files(model_dir: str | Path) -> list[Path]:
-    """The checkpoint's weight files, as transformers picks them: the shards listed in
-    ``model.safetensors.index.json`` when there is one, else ``model.safetensors`` when present,
-    else every ``*.safetensors`` (a directory may also hold other files, e.g. Mistral's
-    ``consolidated.safetensors`` in native names beside the HF shards)."""
-    root = Path(model_dir)
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"'{index}' is not a safetensors index (no weight_map): {e}") from e
-        files = [root / name for name in sorted(set(weight_map.values()))]
-        absent = [f.name for f in files if not f.is_file()]
-        if absent:
-            raise ConfigError(f"'{index}' lists weight files that are missing: {', '.join(absent)}")
-        return files
-    if (root / "model.safetensors").is_file():
-        return [root / "model.safetensors"]
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"model directory '{model_dir}' has no *.safetensors weights")
-    return files
+__all__ = ["count_parameters", "iter_weights", "reload_in_place", "safetensors_files"]
 
 
 def iter_weights(model_dir: str | Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:

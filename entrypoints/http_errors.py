@@ -1,4 +1,5 @@
-"""Errors as OpenAI error objects, and the ASGI guard (API key, body size) in front of the app.
+"""Errors as OpenAI error objects, and the ASGI guard (API keys, admin routes, body size) in
+front of the app.
 
 Every error leaves the server as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx
 or 5xx status; pydantic validation failures become a readable 400, not a 422 dump. An exception
@@ -9,6 +10,7 @@ client's next request.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import logging
 from typing import Any
@@ -27,7 +29,7 @@ from radixserve.entrypoints.tokenizer_manager import ClientGone
 
 logger = logging.getLogger(__name__)
 
-_TYPES = {401: "authentication_error", 404: "not_found_error"}
+_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
 # No key needed to ask whether the server is up, or for Prometheus scrapes.
 PUBLIC_PATHS = frozenset({"/health", "/metrics"})
 
@@ -122,11 +124,16 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 class GuardMiddleware:
-    """Pure ASGI (streaming and disconnect detection stay intact): checks the API key with a
+    """Pure ASGI (streaming and disconnect detection stay intact): checks the API keys with a
     constant-time compare and caps the header and body sizes. (uvicorn's h11 limit only bounds
     a head still arriving; one read in a single chunk is checked here.) It also answers any
     exception no handler took with a JSON 500, instead of Starlette's text/plain one that
-    re-raises and makes uvicorn drop the connection."""
+    re-raises and makes uvicorn drop the connection.
+
+    ``admin_paths`` (the routes that change the server's state) need ``admin_key`` where one is
+    set, from any address; without one they answer only loopback clients, which must still
+    send ``api_key`` where one is set. Every other route but PUBLIC_PATHS needs ``api_key``
+    where one is set (the admin key is taken there too)."""
 
     def __init__(
         self,
@@ -134,11 +141,38 @@ class GuardMiddleware:
         api_key: str | None,
         max_body_bytes: int,
         max_header_bytes: int = 64 << 10,
+        admin_key: str | None = None,
+        admin_paths: frozenset[str] = frozenset(),
     ) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.admin_expected = f"Bearer {admin_key}".encode() if admin_key else None
+        self.admin_paths = admin_paths
         self.max_body = max_body_bytes
         self.max_header = max_header_bytes
+
+    def _refusal(self, scope: Scope, headers: dict[bytes, bytes]) -> tuple[int, str] | None:
+        """(status, message) where the caller may not use this path, else None."""
+        path = scope["path"]
+        got = headers.get(b"authorization", b"")
+        if path in self.admin_paths:
+            if self.admin_expected is not None:
+                if hmac.compare_digest(got, self.admin_expected):
+                    return None
+                return 401, "invalid or missing admin API key; send 'Authorization: Bearer <key>'"
+            if not _is_loopback(scope.get("client")):
+                return 403, (
+                    f"{path} answers only loopback clients; start the server with "
+                    "--admin-api-key to allow it from other addresses"
+                )
+        elif path in PUBLIC_PATHS:
+            return None
+        if self.expected is None or hmac.compare_digest(got, self.expected):
+            return None
+        if self.admin_expected is not None and path not in self.admin_paths:
+            if hmac.compare_digest(got, self.admin_expected):
+                return None
+        return 401, "invalid or missing API key; send 'Authorization: Bearer <key>'"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -151,12 +185,12 @@ class GuardMiddleware:
             await _send(send, 431, error_body(431, msg))
             return
         headers = dict(raw_headers)
-        if self.expected is not None and scope["path"] not in PUBLIC_PATHS:
-            got = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(got, self.expected):
-                msg = "invalid or missing API key; send 'Authorization: Bearer <key>'"
-                await _send(send, 401, error_body(401, msg, code="invalid_api_key"))
-                return
+        refused = self._refusal(scope, headers)
+        if refused is not None:
+            status, msg = refused
+            code = "invalid_api_key" if status == 401 else "admin_route"
+            await _send(send, status, error_body(status, msg, code=code))
+            return
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             await _send(send, 413, self._too_large())
@@ -193,6 +227,19 @@ class GuardMiddleware:
 
     def _too_large(self) -> dict[str, Any]:
         return error_body(413, f"the request body exceeds the limit of {self.max_body} bytes")
+
+
+def _is_loopback(client: Any) -> bool:
+    """Whether the ASGI ``client`` (host, port) is on this machine's loopback interface."""
+    if not client:
+        return False  # a Unix socket or an unknown peer: not known to be local
+    try:
+        ip = ipaddress.ip_address(str(client[0]).split("%")[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
 
 
 async def _send(send: Send, status: int, body: dict[str, Any]) -> None:

@@ -25,6 +25,7 @@ from radixserve.entrypoints.http_protocol import guarded_h11
 from radixserve.entrypoints.http_server import create_app
 from radixserve.entrypoints.ipc import EngineReady
 from radixserve.entrypoints.metrics import ServerMetrics
+from radixserve.entrypoints.routes_admin import admin_access
 from radixserve.entrypoints.server_args import ServerArgs, parse_server_args
 from radixserve.entrypoints.tokenizer_manager import TokenizerManager
 
@@ -147,6 +148,7 @@ async def _announce(server: uvicorn.Server, args: ServerArgs, info: EngineReady)
     )
     settings = ", ".join(f"{k}={v['value']} ({v['from']})" for k, v in info.settings.items())
     print(f"radixserve: settings {settings}", flush=True)
+    print(f"radixserve: {admin_access(args.admin_api_key)}", flush=True)
     print(f"radixserve ready at http://{args.host}:{args.port}", flush=True)
 
 

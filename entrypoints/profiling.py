@@ -1,13 +1,16 @@
 """/start_profile and /stop_profile as SGLang has them: its body fields are checked here, and
-torch.profiler runs in the engine process, where the model runs (entrypoints/profiler.py). The trace
-goes to ``output_dir``, by default $SGLANG_TORCH_PROFILER_DIR (or our alias
-$RADIXSERVE_TORCH_PROFILER_DIR), else /tmp, named ``<profile_id>-TP-0.trace.json.gz`` as
-SGLang names it."""
+torch.profiler runs in the engine process, where the model runs (entrypoints/profiler.py). Traces go
+only under the profile directory: --profile-dir, else $RADIXSERVE_TORCH_PROFILER_DIR, else
+SGLang's $SGLANG_TORCH_PROFILER_DIR, else /tmp. A request's ``output_dir`` names a directory
+inside it (a relative one is taken from it); one that leaves it is a 400 and nothing is written.
+The trace is named ``<profile_id>-TP-0.trace.json.gz`` as SGLang names it."""
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from radixserve.core.request import InvalidRequest
@@ -22,13 +25,37 @@ DIR_ENV_ALIAS = "RADIXSERVE_TORCH_PROFILER_DIR"  # wins when both are set
 STOP_TIMEOUT_S = 600.0
 
 
-def default_output_dir() -> str:
-    return os.environ.get(DIR_ENV_ALIAS) or os.environ.get(DIR_ENV) or "/tmp"
+@dataclass(frozen=True, slots=True)
+class ProfileDir:
+    """The one directory traces are written under (its real path: symlinks resolved)."""
+
+    root: Path
+
+    @classmethod
+    def configured(cls, flag: str | None) -> ProfileDir:
+        root = flag or os.environ.get(DIR_ENV_ALIAS) or os.environ.get(DIR_ENV) or "/tmp"
+        return cls(Path(os.path.realpath(Path(root).expanduser())))
+
+    def resolve(self, output_dir: str | None) -> str:
+        """``output_dir`` (None: the root itself) as a real path inside the root; a 400 for
+        one that leaves it (``..``, an absolute path elsewhere, a symlink out)."""
+        path = Path(os.path.realpath(self.root / (output_dir or ".")))
+        if path != self.root and self.root not in path.parents:
+            raise ApiError(
+                400,
+                f"output_dir {output_dir!r:.200} is outside the profile directory {self.root}; "
+                "name a directory inside it (set by --profile-dir or $SGLANG_TORCH_PROFILER_DIR)",
+                param="output_dir",
+            )
+        return str(path)
 
 
-async def start_profile(tm: TokenizerManager, body: dict[str, Any]) -> dict[str, Any]:
+async def start_profile(
+    tm: TokenizerManager, body: dict[str, Any], profile_dir: ProfileDir
+) -> dict[str, Any]:
     """Start the engine's profiler; 400 when it runs already or a field is bad."""
     fields = _start_fields(body)
+    fields["output_dir"] = profile_dir.resolve(fields["output_dir"])
     reply = await tm.client.call(lambda call_id: ipc.ProfileRequest(call_id=call_id, **fields))
     return _answer(reply, "profiling started; the trace will be written to")
 
@@ -51,12 +78,13 @@ def _answer(reply: ipc.ProfileReply, done: str) -> dict[str, Any]:
     }
 
 
-#: The most steps a profile may count (the engine's messages carry 64-bit integers)
-MAX_PROFILE_STEPS = 1 << 31
+#: The most steps a profile may count: a trace grows with every step it records, and the
+#: profiler holds it in memory until it is written.
+MAX_PROFILE_STEPS = 10_000
 
 
 def _start_fields(body: dict[str, Any]) -> dict[str, Any]:
-    output_dir = _path_part(body, "output_dir") or default_output_dir()
+    output_dir = _path_part(body, "output_dir")
     activities = _optional(body, "activities", list) or list(ACTIVITIES)
     bad = [a for a in activities if a not in ACTIVITIES]
     if bad:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import types
 import typing
 from collections.abc import Sequence
@@ -26,6 +27,10 @@ from radixserve.entrypoints.reasoning import REASONING_PARSERS
 from radixserve.entrypoints.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# Keys may come from the environment (or a file) instead of the command line, where `ps` shows
+# them; a flag wins over the file, the file over the variable.
+API_KEY_ENV = "RADIXSERVE_API_KEY"
+ADMIN_API_KEY_ENV = "RADIXSERVE_ADMIN_API_KEY"
 _CHOICES = {"schedule_policy": SCHEDULE_POLICIES, "dtype": DTYPES, "log_level": LOG_LEVELS}
 _CHOICES["embedding_pooling"] = POOLING_METHODS
 _CHOICES["disaggregation_mode"] = DISAGGREGATION_MODES
@@ -54,7 +59,27 @@ class ServerArgs:
     engine: EngineConfig
     host: str = _opt("127.0.0.1", "Address to listen on")
     port: int = _opt(30000, "Port to listen on")
-    api_key: str | None = _opt(None, "Require 'Authorization: Bearer KEY'")
+    api_key: str | None = _opt(
+        None,
+        "Require 'Authorization: Bearer KEY' on every route but /health and /metrics (also "
+        f"from ${API_KEY_ENV} or --api-key-file, which keep it out of `ps`)",
+    )
+    api_key_file: str | None = _opt(None, "Read --api-key from this file (its first line)")
+    admin_api_key: str | None = _opt(
+        None,
+        "SGLang's admin key: the admin routes (/flush_cache, /abort_request, "
+        "/update_weights_from_disk, /start_profile, /stop_profile) need 'Authorization: Bearer "
+        "KEY' with it, from any address; without it they answer only loopback clients (also "
+        f"from ${ADMIN_API_KEY_ENV} or --admin-api-key-file)",
+    )
+    admin_api_key_file: str | None = _opt(
+        None, "Read --admin-api-key from this file (its first line)"
+    )
+    profile_dir: str | None = _opt(
+        None,
+        "/start_profile writes traces only under this directory (default: "
+        "$RADIXSERVE_TORCH_PROFILER_DIR, else $SGLANG_TORCH_PROFILER_DIR, else /tmp)",
+    )
     chat_template: str | None = _opt(None, "Chat template: a Jinja file or template text")
     enable_metrics: bool = _opt(
         False,
@@ -151,6 +176,7 @@ class ServerArgs:
             f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "engine"
         }
         out["api_key"] = "***" if self.api_key else None
+        out["admin_api_key"] = "***" if self.admin_api_key else None
         out.update(dataclasses.asdict(self.engine))
         out["plugins"] = list(self.engine.plugins)
         out["plugin_allow"] = list(self.engine.plugin_allow)
@@ -258,4 +284,29 @@ def parse_server_args(argv: Sequence[str] | None = None) -> ServerArgs:
             parser.error(
                 f"{flag} '{values[name]}' is unknown; available: {', '.join(sorted(known))}"
             )
+    for key, env in (("api_key", API_KEY_ENV), ("admin_api_key", ADMIN_API_KEY_ENV)):
+        try:
+            values[key] = _resolve_key(values[key], values[key + "_file"], env)
+        except ValueError as e:
+            parser.error(str(e))
     return ServerArgs(engine=engine, **values)
+
+
+def _resolve_key(flag: str | None, path: str | None, env: str) -> str | None:
+    """A key from its flag, else its file's first line, else the environment variable ``env``;
+    ValueError naming the source for an unreadable file or an empty key."""
+    if flag is None and path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                flag = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read the key file {path!r}: {e}") from None
+        source = f"the key file {path!r}"
+    elif flag is None:
+        flag = os.environ.get(env)
+        source = f"${env}"
+    else:
+        source = "the key flag"
+    if flag is not None and not flag.strip():
+        raise ValueError(f"{source} holds an empty key; set a non-empty one or leave it unset")
+    return flag

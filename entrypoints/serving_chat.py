@@ -63,7 +63,7 @@ class ChatServing(OpenAIServing):
             # the format's markers are special tokens: the parser must see them
             body = body.model_copy(update={"skip_special_tokens": False})
         grammar = chat_grammar(body, plan)
-        ids = self.prompt_ids(body, plan)
+        ids = await self.prompt_ids(body, plan)
         max_tokens, field = self.output_budget(body)
         top_n = body.top_logprobs or 0
         if top_n and not body.logprobs:
@@ -97,7 +97,9 @@ class ChatServing(OpenAIServing):
         )
         return json_response(response)
 
-    def prompt_ids(self, body: ChatCompletionRequest, plan: ToolPlan | None = None) -> list[int]:
+    async def prompt_ids(
+        self, body: ChatCompletionRequest, plan: ToolPlan | None = None
+    ) -> list[int]:
         """The prompt's token ids: the messages (and tools, documents, template kwargs)
         through the chat template; with continue_final_message, the last (assistant)
         message's text goes on unclosed. /tokenize renders chats with it too."""
@@ -110,9 +112,9 @@ class ChatServing(OpenAIServing):
         prefill = _final_assistant_text(body, messages)
         if prefill is not None:
             messages = messages[:-1]
-        ids = self.tm.encode_chat(plan.prompt_messages(messages, template), **extra)
+        ids = await self.tm.encode_chat_async(plan.prompt_messages(messages, template), **extra)
         if prefill:  # the answer goes on from the client's text (SGLang's way)
-            ids += self.tm.encode(prefill, add_special_tokens=False)
+            ids += (await self.tm.encode_async([prefill], add_special_tokens=False))[0]
         return ids
 
     async def _stream(

@@ -39,7 +39,7 @@ class CompletionServing(OpenAIServing):
         _check_unsupported(body)
         if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int):
             self.tm.limits.check_batch(len(body.prompt) * body.n)  # before tokenizing them all
-        prompts = self._prompts(body.prompt, body.suffix)
+        prompts = await self._prompts(body.prompt, body.suffix)
         top_n = body.logprobs or 0
         max_tokens, field = self.output_budget(body)
         schema = response_format_schema(body.response_format)
@@ -78,17 +78,17 @@ class CompletionServing(OpenAIServing):
         usage = self.usage(reqs, body.n)
         return json_response(CompletionResponse(id=rid, model=model, choices=choices, usage=usage))
 
-    def _prompts(self, prompt: Any, suffix: str | None) -> list[list[int]]:
+    async def _prompts(self, prompt: Any, suffix: str | None) -> list[list[int]]:
         if suffix:  # SGLang too leaves an empty suffix out
-            return [self.tm.encode(p) for p in self._fim_prompts(prompt, suffix)]
+            return await self.tm.encode_async(self._fim_prompts(prompt, suffix))
         if isinstance(prompt, str):
-            return [self.tm.encode(prompt)]
+            return await self.tm.encode_async([prompt])
         if not prompt:
             raise ApiError(400, "prompt must not be empty", param="prompt")
         if isinstance(prompt[0], int):
             return [list(prompt)]
         if isinstance(prompt[0], str):
-            return [self.tm.encode(p) for p in prompt]
+            return await self.tm.encode_async(prompt)
         return [list(p) for p in prompt]
 
     def _fim_prompts(self, prompt: Any, suffix: str) -> list[str]:

@@ -67,15 +67,17 @@ async def run_prefill_only(
     return reqs
 
 
-def tokenize_inputs(tm: TokenizerManager, value: Any, field: str) -> tuple[list[list[int]], bool]:
+async def tokenize_inputs(
+    tm: TokenizerManager, value: Any, field: str
+) -> tuple[list[list[int]], bool]:
     """A string, a list of strings, a list of token ids or a list of such lists as prompts,
     and whether it was a batch."""
     if isinstance(value, str):
-        return [tm.encode(value)], False
+        return await tm.encode_async([value]), False
     if isinstance(value, list) and value:
         tm.limits.check_batch(len(value))  # before tokenizing thousands of prompts
         if all(isinstance(v, str) for v in value):
-            return [tm.encode(v) for v in value], True
+            return await tm.encode_async(value), True
         if all(_is_int(t) for t in value):
             return [list(value)], False
         if all(isinstance(v, list) and v and all(_is_int(t) for t in v) for v in value):
@@ -124,7 +126,7 @@ class EmbeddingServing(OpenAIServing):
                 f"{self.hidden_size} dimensions and cannot be shortened; omit dimensions",
                 param="dimensions",
             )
-        prompts, _ = tokenize_inputs(self.tm, body.input, "input")
+        prompts, _ = await tokenize_inputs(self.tm, body.input, "input")
         reqs = await run_prefill_only(self.tm, prompts, raw, self.pooling)
         data = []
         for i, r in enumerate(reqs):
@@ -149,7 +151,7 @@ class EmbeddingServing(OpenAIServing):
         if input_ids is not None and _is_texts(input_ids):
             raise InvalidRequest("input_ids must be token ids or lists of token ids, not text")
         field = "text" if text is not None else "input_ids"
-        prompts, batch = tokenize_inputs(self.tm, body[field], field)
+        prompts, batch = await tokenize_inputs(self.tm, body[field], field)
         rids = request_ids(body.get("rid"), len(prompts))
         reqs = await run_prefill_only(self.tm, prompts, raw, self.pooling, rids=rids)
         results = [

@@ -56,7 +56,7 @@ class NativeServing:
         if not isinstance(body, dict):
             raise InvalidRequest("the request body must be a JSON object")
         try:
-            stream, batch, reqs, req_options = self._start(body)
+            stream, batch, reqs, req_options = await self._start(body)
         except Exception as e:
             # the PD router's other server waits for (or computes) these rooms: tell it now
             self.tm.refuse_rooms(refused_rooms(body), str(e), is_client_error(e))
@@ -69,12 +69,12 @@ class NativeServing:
         results = [self.result(r, o) for r, o in zip(reqs, req_options, strict=True)]
         return json_response(results if batch else results[0])
 
-    def _start(
+    async def _start(
         self, body: dict[str, Any]
     ) -> tuple[bool, bool, list[ServerReq], list[LogprobOptions]]:
         """Check the call and queue its requests: (stream, batch, requests, their options)."""
         stream = _flag(body.get("stream"), "stream")
-        prompts, batch = self._prompts(body)
+        prompts, batch = await self._prompts(body)
         count = len(prompts)
         raw_params = _per_item(body.get("sampling_params"), count, "sampling_params")
         options = [
@@ -106,7 +106,7 @@ class NativeServing:
         reqs, req_options = self._submit(prompts, params, options, rids, boots)
         return stream, batch or len(reqs) > 1, reqs, req_options
 
-    def _prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
+    async def _prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
         text, input_ids = body.get("text"), body.get("input_ids")
         if (text is None) == (input_ids is None):
             raise InvalidRequest("send exactly one of 'text' or 'input_ids'")
@@ -115,9 +115,9 @@ class NativeServing:
             self.tm.limits.check_batch(len(items))  # before tokenizing thousands of prompts
         if text is not None:
             if isinstance(text, str):
-                return [self.tm.encode(text)], False
+                return await self.tm.encode_async([text]), False
             if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-                return [self.tm.encode(t) for t in text], True
+                return await self.tm.encode_async(text), True
             raise InvalidRequest("text must be a string or a non-empty list of strings")
         if isinstance(input_ids, list) and _token_ids(input_ids):
             return [list(input_ids)], False

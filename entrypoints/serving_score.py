@@ -64,7 +64,7 @@ class ScoreServing(OpenAIServing):
                 raise InvalidRequest(f"{name} is not supported by this server; omit it")
         if body.temperature != 1.0 and not body.apply_softmax:
             raise InvalidRequest("temperature requires apply_softmax=true")
-        prompts = self._prompts(body)
+        prompts = await self._prompts(body)
         labels = self._labels(body.label_token_ids, len(prompts))
         if not prompts:
             return json_response({"scores": [], "model": model, "object": "scoring"})
@@ -81,7 +81,7 @@ class ScoreServing(OpenAIServing):
             {"scores": scores, "model": model, "usage": usage.model_dump(), "object": "scoring"}
         )
 
-    def _prompts(self, body: ScoringRequest) -> list[list[int]]:
+    async def _prompts(self, body: ScoringRequest) -> list[list[int]]:
         items, query = body.items, body.query
         if items is None:
             raise InvalidRequest("items must be provided")
@@ -96,7 +96,7 @@ class ScoreServing(OpenAIServing):
             if not isinstance(query, str):
                 raise InvalidRequest("query and items must both be text or both be token ids")
             texts = [f"{i}{query}" if body.item_first else f"{query}{i}" for i in items]
-            return [self.tm.encode(t) for t in texts]  # type: ignore[arg-type]
+            return await self.tm.encode_async(texts)  # type: ignore[arg-type]
         if query is None:
             query = []
         if isinstance(query, str):

@@ -1,20 +1,26 @@
 """POST /update_weights_from_disk: SGLang's in-place weight reload.
 
-The engine stops admitting requests, lets the running ones finish on the old weights, loads
-the new checkpoint into the model, flushes the prefix cache (its KV came from the old weights)
-and admits again; requests that arrived meanwhile wait and then run on the new weights. A bad
-path or a checkpoint of another shape leaves the old weights serving and answers
-``success: false`` (status 400, as SGLang) with the reason.
+A checkpoint directory is checked first, here, pausing nothing (core/checkpoint.py: its config
+fits the running model, its weight files' headers read): a bad one is a 400 at once. Then the
+engine stops admitting requests, lets the running ones finish on the old weights, loads the new
+checkpoint into the model, flushes the prefix cache (its KV came from the old weights) and
+admits again; requests that arrived meanwhile wait and then run on the new weights. A bad path
+or a checkpoint of another shape leaves the old weights serving and answers ``success: false``
+(status 400, as SGLang) with the reason.
 """
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
+from radixserve.core.checkpoint import check_checkpoint
+from radixserve.core.config import ConfigError, ModelConfig
 from radixserve.core.request import InvalidRequest
 from radixserve.entrypoints.openai_protocol import STRICT
 from radixserve.entrypoints.tokenizer_manager import TokenizerManager
@@ -32,6 +38,8 @@ class UpdateWeightsRequest(BaseModel):
 
 
 def add_weight_routes(app: FastAPI, tm: TokenizerManager) -> None:
+    running = ModelConfig.from_dir(tm.info.model_dir)
+
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsRequest, raw: Request) -> Any:
         # not printable: NUL, control characters and lone surrogates, which no path holds
@@ -42,6 +50,12 @@ def add_weight_routes(app: FastAPI, tm: TokenizerManager) -> None:
                 f"load_format {body.load_format!r:.100} is not supported; use 'auto' or "
                 "'safetensors'"
             )
+        if _local_path(body.model_path):  # else a name a resolve_model_dir plugin resolves
+            try:  # off the event loop: it reads files
+                await asyncio.to_thread(check_checkpoint, body.model_path, running)
+            except ConfigError as e:
+                content = {"success": False, "message": f"weights not loaded: {e}"}
+                return JSONResponse({**content, "num_paused_requests": 0}, status_code=400)
         if body.abort_all_requests:
             tm.abort_all("aborted for a weight update")
         reply = await tm.update_weights(body.model_path)
@@ -51,3 +65,14 @@ def add_weight_routes(app: FastAPI, tm: TokenizerManager) -> None:
             "num_paused_requests": reply.num_paused_requests,
         }
         return JSONResponse(content, status_code=200 if reply.success else 400)
+
+
+def _local_path(model_path: str) -> bool:
+    """Whether ``model_path`` names a local checkpoint directory (or a missing one): a
+    directory, or a path spelled as one (absolute, ./, ../) that does not exist. A file (a
+    .gguf) or a hub name is left to the engine's resolve_model_dir plugins."""
+    path = Path(model_path)
+    if path.is_dir():
+        return True
+    spelled = model_path.startswith(("/", "./", "../"))
+    return spelled and not path.exists()

@@ -28,10 +28,33 @@ from radixserve.entrypoints.spec_meta import num_draft_tokens
 
 logger = logging.getLogger(__name__)
 
-# How often a non-streaming handler checks whether its client is still connected.
-DISCONNECT_CHECK_S = 1.0
+# How often a non-streaming handler checks whether its client is still connected, whether or
+# not tokens arrive meanwhile.
+DISCONNECT_CHECK_S = 0.5
+# A prompt's text is refused before it is tokenized when it is longer than this many characters
+# per token of the context: no tokenizer packs that much text into every token (the longest
+# tokens are runs of spaces or repeated symbols), so such a text cannot fit, and tokenizing it
+# first would hold the HTTP process for seconds and leave it gigabytes larger.
+MAX_CHARS_PER_TOKEN = 32
+# Texts up to this many characters in all are tokenized on the event loop (well under a
+# millisecond); longer ones in a worker thread, where the tokenizer releases the GIL.
+INLINE_TOKENIZE_CHARS = 4096
 # A weight update waits for the running requests to finish, then loads the checkpoint.
 WEIGHT_UPDATE_TIMEOUT_S = 1800.0
+
+
+def _text_size(value: Any) -> int:
+    """The characters of every string in ``value`` (messages: nested dicts and lists)."""
+    size, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            size += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return size
 
 
 class ClientGone(Exception):
@@ -129,11 +152,46 @@ class TokenizerManager:
 
     # -- prompt side -----------------------------------------------------------------------
 
+    @property
+    def max_prompt_chars(self) -> int:
+        """The longest text tokenized for a prompt (longer ones are refused untokenized)."""
+        return self.info.max_context * MAX_CHARS_PER_TOKEN
+
+    def check_text_size(self, size: int, what: str = "the prompt") -> None:
+        """Raise InvalidRequest when ``size`` characters cannot fit in the context."""
+        if size > self.max_prompt_chars:
+            raise InvalidRequest(
+                f"{what} has {size} characters, more than the {self.max_prompt_chars} this "
+                f"model's context length of {self.info.max_context} tokens can hold "
+                f"({MAX_CHARS_PER_TOKEN} characters per token); it was not tokenized"
+            )
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if isinstance(text, str):
+            self.check_text_size(len(text))
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def encode_chat(self, messages: list[dict[str, Any]], **extra: Any) -> list[int]:
-        return self.tokenizer.encode_chat(messages, **extra)
+    async def encode_async(
+        self, texts: list[str], add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        """``encode`` of each text, off the event loop unless they are short: a long prompt
+        must not hold up /health or other clients while it is tokenized. Each text is checked
+        against ``max_prompt_chars`` first."""
+        for text in texts:
+            if isinstance(text, str):
+                self.check_text_size(len(text))
+        if sum(len(t) for t in texts if isinstance(t, str)) <= INLINE_TOKENIZE_CHARS:
+            return [self.tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+        return await asyncio.to_thread(self.tokenizer.encode_batch, texts, add_special_tokens)
+
+    async def encode_chat_async(self, messages: list[dict[str, Any]], **extra: Any) -> list[int]:
+        """The chat's prompt ids through the chat template, tokenized off the event loop (the
+        template renders on it: its input is capped by then)."""
+        self.check_text_size(_text_size(messages) + _text_size(extra), "the chat's text")
+        text = self.tokenizer.apply_chat_template(messages, **extra)
+        self.check_text_size(len(text), "the rendered chat")
+        # The template already holds any BOS it wants, so no special tokens are added here.
+        return (await self.encode_async([text], add_special_tokens=False))[0]
 
     def token_text(self, token_id: int) -> str:
         """The text of one token (special tokens included), memoized: logprob responses ask
@@ -258,16 +316,24 @@ class TokenizerManager:
         """Wait until every request of ``reqs`` (sharing one event) has finished; abort them
         and raise ClientGone if the client goes away meanwhile."""
         event = reqs[0].event
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + DISCONNECT_CHECK_S
         while not all(r.finished for r in reqs):
+            # NOTE: the check runs on its own clock: a request whose tokens keep arriving
+            # must not keep a gone client's request (and its KV) alive.
             try:
-                await asyncio.wait_for(event.wait(), DISCONNECT_CHECK_S)
+                await asyncio.wait_for(event.wait(), max(next_check - loop.time(), 0.0))
                 event.clear()
             except TimeoutError:
-                if is_disconnected is not None and await is_disconnected():
-                    for r in reqs:
-                        if not r.finished:
-                            self.abort(r.rid)
-                    raise ClientGone() from None
+                pass
+            if is_disconnected is None or loop.time() < next_check:
+                continue
+            next_check = loop.time() + DISCONNECT_CHECK_S
+            if await is_disconnected():
+                for r in reqs:
+                    if not r.finished:
+                        self.abort(r.rid)
+                raise ClientGone()
 
     async def flush_cache(self) -> bool:
         reply = await self.client.call(ipc.FlushCacheRequest)

@@ -62,10 +62,10 @@ def error(response: requests.Response) -> str:
 
 
 def test_profile_writes_a_chrome_trace_of_the_forward(
-    profiled: tuple[RunningServer, Path], tmp_path: Path
+    profiled: tuple[RunningServer, Path],
 ) -> None:
-    server, _ = profiled
-    out = tmp_path / "traces"
+    server, env_dir = profiled
+    out = env_dir / "traces"  # a directory inside the profile directory, made for the trace
     start = post(server, "/start_profile", {"output_dir": str(out), "record_shapes": True})
     assert start.status_code == 200, start.text
     # the activities default to CPU and GPU; without a GPU only the CPU is recorded
@@ -98,7 +98,7 @@ def test_num_steps_stops_by_itself_in_the_env_directory(
 
 
 def test_profile_errors(profiled: tuple[RunningServer, Path], tmp_path: Path) -> None:
-    server, _ = profiled
+    server, env_dir = profiled
     assert "not in progress" in error(post(server, "/stop_profile"))
     bad = [
         {"activities": ["MEM"]},
@@ -120,16 +120,47 @@ def test_profile_errors(profiled: tuple[RunningServer, Path], tmp_path: Path) ->
         assert error(post(server, "/start_profile", body)), body
     assert "not in progress" in error(post(server, "/stop_profile"))  # none of them started
     generate(server, 2)  # and the engine still serves
-    blocked = tmp_path / "a-file"
+    env_dir.mkdir(parents=True, exist_ok=True)
+    blocked = env_dir / "a-file"
     blocked.write_text("")
     assert "output_dir" in error(post(server, "/start_profile", {"output_dir": str(blocked)}))
     assert error(post(server, "/start_profile", [1, 2]))
-    first = post(server, "/start_profile", {"output_dir": str(tmp_path)})
+    first = post(server, "/start_profile", {"output_dir": "relative/sub"})
+    assert Path(first.json()["trace_path"]).parent == env_dir / "relative" / "sub", first.text
     assert first.status_code == 200, first.text
     assert "already in progress" in error(post(server, "/start_profile"))
     assert post(server, "/stop_profile").status_code == 200
     # the refused second start changed nothing: the first profile's trace was written
     assert Path(first.json()["trace_path"]).exists()
+
+
+def test_profile_output_stays_in_the_profile_directory(
+    profiled: tuple[RunningServer, Path], tmp_path: Path
+) -> None:
+    """An output_dir outside the profile directory ($SGLANG_TORCH_PROFILER_DIR here) is a 400
+    and nothing is written: not an absolute path elsewhere, not one that climbs out with ..,
+    not a symlink inside that points out; and num_steps is capped."""
+    server, env_dir = profiled
+    env_dir.mkdir(parents=True, exist_ok=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (env_dir / "link-out").symlink_to(outside)
+    for output_dir in [
+        str(outside),
+        "../outside",
+        str(env_dir / ".." / "escaped"),
+        "link-out",
+        "/etc",
+        "/",
+    ]:
+        message = error(post(server, "/start_profile", {"output_dir": output_dir}))
+        assert "outside the profile directory" in message, (output_dir, message)
+    assert "not in progress" in error(post(server, "/stop_profile"))  # none started
+    assert list(outside.iterdir()) == []
+    assert not (env_dir.parent / "escaped").exists()
+    assert "positive integer up to" in error(
+        post(server, "/start_profile", {"num_steps": 2147483648})
+    )
 
 
 def test_metrics_need_enable_metrics(profiled: tuple[RunningServer, Path]) -> None:

@@ -4,9 +4,11 @@ valid requests that must stay untouched while the server is being abused."""
 from __future__ import annotations
 
 import contextlib
+import json
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -60,12 +62,46 @@ def wait_idle(server: RunningServer, timeout: float) -> dict[str, Any]:
     """Poll /get_server_info until nothing runs or waits, no KV is in use and the server holds
     no live request; return the state (the caller asserts on it, so a timeout shows the last
     state seen)."""
+    return wait_state(server, is_idle, timeout)
+
+
+def wait_state(
+    server: RunningServer, done: Callable[[dict[str, Any]], bool], timeout: float
+) -> dict[str, Any]:
+    """Poll /get_server_info until ``done(state)`` or ``timeout`` s; return the last state."""
     deadline = time.monotonic() + timeout
     while True:
         state = server_state(server)
-        if is_idle(state) or time.monotonic() > deadline:
+        if done(state) or time.monotonic() > deadline:
             return state
-        time.sleep(0.05)
+        time.sleep(0.02)
+
+
+def rss_mib(pid: int) -> float:
+    """The resident memory of process ``pid``, in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def send_raw_generate(server: RunningServer, body: dict[str, Any]) -> socket.socket:
+    """Send a /generate on a socket of its own and return the socket, unread."""
+    data = json.dumps(body).encode()
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    head = (
+        f"POST /generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {server.api_key}\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def reset(sock: socket.socket) -> None:
+    """Close with SO_LINGER 0: a reset, as a client that crashed or timed out sends."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    sock.close()
 
 
 def is_idle(state: dict[str, Any]) -> bool:

@@ -8,10 +8,11 @@ import shutil
 import time
 from pathlib import Path
 
-from radixserve_test_models import GATE_DIR_ENV, GATE_POSITION, GATE_TOKEN, STALL_TOKEN
+from radixserve_test_models import GATE_DIR_ENV, GATE_POSITION, GATE_TOKEN, PACE_S, STALL_TOKEN
 
 __all__ = [
-    "GATE_TOKEN", "STALL_TOKEN", "Gate", "gated_prompt", "install_plugin", "install_test_models",
+    "GATE_TOKEN", "PACE_S", "STALL_TOKEN", "Gate", "gated_prompt", "install_plugin",
+    "install_test_models",
 ]  # fmt: skip
 
 
@@ -58,6 +59,13 @@ class Gate:
 
     def open(self) -> None:
         (self.path / "closed").unlink(missing_ok=True)
+
+    def pace(self, on: bool = True) -> None:
+        """While paced, every model step lasts at least PACE_S (a lower bound, not a speed)."""
+        if on:
+            (self.path / "paced").touch()
+        else:
+            (self.path / "paced").unlink(missing_ok=True)
 
     def entered(self) -> int:
         """How many model steps have waited at the gate so far."""

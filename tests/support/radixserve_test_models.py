@@ -12,7 +12,9 @@ a sequence (the test prompts are longer).
   exists in the directory named by ``GATED_LLAMA_DIR``; each wait first appends a line to
   ``entered`` there. A test closes the gate, sends such a prompt, knows from ``entered`` that
   the request is inside a model step, and opens the gate when it wants the step to end.
-  Nothing depends on how fast the machine generates.
+  Nothing depends on how fast the machine generates. While the file ``paced`` exists there,
+  every step (of any prompt) first sleeps PACE_S: a request of n tokens then runs for at least
+  n * PACE_S seconds however fast the machine is.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from radixserve.plugins.models.llama import LlamaForCausalLM
 STALL_TOKEN, STALL_POSITION = 357, 1
 GATE_TOKEN, GATE_POSITION = 358, 2
 GATE_DIR_ENV = "GATED_LLAMA_DIR"
+PACE_S = 0.05
 
 
 def _holds(batch: Any, token: int, position: int) -> bool:
@@ -44,6 +47,8 @@ class StallingLlama(LlamaForCausalLM):
 class GatedLlama(LlamaForCausalLM):
     def forward(self, batch: Any) -> Any:
         gate = os.environ.get(GATE_DIR_ENV)
+        if gate and (Path(gate) / "paced").exists():
+            time.sleep(PACE_S)
         if gate and _holds(batch, GATE_TOKEN, GATE_POSITION):
             closed = Path(gate) / "closed"
             if closed.exists():

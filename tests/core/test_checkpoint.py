@@ -1,0 +1,74 @@
+"""core/checkpoint.py: a weight reload's checkpoint is checked from config.json and the weight
+files' headers alone, before anything pauses (and without torch)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+from tiny_models import make_tiny_llama_dir
+
+from radixserve.core.checkpoint import check_checkpoint
+from radixserve.core.config import ConfigError, ModelConfig
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("ckpt") / "a")
+
+
+def _copy(model: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(model, tmp_path / "copy"))
+
+
+def test_a_checkpoint_of_the_running_shape_passes(model: Path) -> None:
+    check_checkpoint(model, ModelConfig.from_dir(model))
+
+
+@pytest.mark.parametrize(
+    ("break_it", "needle"),
+    [
+        (lambda d: (d / "config.json").unlink(), "no config.json"),
+        (lambda d: (d / "model.safetensors").unlink(), "no *.safetensors"),
+        (lambda d: (d / "model.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b"notjson!"),
+         "no readable safetensors header"),
+        (lambda d: (d / "model.safetensors").write_bytes(b"\xff" * 8), "bad header length"),
+        (lambda d: _truncate(d / "model.safetensors"), "truncated"),
+        (lambda d: _config(d, hidden_size=96), "hidden_size"),
+        (lambda d: _config(d, rope_theta=123.0), "rope_theta"),
+        (lambda d: _resave(d, "model.norm.weight"), "model.norm.weight has shape"),
+        (lambda d: _resave(d, "model.embed_tokens.weight"), "embed_tokens.weight has shape"),
+    ],
+)  # fmt: skip
+def test_a_bad_checkpoint_is_one_config_error(
+    model: Path, tmp_path: Path, break_it: object, needle: str
+) -> None:
+    copy = _copy(model, tmp_path)
+    break_it(copy)  # type: ignore[operator]
+    with pytest.raises(ConfigError) as e:
+        check_checkpoint(copy, ModelConfig.from_dir(model))
+    assert needle in str(e.value), str(e.value)
+
+
+def test_a_path_that_is_no_directory(model: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not a model directory"):
+        check_checkpoint(tmp_path / "missing", ModelConfig.from_dir(model))
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 16])
+
+
+def _config(model: Path, **changes: object) -> None:
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+def _resave(model: Path, name: str) -> None:
+    tensors = load_file(str(model / "model.safetensors"))
+    tensors[name] = tensors[name][:-1].clone()
+    save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
