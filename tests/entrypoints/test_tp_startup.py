@@ -23,7 +23,8 @@ HANG_GUARD_S = 200
 UNGUARDED = """
 from radixserve import Engine
 
-engine = Engine({model!r}, tp_size=2, dtype="float32", max_total_tokens=512)
+engine = Engine({model!r}, plugins=["hardware=cpu"], tp_size=2, dtype="float32",
+                max_total_tokens=512)
 print("OUTPUT", engine.generate("Hello", {{"max_new_tokens": 2}})["output_ids"])
 engine.shutdown()
 """
