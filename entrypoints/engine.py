@@ -186,7 +186,13 @@ class Engine:
             return []
         ranks = tp_workers.rendezvous(size, self.config.watchdog_timeout)
         self._rendezvous = ranks[0]
-        return tp_workers.start_workers(dataclasses.asdict(self.config), ranks[1:])
+        workers = tp_workers.start_workers(dataclasses.asdict(self.config), ranks[1:])
+        try:  # a rank dead at start-up (an unguarded main module) fails now, not at the timeout
+            tp_workers.wait_started(list(enumerate(workers, 1)), self.config.watchdog_timeout)
+        except RuntimeError:
+            tp_workers.end_all(workers, 0.0)
+            raise
+        return workers
 
     def _rank_died(self, reason: str) -> None:
         # The engine thread fails too if it was in a step (the collective errors out).

@@ -137,6 +137,10 @@ class DrainingServer(uvicorn.Server):
         print(f"radixserve: {message}; aborted {len(self.tm.reqs)} in-flight requests", flush=True)
 
 
+#: What an SGLang server prints once it serves (tests/entrypoints/test_ready_line.py).
+SGLANG_READY_LINE = "The server is fired up and ready to roll!"
+
+
 async def _announce(server: uvicorn.Server, args: ServerArgs, info: EngineReady) -> None:
     while not server.started:  # uvicorn has no "bound" callback; this runs once, at start-up
         await asyncio.sleep(0.05)
@@ -150,6 +154,8 @@ async def _announce(server: uvicorn.Server, args: ServerArgs, info: EngineReady)
     print(f"radixserve: settings {settings}", flush=True)
     print(f"radixserve: {admin_access(args.admin_api_key)}", flush=True)
     print(f"radixserve ready at http://{args.host}:{args.port}", flush=True)
+    # SGLang's ready line, word for word: scripts written for SGLang servers wait for it.
+    print(SGLANG_READY_LINE, flush=True)
 
 
 if __name__ == "__main__":

@@ -46,23 +46,71 @@ def rendezvous(size: int, timeout_s: float) -> list[Rendezvous]:
     return [Rendezvous(init, r, size, timeout_s) for r in range(size)]
 
 
+#: Why a spawned rank that died before reaching ``run_worker`` most likely did (describe_exit).
+UNGUARDED_MAIN_HINT = (
+    "before it started: a spawned rank first re-imports the main module of the program that "
+    "started it, so a script that creates the engine at its top level must do so under "
+    '`if __name__ == "__main__":` (and a program read from stdin cannot start '
+    "tensor-parallel ranks: save it to a file); the rank's traceback is above"
+)
+
+
 def start_workers(settings: dict[str, Any], ranks: Sequence[Rendezvous]) -> list[BaseProcess]:
     """Spawn one process per rank in ``ranks`` (not rank 0); ``settings`` are EngineConfig
-    fields, as the engine process gets them."""
+    fields, as the engine process gets them. Each rank says when it has started (its main
+    module imported): ``wait_started``, ``describe_exit``."""
     ctx = multiprocessing.get_context("spawn")
     procs = []
     for rdv in ranks:
+        started, tell = ctx.Pipe(duplex=False)
         proc = ctx.Process(
-            target=run_worker, args=(settings, rdv), name=f"radixserve-tp{rdv.rank}", daemon=True
-        )
+            target=run_worker, args=(settings, rdv, tell), name=f"radixserve-tp{rdv.rank}",
+            daemon=True,
+        )  # fmt: skip
         proc.start()
+        tell.close()  # the rank holds the only writer: its death reads as end of file
+        proc._radixserve_started = started  # type: ignore[attr-defined]
         procs.append(proc)
     return procs
 
 
-def run_worker(settings: dict[str, Any], rdv: Rendezvous) -> None:
+def wait_started(procs: Sequence[tuple[int, BaseProcess]], timeout_s: float) -> None:
+    """Return once every rank of ``procs`` ((rank, process) pairs from ``start_workers``) has
+    started, or ``timeout_s`` passed; RuntimeError (``describe_exit``) as soon as one died
+    before it started. Rank 0 calls this before it waits for the others in the rendezvous,
+    which would otherwise only end at its timeout (minutes) when a rank died at start-up."""
+    deadline = time.monotonic() + timeout_s
+    for rank, proc in procs:
+        if _started(proc, max(0.0, deadline - time.monotonic())) is False:
+            proc.join(5)  # its end of the pipe closed as it exited: the exit code follows
+            raise RuntimeError(describe_exit(rank, proc))
+
+
+def _started(proc: BaseProcess, timeout_s: float = 0.0) -> bool | None:
+    """Whether ``proc`` (from ``start_workers``) said it started (True) or ended without a
+    word (False), waiting up to ``timeout_s`` for either; None while it is still starting."""
+    known: bool | None = getattr(proc, "_radixserve_started_known", None)
+    conn = getattr(proc, "_radixserve_started", None)
+    if known is not None or conn is None:  # decided, or not one of ours: nothing to tell
+        return True if conn is None else known
+    if not wait([conn], timeout_s):
+        return None
+    try:
+        known = bool(conn.recv())
+    except (EOFError, OSError):  # the process is gone without a word
+        known = False
+    proc._radixserve_started_known = known  # type: ignore[attr-defined]
+    conn.close()
+    return known
+
+
+def run_worker(settings: dict[str, Any], rdv: Rendezvous, started: Any = None) -> None:
     """Process entry of rank ``rdv.rank`` > 0: build this rank's ModelRunner, then run the
-    steps rank 0 broadcasts until it says stop."""
+    steps rank 0 broadcasts until it says stop. ``started``: a connection told once this
+    process has got this far (its main module imported)."""
+    if started is not None:
+        started.send(True)
+        started.close()
     from radixserve.core.config import ConfigError
     from radixserve.core.distributed import teardown
     from radixserve.core.model_runner import ModelRunner
@@ -142,6 +190,8 @@ def describe_exit(rank: int, proc: BaseProcess) -> str:
             how = f"was killed by signal {-code}"
     else:
         how = f"exited with code {code}"
+    if code is not None and _started(proc) is False:
+        how += f" {UNGUARDED_MAIN_HINT}"
     return f"tensor-parallel rank {rank} (pid {proc.pid}) {how}"
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from platform_choice import on_cpu
 
 from radixserve.core.config import EngineConfig
 from radixserve.core.disaggregation import Bootstrap, DecodeSide, PrefillSide
@@ -81,7 +82,7 @@ class MemoryConnector(KVConnector):
 
 def make_core(model_dir: Path, **kw: Any) -> EngineCore:
     defaults: dict[str, Any] = {"max_total_tokens": 512, "chunked_prefill_size": 16}
-    return EngineCore(model_dir, EngineConfig(**{**defaults, **kw}), default_host())
+    return EngineCore(model_dir, EngineConfig(**on_cpu({**defaults, **kw})), default_host())
 
 
 def make_pair(

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from platform_choice import CPU
 
 from radixserve.core.config import EngineConfig
 from radixserve.core.engine_core import EngineCore
@@ -15,7 +16,7 @@ from radixserve.core.request import Req, SamplingParams
 
 
 def make_core(model_dir: Path) -> EngineCore:
-    config = EngineConfig(max_total_tokens=4096, debug_leak_check=True)
+    config = EngineConfig(max_total_tokens=4096, debug_leak_check=True, plugins=(CPU,))
     return EngineCore(model_dir, config, default_host())
 
 

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from platform_choice import on_cpu
 from scheduler_checks import check_accounting, greedy, tokens
 from tiny_models import make_tiny_llama_dir
 
@@ -30,7 +31,7 @@ def schedule_mode(request: pytest.FixtureRequest) -> Iterator[None]:
 def make_core(model_dir: Path, **settings: object) -> EngineCore:
     settings.setdefault("max_total_tokens", 4096)
     settings.setdefault("enable_overlap_schedule", OVERLAP["on"])
-    core = EngineCore(model_dir, EngineConfig(**settings), default_host())  # type: ignore[arg-type]
+    core = EngineCore(model_dir, EngineConfig(**on_cpu(settings)), default_host())
     core.scheduler.trace_steps = True
     return core
 

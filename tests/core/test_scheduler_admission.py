@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from platform_choice import CPU, on_cpu
 from scheduler_checks import check_accounting, greedy, tokens
 
 from radixserve import Engine
@@ -18,7 +19,7 @@ from radixserve.core.request import Req, ReqState
 
 def make_core(model_dir: Path, **settings: object) -> EngineCore:
     settings.setdefault("max_total_tokens", 4096)
-    core = EngineCore(model_dir, EngineConfig(**settings), default_host())  # type: ignore[arg-type]
+    core = EngineCore(model_dir, EngineConfig(**on_cpu(settings)), default_host())
     core.scheduler.trace_steps = True
     return core
 
@@ -76,7 +77,7 @@ def test_identical_prompts_sent_together_share_one_prefill(tiny_llama_dir: Path)
 
 def test_n_choices_share_one_prefill(tiny_llama_dir: Path) -> None:
     prompt = tokens(71, 30)
-    with Engine(str(tiny_llama_dir), max_total_tokens=4096) as engine:
+    with Engine(str(tiny_llama_dir), plugins=[CPU], max_total_tokens=4096) as engine:
         out = engine.generate(
             input_ids=prompt,
             sampling_params={"temperature": 0.0, "max_new_tokens": 4, "n": 4},

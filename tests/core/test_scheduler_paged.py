@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 import torch
+from platform_choice import CPU
 
 from radixserve.core.config import EngineConfig
 from radixserve.core.engine_core import EngineCore
@@ -56,6 +57,7 @@ def run(model_dir: Path, page_size: int, abort_mid_prefill: bool) -> tuple[list[
         # full prefill chunks beside decodes (as on GPUs): the traffic above is sized so that
         # this pool then runs out and retracts, whatever the CPU platform's default
         prefill_shrink_after_decodes=0,
+        plugins=(CPU,),
     )
     core = EngineCore(model_dir, config, default_host())
     shared = tokens(1, 37)

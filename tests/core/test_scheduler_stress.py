@@ -12,6 +12,7 @@ import random
 from pathlib import Path
 
 import pytest
+from platform_choice import CPU, on_cpu
 from scheduler_checks import check_accounting, greedy, tokens
 
 from radixserve.core.config import EngineConfig
@@ -66,6 +67,7 @@ def test_random_traffic_keeps_every_invariant(
         schedule_conservativeness=conservativeness,
         enable_overlap_schedule=overlap,
         disable_overlap_schedule=not overlap,
+        plugins=(CPU,),
     )
     core = EngineCore(tiny_llama_dir, config, default_host())
     sched = core.scheduler
@@ -118,7 +120,7 @@ def test_random_traffic_keeps_every_invariant(
 
 
 def _core(model_dir: Path, **settings: object) -> EngineCore:
-    config = EngineConfig(disable_overlap_schedule=True, **settings)  # type: ignore[arg-type]
+    config = EngineConfig(disable_overlap_schedule=True, **on_cpu(settings))
     return EngineCore(model_dir, config, default_host())
 
 

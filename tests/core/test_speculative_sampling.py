@@ -35,6 +35,7 @@ from typing import Any
 
 import pytest
 import torch
+from platform_choice import on_cpu
 from tiny_models import make_tiny_llama_dir
 
 import radixserve.core.spec_tree as spec_tree
@@ -286,8 +287,9 @@ def run_core(
     is under test."""
     settings.setdefault("speculative_disable_pause", True)
     config = EngineConfig(
-        model_path=str(model_dir), dtype="float32", random_seed=0, plugin_allow=(), **settings
-    )
+        model_path=str(model_dir), dtype="float32", random_seed=0, plugin_allow=(),
+        **on_cpu(settings),
+    )  # fmt: skip
     core = EngineCore(model_dir, config, host or PluginHost())
     try:
         reqs = [
@@ -446,7 +448,7 @@ def _greedy(model_dir: Path, **settings: Any) -> tuple[list[dict[str, Any]], Any
     params = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in GREEDY_BUDGETS]
     # At most 8 requests decode at once, so the draft length stays k (FULL_DRAFT_BATCH).
     with Engine(
-        str(model_dir), dtype="float32", max_running_requests=8, random_seed=0, **settings
+        str(model_dir), dtype="float32", max_running_requests=8, random_seed=0, **on_cpu(settings)
     ) as engine:
         out = engine.generate(input_ids=GREEDY_PROMPTS, sampling_params=params)
         return out, engine.core.spec_stats()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from platform_choice import CPU
 from scheduler_checks import check_accounting, greedy
 from tiny_models import make_tiny_llama_dir
 
@@ -19,7 +20,7 @@ PROMPT = [5, 6, 7, 8, 9, 10]
 
 
 def make_core(model_dir: Path) -> EngineCore:
-    config = EngineConfig(max_total_tokens=2048, debug_leak_check=True)
+    config = EngineConfig(max_total_tokens=2048, debug_leak_check=True, plugins=(CPU,))
     return EngineCore(model_dir, config, default_host())
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from platform_choice import CPU, on_cpu
 
 from radixserve import Engine
 from radixserve.core.tokenizer import Tokenizer
@@ -24,7 +25,7 @@ SYSTEM = (
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir: Path) -> Iterator[Engine]:
-    with Engine(str(tiny_llama_dir), max_total_tokens=8192) as eng:
+    with Engine(str(tiny_llama_dir), plugins=[CPU], max_total_tokens=8192) as eng:
         yield eng
 
 
@@ -114,7 +115,9 @@ def _shared_prefix_chats(
 def _run(model_dir: Path, prompts: list[list[int]], params: dict[str, Any], **settings: Any):
     """Generate in a fresh engine; return (results, scheduler) after checking it is idle and
     leak-free."""
-    with Engine(str(model_dir), **settings) as eng:
+    # the CPU by name: exact equality across chunkings and cache states is the CPU's (a GPU's
+    # kernels round differently for different shapes)
+    with Engine(str(model_dir), **on_cpu(settings)) as eng:
         results = eng.generate(input_ids=prompts, sampling_params=params)
         sched = eng.core.scheduler
         assert not sched.has_work()

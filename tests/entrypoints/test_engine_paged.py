@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from platform_choice import CPU, on_cpu
 
 from radixserve import Engine
 from radixserve.core.config import ConfigError, EngineConfig
@@ -44,7 +45,7 @@ def prompts(tiny_llama_dir: Path) -> list[list[int]]:
 def _run(model_dir: Path, prompts: list[list[int]], **settings: Any) -> tuple[list[Any], Any]:
     """Greedy outputs of a fresh engine, after checking it is idle and leak-free."""
     params = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
-    with Engine(str(model_dir), **settings) as eng:
+    with Engine(str(model_dir), **on_cpu(settings)) as eng:
         results = eng.generate(input_ids=prompts, sampling_params=params)
         sched = eng.core.scheduler
         assert not sched.has_work()
@@ -97,7 +98,7 @@ def test_page_size_16_gives_the_greedy_outputs_of_page_size_1(
 def test_repeated_prompt_reuses_its_whole_pages(tiny_llama_dir: Path) -> None:
     prompt = list(range(5, 5 + 3 * PAGE + 7))
     params = {"temperature": 0.0, "max_new_tokens": 4}
-    with Engine(str(tiny_llama_dir), max_total_tokens=1024, page_size=PAGE) as eng:
+    with Engine(str(tiny_llama_dir), plugins=[CPU], max_total_tokens=1024, page_size=PAGE) as eng:
         first = eng.generate(input_ids=prompt, sampling_params=params)
         second = eng.generate(input_ids=prompt, sampling_params=params)
         # The prompt and first outputs are cached in whole pages: 3 of the prompt's pages.

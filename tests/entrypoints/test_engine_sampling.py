@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from platform_choice import CPU
 
 from radixserve import Engine
 
@@ -13,7 +14,7 @@ PROMPT = "The quick brown fox"
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir: Path):
-    eng = Engine(str(tiny_llama_dir), max_total_tokens=8192)
+    eng = Engine(str(tiny_llama_dir), plugins=[CPU], max_total_tokens=8192)  # as transformers
     yield eng
     eng.shutdown()
 

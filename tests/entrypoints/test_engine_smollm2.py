@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from platform_choice import CPU
 
 from radixserve import Engine
 
@@ -34,7 +35,7 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def engine(smollm2_dir: Path):
-    eng = Engine(str(smollm2_dir), max_total_tokens=8192)
+    eng = Engine(str(smollm2_dir), plugins=[CPU], max_total_tokens=8192)  # as transformers
     yield eng
     eng.shutdown()
 

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+from platform_choice import CPU_FLAGS, on_cpu
 from server_process import RunningServer, start_server, stop_server
 from tiny_models import make_tiny_llama_dir
 
@@ -65,7 +66,7 @@ def tiny3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _engine_outputs(model_dir: Path, **settings: Any) -> list[list[int]]:
-    with Engine(str(model_dir), **SETTINGS, **settings) as engine:
+    with Engine(str(model_dir), **on_cpu({**SETTINGS, **settings})) as engine:
         runner = engine.core.runner
         if runner.ranks.size > 1:  # rank 0's KV pool holds only its KV heads (1 of 3 here)
             mc = runner.model_config
@@ -131,7 +132,8 @@ class TP2Servers:
 
     def get(self, model_dir: Path) -> RunningServer:
         if model_dir not in self.running:
-            args = ["--model-path", str(model_dir), "--tp-size", "2", *_flags(SETTINGS)]
+            args = [*CPU_FLAGS, "--model-path", str(model_dir), "--tp-size", "2",
+                    *_flags(SETTINGS)]  # fmt: skip
             log = self.logs / f"{model_dir.name}.log"
             self.running[model_dir] = start_server(args, log, timeout=HANG_GUARD_S)
         return self.running[model_dir]

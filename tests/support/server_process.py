@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from platform_choice import CPU_FLAGS
+
 READY_LINE = "radixserve ready at "
 
 # The shared tiny-model test server (tests/entrypoints/conftest.py) and what tests know of it.
@@ -21,7 +23,10 @@ TINY_MAX_BODY_BYTES = 1 << 20
 
 
 def tiny_server_args(model_dir: Path) -> list[str]:
+    # the CPU platform by name: on a GPU machine the tiny server's tests (outputs against
+    # transformers on the CPU, --tp-size 2 on one host) would otherwise run on CUDA
     return [
+        *CPU_FLAGS,
         "--model-path", str(model_dir),
         "--served-model-name", TINY_MODEL_NAME,
         "--enable-metrics",

@@ -8,7 +8,8 @@ torch's ``cpp_extension`` compiles it once per machine (~30 s on two cores) into
 ``~/.cache/radixserve/kernels`` (``RADIXSERVE_KERNEL_CACHE`` elsewhere), under a key of the
 sources, torch's version, the flags and the CPU, since ``-march=native`` code is this CPU's; later
 processes only load the library. ``python -m radixserve.plugins.hardware.cpu_kernels`` builds it
-ahead of time (``make serve`` and ``make test`` do).
+ahead of time (``make serve`` and ``make test`` do). ``checked()`` has the same ops behind checks
+of their operands written in Python (``checks.py`` says why).
 """
 
 from __future__ import annotations
@@ -75,6 +76,15 @@ def load() -> Any:
         )
         logger.debug("built the kernels in %.1f s", time.perf_counter() - start)
     return torch.ops.radixserve_cpu
+
+
+def checked() -> Any:
+    """The same ops as ``load()``, each behind checks of its operands written in Python
+    (``checks.py``): bad input raises ``KernelInputError`` (a RuntimeError) before any C++ runs,
+    on every build of torch. For callers whose operands are not built to fit."""
+    from radixserve.plugins.hardware.cpu_kernels.checks import checked_ops
+
+    return checked_ops()
 
 
 def _library_path() -> Path:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from kernel_checks import checked_without_the_kernels
 
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.config import ModelConfig
@@ -264,10 +265,9 @@ def test_other_dtypes_take_torch_natives_path() -> None:
     torch.testing.assert_close(ours, theirs)
 
 
-def test_kernel_rejects_bad_inputs_with_a_reason() -> None:
-    from radixserve.plugins.hardware.cpu_kernels import load
-
-    kernel = load().decode_attention
+def test_kernel_rejects_bad_inputs_with_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    ops = checked_without_the_kernels(monkeypatch)
+    kernel = ops.decode_attention
     pool = _pool(2, seed=7)
     q = torch.randn(1, 6, DIM)
     slots, starts = torch.tensor([[1, 2, 3]]), torch.zeros(1, dtype=torch.int64)
@@ -275,7 +275,13 @@ def test_kernel_rejects_bad_inputs_with_a_reason() -> None:
         kernel(q, pool.k[0], pool.v[0], slots, starts, torch.tensor([4]), 0.25, 0.0)
     with pytest.raises(RuntimeError, match="float32"):
         kernel(q.double(), pool.k[0], pool.v[0], slots, starts, torch.tensor([3]), 0.25, 0.0)
-    store = load().store_decode_attention
+    # a slot past the pool: the kernel itself reads it unchecked (an out-of-bounds read)
+    with pytest.raises(RuntimeError, match=f"slot {POOL + 1} outside the pool of {POOL + 1}"):
+        kernel(q, pool.k[0], pool.v[0], torch.tensor([[1, POOL + 1, 3]]), starts,
+               torch.tensor([3]), 0.25, 0.0)  # fmt: skip
+    with pytest.raises(RuntimeError, match="q is on meta; the kernel runs on the CPU"):
+        kernel(q.to("meta"), pool.k[0], pool.v[0], slots, starts, torch.tensor([3]), 0.25, 0.0)
+    store = ops.store_decode_attention
     kv = torch.randn(1, 2, DIM)
     lens = torch.tensor([3])
     with pytest.raises(RuntimeError, match=f"slot {POOL + 1} outside the pool of {POOL + 1}"):
@@ -284,6 +290,17 @@ def test_kernel_rejects_bad_inputs_with_a_reason() -> None:
     with pytest.raises(RuntimeError, match="loc must be int64"):
         store(q, kv, kv, torch.tensor([3, 4]), pool.k[0], pool.v[0], slots, starts, lens,
               0.25, 0.0)  # fmt: skip
+
+
+def test_the_checked_kernel_computes_what_the_kernel_does() -> None:
+    from radixserve.plugins.hardware.cpu_kernels import checked, load
+
+    pool = _pool(2, seed=9)
+    q = torch.randn(2, 6, DIM, generator=torch.Generator().manual_seed(10))
+    slots = torch.tensor([[5, 9, 2, 0], [7, 1, 3, 8]])
+    starts, lens = torch.tensor([0, 1]), torch.tensor([3, 4])
+    args = (q, pool.k[0], pool.v[0], slots, starts, lens, 0.25, 0.0)
+    assert torch.equal(checked().decode_attention(*args), load().decode_attention(*args))
 
 
 def test_refuses_a_non_cpu_device() -> None:

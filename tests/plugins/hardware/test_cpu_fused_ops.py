@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_checks import checked_without_the_kernels
 
 from radixserve.plugins.hardware.cpu_kernels import unavailable_reason
 
@@ -101,17 +102,38 @@ def test_other_dtypes_run_the_eager_formulas() -> None:
     assert torch.equal(cpu_fused_ops.silu_mul(x), F.silu(gate) * up)
 
 
-def test_bad_inputs_get_a_reason() -> None:
-    from radixserve.plugins.hardware.cpu_kernels import load
-
-    ops = load()
+def test_bad_inputs_get_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    ops = checked_without_the_kernels(monkeypatch)
     cos = sin = torch.zeros(8, 4)
-    with pytest.raises(RuntimeError, match="outside the table"):
+    with pytest.raises(RuntimeError, match="position 8 outside the table"):
         ops.rope(torch.zeros(2, 1, 8), torch.tensor([3, 8]), cos, sin)
     with pytest.raises(RuntimeError, match="weight must be float32"):
         ops.rms_norm(torch.zeros(2, 8), torch.zeros(7), 1e-6)
     with pytest.raises(RuntimeError, match="2 \\* n"):
         ops.silu_mul(torch.zeros(2, 7))
+    with pytest.raises(RuntimeError, match="x and residual differ in shape"):
+        ops.add_rms_norm(torch.zeros(2, 8), torch.zeros(3, 8), torch.zeros(8), 1e-6)
+    with pytest.raises(RuntimeError, match="positions must be int64"):
+        ops.rope(torch.zeros(2, 1, 8), torch.tensor([3.0, 4.0]), cos, sin)
+    with pytest.raises(RuntimeError, match="features do not fill 2 panels"):
+        ops.linear_f32_packed(torch.zeros(2, 8), torch.zeros(2, 8, 16), 40, None)
+
+
+def test_the_checked_ops_compute_what_the_kernels_do() -> None:
+    from radixserve.plugins.hardware.cpu_kernels import checked, load
+
+    gen = torch.Generator().manual_seed(3)
+    x, residual, w = torch.randn(3, 8, generator=gen), torch.randn(3, 8, generator=gen), \
+        torch.randn(8, generator=gen)  # fmt: skip
+    cos, sin = torch.randn(16, 4, generator=gen), torch.randn(16, 4, generator=gen)
+    q, positions = torch.randn(3, 2, 8, generator=gen), torch.tensor([0, 7, 15])
+    ops, raw = checked(), load()
+    assert torch.equal(ops.rms_norm(x, w, 1e-6), raw.rms_norm(x, w, 1e-6))
+    for got, want in zip(ops.add_rms_norm(x, residual, w, 1e-6),
+                         raw.add_rms_norm(x, residual, w, 1e-6), strict=True):  # fmt: skip
+        assert torch.equal(got, want)
+    assert torch.equal(ops.silu_mul(x), raw.silu_mul(x))
+    assert torch.equal(ops.rope(q, positions, cos, sin), raw.rope(q, positions, cos, sin))
 
 
 def test_the_cpu_model_uses_them_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:

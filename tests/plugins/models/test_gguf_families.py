@@ -141,10 +141,13 @@ def _add_tokenizer(w: gguf.GGUFWriter, model_dir: Path, pre: str) -> None:
 
 
 def _logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
-    """Our model plugin's logits for a prefill of ``ids`` (every row)."""
+    """Our model plugin's logits for a prefill of ``ids`` (every row), on the CPU like the
+    transformers reference: on a GPU machine the default platform would be CUDA, whose kernels
+    (cuBLAS, attention) round differently from the CPU's, past this test's 1e-4."""
     config = EngineConfig(
-        max_total_tokens=256, dtype="float32", plugins=("attention=torch_native",)
-    )
+        max_total_tokens=256, dtype="float32",
+        plugins=("hardware=cpu", "attention=torch_native"),
+    )  # fmt: skip
     runner = ModelRunner(model_dir, config, default_host())
     req = Req("a", ids, SamplingParams())
     req.req_pool_idx = runner.req_to_token.alloc()

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_checks import checked_without_the_kernels
 from torch import nn
 
 from radixserve import Engine
@@ -161,9 +162,12 @@ def test_q4_1_kernel_is_the_exact_product_of_its_rounded_operands(
 
 
 @needs_kernels
-def test_q4_1_kernel_refuses_operands_that_do_not_fit() -> None:
+def test_q4_1_kernel_refuses_operands_that_do_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     blocks = quantize_q4_1(_q4_1_weight(8, 64))
-    op = q4_kernels().q4_1_linear
+    x = torch.randn(2, 64)
+    want = q4_kernels().q4_1_linear(x, blocks)
+    assert torch.equal(cpu_kernels.checked().q4_1_linear(x, blocks), want)  # passed through
+    op = checked_without_the_kernels(monkeypatch).q4_1_linear
     with pytest.raises(RuntimeError, match="96 input features do not match blocks"):
         op(torch.randn(2, 96), blocks)
     with pytest.raises(RuntimeError, match="x must be float32"):
@@ -264,7 +268,8 @@ AGREEMENT_FLOOR = {"int8wo": 0.3, "int4wo": 0.3, "w8a8_int8": 0.15, "gguf": 0.3}
 
 
 def _run(model_dir: Path, **settings: str) -> tuple[list[list[int]], float]:
-    engine = Engine(str(model_dir), max_total_tokens=4096, **settings)
+    # The quantization methods here are the CPU platform's (a CUDA machine refuses them)
+    engine = Engine(str(model_dir), plugins=["hardware=cpu"], max_total_tokens=4096, **settings)
     try:
         greedy = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
         outs = [o["output_ids"] for o in engine.generate(PROMPTS, greedy)]

@@ -1,0 +1,27 @@
+"""The CPU platform, asked for by name: tests whose assertions hold on the CPU only (outputs
+equal to transformers' on the CPU token for token, greedy outputs that do not depend on the
+batch or the cache, CPU-only features, tensor parallelism over gloo on one host) would pick
+the CUDA platform on a machine with a GPU, where kernels round differently, when they left the
+choice to the platform's auto-detection (the highest-priority available platform wins)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+CPU = "hardware=cpu"
+#: server flags that choose the CPU platform
+CPU_FLAGS = ["--plugin", CPU]
+
+
+def on_cpu(settings: dict[str, Any]) -> dict[str, Any]:
+    """Engine/EngineConfig keyword settings with the CPU platform chosen, unless they choose a
+    hardware platform themselves."""
+    plugins = settings.get("plugins", ())
+    if isinstance(plugins, dict):
+        plugins = [f"{kind}={name}" for kind, name in plugins.items()]
+    elif isinstance(plugins, str):
+        plugins = [plugins]
+    plugins = list(plugins)
+    if not any(p.split("=", 1)[0].strip() == "hardware" for p in plugins):
+        plugins.append(CPU)
+    return {**settings, "plugins": tuple(plugins)}
