@@ -16,32 +16,26 @@ from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.core.disaggregation import DecodeSide, PrefillSide, transfers
 from radixserve.core.grammar import GrammarMasker, GrammarStepper
 from radixserve.core.grammar_queue import GrammarQueue
-from radixserve.core.interfaces import SpeculativeContext
+from radixserve.core.interfaces import StepStrategy
 from radixserve.core.model_runner import LaunchedStep, ModelRunner
 from radixserve.core.parallel import Rendezvous
 from radixserve.core.plugins import PluginHost
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
 from radixserve.core.request import POOLING_METHODS, FinishReason, InvalidRequest, Req
-from radixserve.core.scheduler import (
-    RetractionNeeded,
-    ScheduledBatch,
-    Scheduler,
-    SchedulerConfig,
-    new_token_ratios,
-)
-from radixserve.core.spec_loop import LOOP_BATCH, DeviceVerify, SpecLoop
-from radixserve.core.speculative import Speculator
+from radixserve.core.scheduler import Scheduler, SchedulerConfig, new_token_ratios
+from radixserve.core.step_plan import RetractionNeeded, StepPlan
 from radixserve.core.stop import StopChecker
+from radixserve.core.strategies import build_all
 from radixserve.core.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 
 class InFlightStep(NamedTuple):
-    batch: ScheduledBatch
+    batch: StepPlan
     launched: LaunchedStep
     launched_at: float  # time.perf_counter()
-    scheduled_at: float  # when the step that launched it began (drafting included)
+    scheduled_at: float  # when the step that launched it began (its strategies' work included)
     overlapped: bool  # launched while the previous step was still on the device
 
 
@@ -58,6 +52,7 @@ class EngineCore:
         ranks were started beside it (see ModelRunner); ``usage``: the caller's defaults (see
         ModelRunner)."""
         self.host = host
+        self.strategies: list[StepStrategy] = []  # built once the scheduler exists
         self.runner = ModelRunner(model_dir, config, host, rendezvous, usage)
         # From here on, every setting a platform may default is resolved.
         self.config = config = self.runner.config
@@ -73,24 +68,16 @@ class EngineCore:
             lambda: self.grammars.backend, settings.max_running_requests, mc.vocab_size
         )
         self.grammar_stepper = GrammarStepper(self.tokenizer, not config.disable_jump_forward)
-        self.speculator = self._speculator(host, model_dir)
-        self.runner.speculator = self.speculator
-        algorithm = self.speculator.algorithm if self.speculator is not None else None
-        if algorithm is not None and algorithm.capture_hidden_layers:
-            consumer = algorithm.target_hidden if algorithm.target_hidden_capturable else None
-            self.runner.keep_hidden_layers(algorithm.capture_hidden_layers, consumer)
         # Overlap scheduling: where the device runs asynchronously, step N+1 is scheduled and
-        # queued while the device computes step N (see step()). A speculating step is not
-        # overlapped (drafts need the last token on the host, and verify samples there), but
-        # decode-only steps are, also with speculation on: while every request's drafting is
-        # paused, decoding runs as fast as with speculation off.
+        # queued while the device computes step N (see step()). A step whose strategy needs
+        # the last tokens on the host is not overlapped (``needs_host_tokens``), but plain
+        # steps are, also with such a strategy enabled.
         self.overlap = not config.disable_overlap_schedule and (
             self.runner.platform.asynchronous or config.enable_overlap_schedule
         )
         self._in_flight: InFlightStep | None = None
         self.overlapped_steps = 0  # steps launched while the previous one was on the device
         self._last_result_at = 0.0  # when the previous step's result came (timing per kind)
-        self._drafted_last: frozenset[str] = frozenset()  # requests that drafted in that step
         self._changed_outside_step: list[Req] = []
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -98,7 +85,6 @@ class EngineCore:
                 chunked_prefill_size=settings.chunked_prefill_size,
                 prefill_shrink_after_decodes=settings.prefill_shrink_after_decodes,
                 prefill_gather_steps=settings.prefill_gather_steps,
-                uniform_drafts=getattr(self.runner.step, "uniform_verify", False),
                 mixed_chunk=not config.disable_mixed_chunk,
                 schedule_policy=config.schedule_policy,
                 max_context=self.max_context,
@@ -110,9 +96,10 @@ class EngineCore:
             self.cache,
             StopChecker(self.tokenizer, self.eos_token_ids, self.max_context),
             self.grammar_stepper,
-            self.speculator,
         )
-        self.spec_loop = self._spec_loop()
+        # The step strategies (core/strategies.py), called at the loop's fixed points.
+        self.strategies = build_all(self, host, model_dir)
+        self.scheduler.strategies = self.runner.strategies = self.strategies
         self.disagg = self._disaggregation(host)
         info = {
             "model_path": str(model_dir),
@@ -142,83 +129,9 @@ class EngineCore:
             return PrefillSide(connector, self.scheduler, self.abort)
         return DecodeSide(connector, self.scheduler, config.disaggregation_transfer_timeout)
 
-    def _speculator(self, host: PluginHost, model_dir: Path) -> Speculator | None:
-        name = self.runner.plugins.names["speculative"]
-        if name == "none":
-            return None
-        runner, config = self.runner, self.config
-        algorithm = runner.speculative_algorithm
-        algorithm.setup(
-            SpeculativeContext(
-                config=config,
-                model_config=runner.model_config,
-                model_path=str(model_dir),
-                host=host,
-                platform=runner.platform,
-                dtype=runner.dtype,
-                device=runner.device,
-                attention=runner.plugins.names["attention"],
-                kv_size=runner.kv_size,
-                page_size=config.page_size,
-                req_to_token=runner.req_to_token,
-                eos_token_ids=self.eos_token_ids,
-                target_model=runner.model,
-                free_counts=runner.allocator.free_counts,
-            )
-        )
-        return Speculator(
-            algorithm,
-            name,
-            config.draft_depth,
-            runner.settings.speculative_disable_batch_size,
-            runner.model_config.vocab_size,
-            config.speculative_simulate_accept_len,
-            config.random_seed,
-            pause_unprofitable=not config.speculative_disable_pause,
-            tree_nodes=config.tree_nodes,
-        )
-
-    def _spec_loop(self) -> SpecLoop | None:
-        """The device-side speculative loop (core/spec_loop.py), where the plugin offers a
-        cycle and the attention backend prepares from device tensors on an asynchronous
-        device (FlashInfer plans on the host: no loop)."""
-        sp, config, runner = self.speculator, self.config, self.runner
-        if sp is None or config.disable_speculative_loop or sp.tree_nodes:
-            return None
-        if sp.simulate_accept_len is not None:
-            return None
-        asynchronous = runner.platform.asynchronous
-        if not (asynchronous or config.enable_speculative_loop):
-            return None
-        attention = runner.attention
-        if asynchronous and (
-            not hasattr(attention, "prepare_verify_graph")
-            or hasattr(attention, "plan_decode_graph")
-        ):
-            return None
-        algorithm = sp.algorithm
-        verify = DeviceVerify(
-            runner.model, attention, runner.kv_pool, runner.req_to_token,
-            tuple(algorithm.capture_hidden_layers), algorithm.target_hidden,
-        )  # fmt: skip
-        cycle = algorithm.device_cycle(verify, min(LOOP_BATCH, sp.disable_batch_size))
-        if cycle is None:
-            return None
-        logger.info("speculation loops on the device for up to %d requests", cycle.max_batch)
-        return SpecLoop(cycle, self.scheduler, sp, self.max_context)
-
     def spec_stats(self) -> dict[str, object] | None:
-        """Speculation's settings and accept statistics (None when speculation is off)."""
-        if self.speculator is None:
-            return None
-        sp = self.speculator
-        return {
-            "algorithm": sp.name,
-            "num_draft_tokens": sp.num_draft,
-            "disable_batch_size": sp.disable_batch_size,
-            "simulated_accept_len": sp.simulate_accept_len,
-            **sp.stats.to_json(),
-        }
+        """The step strategies' stats for /server_info (None when no strategy keeps them)."""
+        return next((x for s in self.strategies if (x := s.spec_stats()) is not None), None)
 
     def _grammar_queue(self, host: PluginHost) -> GrammarQueue:
         name = self.runner.plugins.names["grammar"]
@@ -313,7 +226,7 @@ class EngineCore:
     def has_work(self) -> bool:
         return (
             self.scheduler.has_work()
-            or self._looping()
+            or any(s.has_work() for s in self.strategies)
             or len(self.grammars) > 0
             or self._in_flight is not None
             or bool(self._changed_outside_step)
@@ -328,7 +241,7 @@ class EngineCore:
             return None
         if self.scheduler.has_work() or len(self.grammars) or self._in_flight is not None:
             return None
-        if self._looping():
+        if any(s.has_work() for s in self.strategies):
             return None
         return None if self._changed_outside_step else self.disagg.wait_timeout()
 
@@ -345,53 +258,69 @@ class EngineCore:
         return changed
 
     def _step(self) -> list[Req]:
+        """plan -> execute -> commit: the strategies may run the step themselves; else the
+        scheduler plans it, the runner launches it and its result is committed (at once, or
+        during the next step with overlap scheduling)."""
         start = time.perf_counter()
         changed, self._changed_outside_step = self._changed_outside_step, []
         if len(self.grammars):
             changed += self._admit_compiled()
         if self._in_flight is not None and (
-            not self._in_flight.launched.overlappable or self._drafts_next()
+            not self._in_flight.launched.overlappable
+            or any(s.needs_host_tokens(self.scheduler) for s in self.strategies)
         ):
             changed += self._commit_in_flight()
-        if self.spec_loop is not None and self._in_flight is None:
-            looped, done = self._loop_step()
-            changed += looped
-            if done:
+        if self._in_flight is None:
+            ran = False
+            for strategy in self.strategies:
+                own, done = strategy.run_own_step(self.scheduler, len(self.grammars) > 0)
+                changed += own
+                ran = ran or done
+            if ran:
                 return changed
         try:
-            batch = self.scheduler.schedule(allow_retract=self._in_flight is None)
+            plan = self.scheduler.schedule(allow_retract=self._in_flight is None)
         except RetractionNeeded:
             changed += self._commit_in_flight()
-            batch = self.scheduler.schedule()
+            plan = self.scheduler.schedule()
         changed += self.scheduler.pop_ended()
-        if batch is None:
-            if self._in_flight is not None:
-                return changed + self._commit_in_flight()
-            if len(self.grammars) and not self.scheduler.has_work():
-                self.grammars.wait()  # idle until a grammar compiles: no busy loop
-                return changed
-            return changed + self._fail_unschedulable()
+        if plan is None:
+            return changed + self._nothing_planned()
+        return changed + self._execute(plan, start)
+
+    def _nothing_planned(self) -> list[Req]:
+        if self._in_flight is not None:
+            return self._commit_in_flight()
+        if len(self.grammars) and not self.scheduler.has_work():
+            self.grammars.wait()  # idle until a grammar compiles: no busy loop
+            return []
+        return self._fail_unschedulable()
+
+    def _execute(self, plan: StepPlan, start: float) -> list[Req]:
+        """Launch ``plan`` on the device; commit the step before it meanwhile (overlap) or
+        ``plan`` itself at once."""
         prev_ids = self._in_flight.launched.next_ids if self._in_flight is not None else None
-        sample_rows = self.scheduler.needs_sampling(batch)
+        sample_rows = self.scheduler.needs_sampling(plan)
         launched_at = time.perf_counter()
         try:
-            launched = self.runner.launch(batch, sample_rows, self.eos_token_ids, prev_ids)
+            launched = self.runner.launch(plan, sample_rows, self.eos_token_ids, prev_ids)
         except Exception as e:  # noqa: BLE001 - a failing request must not end the engine
-            return changed + self._fail_batch(batch, e)
-        self.scheduler.advance(batch)
+            return self._fail_batch(plan, e)
+        self.scheduler.advance(plan)
+        changed: list[Req] = []
         overlapped = self._in_flight is not None
         if overlapped:
             self.overlapped_steps += 1
-            changed += self._commit_in_flight()  # the device computes `batch` meanwhile
-        self._in_flight = InFlightStep(batch, launched, launched_at, start, overlapped)
+            changed += self._commit_in_flight()  # the device computes `plan` meanwhile
+        self._in_flight = InFlightStep(plan, launched, launched_at, start, overlapped)
         if not self.overlap:
             changed += self._commit_in_flight()
-        if any(r.failed for r in batch.reqs):  # the sampler could not serve these alone
-            changed += self._end_failed(batch)
+        if any(r.failed for r in plan.reqs):  # the sampler could not serve these alone
+            changed += self._end_failed(plan)
         self.host.hook.step_finished(
             stats={
-                "num_decode": batch.num_decode,
-                "num_prefill_tokens": sum(batch.extend_lens) - batch.num_decode,
+                "num_decode": plan.num_decode,
+                "num_prefill_tokens": sum(plan.extend_lens) - plan.num_decode,
                 "num_running": len(self.scheduler.running),
                 "num_waiting": len(self.scheduler.waiting),
                 "step_time_s": time.perf_counter() - start,
@@ -401,106 +330,24 @@ class EngineCore:
             self.scheduler.check_no_leak()
         return changed
 
-    def _looping(self) -> bool:
-        return self.spec_loop is not None and self.spec_loop.active
-
-    def _loop_step(self) -> tuple[list[Req], bool]:
-        """One cycle of the device-side speculative loop: stop it where it cannot go on, start
-        it where it can, and launch a cycle while it runs. Returns the requests it changed and
-        whether it ran this step (if not, the scheduler does)."""
-        loop = self.spec_loop
-        assert loop is not None
-        if loop.active and (len(self.grammars) or not loop.can_continue()):
-            return loop.stop(), False
-        if not loop.active:
-            reqs = None if len(self.grammars) else loop.eligible()
-            if reqs is None:
-                return [], False
-            try:
-                if not loop.start(reqs):
-                    return [], False
-            except Exception as e:  # noqa: BLE001 - a failing request must not end the engine
-                return self._fail_loop(e), True
-        start = time.perf_counter()
-        try:
-            changed = loop.advance()
-        except Exception as e:  # noqa: BLE001
-            return self._fail_loop(e), True
-        self.host.hook.step_finished(
-            stats={
-                "num_decode": len(loop.reqs),
-                "num_prefill_tokens": 0,
-                "num_running": len(self.scheduler.running),
-                "num_waiting": len(self.scheduler.waiting),
-                "step_time_s": time.perf_counter() - start,
-            }
-        )
-        return changed, True
-
-    def _fail_loop(self, error: Exception) -> list[Req]:
-        """The loop's cycle raised: its requests end with an abort naming the error, as a
-        failing step's do (``_fail_batch``)."""
-        loop = self.spec_loop
-        assert loop is not None
-        reqs = loop.abandon()
-        logger.error(
-            "a speculative cycle of %d requests failed: %r; aborting them", len(reqs), error
-        )
-        message = f"the engine failed on this request's step ({type(error).__name__}: {error})"
-        changed = []
-        for req in reqs:
-            if self.scheduler.abort(req.rid, message) is not None:
-                req.failed = message
-                changed.append(req)
-        self.cache.evict(1 << 62)
-        return changed
-
     def _commit_in_flight(self) -> list[Req]:
         """Wait for the step on the device and append its tokens."""
         assert self._in_flight is not None
         step, self._in_flight = self._in_flight, None
         changed = self.scheduler.commit(step.batch, step.launched.result())
         # A step's wall time: from its launch, or from the previous step's result where the
-        # device was still on that one (overlap), to its own result.
+        # device was still on that one (overlap), to its own result; for the strategies, from
+        # its planning.
         now = time.perf_counter()
         spent = now - max(step.launched_at, self._last_result_at)
-        batch = step.batch
-        if self.speculator is not None:
-            drafted = frozenset(batch.reqs[i].rid for i in batch.drafts)
-            catching_up = not drafted <= self._drafted_last
-            self._drafted_last = drafted
-            if self._is_reference_step(step):
-                # What speculation costs against plain decoding, per step from its scheduling
-                # (drafting included) or, overlapped, the last result.
-                cycle = now - max(step.scheduled_at, self._last_result_at)
-                verify = bool(batch.drafts)
-                self.speculator.observe_step(
-                    verify, len(batch.reqs), cycle, catching_up=catching_up
-                )
+        cycle = now - max(step.scheduled_at, self._last_result_at)
+        for strategy in self.strategies:
+            strategy.step_done(step.batch, cycle, step.overlapped)
         self._last_result_at = now
-        self.scheduler.stats.by_kind[batch.kind].seconds += spent
+        self.scheduler.stats.by_kind[step.batch.kind].seconds += spent
         return changed
 
-    def _is_reference_step(self, step: InFlightStep) -> bool:
-        """Whether ``step`` measures a verify step or plain decoding for the speculation policy:
-        only decodes (and verifies); with the overlap schedule, a decode-only step counts only
-        when it overlapped the step before, as decoding does while no request drafts (one
-        launched alone after a verify step costs the host's work on top)."""
-        batch = step.batch
-        if len(batch.reqs) != batch.num_decode + len(batch.drafts):
-            return False
-        return bool(batch.drafts) or step.overlapped or not self.overlap
-
-    def _drafts_next(self) -> bool:
-        """Whether the next step may draft for a running request, which needs its last token
-        on the host: the step in flight is then committed before scheduling."""
-        sp = self.speculator
-        if sp is None:
-            return False
-        running = self.scheduler.running
-        return sp.draft_length(len(running)) > 0 and any(sp.may_draft(r) for r in running)
-
-    def _fail_batch(self, batch: ScheduledBatch, error: Exception) -> list[Req]:
+    def _fail_batch(self, batch: StepPlan, error: Exception) -> list[Req]:
         """Launching ``batch`` raised: end its requests with an abort naming the error (the
         server answers 500) and go on with the rest. The step's slots are accounted as if it
         ran, then every unlocked prefix leaves the cache: what the step wrote is not trusted."""
@@ -515,7 +362,7 @@ class EngineCore:
         self.cache.evict(1 << 62)
         return changed
 
-    def _end_failed(self, batch: ScheduledBatch) -> list[Req]:
+    def _end_failed(self, batch: StepPlan) -> list[Req]:
         ended = [r for r in batch.reqs if r.failed and not r.finished]
         for req in ended:
             self.abort(req.rid, str(req.failed))
@@ -526,9 +373,8 @@ class EngineCore:
         scheduler's state is whole before it is changed from outside a step."""
         if self._in_flight is not None:
             self._changed_outside_step += self._commit_in_flight()
-        if self._looping():
-            assert self.spec_loop is not None
-            self._changed_outside_step += self.spec_loop.stop()
+        for strategy in self.strategies:
+            self._changed_outside_step += strategy.drain(self.scheduler)
 
     def _admit_compiled(self) -> list[Req]:
         """Move requests whose grammar compiled to the scheduler, after jumping forward over
@@ -584,11 +430,11 @@ class EngineCore:
         platform = self.runner.platform
         self.runner.close()  # the other tensor-parallel ranks stop with this one
         self._in_flight = None
-        self.spec_loop = None  # it holds the plugin's cycle graphs
         self._changed_outside_step = []
-        if self.speculator is not None:
-            self.speculator.close()
-        # NOTE: these three hold every device tensor (and the speculator's algorithm did). Some
+        for strategy in self.strategies:
+            strategy.close()  # e.g. graphs and a second model on the device
+        self.strategies = []
+        # NOTE: these three hold every device tensor (and the strategies did). Some
         # sit in reference cycles (closures over this core), so collect before the platform
         # empties its cache.
         del self.runner, self.scheduler, self.cache

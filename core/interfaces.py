@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from radixserve.core.config import ConfigError
 
@@ -176,6 +176,16 @@ class AttentionBackend(ABC):
     #: whether the backend attends a pool whose dtype differs from the queries'
     #: (``kv_pool.compute_dtype``), as --kv-cache-dtype asks: the engine refuses it otherwise
     reads_other_kv_dtype: bool = False
+    #: Capabilities, declared here and never probed by the core. The backend has
+    #: ``prepare_decode_graph(req_rows, seq_lens)``: it prepares a decode step from device
+    #: tensors (capturable in a CUDA graph).
+    prepares_decode_on_device: bool = False
+    #: It has ``prepare_verify_graph(req_rows, seq_lens, q_len)``: it prepares ``q_len`` rows
+    #: per request, each attending as a decode, from device tensors.
+    prepares_verify_on_device: bool = False
+    #: It has ``plan_decode_graph(bs, req_rows, seq_lens)``: decode steps are planned on the
+    #: host (FlashInfer), so work that must stay on the device cannot run through it.
+    plans_decode_on_host: bool = False
 
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> None:
@@ -326,6 +336,11 @@ class Draft:
     #: ``tokens`` or -1 for the request's last token; tokens breadth-first, siblings distinct
     #: (``core/spec_tree.py``). None: a chain.
     parents: list[int] | None = None
+
+    @property
+    def decode_rows(self) -> bool:
+        """A tree: each of its rows attends as a decode (a node sees its ancestors only)."""
+        return self.parents is not None
 
 
 @dataclass(frozen=True)
@@ -571,3 +586,176 @@ class KVConnector(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Stop the connector's threads and servers (the engine is shutting down)."""
+
+
+@runtime_checkable
+class KeepsHiddenLayers(Protocol):
+    """A step executor (``HardwarePlatform.step_executor``) that can keep target layers'
+    outputs on its fast path (captured graphs). Checked once when the runner starts."""
+
+    def keep_hidden_layers(
+        self, layers: tuple[int, ...], consumer: Callable[[ForwardBatch], None] | None = None
+    ) -> None: ...
+
+
+@runtime_checkable
+class UniformRows(Protocol):
+    """A step executor whose steps with extra rows are much faster when every request has as
+    many (``uniform_verify``: it replays graphs of one length). Checked once at start-up."""
+
+    uniform_verify: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StepCapabilities:
+    """What the platform's step executor offers, read once when the runner starts (see
+    ``KeepsHiddenLayers`` and ``UniformRows``)."""
+
+    uniform_rows: bool = False
+    keep_hidden_layers: Callable[..., None] | None = None
+
+    @staticmethod
+    def of(step: object) -> StepCapabilities:
+        keep = step.keep_hidden_layers if isinstance(step, KeepsHiddenLayers) else None
+        uniform = isinstance(step, UniformRows) and bool(step.uniform_verify)
+        return StepCapabilities(uniform, keep)
+
+
+class StepStrategy:
+    """A capability that changes the engine's step (speculation, prefill/decode
+    disaggregation, ...), plugged in at the fixed points of the loop (core/engine_core.py),
+    the scheduler (core/scheduler.py) and the model runner (core/model_runner.py). Those call
+    every enabled strategy at each point, in order, and never ask which one it is. Every hook
+    has a default that changes nothing, so a strategy implements only its own.
+
+    The loop is, per step: ``poll`` each strategy; let one ``run_own_step`` (a step it runs
+    itself, e.g. on the device); else the scheduler plans (``extend_plan`` adds extra rows),
+    the runner executes the plan (``add_rows``, ``before_forward``, ``after_forward``,
+    ``sample_rows``), and the scheduler commits it (``before_commit``, ``committed``); then
+    ``step_done`` and ``ended``.
+
+    Invariants every strategy keeps:
+    - KV slots are allocated and freed only through the scheduler's allocator and written
+      only through the slot table (core/memory.py); what a strategy allocates for a plan's
+      extra rows is either in the plan when ``extend_plan`` returns, or freed by then.
+    - A request is in exactly one place: the scheduler's queues, a strategy that ``admit``
+      took it into (until it hands it to the scheduler), or ended.
+    - Hooks run on the engine's thread and do not block (``wait_timeout`` says how long the
+      engine may sleep instead).
+    """
+
+    # -- the request lifecycle (engine core) --------------------------------------------------
+
+    def admit(self, req: Any, compiling: bool) -> bool:
+        """A validated request arrives (``compiling``: its grammar compiles first, and it
+        comes back through ``admit_compiled``). Raise InvalidRequest to refuse it; return True
+        when the strategy holds it (the scheduler must not queue it: the strategy hands it
+        over, e.g. once its KV arrived), False to let it run as usual."""
+        return False
+
+    def admit_compiled(self, req: Any) -> bool | None:
+        """``req``'s grammar compiled. None: admit it as usual (jump-forward, then the
+        scheduler); False: the strategy took it; True: it ended instead (finished)."""
+        return None
+
+    def refused(self, req: Any, message: str) -> None:
+        """This server refused ``req`` (validation, ``admit``) with ``message``; tell a peer
+        that waits for it."""
+
+    def poll(self) -> list[Any]:
+        """Called before each step: requests that changed outside the step (ended, or got
+        their first token)."""
+        return []
+
+    def ended(self, reqs: list[Any]) -> None:
+        """After each step and each abort: ``reqs`` changed (some finished)."""
+
+    def abort(self, rid: str, message: str) -> Any | None:
+        """Abort ``rid`` if the strategy holds it (``admit``); return it finished, else None."""
+        return None
+
+    def has_work(self) -> bool:
+        """Whether the strategy has work of its own (requests it holds, a step it runs)."""
+        return False
+
+    def wait_timeout(self) -> float | None:
+        """Seconds the engine may sleep when the strategy's only work waits on something
+        outside the engine (KV arriving); None: it has no such wait."""
+        return None
+
+    def drain(self, scheduler: Any) -> list[Any]:
+        """Stop any step the strategy runs itself and give its requests back to the
+        scheduler, whole (before the scheduler's state is changed from outside a step).
+        Returns the requests that changed."""
+        return []
+
+    def close(self) -> None:
+        """Let go of threads, sockets and device memory; the strategy is not called again."""
+
+    def spec_stats(self) -> dict[str, object] | None:
+        """Speculation's settings and accept statistics (/server_info); None elsewhere."""
+        return None
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def needs_host_tokens(self, scheduler: Any) -> bool:
+        """Whether the next plan needs every running request's last token on the host: the
+        step in flight (overlap scheduling) is then committed before planning."""
+        return False
+
+    def run_own_step(self, scheduler: Any, hold: bool) -> tuple[list[Any], bool]:
+        """Run this step instead of the scheduler's plan, where the strategy can (nothing is
+        in flight; ``hold``: requests wait for the host, so it must stop instead). Returns
+        the requests it changed and whether it ran the step."""
+        return [], False
+
+    def step_done(self, plan: Any, seconds: float, overlapped: bool) -> None:
+        """``plan``'s result came ``seconds`` after it was planned (or after the previous
+        result, when that came later); ``overlapped``: it was launched while the previous
+        step was on the device."""
+
+    # -- the scheduler ----------------------------------------------------------------------
+
+    def extend_plan(self, scheduler: Any, decodes: list[Any]) -> dict[str, Draft]:
+        """Extra rows for some of this step's ``decodes`` (their decode slot is allocated):
+        rid -> the rows, whose KV slots (positions kv_len + 1 ..) the strategy allocated
+        through ``scheduler``. Those entries extend over their last token and the rows, and
+        their step emits a list of tokens (``sample_rows``)."""
+        return {}
+
+    def before_commit(self, scheduler: Any, req: Any, extra: Draft, tokens: list[Any]) -> None:
+        """Before an extended entry's ``tokens`` are appended: arrange its slots so that the
+        positions the tokens follow come first (the scheduler keeps kv_len + the tokens kept
+        and frees the rest)."""
+
+    def committed(self, plan: Any, outcomes: list[tuple[Any, Draft, int, int]]) -> None:
+        """After the scheduler committed ``plan``: per extended entry (request, extra rows,
+        tokens emitted, tokens kept). Rolling back is done: each request's KV holds exactly
+        its kept tokens (the rest of the rows' slots are freed)."""
+
+    def released(self, req: Any) -> None:
+        """``req``'s KV and slot-table row were given back (finished, aborted, retracted):
+        drop what the strategy keeps about it."""
+
+    def on_release(self, scheduler: Any, req: Any) -> None:
+        """``req``'s slots are about to be given back (they still hold its KV)."""
+
+    # -- the model runner -------------------------------------------------------------------
+
+    def add_rows(self, rows: Any, index: int, req: Any, n: int, extra: Draft) -> bool:
+        """Add the rows of plan entry ``index`` (``n`` new tokens, with ``extra``) to
+        ``rows`` (core/step_rows.py); False when the strategy did not extend it."""
+        return False
+
+    def before_forward(self, batch: ForwardBatch) -> None:
+        """The step's ForwardBatch is built; ask the model for what the strategy reads."""
+
+    def after_forward(self, batch: ForwardBatch) -> None:
+        """The model ran ``batch`` (its kept hidden states are set)."""
+
+    def sample_rows(
+        self, logits: torch.Tensor, plan: Any, plans: list[Any], sample: list[int], eos: Any
+    ) -> dict[int, Any] | None:
+        """Sample a plan with extended entries: {batch index: token (a list of tokens for an
+        extended entry)} for each of ``sample``; None when it has none of the strategy's."""
+        return None

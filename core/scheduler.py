@@ -12,30 +12,25 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from radixserve.core.grammar import GrammarStepper
-from radixserve.core.interfaces import Draft
+from radixserve.core.interfaces import StepStrategy
 from radixserve.core.logprobs import first_scored_position
 from radixserve.core.memory import ReqToTokenPool, TokenAllocator
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
 from radixserve.core.request import FinishReason, Req, ReqState, token_slice
 from radixserve.core.schedule_policy import order_waiting, prefill_budget
-from radixserve.core.spec_tree import follow, node_depths
-from radixserve.core.spec_verify import SampledToken
-from radixserve.core.speculative import Speculator, speculating
+from radixserve.core.step_plan import Extra, SampledToken, SchedulerStats, StepPlan, step_kind
+from radixserve.core.step_plan import RetractionNeeded as RetractionNeeded
+from radixserve.core.step_plan import ScheduledBatch as ScheduledBatch
 from radixserve.core.stop import StopChecker, TopLogprobs
 
 logger = logging.getLogger(__name__)
-
-
-class RetractionNeeded(Exception):
-    """The KV pool is too full for the running decodes; retracting needs every pending token
-    committed first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,76 +59,9 @@ class SchedulerConfig:
     # graph; a mixed one runs eagerly).
     prefill_gather_steps: int = 0
     prefill_gather_max_wait_s: float = 0.05
-    # Pad token-only drafts to the step's full draft length, and give paused requests filler
-    # drafts while others speculate, so that a verify step keeps one shape: set where the step
-    # executor replays verify graphs of one length (a ragged or mixed step runs eagerly, on an
-    # H200 ~30 ms against ~3 ms for the default model at batch 8: bench/spec_steps.py).
-    uniform_drafts: bool = False
     # Requests whose uncached prompt shares at least this many tokens with one being prefilled
     # wait for that prefill to reach the cache instead of computing the same KV again.
     shared_prefill_min_tokens: int = 32
-
-
-@dataclass(slots=True)
-class ScheduledBatch:
-    """The requests of one step, decodes (extend 1) first, with their new-token counts."""
-
-    reqs: list[Req]
-    extend_lens: list[int]
-    num_decode: int
-    # Speculating decodes: batch index -> draft; such an entry extends over its last token and
-    # the draft (1 + len(draft.tokens) new tokens) and its step emits 1 or more tokens.
-    drafts: dict[int, Draft] = field(default_factory=dict)
-    kind: str = "decode"  # step_kind() of its decodes and prefill tokens
-
-
-STEP_KINDS = ("decode", "mixed", "prefill")
-
-
-def step_kind(num_decodes: int, prefill_tokens: int) -> str:
-    """A step's kind: "decode", decodes only (what a CUDA graph can replay); "prefill",
-    prefill chunks only; "mixed", both (runs eagerly)."""
-    if not prefill_tokens:
-        return "decode"
-    return "mixed" if num_decodes else "prefill"
-
-
-@dataclass(slots=True)
-class StepKindStats:
-    """Steps of one kind: how many, their decodes and prefill tokens, and their wall time
-    (timed by the engine core: each step from its launch, or the previous step's result if
-    that came later, to its own result)."""
-
-    steps: int = 0
-    decodes: int = 0
-    prefill_tokens: int = 0
-    seconds: float = 0.0
-
-    def to_json(self) -> dict[str, float]:
-        return {
-            "steps": self.steps,
-            "decodes": self.decodes,
-            "prefill_tokens": self.prefill_tokens,
-            "seconds": round(self.seconds, 6),
-        }
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    steps: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    retractions: int = 0
-    deferred_admissions: int = 0  # times a request waited for a shared prefill (per step)
-    gathering_steps: int = 0  # steps whose admission waited for more arrivals (gather)
-    step_trace: list[tuple[int, int]] = field(default_factory=list)  # (decodes, prefill tokens)
-    by_kind: dict[str, StepKindStats] = field(
-        default_factory=lambda: {k: StepKindStats() for k in STEP_KINDS}
-    )
-
-    @property
-    def cache_hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 class Scheduler:
@@ -145,7 +73,7 @@ class Scheduler:
         cache: RadixCache | NoPrefixCache,
         stop_checker: StopChecker,
         grammar: GrammarStepper | None = None,
-        speculator: Speculator | None = None,
+        strategies: Sequence[StepStrategy] = (),
     ) -> None:
         self.config = config
         self.allocator = allocator
@@ -157,10 +85,8 @@ class Scheduler:
         self.paused = False
         self.stop_checker = stop_checker
         self.grammar = grammar or GrammarStepper(stop_checker.tokenizer, jump_forward=False)
-        self.speculator = speculator
-        # paused requests verifying filler only this step (uniform_drafts): not judged, not
-        # counted in the accept statistics, so their pause runs its course
-        self._filler_only: set[str] = set()
+        # the enabled step strategies (core/interfaces.py): extra rows, commit, release
+        self.strategies = list(strategies)
         self.waiting: deque[Req] = deque()
         # Requests ended outside any batch (the KV pool cannot hold them); see pop_ended().
         self.ended: list[Req] = []
@@ -227,7 +153,7 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------
 
-    def schedule(self, allow_retract: bool = True) -> ScheduledBatch | None:
+    def schedule(self, allow_retract: bool = True) -> StepPlan | None:
         """The next step's batch, or None when nothing can run. With ``allow_retract=False``
         (tokens are pending) it raises RetractionNeeded where it would have to retract.
 
@@ -247,8 +173,8 @@ class Scheduler:
             budget = prefill_budget(
                 config.chunked_prefill_size, len(decodes), config.prefill_shrink_after_decodes
             )
-            drafts = self._draft(decodes) if decodes and self.speculator is not None else {}
-            budget -= sum(len(d.tokens) for d in drafts.values())
+            extra = self._extend(decodes) if decodes else {}
+            budget -= sum(len(e.tokens) for e in extra.values())
             prefills, budget = self._extend_running_prefills(budget)
             if decodes or prefills or not self._stalled():
                 self._scheduled = {r.rid: 1 for r in decodes}
@@ -269,21 +195,33 @@ class Scheduler:
             )
         if not decodes and not prefills:
             return None
-        # Single-token extends attend like decodes, so they join the batched decode path;
-        # verify entries (a decode with a draft) go with the extends.
+        return self._plan(decodes, prefills, extra)
+
+    def _extend(self, decodes: list[Req]) -> dict[str, Extra]:
+        """The strategies' extra rows for this step's decodes (rid -> rows)."""
+        extra: dict[str, Extra] = {}
+        for strategy in self.strategies:
+            extra.update(strategy.extend_plan(self, decodes))
+        return extra
+
+    def _plan(
+        self, decodes: list[Req], prefills: list[tuple[Req, int]], extra: dict[str, Extra]
+    ) -> StepPlan:
+        """The plan: single-token extends attend like decodes, so they join the batched
+        decode path; entries with extra rows go with the extends, or, where those rows attend
+        as decodes, right after the decodes."""
         decode_entries = [
-            (r, 1 + len(drafts[r.rid].tokens) if r.rid in drafts else 1) for r in decodes
+            (r, 1 + len(extra[r.rid].tokens) if r.rid in extra else 1) for r in decodes
         ]
-        # Draft trees verify as decode rows (core/spec_tree.py): they follow the decodes.
-        entries = sorted(decode_entries + prefills, key=lambda e: _entry_order(e, drafts))
+        entries = sorted(decode_entries + prefills, key=lambda e: _entry_order(e, extra))
         num_decode = sum(1 for _, n in entries if n == 1)
         kind = self._count_step(len(decodes), sum(n for _, n in prefills))
         by_index = {
-            i: drafts[r.rid]
+            i: extra[r.rid]
             for i, (r, _) in enumerate(entries)
-            if r.rid in drafts and r.state == ReqState.DECODE
+            if r.rid in extra and r.state == ReqState.DECODE
         }
-        return ScheduledBatch(
+        return StepPlan(
             [r for r, _ in entries], [n for _, n in entries], num_decode, by_index, kind
         )
 
@@ -313,7 +251,7 @@ class Scheduler:
                 return False
         return True
 
-    def _schedule_prefill_alone(self) -> ScheduledBatch | None:
+    def _schedule_prefill_alone(self) -> StepPlan | None:
         """Without mixing: a step of prefill chunks only (running prefills, then admissions),
         or None when none can run now (the mixed path then schedules the decodes, and retracts
         where it must)."""
@@ -333,7 +271,7 @@ class Scheduler:
         kind = self._count_step(0, sum(n for _, n in prefills))
         num_decode = sum(1 for _, n in entries if n == 1)
         reqs, lens = [r for r, _ in entries], [n for _, n in entries]
-        return ScheduledBatch(reqs, lens, num_decode, kind=kind)
+        return StepPlan(reqs, lens, num_decode, kind=kind)
 
     def _count_step(self, num_decodes: int, prefill_tokens: int) -> str:
         """Count a scheduled step under its kind (and trace it when asked); return the kind."""
@@ -361,14 +299,14 @@ class Scheduler:
         victim.finish(FinishReason("abort", message="KV pool too small for this request"))
         self.ended.append(victim)
 
-    def process_output(self, batch: ScheduledBatch, sampled: dict[int, SampledToken]) -> list[Req]:
+    def process_output(self, batch: StepPlan, sampled: dict[int, SampledToken]) -> list[Req]:
         """Advance requests after a forward; ``sampled`` maps batch index -> (token id,
         logprob, top logprobs).
         Returns the requests that produced a token or finished this step."""
         self.advance(batch)
         return self.commit(batch, sampled)
 
-    def advance(self, batch: ScheduledBatch) -> None:
+    def advance(self, batch: StepPlan) -> None:
         """The bookkeeping of a launched step that needs no sampled token: KV lengths, prompt
         sharing, states. Each request that samples gets one pending token until ``commit``,
         so the next step can be scheduled while the device still computes this one."""
@@ -376,7 +314,7 @@ class Scheduler:
         sample_row = 0  # rows of the step's sampled ids, in batch order
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens, strict=True)):
             req.kv_len += n
-            if i in batch.drafts:  # commit keeps the accepted positions, frees the rest
+            if i in batch.extra:  # commit keeps the positions of kept tokens, frees the rest
                 req.num_pending += 1
                 req.pending_row = sample_row
                 sample_row += 1
@@ -392,28 +330,24 @@ class Scheduler:
                 req.pending_row = sample_row
                 sample_row += 1
 
-    def commit(self, batch: ScheduledBatch, sampled: dict[int, SampledToken]) -> list[Req]:
+    def commit(self, batch: StepPlan, sampled: dict[int, SampledToken]) -> list[Req]:
         """Append ``batch``'s sampled tokens (after ``advance``) and finish what must finish.
         Requests that ended since the step was launched (a stop found one step late) are
         skipped: their token for this step is discarded.
         Returns the requests that produced a token or finished."""
         changed: list[Req] = []
-        verified: list[tuple[Req, int, int]] = []
+        outcomes: list[tuple[Req, Extra, int, int]] = []
         for i, req in enumerate(batch.reqs):
             if req.finished:
                 continue
             token = sampled.get(i)
-            if i in batch.drafts:
-                assert isinstance(token, list), "a verify entry samples a list of tokens"
-                draft = batch.drafts[i]
-                if draft.parents is not None:
-                    self._keep_accepted_nodes(req, draft, token)
-                kept = self._commit_verified(req, batch.extend_lens[i], token)
-                if req.rid not in self._filler_only:
-                    gain = _draft_gain(draft)
-                    if kept < len(token):  # cut by a stop or the token budget (uniform
-                        gain = min(gain, kept - 1)  # drafts draft past it): count what was kept
-                    verified.append((req, gain, kept - 1))
+            if i in batch.extra:
+                assert isinstance(token, list), "an entry with extra rows samples a list"
+                extra = batch.extra[i]
+                for strategy in self.strategies:
+                    strategy.before_commit(self, req, extra, token)
+                kept = self._commit_tokens(req, batch.extend_lens[i], token)
+                outcomes.append((req, extra, len(token), kept))
             elif token is not None:
                 req.num_pending -= 1
                 self._append_sampled(req, *token)
@@ -425,13 +359,13 @@ class Scheduler:
             if req.finished:
                 self._release(req)
             changed.append(req)
-        if verified and self.speculator is not None:
-            reqs, drafted, accepted = zip(*verified, strict=True)
-            self.speculator.verified(reqs, drafted, accepted, len(batch.reqs))
+        if outcomes:
+            for strategy in self.strategies:
+                strategy.committed(batch, outcomes)
         return changed
 
-    def _commit_verified(self, req: Req, n: int, tokens: list[SampledToken]) -> int:
-        """Append a verify entry's emitted tokens in order, up to a stop (or a grammar's
+    def _commit_tokens(self, req: Req, n: int, tokens: list[SampledToken]) -> int:
+        """Append an extended entry's emitted tokens in order, up to a stop (or a grammar's
         jump-forward), keep the KV of the positions they follow and free the rest. Returns
         how many tokens were appended."""
         start = req.kv_len - n  # the position of the step's first input (the last token)
@@ -445,21 +379,6 @@ class Scheduler:
         req.kv_len = start + committed
         self.free_positions(req, req.kv_len, start + n)
         return committed
-
-    def _keep_accepted_nodes(self, req: Req, draft: Draft, tokens: list[SampledToken]) -> None:
-        """A tree's accepted nodes: their slots move to positions kv_len + 1 .. in path order
-        and every other node's slot after them, so that keeping a prefix of the positions
-        keeps the path (``_commit_verified`` frees the rest)."""
-        assert draft.parents is not None and req.req_pool_idx is not None
-        path = follow(draft.tokens, draft.parents, [t for t, _, _ in tokens])
-        if path == list(range(len(path))):
-            return  # the path already holds the first positions
-        first = req.kv_len - len(draft.tokens)  # position kv_len + 1 before the step
-        row = self.req_to_token.table[req.req_pool_idx]
-        slots = row[first : first + len(draft.tokens)].clone()
-        on_path = set(path)
-        order = path + [j for j in range(len(slots)) if j not in on_path]
-        self.req_to_token.write(req.req_pool_idx, first, slots[order])
 
     def append_received(
         self, req: Req, token: int, lp: float | None, top: TopLogprobs | None
@@ -483,99 +402,14 @@ class Scheduler:
         if forced:
             req.state = ReqState.PREFILL
 
-    def needs_sampling(self, batch: ScheduledBatch) -> list[int]:
+    def needs_sampling(self, batch: StepPlan) -> list[int]:
         """Batch indices whose forward reaches the end of their tokens and must sample."""
         return [
             i
             for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens, strict=True))
-            if (req.kv_len + n == req.seq_len or i in batch.drafts)
+            if (req.kv_len + n == req.seq_len or i in batch.extra)
             and req.sampling.max_new_tokens > 0
         ]
-
-    # -- speculation -----------------------------------------------------------------------
-
-    def _draft(self, decodes: list[Req]) -> dict[str, Draft]:
-        """Drafts for the decodes that speculate this step, with KV slots for their positions
-        (allocated here, before proposing, so a draft model can write its own KV there)."""
-        assert self.speculator is not None
-        k = self.speculator.draft_length(len(decodes))
-        if not k:
-            return {}
-        reqs: list[Req] = []
-        limits: list[int] = []
-        nodes: list[int] = []  # a tree's nodes where the request may draft one, else 0
-        slots: list[int] = []  # draft positions allocated
-        paused: list[tuple[Req, int]] = []
-        drafting = (
-            sum(1 for r in decodes if speculating(r) and self.speculator.may_draft(r))
-            if self.speculator.tree_nodes
-            else 0
-        )
-        for req in decodes:
-            left = self.config.max_context - req.seq_len
-            if not self.config.uniform_drafts:
-                left = min(left, req.sampling.max_new_tokens - req.num_output_tokens)
-            # With uniform drafts a request near its token budget drafts the full length all
-            # the same (what it emits past the budget is cut at commit): one shorter draft
-            # made the whole step's verify uneven, and such a step runs eagerly (~20 ms of
-            # host time for the default model on an H200, against ~1 ms from a graph).
-            limit = min(k, left - 1)
-            # wants() first: a paused request's pause counts every step, also one whose last
-            # token is still on the device (overlap scheduling)
-            wants = self.speculator.wants(req)
-            if limit <= 0 or not speculating(req):
-                continue
-            if not wants:
-                if self.config.uniform_drafts:
-                    paused.append((req, limit))
-                continue
-            tree = self.speculator.tree_nodes_for(req, drafting)
-            if tree and req.seq_len + tree >= self.config.max_context:
-                tree = 0
-            if self._alloc_draft_slots(req, max(limit, tree)):
-                reqs.append(req)
-                limits.append(limit)
-                nodes.append(tree)
-                slots.append(max(limit, tree))
-        if not reqs:
-            return {}
-        try:
-            if any(nodes):
-                drafts = self.speculator.propose(reqs, limits, nodes)
-            else:
-                drafts = self.speculator.propose(reqs, limits)
-        except Exception:  # noqa: BLE001 - a failing drafter must not take the engine down
-            logger.exception("speculative plugin '%s' failed to propose", self.speculator.name)
-            drafts = [Draft([]) for _ in reqs]
-        if self.config.uniform_drafts:
-            self._filler_only.clear()
-            for req, limit in paused:  # they verify filler only: the step keeps one shape
-                if self._alloc_draft_slots(req, limit):
-                    reqs.append(req)
-                    limits.append(limit)
-                    slots.append(limit)
-                    drafts.append(Draft([]))
-                    self._filler_only.add(req.rid)
-            drafts = [_padded(r, n, d) for r, n, d in zip(reqs, limits, drafts, strict=True)]
-        out = {}
-        for req, allocated, draft in zip(reqs, slots, drafts, strict=True):
-            m = len(draft.tokens)
-            self.free_positions(req, req.kv_len + 1 + m, req.kv_len + 1 + allocated)
-            if m:
-                out[req.rid] = draft
-        return out
-
-    def _alloc_draft_slots(self, req: Req, limit: int) -> bool:
-        """KV slots for ``limit`` draft positions after ``req``'s decode slot; False when
-        the pool has no room (the request then decodes normally)."""
-        assert req.req_pool_idx is not None
-        row = self.req_to_token.table[req.req_pool_idx]
-        start = req.kv_len + 1  # the decode slot of position kv_len is already allocated
-        slots = self.allocator.alloc_extend(row, start, limit)
-        if slots is None:
-            return False
-        self.req_to_token.write(req.req_pool_idx, start, slots)
-        return True
 
     def free_positions(self, req: Req, keep: int, end: int) -> None:
         """Give back the slots of positions [keep, end) of ``req``'s row, except those in the
@@ -672,11 +506,18 @@ class Scheduler:
         self.req_to_token.write(row, kv_len, slots)
         return True
 
-    def alloc_positions(self, req: Req, start: int, num_tokens: int) -> bool:
-        """Slots for positions start.. of running ``req``'s row (evicting cache if needed);
-        False when the pool cannot give them."""
+    def alloc_positions(self, req: Req, start: int, num_tokens: int, evict: bool = True) -> bool:
+        """Slots for positions start.. of running ``req``'s row (evicting cache if needed,
+        and ``evict``); False when the pool cannot give them."""
         assert req.req_pool_idx is not None
-        return self._alloc_extend(req.req_pool_idx, start, num_tokens)
+        if evict:
+            return self._alloc_extend(req.req_pool_idx, start, num_tokens)
+        row = self.req_to_token.table[req.req_pool_idx]
+        slots = self.allocator.alloc_extend(row, start, num_tokens)
+        if slots is None:
+            return False
+        self.req_to_token.write(req.req_pool_idx, start, slots)
+        return True
 
     def release(self, req: Req) -> None:
         """Give back a finished ``req``'s KV and row, and drop it from the running requests."""
@@ -692,9 +533,8 @@ class Scheduler:
             req.req_pool_idx = None
         req.kv_len = 0
         req.num_pending = 0
-        if self.speculator is not None:
-            self.speculator.algorithm.release(req.rid)
-            self.speculator.forget(req.rid)
+        for strategy in self.strategies:
+            strategy.released(req)
         if req in self.running:
             self.running.remove(req)
 
@@ -842,37 +682,13 @@ class Scheduler:
             raise AssertionError(f"cache nodes still locked at idle: {acct}")
 
 
-def _entry_order(entry: tuple[Req, int], drafts: dict[str, Draft]) -> int:
-    """Decodes first, then tree verifies (decode rows to the model), then extends."""
+def _entry_order(entry: tuple[Req, int], extra: dict[str, Extra]) -> int:
+    """Decodes first, then entries whose extra rows attend as decodes, then extends."""
     req, n = entry
     if n == 1:
         return 0
-    draft = drafts.get(req.rid)
-    return 1 if draft is not None and draft.parents is not None else 2
-
-
-def _draft_gain(draft: Draft) -> int:
-    """The most draft tokens a verify of ``draft`` can accept: a chain's length, a tree's
-    depth."""
-    if draft.parents is None:
-        return len(draft.tokens)
-    return max(node_depths(draft.parents), default=0)
-
-
-def _padded(req: Req, limit: int, draft: Draft) -> Draft:
-    """``draft`` filled up to ``limit`` tokens, so that every request of the step verifies as
-    many (a captured verify graph has one length). The filler repeats the last token: the
-    target verifies it like any draft, and accepts it only where it is the target's own token,
-    so outputs do not change. Left alone: drafts drawn from a distribution (rejection sampling
-    needs its probabilities), drafts still on the device (full length already) and constrained
-    requests (their drafts must stay inside the grammar)."""
-    missing = limit - len(draft.tokens)
-    if missing <= 0 or draft.probs is not None or draft.pending is not None or req.grammar:
-        return draft
-    if draft.parents is not None:  # a tree verifies as decode rows, in no verify graph
-        return draft
-    last = draft.tokens[-1] if draft.tokens else (req.output_ids or req.input_ids)[-1]
-    return Draft(draft.tokens + [last] * missing)
+    rows = extra.get(req.rid)
+    return 1 if rows is not None and rows.decode_rows else 2
 
 
 def new_token_ratios(conservativeness: float) -> dict[str, Any]:

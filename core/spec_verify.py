@@ -34,12 +34,12 @@ from radixserve.core.sampling import (
     token_logprobs,
 )
 from radixserve.core.spec_tree import accepted_nodes, ancestors
-from radixserve.core.stop import TopLogprobs
+from radixserve.core.step_plan import SampledToken
 
 if TYPE_CHECKING:
     from radixserve.core.speculative import Speculator
 
-SampledToken = tuple[int, float | None, TopLogprobs | None]
+__all__ = ["SampledToken"]  # re-exported: it lived here first
 
 
 class DraftPosition:

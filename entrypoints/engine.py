@@ -27,6 +27,7 @@ from radixserve.core.output import input_logprob_entries, logprob_triples, top_l
 from radixserve.core.parallel import teardown as teardown_parallel
 from radixserve.core.plugins import PluginHost, default_host
 from radixserve.core.request import FinishReason, InvalidRequest, Req, SamplingParams
+from radixserve.core.spec_strategy import speculator_of
 from radixserve.core.stop import streamable_text
 from radixserve.entrypoints import tp_workers
 from radixserve.entrypoints.fanout import choice_params, per_item
@@ -278,7 +279,7 @@ class Engine:
         }
         if finished and req.finish_time is not None:
             meta["e2e_latency"] = req.finish_time - req.arrival_time
-        speculator = self.core.speculator
+        speculator = speculator_of(self.core)
         if speculator is not None:  # SGLang adds these only while speculation is on
             verify_ct, accepted = spec or (req.spec_verify_ct, req.spec_accepted_tokens)
             meta.update(spec_meta_info(verify_ct, accepted, speculator.num_draft))

@@ -28,6 +28,7 @@ from radixserve.core.scheduler import (
     new_token_ratios,
     step_kind,
 )
+from radixserve.core.spec_strategy import Speculation
 from radixserve.core.stop import StopChecker
 from radixserve.core.tokenizer import Tokenizer
 
@@ -73,7 +74,7 @@ def make(
         cache,
         StopChecker(tokenizer, [EOS], context),
         grammar,
-        speculator,
+        [Speculation(speculator, None, context, False)] if speculator is not None else [],  # type: ignore[arg-type]
     )
 
 
@@ -93,8 +94,8 @@ def add(sched: Scheduler, *reqs: Req) -> None:
 def sampled_for(sched: Scheduler, batch: ScheduledBatch, token: int = TOKEN) -> dict[int, Any]:
     out: dict[int, Any] = {}
     for i in sched.needs_sampling(batch):
-        if i in batch.drafts:  # verify entries: accept every draft token, then one more
-            out[i] = [(t, None, None) for t in batch.drafts[i].tokens] + [(token, None, None)]
+        if i in batch.extra:  # verify entries: accept every draft token, then one more
+            out[i] = [(t, None, None) for t in batch.extra[i].tokens] + [(token, None, None)]
         else:
             out[i] = (token, None, None)
     return out
@@ -707,7 +708,7 @@ def test_verify_entries_extend_over_the_draft_and_commit_the_accepted_tokens(
     batch = sched.schedule()
     assert batch is not None
     assert shape(batch) == (["plain", "r"], [1, 4], 1)
-    assert list(batch.drafts) == [1] and batch.drafts[1].tokens == [21, 22, 23]
+    assert list(batch.extra) == [1] and batch.extra[1].tokens == [21, 22, 23]
     assert spec.limits == [[3]]
     assert sched.needs_sampling(batch) == [0, 1]
     # The target accepts one draft token and emits its own: the KV of positions 6 (the last
@@ -750,7 +751,7 @@ def test_a_failing_drafter_or_an_empty_draft_leaves_plain_decodes(tokenizer: Tok
         step(sched)
         free = sched.allocator.available()
         batch = sched.schedule()
-        assert batch is not None and shape(batch) == (["r"], [1], 1) and not batch.drafts
+        assert batch is not None and shape(batch) == (["r"], [1], 1) and not batch.extra
         assert sched.allocator.available() == free - 1  # the draft slots went back
         sched.process_output(batch, sampled_for(sched, batch))
         run_to_idle(sched)
@@ -912,7 +913,7 @@ def test_no_drafts_when_the_policy_says_zero_or_their_slots_do_not_fit(
     add(sched, req("r", 6))
     step(sched)
     batch = step(sched)
-    assert batch is not None and not batch.drafts and spec.limits == []
+    assert batch is not None and not batch.extra and spec.limits == []
     spec = FakeSpeculator(4, [21, 22, 23, 24])
     sched = make(tokenizer, pool=16, radix=False, speculator=spec)
     r = req("r", 10, max_new_tokens=8)
