@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from radixserve.core.config import ConfigError, EngineConfig
-from radixserve.core.disaggregation import DecodeSide, PrefillSide, transfers
 from radixserve.core.grammar import GrammarMasker, GrammarStepper
 from radixserve.core.grammar_queue import GrammarQueue
 from radixserve.core.interfaces import StepStrategy
@@ -21,7 +20,7 @@ from radixserve.core.model_runner import LaunchedStep, ModelRunner
 from radixserve.core.parallel import Rendezvous
 from radixserve.core.plugins import PluginHost
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
-from radixserve.core.request import POOLING_METHODS, FinishReason, InvalidRequest, Req
+from radixserve.core.request import POOLING_METHODS, InvalidRequest, Req
 from radixserve.core.scheduler import Scheduler, SchedulerConfig, new_token_ratios
 from radixserve.core.step_plan import RetractionNeeded, StepPlan
 from radixserve.core.stop import StopChecker
@@ -100,7 +99,6 @@ class EngineCore:
         # The step strategies (core/strategies.py), called at the loop's fixed points.
         self.strategies = build_all(self, host, model_dir)
         self.scheduler.strategies = self.runner.strategies = self.strategies
-        self.disagg = self._disaggregation(host)
         info = {
             "model_path": str(model_dir),
             "plugins": dict(self.runner.plugins.names),
@@ -110,24 +108,6 @@ class EngineCore:
         }
         logger.info("engine ready: %s", info)
         host.hook.engine_started(info=info)
-
-    def _disaggregation(self, host: PluginHost) -> PrefillSide | DecodeSide | None:
-        """The prefill or decode side of disaggregation, with its started KV connector."""
-        config = self.config
-        if config.disaggregation_mode == "null":
-            return None
-        name = self.runner.plugins.names["kv_transfer"]
-        connector = host.registries["kv_transfer"].get(name).factory()
-        connector.bootstrap_host = config.disaggregation_bootstrap_host or ""
-        connector.start(
-            config.disaggregation_mode,
-            self.runner.kv_pool,
-            config.disaggregation_bootstrap_port,
-            config.disaggregation_transfer_timeout,
-        )
-        if config.disaggregation_mode == "prefill":
-            return PrefillSide(connector, self.scheduler, self.abort)
-        return DecodeSide(connector, self.scheduler, config.disaggregation_transfer_timeout)
 
     def spec_stats(self) -> dict[str, object] | None:
         """The step strategies' stats for /server_info (None when no strategy keeps them)."""
@@ -174,87 +154,73 @@ class EngineCore:
             raise InvalidRequest(f"label_token_ids must be token ids in [0, {vocab})")
 
     def add_request(self, req: Req) -> None:
-        """Queue ``req``; one with a grammar first waits for it to compile (off this thread)."""
-        b = req.bootstrap
+        """Queue ``req``; one with a grammar first waits for it to compile (off this thread);
+        a strategy may hold it instead (e.g. until its KV arrived)."""
+        compiling = req.sampling.grammar is not None
         try:
             self.validate(req)
-            if b is not None and (self.disagg is None or not transfers(req)):
-                req.bootstrap = None  # nothing to transfer: the request runs whole here
-            if req.bootstrap is not None and self.disagg is not None:
-                compiling = req.sampling.grammar is not None
-                if isinstance(self.disagg, DecodeSide) and compiling:
-                    self.disagg.check(req)  # waits for its KV once its grammar compiled
-                else:
-                    self.disagg.add(req)
+            held = [s.admit(req, compiling) for s in self.strategies]
         except InvalidRequest as e:
-            if b is not None:
-                self.cancel_room(b.room, str(e), (b.host, b.port))
+            for strategy in self.strategies:
+                strategy.refused(req, str(e))
             raise
-        if req.sampling.grammar is not None:
+        if compiling:
             self.grammars.submit(req)
-        elif req.bootstrap is None or not isinstance(self.disagg, DecodeSide):
-            self.scheduler.add_request(req)  # (a decode's waits for its KV in disagg)
+        elif not any(held):
+            self.scheduler.add_request(req)
 
     def cancel_room(
         self, room: int, message: str, peer: tuple[str, int] | None = None, refused: bool = True
     ) -> None:
         """This server refused a request of ``room`` (here or in the server): on a prefill the
-        decode waiting for its KV learns why at once, and whether the request was at fault
-        (``refused``: the decode answers 400; else 500, e.g. an overloaded prefill, which a
-        router may retry elsewhere); on a decode the prefill at ``peer`` (its bootstrap server)
-        does, and gives the room up. Rooms of live requests are left alone."""
-        disagg = self.disagg
-        if isinstance(disagg, PrefillSide) and room not in disagg.live:
-            if refused:
-                reason = f"the prefill server refused the request: {message}"
-            else:
-                reason = f"the prefill server could not take the request: {message}"
-            disagg.connector.cancel(room, reason, refused=refused)
-        elif isinstance(disagg, DecodeSide) and peer is not None and not disagg.holds(room):
-            reason = f"the decode server refused the request: {message}"
-            disagg.connector.refuse(room, peer, reason)
+        peer waiting for its KV learns why at once, and whether the request was at fault
+        (``refused``: the peer answers 400; else 500, e.g. an overloaded prefill, which a
+        router may retry elsewhere); on a decode the prefill at ``peer`` does, and gives the
+        room up. Rooms of live requests are left alone."""
+        for strategy in self.strategies:
+            strategy.cancel_room(room, message, peer, refused)
 
     def abort(self, rid: str, message: str = "aborted by the client") -> Req | None:
         self._sync()
         req = self.grammars.abort(rid, message) or self.scheduler.abort(rid, message)
-        if self.disagg is not None:
-            req = req or self.disagg.abort(rid, message)
-            if req is not None:
-                self.disagg.ended([req])
+        for strategy in self.strategies:
+            req = req or strategy.abort(rid, message)
+        if req is not None:
+            for strategy in self.strategies:
+                strategy.ended([req])
         return req
 
     def has_work(self) -> bool:
         return (
             self.scheduler.has_work()
-            or any(s.has_work() for s in self.strategies)
             or len(self.grammars) > 0
             or self._in_flight is not None
             or bool(self._changed_outside_step)
-            or (self.disagg is not None and self.disagg.has_work())
+            or any(s.has_work() for s in self.strategies)
         )
 
     def idle_wait(self) -> float | None:
         """Seconds the engine may sleep on its sockets (and the KV connector's wakeup_fd)
-        before stepping again, when its only work is waiting for KV transfers; None when it
-        has a step to run."""
-        if self.disagg is None or not self.disagg.has_work():
+        before stepping again, when its only work is waiting for something outside it (KV
+        arriving); None when it has a step to run."""
+        waits = [t for s in self.strategies if (t := s.wait_timeout()) is not None]
+        if not waits:
             return None
         if self.scheduler.has_work() or len(self.grammars) or self._in_flight is not None:
             return None
-        if any(s.has_work() for s in self.strategies):
-            return None
-        return None if self._changed_outside_step else self.disagg.wait_timeout()
+        if any(s.has_work() and s.wait_timeout() is None for s in self.strategies):
+            return None  # a strategy runs steps itself
+        return None if self._changed_outside_step else min(waits)
 
     def step(self) -> list[Req]:
         """Run one step; return the requests with new tokens or a new finish.
 
         With overlap scheduling the step is queued on the device and the previous step's
         tokens are committed while it runs, so what a step returns is one step old."""
-        if self.disagg is None:
-            return self._step()
-        changed = self.disagg.step()  # transfers done, failed or late; cancelled prefills
+        changed = [r for s in self.strategies for r in s.poll()]  # e.g. KV arrived or late
         changed += self._step()
-        self.disagg.ended(changed)
+        for strategy in self.strategies:
+            strategy.ended(changed)
         return changed
 
     def _step(self) -> list[Req]:
@@ -377,14 +343,14 @@ class EngineCore:
             self._changed_outside_step += strategy.drain(self.scheduler)
 
     def _admit_compiled(self) -> list[Req]:
-        """Move requests whose grammar compiled to the scheduler, after jumping forward over
-        any prefix the grammar forces; return those that finished (failed) instead."""
+        """Move requests whose grammar compiled to the scheduler (or to a strategy that takes
+        them), after jumping forward over any prefix the grammar forces; return those that
+        finished (failed) instead."""
         ready, finished = self.grammars.pop_done()
         for req in ready:
-            if req.bootstrap is not None and self.disagg is not None:
-                # Disaggregated: no jump-forward before the first token, which the prefill
-                # samples under the grammar (it sends the KV of the prompt alone).
-                if self._admit_transfer(req):
+            taken = [t for s in self.strategies if (t := s.admit_compiled(req)) is not None]
+            if taken:
+                if any(taken):
                     finished.append(req)
                 continue
             for token in self.grammar_stepper.forced_tokens(req):
@@ -395,45 +361,24 @@ class EngineCore:
                 finished.append(req)
             else:
                 self.scheduler.add_request(req)
-        if isinstance(self.disagg, DecodeSide):  # the prefill need not keep their KV
-            for req in finished:
-                b, why = req.bootstrap, req.finish_reason
-                if b is not None and why is not None:
-                    self.cancel_room(b.room, why.message or why.type, (b.host, b.port))
+        for strategy in self.strategies:
+            strategy.ended_unscheduled(finished)
         return finished
-
-    def _admit_transfer(self, req: Req) -> bool:
-        """A disaggregated request whose grammar compiled: the prefill runs it, the decode
-        starts waiting for its KV. True when it ended instead (its room got taken meanwhile)."""
-        if isinstance(self.disagg, PrefillSide):
-            self.scheduler.add_request(req)
-            return False
-        assert self.disagg is not None
-        try:
-            self.disagg.add(req)
-        except InvalidRequest as e:
-            req.finish(FinishReason("abort", message=str(e)))
-            return True
-        return False
 
     def shutdown(self) -> None:
         """Stop the grammar workers and let go of everything on the device (model, KV pool,
         step executor, cached prefixes), then have the platform give cached memory back, so
         another engine can start in this process at once. The core cannot step afterwards."""
         self.grammars.shutdown()
-        disagg = getattr(self, "disagg", None)
-        if disagg is not None:
-            disagg.connector.close()
-            self.disagg = None
+        strategies, self.strategies = self.strategies, []
+        for strategy in strategies:
+            strategy.close()  # e.g. a connector's threads, graphs and a second model
         if not hasattr(self, "runner"):
             return  # already shut down
         platform = self.runner.platform
         self.runner.close()  # the other tensor-parallel ranks stop with this one
         self._in_flight = None
         self._changed_outside_step = []
-        for strategy in self.strategies:
-            strategy.close()  # e.g. graphs and a second model on the device
-        self.strategies = []
         # NOTE: these three hold every device tensor (and the strategies did). Some
         # sit in reference cycles (closures over this core), so collect before the platform
         # empties its cache.

@@ -14,6 +14,16 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from radixserve.core.config import ConfigError
 
+# the speculative and KV-transfer plugins' contracts live beside this file (re-exported)
+from radixserve.core.interfaces_kv_transfer import KVConnector, TransferEvent  # noqa: F401
+from radixserve.core.interfaces_speculative import (  # noqa: F401
+    DeviceCycle,
+    Draft,
+    SpeculativeAlgorithm,
+    SpeculativeContext,
+    TargetVerify,
+)
+
 if TYPE_CHECKING:
     import torch
 
@@ -176,15 +186,11 @@ class AttentionBackend(ABC):
     #: whether the backend attends a pool whose dtype differs from the queries'
     #: (``kv_pool.compute_dtype``), as --kv-cache-dtype asks: the engine refuses it otherwise
     reads_other_kv_dtype: bool = False
-    #: Capabilities, declared here and never probed by the core. The backend has
-    #: ``prepare_decode_graph(req_rows, seq_lens)``: it prepares a decode step from device
-    #: tensors (capturable in a CUDA graph).
+    #: Capabilities, declared (the core never probes): ``prepare_decode_graph(rows, lens)`` /
+    #: ``prepare_verify_graph(rows, lens, q_len)`` prepare a decode / q_len rows per request
+    #: from device tensors (CUDA-graph capturable); ``plan_decode_graph`` plans on the host.
     prepares_decode_on_device: bool = False
-    #: It has ``prepare_verify_graph(req_rows, seq_lens, q_len)``: it prepares ``q_len`` rows
-    #: per request, each attending as a decode, from device tensors.
     prepares_verify_on_device: bool = False
-    #: It has ``plan_decode_graph(bs, req_rows, seq_lens)``: decode steps are planned on the
-    #: host (FlashInfer), so work that must stay on the device cannot run through it.
     plans_decode_on_host: bool = False
 
     @abstractmethod
@@ -318,276 +324,6 @@ class GrammarBackend(ABC):
         logits[index] = logits[index].masked_fill(banned, float("-inf"))
 
 
-@dataclass
-class Draft:
-    """One request's proposed continuation: a chain of draft tokens, in order."""
-
-    tokens: list[int]
-    #: [len(tokens), vocab] float32: the distribution each token was drawn from, for rejection
-    #: sampling. None when the tokens were chosen without sampling (greedy drafts, n-gram
-    #: lookups); verification then treats each as certain (probability 1).
-    probs: torch.Tensor | None = None
-    #: [len(tokens)] int64 on the device: the tokens not yet read back (a draft model's output
-    #: left where it was computed, so the verify step can start without a host sync). Until
-    #: the core reads them (``core.spec_verify.read_pending``, together with the verify
-    #: result), ``tokens`` holds as many placeholders: only its length counts.
-    pending: torch.Tensor | None = None
-    #: a tree draft (``--speculative-eagle-topk`` > 1): each token's parent, an index into
-    #: ``tokens`` or -1 for the request's last token; tokens breadth-first, siblings distinct
-    #: (``core/spec_tree.py``). None: a chain.
-    parents: list[int] | None = None
-
-    @property
-    def decode_rows(self) -> bool:
-        """A tree: each of its rows attends as a decode (a node sees its ancestors only)."""
-        return self.parents is not None
-
-
-@dataclass(frozen=True)
-class SpeculativeContext:
-    """What a speculative algorithm may use, given once by ``setup`` before the first step."""
-
-    config: EngineConfig
-    model_config: ModelConfig
-    model_path: str  # the target model's directory
-    host: Any  # core.plugins.PluginHost: to build a draft model from the model plugins
-    platform: HardwarePlatform
-    dtype: torch.dtype
-    device: str
-    attention: str  # the target's attention plugin name
-    kv_size: int  # slots in the target's KV pool (a draft's own pool mirrors them)
-    page_size: int
-    req_to_token: ReqToTokenPool  # the target's slot table; a draft writes at the same slots
-    eos_token_ids: tuple[int, ...]
-    #: the target CausalLM itself, for drafters that share its modules (a draft head reads the
-    #: target's token embedding); None where no model is at hand
-    target_model: Any = None
-    #: how often the pages of the given slots were freed (TokenAllocator.free_counts): a
-    #: drafter whose KV at a position depends only on the tokens up to it may reuse what it
-    #: wrote at a slot for another request sharing the prefix (the radix cache), while the
-    #: count has not moved since; None where not available
-    free_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
-
-
-class SpeculativeAlgorithm(ABC):
-    """Proposes draft tokens that the target model verifies in one extend-like step.
-
-    Per step, for the decoding requests that speculate (each with nothing pending, in DECODE):
-    ``propose`` returns each one's draft; the core checks drafts against the request's grammar
-    and budget, runs the target once over [last token, *draft] per request, accepts the longest
-    verified prefix (greedy) or by rejection sampling, commits the accepted tokens plus one
-    from the target, frees the KV of rejected positions and calls ``verified``.
-
-    KV: when ``propose`` runs, a request's target KV covers positions ``[0, req.kv_len)``; its
-    last token (``req.output_ids[-1]`` or the prompt's last) sits at position ``req.kv_len``,
-    and the slots of positions ``req.kv_len .. req.kv_len + max_drafts[i]`` are allocated in
-    ``context.req_to_token.table[req.req_pool_idx]``. A drafter with its own KV pool (same
-    size as the target's, indexed by the same slots) may write at any allocated position and
-    must not write elsewhere. Slots of positions at or past the new ``req.kv_len`` after
-    verification are freed and may go to other requests; slots below it can be replaced when
-    the prefix cache merges duplicates, so a drafter that keeps KV should check that the slots
-    it wrote are still the row's before it trusts them.
-
-    Target features: a drafter that reads the target's hidden states names the layers in
-    ``capture_hidden_layers``; every target forward then keeps those layers' outputs for every
-    new token and hands the batch to ``target_hidden`` right after the forward (prefill
-    chunks, decodes and verify steps alike, rejected draft positions included: their slots
-    are freed after verification and rewritten by the next forward that takes them).
-    """
-
-    #: target layers whose outputs (the residual stream after the layer) ``target_hidden``
-    #: receives; empty: none are kept, at no cost
-    capture_hidden_layers: tuple[int, ...] = ()
-    #: ``target_hidden`` is device work only (no host sync, no host-side state, rows written
-    #: at ``batch.out_cache_loc``), so a step executor that replays CUDA graphs may capture it
-    #: inside them, where padding rows write slot 0 (the pools' padding row)
-    target_hidden_capturable: bool = False
-
-    def memory_needs(self, config: EngineConfig, host: Any, dtype: torch.dtype) -> tuple[int, int]:
-        """(bytes of weights, KV bytes per KV-pool slot) that ``setup`` will allocate on the
-        device, asked before the target's KV pool is sized so the pool leaves room for them
-        (e.g. a draft model and its own pool with one slot per target slot)."""
-        return 0, 0
-
-    def setup(self, context: SpeculativeContext) -> None:  # noqa: B027 - optional hook
-        """Called once before the first step (build a draft model here)."""
-
-    @abstractmethod
-    def propose(self, reqs: Sequence[Any], max_drafts: Sequence[int]) -> list[Draft]:
-        """Up to ``max_drafts[i]`` draft tokens for ``reqs[i]`` (a ``core.request.Req``: read
-        ``input_ids``, ``output_ids``, ``sampling``, ``rid``, ``req_pool_idx``, ``kv_len``).
-        An empty draft means "decode normally"."""
-
-    #: ``propose_trees`` drafts trees (``Draft.parents``) for ``--speculative-eagle-topk`` > 1
-    drafts_trees: bool = False
-
-    def propose_trees(
-        self, reqs: Sequence[Any], max_depths: Sequence[int], max_nodes: Sequence[int]
-    ) -> list[Draft]:
-        """``propose`` where some requests may draft trees: ``reqs[i]`` gets a tree of at most
-        ``max_nodes[i]`` tokens and depth ``max_depths[i]`` (or a chain of at most that
-        length), or, where ``max_nodes[i]`` is 0, a chain as ``propose`` drafts. The slots of
-        positions ``req.kv_len .. req.kv_len + max(max_nodes[i], max_depths[i])`` are
-        allocated; node j of a tree will take the slot of position ``req.kv_len + 1 + j``.
-        Only plugins with ``drafts_trees`` are asked."""
-        raise NotImplementedError
-
-    def verified(self, reqs: Sequence[Any], num_accepted: Sequence[int]) -> None:  # noqa: B027
-        """After the step: ``num_accepted[i]`` of ``reqs[i]``'s draft tokens were kept (its
-        output grew by that plus one; ``req.kv_len`` is updated)."""
-
-    def target_hidden(self, batch: ForwardBatch) -> None:  # noqa: B027 - optional hook
-        """After each target forward, when ``capture_hidden_layers`` is not empty:
-        ``batch.hidden_states[layer]`` is [T, hidden] for the T new tokens, which were written
-        at ``batch.out_cache_loc`` (their positions in ``batch.positions``)."""
-
-    def release(self, rid: str) -> None:  # noqa: B027 - optional hook
-        """Request ``rid`` finished, was aborted or retracted: drop its state (a retracted
-        request comes back with no KV and is proposed for afresh)."""
-
-    def device_cycle(self, verify: TargetVerify, max_batch: int) -> DeviceCycle | None:
-        """A whole speculative cycle that runs from state on the device (core/spec_loop.py),
-        for greedy requests, at most ``max_batch`` of them; None (the default): not offered.
-        ``verify`` runs the target over verify rows given as device tensors."""
-        return None
-
-
-class TargetVerify(ABC):
-    """The target's forward over ``q_len`` verify rows per request, from device tensors only:
-    token ids, positions and KV slots [bs * q_len], table rows and sequence lengths after the
-    rows [bs] (int32). Returns every row's logits; capturable in a CUDA graph where the
-    attention backend prepares from device tensors."""
-
-    @abstractmethod
-    def __call__(
-        self,
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        rows: torch.Tensor,
-        seq_lens: torch.Tensor,
-        q_len: int,
-    ) -> torch.Tensor: ...
-
-
-class DeviceCycle(ABC):
-    """Speculation whose cycle (propose k drafts, verify them with the target, accept the
-    greedy prefix, advance) runs from state kept on the device, so the host may queue the next
-    cycle before it reads this one's tokens (core/spec_loop.py drives it)."""
-
-    k: int  # drafts a cycle proposes per request
-    max_batch: int  # requests a cycle takes at most
-
-    @abstractmethod
-    def begin(self, reqs: Sequence[Any]) -> None:
-        """Load ``reqs``' state (lengths, recent tokens) onto the device; their last tokens
-        are on the host and positions kv_len .. kv_len + 2(k + 1) - 1 have slots."""
-
-    @abstractmethod
-    def launch(self) -> Callable[[], list[list[int]]]:
-        """Queue one cycle; return what waits for its result: per request, the k + 1 target
-        tokens t0..tk and then the number a of drafts accepted (t0..ta are its new tokens)."""
-
-    @abstractmethod
-    def end(self, reqs: Sequence[Any], trusted: Sequence[int]) -> None:
-        """The loop is over for ``reqs`` (their ``kv_len`` is committed): the drafter's own
-        record of them must hold again; ``trusted[i]``: positions of draft KV written from the
-        target's features by the last cycle committed."""
-
-
-@dataclass(frozen=True)
-class TransferEvent:
-    """What a connector reports about one room (``KVConnector.poll``).
-
-    Decode side: ``ok`` True once the room's KV is in the slots given to ``receive`` and
-    ``meta`` holds the prefill's message; ``ok`` False when the transfer failed (``error``
-    names the peer and the cause), with ``refused`` True when the prefill refused the request
-    (``cancel(..., refused=True)``: a client error, which the decode answers with a 400 and
-    ``error``, not a failure). Prefill side: ``ok`` False when the decode gave the room up
-    (aborted, timed out, disconnected) before or while it was sent.
-    """
-
-    room: int
-    ok: bool
-    meta: bytes = b""
-    error: str = ""
-    refused: bool = False
-
-
-class KVConnector(ABC):
-    """Moves one request's prompt KV and a small metadata message from a prefill engine to a
-    decode engine (prefill/decode disaggregation; the request states live in
-    ``core/disaggregation.py``). Built by its registered factory with no arguments.
-
-    Rooms: a router gives both engines the same ``bootstrap_room`` (an integer) for one
-    request; it names the transfer on both sides. The decode learns the prefill's bootstrap
-    address (host, port) from the request too.
-
-    Unit of kv indices: token slots of the KV pool (row ``s`` of every layer's
-    ``KVPool.k[layer]`` and ``KVPool.v[layer]``), in position order. The decode engine
-    allocates its slots in whole pages before the transfer starts; the prefill's slots hold the
-    prompt's positions ``0 .. n-1`` in its own pool, whatever its page size.
-
-    Threads: every method is called on the engine's thread and must not block on the network;
-    a connector does its I/O on its own threads and reports through ``poll``. It must never
-    raise from ``poll``: a transfer that cannot complete is a ``TransferEvent`` with ``ok``
-    False. No pickle on any socket.
-    """
-
-    #: A file descriptor that is readable while ``poll`` has events; the engine waits on it
-    #: (with its inbound socket) when it has nothing else to do. None: the engine polls.
-    wakeup_fd: int | None = None
-    #: Prefill: the address its bootstrap server listens on (the server's --host; "": every
-    #: interface). Set by the engine before ``start``.
-    bootstrap_host: str = ""
-
-    @abstractmethod
-    def start(self, role: str, kv_pool: KVPool, bootstrap_port: int, timeout: float) -> None:
-        """Called once before the first request. ``role`` is "prefill" or "decode". A prefill
-        serves decode engines on ``bootstrap_port`` (its bootstrap server). ``timeout``:
-        seconds a prefill keeps a room's data that no decode has asked for, and a decode waits
-        for a room's data, before the room fails."""
-
-    @abstractmethod
-    def send(self, room: int, kv_slots: torch.Tensor, meta: bytes) -> None:
-        """Prefill: the KV of ``kv_slots`` (the prompt's positions) is final; deliver it and
-        ``meta`` to the decode engine that asks for ``room``. The engine may reuse the slots
-        once this returns, so the connector must have read (or copied) them by then."""
-
-    @abstractmethod
-    def receive(self, room: int, peer: tuple[str, int], kv_slots: torch.Tensor) -> None:
-        """Decode: fetch ``room``'s KV from the prefill's bootstrap server ``peer`` into
-        ``kv_slots`` (preallocated, one per prompt token). A size or layout that does not
-        match the prefill's fails the room. Completion or failure comes through ``poll``."""
-
-    @abstractmethod
-    def cancel(self, room: int, reason: str, refused: bool = False) -> None:
-        """Give ``room`` up on this side; the peer learns it (a decode's ``receive`` fails with
-        ``reason``, and with ``refused`` when it is set: the prefill refused the request, a
-        client error; a prefill reports the room through ``poll`` and drops its data). No
-        event for ``room`` follows on this side. Unknown rooms are ignored."""
-
-    @abstractmethod
-    def poll(self) -> list[TransferEvent]:
-        """Events since the last call; on a decode, the KV of an ``ok`` room is in its slots
-        when the event is returned."""
-
-    def refuse(self, room: int, peer: tuple[str, int], reason: str) -> None:  # noqa: B027
-        """Decode: this server refused a request of ``room`` before asking for its KV (bad
-        input, overload). Tell the prefill at ``peer`` (its bootstrap server), without
-        blocking, so that it gives the room up at once: it reports the room through ``poll``
-        (a running request is aborted), drops KV it holds for it, and ``refused`` names the
-        reason if the request comes later. Optional: without it the prefill keeps the room's
-        KV until the transfer timeout."""
-
-    def refused(self, room: int) -> str | None:
-        """Prefill: why a decode refused ``room`` (see ``refuse``), else None."""
-        return None
-
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Stop the connector's threads and servers (the engine is shutting down)."""
-
-
 @runtime_checkable
 class KeepsHiddenLayers(Protocol):
     """A step executor (``HardwarePlatform.step_executor``) that can keep target layers'
@@ -608,8 +344,7 @@ class UniformRows(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class StepCapabilities:
-    """What the platform's step executor offers, read once when the runner starts (see
-    ``KeepsHiddenLayers`` and ``UniformRows``)."""
+    """What the step executor offers (``KeepsHiddenLayers``, ``UniformRows``), read once."""
 
     uniform_rows: bool = False
     keep_hidden_layers: Callable[..., None] | None = None
@@ -634,14 +369,11 @@ class StepStrategy:
     ``sample_rows``), and the scheduler commits it (``before_commit``, ``committed``); then
     ``step_done`` and ``ended``.
 
-    Invariants every strategy keeps:
-    - KV slots are allocated and freed only through the scheduler's allocator and written
-      only through the slot table (core/memory.py); what a strategy allocates for a plan's
-      extra rows is either in the plan when ``extend_plan`` returns, or freed by then.
-    - A request is in exactly one place: the scheduler's queues, a strategy that ``admit``
-      took it into (until it hands it to the scheduler), or ended.
-    - Hooks run on the engine's thread and do not block (``wait_timeout`` says how long the
-      engine may sleep instead).
+    Invariants: KV slots are allocated and freed only through the scheduler and written only
+    through the slot table (core/memory.py), and what a strategy allocated for extra rows is
+    in the plan when ``extend_plan`` returns, or freed by then; a request is in one place
+    only (the scheduler, a strategy that ``admit`` took it into, or ended); hooks run on the
+    engine's thread and never block (``wait_timeout`` says how long the engine may sleep).
     """
 
     # -- the request lifecycle (engine core) --------------------------------------------------
@@ -662,9 +394,17 @@ class StepStrategy:
         """This server refused ``req`` (validation, ``admit``) with ``message``; tell a peer
         that waits for it."""
 
+    def cancel_room(
+        self, room: int, message: str, peer: tuple[str, int] | None, refused: bool = True
+    ) -> None:
+        """This server refused a request of ``room`` (see EngineCore.cancel_room): tell the
+        peer that waits for it, unless the room belongs to a live request."""
+
+    def ended_unscheduled(self, reqs: list[Any]) -> None:
+        """``reqs`` ended before the scheduler saw them (their grammar failed to compile)."""
+
     def poll(self) -> list[Any]:
-        """Called before each step: requests that changed outside the step (ended, or got
-        their first token)."""
+        """Before each step: requests that changed outside a step (ended, got a token)."""
         return []
 
     def ended(self, reqs: list[Any]) -> None:
@@ -684,9 +424,8 @@ class StepStrategy:
         return None
 
     def drain(self, scheduler: Any) -> list[Any]:
-        """Stop any step the strategy runs itself and give its requests back to the
-        scheduler, whole (before the scheduler's state is changed from outside a step).
-        Returns the requests that changed."""
+        """Stop any step the strategy runs itself; its requests go back to the scheduler,
+        whole (its state is about to change outside a step). Returns those that changed."""
         return []
 
     def close(self) -> None:
@@ -710,9 +449,8 @@ class StepStrategy:
         return [], False
 
     def step_done(self, plan: Any, seconds: float, overlapped: bool) -> None:
-        """``plan``'s result came ``seconds`` after it was planned (or after the previous
-        result, when that came later); ``overlapped``: it was launched while the previous
-        step was on the device."""
+        """``plan``'s result came ``seconds`` after it was planned (or the previous result
+        came, if later); ``overlapped``: launched while the previous step was running."""
 
     # -- the scheduler ----------------------------------------------------------------------
 
@@ -734,8 +472,7 @@ class StepStrategy:
         its kept tokens (the rest of the rows' slots are freed)."""
 
     def released(self, req: Any) -> None:
-        """``req``'s KV and slot-table row were given back (finished, aborted, retracted):
-        drop what the strategy keeps about it."""
+        """``req``'s KV and row were given back (finished, aborted, retracted): forget it."""
 
     def on_release(self, scheduler: Any, req: Any) -> None:
         """``req``'s slots are about to be given back (they still hold its KV)."""
@@ -743,8 +480,8 @@ class StepStrategy:
     # -- the model runner -------------------------------------------------------------------
 
     def add_rows(self, rows: Any, index: int, req: Any, n: int, extra: Draft) -> bool:
-        """Add the rows of plan entry ``index`` (``n`` new tokens, with ``extra``) to
-        ``rows`` (core/step_rows.py); False when the strategy did not extend it."""
+        """Add plan entry ``index`` (``n`` new tokens, ``extra``) to ``rows``
+        (core/step_rows.py); False when the strategy did not extend it."""
         return False
 
     def before_forward(self, batch: ForwardBatch) -> None:

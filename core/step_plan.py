@@ -17,6 +17,38 @@ from radixserve.core.stop import TopLogprobs
 #: One sampled token: (token id, its logprob or None, top logprobs or None).
 SampledToken = tuple[int, float | None, TopLogprobs | None]
 
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_running_requests: int
+    chunked_prefill_size: int  # -1: no chunking
+    schedule_policy: str
+    max_context: int
+    random_seed: int = 0
+    # Admission reserves room for the running requests' future tokens: this share of what each
+    # may still generate. It starts at init, decays to min while nothing is retracted, and jumps
+    # back up after a retraction (SGLang's new_token_ratio).
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.098
+    new_token_ratio_decay_steps: int = 600
+    # False: a step with prefill work runs it alone and the decodes wait a step (SGLang's
+    # default; a decode-only step can replay a CUDA graph, a mixed one runs eagerly).
+    mixed_chunk: bool = True
+    # Past this many decodes in a step, its prefill tokens shrink in proportion (0: never;
+    # schedule_policy.prefill_budget).
+    prefill_shrink_after_decodes: int = 0
+    # While decodes run and the waiting prompts would fill under the step's prefill budget,
+    # admission waits up to this many steps (0: never) and at most prefill_gather_max_wait_s
+    # after the oldest waiting request arrived, so that arrivals trickling in one by one share
+    # one mixed step instead of making each step mixed (a decode-only step replays a CUDA
+    # graph; a mixed one runs eagerly).
+    prefill_gather_steps: int = 0
+    prefill_gather_max_wait_s: float = 0.05
+    # Requests whose uncached prompt shares at least this many tokens with one being prefilled
+    # wait for that prefill to reach the cache instead of computing the same KV again.
+    shared_prefill_min_tokens: int = 32
+
+
 #: What a strategy adds to a decode entry: tokens the step runs after the entry's last token
 #: (a chain, or rows that attend as decodes, ``Extra.decode_rows``).
 Extra = Draft

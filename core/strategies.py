@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from radixserve.core import spec_strategy, spec_tree
+from radixserve.core import disaggregation, spec_setup, spec_tree
 from radixserve.core.config import ConfigError
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ def reserve(
 ) -> Reservation:
     """Build what must exist before the KV pool is sized; refuse settings a strategy cannot
     run with (ConfigError)."""
-    algorithm, weights, kv = spec_strategy.algorithm_for(host, names, config, dtype, tp_size)
+    algorithm, weights, kv = spec_setup.algorithm_for(host, names, config, dtype, tp_size)
     mode = config.disaggregation_mode
     if tp_size > 1 and mode != "null":
         raise ConfigError(
@@ -48,5 +48,5 @@ def reserve(
 
 def build_all(core: EngineCore, host: PluginHost, model_dir: Path) -> list[StepStrategy]:
     """The enabled strategies of ``core``, in the order the loop calls them."""
-    found = [spec_strategy.build(core, host, model_dir)]
-    return [s for s in found if s is not None]
+    found = [spec_setup.build(core, host, model_dir), disaggregation.build(core, host)]
+    return [s for s in found if s is not None]  # type: ignore[misc]

@@ -22,6 +22,7 @@ import zmq
 
 from radixserve.core import ipc
 from radixserve.core.config import ConfigError, EngineConfig
+from radixserve.core.disaggregation import connector_of
 from radixserve.core.engine_core import EngineCore
 from radixserve.core.gen_rate import GenRate
 from radixserve.core.grammar_sandbox import SandboxSpec
@@ -153,7 +154,7 @@ class EngineLoop:
         if self.parent_sentinel is not None:
             self.poller.register(self.parent_sentinel, zmq.POLLIN)
         # disaggregation: the KV connector wakes the loop when a transfer ends
-        wakeup = core.disagg.connector.wakeup_fd if core.disagg is not None else None
+        wakeup = c.wakeup_fd if (c := connector_of(core)) is not None else None
         if wakeup is not None:
             self.poller.register(wakeup, zmq.POLLIN)
         self.step_started: float | None = None  # read by the watchdog thread
@@ -316,8 +317,8 @@ class EngineLoop:
         elif isinstance(msg, ipc.ShutdownRequest):
             if self.profiler.active:
                 self.profiler.stop()  # the trace so far is written, not lost
-            if core.disagg is not None:
-                core.disagg.connector.close()  # its server and transfer agent, in order
+            if (connector := connector_of(core)) is not None:
+                connector.close()  # its server and transfer agent, in order
             return False
         return True
 

@@ -15,7 +15,7 @@ import torch
 from tiny_models import make_tokenizer_json
 
 from radixserve.core.engine_core import EngineCore
-from radixserve.core.interfaces import Draft
+from radixserve.core.interfaces import Draft, StepStrategy
 from radixserve.core.memory import ReqToTokenPool, TokenAllocator
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
 from radixserve.core.request import FinishReason, Req, ReqState, SamplingParams
@@ -626,7 +626,13 @@ def test_a_shared_prefill_span_is_cut_to_whole_pages(tokenizer: Tokenizer) -> No
 def test_add_running_decodes_from_kv_it_did_not_compute(tokenizer: Tokenizer) -> None:
     sched = make(tokenizer, pool=64)
     released: list[str] = []
-    sched.on_release = lambda r: released.append(r.rid)
+
+    class Releases(StepStrategy):
+        def on_release(self, scheduler: Any, req: Any) -> None:
+            assert req.req_pool_idx is not None  # called while its slots are still held
+            released.append(req.rid)
+
+    sched.strategies.append(Releases())
     r = req("r", 10, max_new_tokens=3)
     row = sched.req_to_token.alloc()
     slots = sched.allocator.alloc(10)
