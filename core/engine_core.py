@@ -78,7 +78,23 @@ class EngineCore:
         self.overlapped_steps = 0  # steps launched while the previous one was on the device
         self._last_result_at = 0.0  # when the previous step's result came (timing per kind)
         self._changed_outside_step: list[Req] = []
-        self.scheduler = Scheduler(
+        self.scheduler = self._scheduler()
+        # The step strategies (core/strategies.py), called at the loop's fixed points.
+        self.strategies = build_all(self, host, model_dir)
+        self.scheduler.strategies = self.runner.strategies = self.strategies
+        info = {
+            "model_path": str(model_dir),
+            "plugins": dict(self.runner.plugins.names),
+            "kv_tokens": self.runner.kv_size,
+            "max_context": self.max_context,
+            "settings": settings.describe(),
+        }
+        logger.info("engine ready: %s", info)
+        host.hook.engine_started(info=info)
+
+    def _scheduler(self) -> Scheduler:
+        config, settings = self.config, self.runner.settings
+        return Scheduler(
             SchedulerConfig(
                 max_running_requests=settings.max_running_requests,
                 chunked_prefill_size=settings.chunked_prefill_size,
@@ -96,18 +112,6 @@ class EngineCore:
             StopChecker(self.tokenizer, self.eos_token_ids, self.max_context),
             self.grammar_stepper,
         )
-        # The step strategies (core/strategies.py), called at the loop's fixed points.
-        self.strategies = build_all(self, host, model_dir)
-        self.scheduler.strategies = self.runner.strategies = self.strategies
-        info = {
-            "model_path": str(model_dir),
-            "plugins": dict(self.runner.plugins.names),
-            "kv_tokens": self.runner.kv_size,
-            "max_context": self.max_context,
-            "settings": settings.describe(),
-        }
-        logger.info("engine ready: %s", info)
-        host.hook.engine_started(info=info)
 
     def spec_stats(self) -> dict[str, object] | None:
         """The step strategies' stats for /server_info (None when no strategy keeps them)."""

@@ -24,6 +24,7 @@ from radixserve.core.interfaces import (
     CausalLM,
     HardwarePlatform,
     StepCapabilities,
+    StepExecutor,
     StepStrategy,
 )
 from radixserve.core.logprobs import record_input_logprobs
@@ -73,6 +74,8 @@ RELOAD_FREE_FIELDS = frozenset({
 
 
 class ModelRunner:
+    step: StepExecutor  # how each step runs the model (the platform's; see _build_model)
+
     def __init__(
         self,
         model_dir: Path,
@@ -94,16 +97,8 @@ class ModelRunner:
         self.device = self.platform.device
         self.platform.seed_everything(config.random_seed)
         self.model_config = ModelConfig.from_dir(model_dir)
-        defaults = self.platform.default_plugins()
-        chosen = {"hardware": hw.name}
-        for kind in PLUGIN_KINDS:
-            if kind in ("hardware", "model"):
-                continue
-            chosen[kind] = host.select(kind, selections.get(kind), defaults.get(kind)).name
-        model_reg = self._select_model(host, selections.get("model"))
-        chosen["model"] = model_reg.name
+        chosen, model_reg = self._choose_plugins(host, selections, hw.name)
         self.plugins = ChosenPlugins(chosen)
-
         self.dtype = (
             self.platform.default_dtype() if config.dtype == "auto" else _DTYPES[config.dtype]
         )
@@ -132,7 +127,35 @@ class ModelRunner:
             self.max_context + 1,
         )
         self.scratch_rows = self.req_to_token.reserve(self.reservation.node_rows)
-        local = self.local_config
+        self._build_model(host, model_reg, model_dir)
+        self.broadcaster: StepBroadcaster | None = None
+        if self.tp.size > 1 and self.tp.leader:
+            self.broadcaster = StepBroadcaster(self.tp, self.req_to_token, self.device, self.step)
+            self.step = self.broadcaster
+        self.capabilities = StepCapabilities.of(self.step)  # checked once, here
+        self.grammar_masker: GrammarMasker | None = None  # set by EngineCore
+        self.strategies: list[StepStrategy] = []  # set by EngineCore
+
+    def _choose_plugins(
+        self, host: PluginHost, selections: dict[str, str], hardware: str
+    ) -> tuple[dict[str, str], Any]:
+        """The plugin of each kind (the selection, else the platform's default) and the
+        model's registration."""
+        defaults = self.platform.default_plugins()
+        chosen = {"hardware": hardware}
+        for kind in PLUGIN_KINDS:
+            if kind in ("hardware", "model"):
+                continue
+            chosen[kind] = host.select(kind, selections.get(kind), defaults.get(kind)).name
+        model_reg = self._select_model(host, selections.get("model"))
+        chosen["model"] = model_reg.name
+        return chosen, model_reg
+
+    def _build_model(self, host: PluginHost, model_reg: Any, model_dir: Path) -> None:
+        """The KV pool, the attention backend, the model with its weights, and the step
+        executor."""
+        mc, local, config = self.model_config, self.local_config, self.config
+        chosen = self.plugins.names
         self.kv_pool = KVPool(
             self.kv_size, mc.num_layers, local.num_kv_heads, mc.head_dim, self.kv_dtype,
             self.device, page_size=config.page_size, compute_dtype=self.dtype,
@@ -155,13 +178,6 @@ class ModelRunner:
         self.step = self.platform.step_executor(
             self.model, self.attention, self.kv_pool, self.req_to_token, config
         )
-        self.broadcaster: StepBroadcaster | None = None
-        if self.tp.size > 1 and self.tp.leader:
-            self.broadcaster = StepBroadcaster(self.tp, self.req_to_token, self.device, self.step)
-            self.step = self.broadcaster
-        self.capabilities = StepCapabilities.of(self.step)  # checked once, here
-        self.grammar_masker: GrammarMasker | None = None  # set by EngineCore
-        self.strategies: list[StepStrategy] = []  # set by EngineCore
 
     def _weights(self, model_dir: Path) -> Any:
         """The checkpoint's tensors, cut to this rank's shard by the model's ``tp_plan``."""

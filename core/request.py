@@ -163,6 +163,15 @@ class SamplingParams:
         self.top_p = _check_float("top_p", self.top_p, 0.0, 1.0)
         if self.top_p == 0.0:
             raise InvalidRequest("top_p must be in (0, 1], got 0")
+        self._validate_stops_and_seed(vocab_size)
+        self._validate_grammar()
+        if self.min_new_tokens > self.max_new_tokens:
+            raise InvalidRequest(
+                f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens "
+                f"({self.max_new_tokens})"
+            )
+
+    def _validate_stops_and_seed(self, vocab_size: int | None) -> None:
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequest("stop must be a non-empty string or a list of non-empty strings")
         for stop in self.stop:
@@ -182,12 +191,6 @@ class SamplingParams:
                 raise InvalidRequest(f"seed must be an integer, got {self.seed!r:.200}")
             if not 0 <= self.seed <= SEED_MAX:
                 raise InvalidRequest(f"seed must be an integer in [0, 2**64), got {self.seed}")
-        self._validate_grammar()
-        if self.min_new_tokens > self.max_new_tokens:
-            raise InvalidRequest(
-                f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens "
-                f"({self.max_new_tokens})"
-            )
 
     def _validate_grammar(self) -> None:
         given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
@@ -332,6 +335,21 @@ class Req:
         # spec_accepted_tokens).
         self.spec_verify_ct = 0
         self.spec_accepted_tokens = 0
+        self._init_outputs()
+        # Prefill/decode disaggregation: where its KV comes from or goes to
+        # (core.disaggregation.Bootstrap); None: the request runs whole here.
+        self.bootstrap: Any = None
+        # The client's max_new_tokens where the engine cut the budget (a PD prefill samples
+        # only the first token): what a grammar's shortest output is checked against.
+        self.asked_max_new_tokens: int | None = None
+        # Why the engine failed this request (the server answers 500), once it has.
+        self.failed: str | None = None
+        # timing
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    def _init_outputs(self) -> None:
         # outputs
         self.logprob_start_len = -1  # >= 0: also score prompt tokens from this position
         self.input_token_logprobs: list[float] = []  # for prompt positions max(start, 1)..
@@ -352,18 +370,6 @@ class Req:
         self.embedding: list[float] | None = None
         self.label_logprobs: list[float] | None = None
         self.pooled_sum: Any = None  # mean pooling: the sum over the chunks prefilled so far
-        # Prefill/decode disaggregation: where its KV comes from or goes to
-        # (core.disaggregation.Bootstrap); None: the request runs whole here.
-        self.bootstrap: Any = None
-        # The client's max_new_tokens where the engine cut the budget (a PD prefill samples
-        # only the first token): what a grammar's shortest output is checked against.
-        self.asked_max_new_tokens: int | None = None
-        # Why the engine failed this request (the server answers 500), once it has.
-        self.failed: str | None = None
-        # timing
-        self.arrival_time = time.perf_counter()
-        self.first_token_time: float | None = None
-        self.finish_time: float | None = None
 
     def fill_ids(self) -> list[int]:
         """All tokens whose KV the request needs: prompt then output so far."""
