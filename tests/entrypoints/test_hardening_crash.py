@@ -180,7 +180,7 @@ WATCHDOG_SCRIPT = textwrap.dedent(
 
     class StuckCore:
         config = types.SimpleNamespace(watchdog_timeout=0.5, disaggregation_mode="null")
-        disagg = None  # not a prefill or decode server
+        strategies: list = []  # no step strategies (not a prefill or decode server)
         def has_work(self): return True
         def idle_wait(self): return None
         def step(self): time.sleep(3600); return []

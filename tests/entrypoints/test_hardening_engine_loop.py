@@ -34,7 +34,7 @@ class FakeCore:
     nothing running."""
 
     config = types.SimpleNamespace(watchdog_timeout=300.0)
-    disagg = None  # not a prefill or decode server
+    strategies: list = []  # no step strategies (not a prefill or decode server)
 
     def __init__(self) -> None:
         self.scheduler = FakeScheduler()
