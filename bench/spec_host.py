@@ -26,8 +26,8 @@ from radixserve.core.spec_strategy import speculator_of
 
 
 def kind_of(batch: Any) -> str:
-    if batch.drafts:
-        return "verify" if batch.num_decode + len(batch.drafts) == len(batch.reqs) else "mixed"
+    if batch.extra:
+        return "verify" if batch.num_decode + len(batch.extra) == len(batch.reqs) else "mixed"
     if batch.num_decode == len(batch.reqs):
         return "decode"
     return "prefill"
