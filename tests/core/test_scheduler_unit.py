@@ -1673,3 +1673,57 @@ def test_a_step_that_prefills_anyway_admits_small_arrivals_at_once(
     b = req("b", 2, start=200)
     add(sched, b)
     assert shape(step(sched)) == (["a", "long", "b"], [1, 5, 2], 1)
+
+
+# -- step strategies: the fixed points the scheduler calls ------------------------------------
+
+
+class EchoRows(StepStrategy):
+    """Gives every decode two extra rows (tokens 21, 22) with slots it allocates through the
+    scheduler, and records what the scheduler reports back."""
+
+    def __init__(self) -> None:
+        self.outcomes: list[tuple[str, int, int]] = []
+        self.gone: list[str] = []
+
+    def extend_plan(self, scheduler: Any, decodes: list[Any]) -> dict[str, Any]:
+        from radixserve.core.interfaces import Draft
+
+        out = {}
+        for r in decodes:
+            if not r.num_pending and scheduler.alloc_positions(r, r.kv_len + 1, 2):
+                out[r.rid] = Draft([21, 22])
+        return out
+
+    def committed(self, plan: Any, outcomes: list[tuple[Any, Any, int, int]]) -> None:
+        self.outcomes += [(r.rid, emitted, kept) for r, _, emitted, kept in outcomes]
+
+    def released(self, req: Any) -> None:
+        self.gone.append(req.rid)
+
+
+def test_a_strategy_extends_decodes_and_the_commit_keeps_only_the_kept_positions(
+    tokenizer: Tokenizer,
+) -> None:
+    """Any strategy (not only speculation) may give decodes extra rows: the plan extends them
+    over their last token and the rows, the entry samples a list, and the commit keeps the KV
+    of exactly the positions the kept tokens follow, frees the rest, and reports each outcome."""
+    strategy = EchoRows()
+    sched = make(tokenizer, pool=64)
+    sched.strategies.append(strategy)
+    r = req("r", 6, max_new_tokens=10)
+    add(sched, r)
+    step(sched)  # the prefill: position 0..5, one token out
+    plan = sched.schedule()
+    assert plan is not None and plan.extend_lens == [3] and list(plan.extra) == [0]
+    assert sched.needs_sampling(plan) == [0]
+    free = sched.allocator.available()
+    changed = sched.process_output(plan, {0: [(21, None, None), (40, None, None)]})
+    assert changed == [r] and r.output_ids == [TOKEN, 21, 40]
+    assert r.kv_len == 8 and r.num_pending == 0  # positions 6 (last token) and 7 (kept row)
+    assert sched.allocator.available() == free + 1  # position 8's slot went back
+    assert strategy.outcomes == [("r", 2, 2)]
+    check_accounting(sched)
+    run_to_idle(sched)
+    assert r.finished and strategy.gone == ["r"]
+    sched.check_no_leak()
