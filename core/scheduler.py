@@ -1,8 +1,9 @@
 """Scheduler: admission, a per-step token budget, chunked prefill, policies and retraction.
 
-One step is ``schedule -> run batch -> process output``. Decodes go first (one token each),
-then prefill chunks fill the rest of the token budget, so a long prompt never stalls running
-decodes. Under KV pressure the scheduler evicts cache, then retracts the newest running
+One step is ``plan -> execute -> commit``: ``schedule`` returns the step's plan (plain data,
+core/step_plan.py), the model runner executes it, ``advance`` and ``commit`` take its result
+(core/step_commit.py). Decodes go first (one token each), then prefill chunks fill the rest
+of the token budget, so a long prompt never stalls running decodes. Under KV pressure the scheduler evicts cache, then retracts the newest running
 requests (their tokens are recomputed later; greedy output does not change).
 """
 
