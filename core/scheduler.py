@@ -3,8 +3,9 @@
 One step is ``plan -> execute -> commit``: ``schedule`` returns the step's plan (plain data,
 core/step_plan.py), the model runner executes it, ``advance`` and ``commit`` take its result
 (core/step_commit.py). Decodes go first (one token each), then prefill chunks fill the rest
-of the token budget, so a long prompt never stalls running decodes. Under KV pressure the scheduler evicts cache, then retracts the newest running
-requests (their tokens are recomputed later; greedy output does not change).
+of the token budget, so a long prompt never stalls running decodes. Under KV pressure the
+scheduler evicts cache, then retracts the newest running requests (their tokens are
+recomputed later; greedy output does not change).
 """
 
 from __future__ import annotations
