@@ -1,7 +1,7 @@
 """EngineCore: the engine's main loop in one place — validate, queue, and per step
 ``plan -> execute -> commit``: the scheduler plans (core/step_plan.py), the model runner
 executes the plan, the scheduler commits its result; the step strategies (core/interfaces.py,
-``StepStrategy``: speculation, disaggregation) plug in at fixed points of that loop. It is
+``StepStrategy``; core/strategies.py builds them) plug in at fixed points of that loop. It is
 process-agnostic: the offline Engine drives it from a thread, the server's engine process
 from its socket loop."""
 
