@@ -33,6 +33,7 @@ from common import format_table, machine_info, write_json  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from radixserve import Engine  # noqa: E402
+from radixserve.core.spec_strategy import speculator_of
 
 
 def parse_args() -> argparse.Namespace:
@@ -329,7 +330,7 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
 
     def counters(engine: Engine) -> dict[str, int]:
         """Engine steps, verify steps replayed from a graph, draft chains replayed."""
-        algorithm = getattr(engine.core.speculator, "algorithm", None)
+        algorithm = getattr(speculator_of(engine.core), "algorithm", None)
         chain = getattr(algorithm, "chain", None)
         stats = engine.core.spec_stats() or {}
         return {

@@ -64,14 +64,15 @@ def prepare_from_device(
     """Prepare ``attention`` for a batch whose request rows and sequence lengths (after the
     step) are device tensors: one decode per request (``q_len`` None), or ``q_len`` verify
     rows per request, each attending as a decode that ends at itself. A backend that prepares
-    from device tensors (``prepare_decode_graph`` / ``prepare_verify_graph``: capturable in a
-    CUDA graph) does; any other gets ``prepare`` on ``batch`` with the host lists read from the
+    from device tensors (``prepare_decode_graph`` / ``prepare_verify_graph``, declared by its
+    ``prepares_decode_on_device`` / ``prepares_verify_on_device``: capturable in a CUDA
+    graph) does; any other gets ``prepare`` on ``batch`` with the host lists read from the
     tensors, which waits for them (synchronous devices: the CPU). Returns the batch to forward.
     """
-    if q_len is None and hasattr(attention, "prepare_decode_graph"):
+    if q_len is None and attention.prepares_decode_on_device:
         attention.prepare_decode_graph(rows, seq_lens)
         return batch
-    if q_len is not None and hasattr(attention, "prepare_verify_graph"):
+    if q_len is not None and attention.prepares_verify_on_device:
         attention.prepare_verify_graph(rows, seq_lens, q_len)
         return batch
     bs = rows.shape[0]

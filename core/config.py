@@ -12,9 +12,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A bad setting or model directory; the message names the setting and what would work."""
+from radixserve.core import config_checks
+from radixserve.core.config_checks import ConfigError  # (re-exported: it lived here first)
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,121 +315,19 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
-        self._check_disaggregation()
+        config_checks.check_disaggregation(self)
+        if self.disaggregation_mode != "null":
+            backend = self.disaggregation_transfer_backend.lower()
+            self._merge_plugin_alias("kv_transfer", "disaggregation_transfer_backend", backend)
         if self.grammar_backend is not None:
             self._merge_grammar_backend(self.grammar_backend)
         if self.speculative_algorithm is not None:
             self._merge_plugin_alias(
                 "speculative", "speculative_algorithm", self.speculative_algorithm.lower()
             )
-        self._check_speculative()
-        self._check_limits()
-        self._check_pages()
-        self._check_scheduling()
-        self._check_choices()
-
-    def _check_limits(self) -> None:
-        """Timeouts, sizes and counts in range."""
-        if not self.grammar_compile_timeout > 0:
-            raise ConfigError(
-                f"grammar_compile_timeout must be > 0 seconds, got {self.grammar_compile_timeout}"
-            )
-        if self.grammar_compile_memory < 64:
-            raise ConfigError(
-                f"grammar_compile_memory must be >= 64 MiB, got {self.grammar_compile_memory}"
-            )
-        if not self.watchdog_timeout > 0:
-            raise ConfigError(f"watchdog_timeout must be > 0 seconds, got {self.watchdog_timeout}")
-        if self.tp_size < 1:
-            raise ConfigError(f"tp_size must be >= 1, got {self.tp_size}")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise ConfigError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
-        if self.cuda_graph_max_prefill_tokens < 0:
-            raise ConfigError(
-                "cuda_graph_max_prefill_tokens must be >= 0 (0: no prefill graphs), got "
-                f"{self.cuda_graph_max_prefill_tokens}"
-            )
-        if self.torch_compile_max_bs < 1:
-            raise ConfigError(f"torch_compile_max_bs must be >= 1, got {self.torch_compile_max_bs}")
-        if self.max_running_requests is not None and self.max_running_requests < 1:
-            raise ConfigError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
-        if self.max_total_tokens is not None and self.max_total_tokens < 16:
-            raise ConfigError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
-
-    def _check_pages(self) -> None:
-        if self.page_size not in PAGE_SIZES:
-            raise ConfigError(
-                f"page_size must be a power of two from 1 to {PAGE_SIZES[-1]}, got {self.page_size}"
-            )
-        if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
-            raise ConfigError(
-                f"max_total_tokens={self.max_total_tokens} holds no page of page_size="
-                f"{self.page_size} besides the reserved one; give at least {2 * self.page_size}"
-            )
-
-    def _check_scheduling(self) -> None:
-        shrink = self.prefill_shrink_after_decodes
-        if shrink is not None and shrink < 0:
-            raise ConfigError(f"prefill_shrink_after_decodes must be >= 0, got {shrink}")
-        gather = self.prefill_gather_steps
-        if gather is not None and gather < 0:
-            raise ConfigError(f"prefill_gather_steps must be >= 0, got {gather}")
-        chunk = self.chunked_prefill_size
-        if chunk is not None and (chunk == 0 or chunk < -1):
-            raise ConfigError(
-                f"chunked_prefill_size must be positive or -1, got {self.chunked_prefill_size}"
-            )
-        if not self.schedule_conservativeness >= 0:
-            raise ConfigError(
-                f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}"
-            )
-        if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ConfigError(
-                f"unknown schedule policy '{self.schedule_policy}'; "
-                f"choose one of {', '.join(SCHEDULE_POLICIES)}"
-            )
-
-    def _check_choices(self) -> None:
-        """Named choices (log level, dtypes, quantization) and the memory fraction."""
-        if self.log_level not in LOG_LEVELS:
-            raise ConfigError(
-                f"unknown log level '{self.log_level}'; choose one of {', '.join(LOG_LEVELS)}"
-            )
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"unknown dtype '{self.dtype}'; choose one of {', '.join(DTYPES)}")
-        if self.kv_cache_dtype not in DTYPES:
-            raise ConfigError(
-                f"unknown kv_cache_dtype '{self.kv_cache_dtype}'; choose one of {', '.join(DTYPES)}"
-            )
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ConfigError(
-                f"unknown quantization '{self.quantization}'; choose one of "
-                f"{', '.join(QUANTIZATIONS)}"
-            )
-        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static <= 1.0:
-            raise ConfigError(
-                f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}"
-            )
-
-    def _check_disaggregation(self) -> None:
-        if self.disaggregation_mode not in DISAGGREGATION_MODES:
-            raise ConfigError(
-                f"unknown disaggregation mode '{self.disaggregation_mode}'; "
-                f"choose one of {', '.join(DISAGGREGATION_MODES)}"
-            )
-        if not 1 <= self.disaggregation_bootstrap_port <= 65535:
-            raise ConfigError(
-                "disaggregation_bootstrap_port must be a TCP port (1-65535), got "
-                f"{self.disaggregation_bootstrap_port}"
-            )
-        if not self.disaggregation_transfer_timeout > 0:
-            raise ConfigError(
-                "disaggregation_transfer_timeout must be > 0 seconds, got "
-                f"{self.disaggregation_transfer_timeout}"
-            )
-        if self.disaggregation_mode != "null":
-            backend = self.disaggregation_transfer_backend.lower()
-            self._merge_plugin_alias("kv_transfer", "disaggregation_transfer_backend", backend)
+        config_checks.check_speculative(self)
+        config_checks.check_limits(self)
+        config_checks.check_choices(self)
 
     def _merge_grammar_backend(self, name: str) -> None:
         self._merge_plugin_alias("grammar", "grammar_backend", name)
@@ -444,46 +341,6 @@ class EngineConfig:
         if not chosen:
             # NOTE: the config is frozen; resolving the alias into ``plugins`` happens only here.
             object.__setattr__(self, "plugins", (*self.plugins, f"{kind}={name}"))
-
-    def _check_speculative(self) -> None:
-        for name in ("speculative_num_steps", "speculative_num_draft_tokens"):
-            value = getattr(self, name)
-            if value is not None and not 1 <= value - (name.endswith("tokens")) <= 64:
-                raise ConfigError(f"{name} must give 1 to 64 draft tokens, got {value}")
-        topk = self.speculative_eagle_topk
-        if not 1 <= topk <= 16:
-            raise ConfigError(f"speculative_eagle_topk must be 1 to 16, got {topk}")
-        if topk > 1 and self.page_size != 1:
-            raise ConfigError(
-                f"speculative_eagle_topk {topk} (draft trees) needs --page-size 1: a tree's "
-                f"nodes take single KV slots, got page_size {self.page_size}"
-            )
-        if topk > 1 and self.speculative_simulate_accept_len is not None:
-            raise ConfigError(
-                "speculative_simulate_accept_len simulates chains; use it with "
-                "speculative_eagle_topk 1"
-            )
-        if (
-            self.speculative_disable_batch_size is not None
-            and self.speculative_disable_batch_size < 1
-        ):
-            raise ConfigError(
-                "speculative_disable_batch_size must be >= 1, got "
-                f"{self.speculative_disable_batch_size}"
-            )
-        lo = self.speculative_ngram_min_match_window_size
-        hi = self.speculative_ngram_max_match_window_size
-        if not 1 <= lo <= hi:
-            raise ConfigError(
-                "need 1 <= speculative_ngram_min_match_window_size <= "
-                f"speculative_ngram_max_match_window_size, got {lo} and {hi}"
-            )
-        acc = self.speculative_simulate_accept_len
-        if acc is not None and not 1.0 <= acc <= self.num_draft_tokens + 1:
-            raise ConfigError(
-                f"speculative_simulate_accept_len must be in [1, {self.num_draft_tokens + 1}] "
-                f"(draft tokens + 1), got {acc}"
-            )
 
     @property
     def num_draft_tokens(self) -> int:
@@ -573,12 +430,3 @@ class PlatformSettings:
             name: {"value": getattr(self, name), "from": self.origins[name]}
             for name in CORE_DEFAULTS
         }
-
-
-PAGE_SIZES = tuple(1 << i for i in range(9))  # 1 .. 256
-SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
-LOG_LEVELS = ("debug", "info", "warning", "error")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-# the hardware platform runs them (quantize_model)
-QUANTIZATIONS = ("int8wo", "int4wo", "w8a8_int8", "gguf")
-DISAGGREGATION_MODES = ("null", "prefill", "decode")

@@ -23,10 +23,11 @@ import zlib
 from array import array
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from radixserve.core.interfaces import StepStrategy
 from radixserve.core.request import FinishReason, InvalidRequest, Req, ReqState
 
 if TYPE_CHECKING:  # the server process imports Bootstrap (entrypoints/ipc.py) without torch
@@ -71,7 +72,64 @@ def transfers(req: Req) -> bool:
     return req.bootstrap is not None and req.sampling.max_new_tokens > 0
 
 
-class PrefillSide:
+def build(core: Any, host: Any) -> PrefillSide | DecodeSide | None:
+    """The prefill or decode side of ``core``'s disaggregation mode, with its started KV
+    connector; None when the mode is "null"."""
+    config = core.config
+    if config.disaggregation_mode == "null":
+        return None
+    name = core.runner.plugins.names["kv_transfer"]
+    connector = host.registries["kv_transfer"].get(name).factory()
+    connector.bootstrap_host = config.disaggregation_bootstrap_host or ""
+    connector.start(
+        config.disaggregation_mode,
+        core.runner.kv_pool,
+        config.disaggregation_bootstrap_port,
+        config.disaggregation_transfer_timeout,
+    )
+    if config.disaggregation_mode == "prefill":
+        return PrefillSide(connector, core.scheduler, core.abort)
+    return DecodeSide(connector, core.scheduler, config.disaggregation_transfer_timeout)
+
+
+def side_of(core: Any) -> PrefillSide | DecodeSide | None:
+    """An EngineCore's disaggregation side (None when it serves whole requests)."""
+    return next((s for s in core.strategies if isinstance(s, (PrefillSide, DecodeSide))), None)
+
+
+def connector_of(core: Any) -> KVConnector | None:
+    """The KV connector of an EngineCore's disaggregation side (None when it has none)."""
+    side = side_of(core)
+    return side.connector if side is not None else None
+
+
+class _Side(StepStrategy):
+    """What both sides do at the step's fixed points (core/interfaces.py, StepStrategy)."""
+
+    connector: KVConnector
+
+    def _transfers(self, req: Req) -> bool:
+        """Whether ``req`` takes part in a transfer; one with a room but nothing to generate
+        runs whole here (its room is dropped)."""
+        if req.bootstrap is not None and not transfers(req):
+            req.bootstrap = None
+        return req.bootstrap is not None
+
+    def refused(self, req: Any, message: str) -> None:
+        b = req.bootstrap
+        if b is not None:
+            self.cancel_room(b.room, message, (b.host, b.port))
+
+    def cancel_room(
+        self, room: int, message: str, peer: tuple[str, int] | None, refused: bool = True
+    ) -> None:
+        """See EngineCore.cancel_room."""
+
+    def close(self) -> None:
+        self.connector.close()
+
+
+class PrefillSide(_Side):
     """The prefill engine's part: cut requests to their first token, send their KV on end."""
 
     def __init__(
@@ -82,7 +140,30 @@ class PrefillSide:
         self.abort_engine = abort
         self.live: dict[int, str] = {}  # room -> rid of requests not yet ended here
         self.sent: set[str] = set()
-        scheduler.on_release = self._on_release
+
+    def admit(self, req: Any, compiling: bool) -> bool:
+        if self._transfers(req):
+            self.add(req)
+        return False  # it runs here as any request (after its grammar compiled)
+
+    def admit_compiled(self, req: Any) -> bool | None:
+        """No jump-forward before the first token, which the prefill samples under the
+        grammar (it sends the KV of the prompt alone)."""
+        if req.bootstrap is None:
+            return None
+        self.scheduler.add_request(req)
+        return False
+
+    def cancel_room(
+        self, room: int, message: str, peer: tuple[str, int] | None, refused: bool = True
+    ) -> None:
+        if room in self.live:
+            return
+        if refused:
+            reason = f"the prefill server refused the request: {message}"
+        else:
+            reason = f"the prefill server could not take the request: {message}"
+        self.connector.cancel(room, reason, refused=refused)
 
     def add(self, req: Req) -> None:
         room = req.bootstrap.room
@@ -105,10 +186,7 @@ class PrefillSide:
     def has_work(self) -> bool:
         return False  # the connector's own threads serve the decode servers
 
-    def wait_timeout(self) -> float:
-        return MAX_IDLE_WAIT_S
-
-    def _on_release(self, req: Req) -> None:
+    def on_release(self, scheduler: Any, req: Any) -> None:
         """The scheduler lets go of ``req``'s slots next: send them now if its first token is
         out (the slots may go to other requests after this returns)."""
         if req.bootstrap is None or not req.output_ids or req.rid in self.sent:
@@ -129,7 +207,7 @@ class PrefillSide:
         self.connector.send(req.bootstrap.room, slots, msgspec.msgpack.encode(meta))
         self.sent.add(req.rid)
 
-    def step(self) -> list[Req]:
+    def poll(self) -> list[Req]:
         """Abort the requests whose decode gave up on them."""
         ended: list[Req] = []
         for event in self.connector.poll():
@@ -160,7 +238,7 @@ class PrefillSide:
                 self.connector.cancel(room, f"the prefill server ended the request: {why}")
 
 
-class DecodeSide:
+class DecodeSide(_Side):
     """The decode engine's part: preallocate, wait for KV, then decode."""
 
     def __init__(self, connector: KVConnector, scheduler: Scheduler, timeout: float) -> None:
@@ -179,6 +257,43 @@ class DecodeSide:
                 f"bootstrap_room {req.bootstrap.room} is already in use on this server"
             )
 
+    def admit(self, req: Any, compiling: bool) -> bool:
+        """Held here until its KV arrived; one with a grammar is checked now and added once
+        its grammar compiled."""
+        if not self._transfers(req):
+            return False
+        if compiling:
+            self.check(req)
+        else:
+            self.add(req)
+        return True
+
+    def admit_compiled(self, req: Any) -> bool | None:
+        """Starts waiting for its KV; True when it ended instead (its room got taken
+        meanwhile)."""
+        if req.bootstrap is None:
+            return None
+        try:
+            self.add(req)
+        except InvalidRequest as e:
+            req.finish(FinishReason("abort", message=str(e)))
+            return True
+        return False
+
+    def ended_unscheduled(self, reqs: list[Any]) -> None:
+        """The prefill need not keep their KV."""
+        for req in reqs:
+            b, why = req.bootstrap, req.finish_reason
+            if b is not None and why is not None:
+                self.cancel_room(b.room, why.message or why.type, (b.host, b.port))
+
+    def cancel_room(
+        self, room: int, message: str, peer: tuple[str, int] | None, refused: bool = True
+    ) -> None:
+        if peer is not None and not self.holds(room):
+            reason = f"the decode server refused the request: {message}"
+            self.connector.refuse(room, peer, reason)
+
     def add(self, req: Req) -> None:
         self.check(req)
         # Prompt logprobs come with the prefill's response (the router merges them).
@@ -193,14 +308,17 @@ class DecodeSide:
     def has_work(self) -> bool:
         return bool(self.queue or self.transfers)
 
-    def wait_timeout(self) -> float:
-        """Seconds the engine may sleep before a deadline needs checking."""
+    def wait_timeout(self) -> float | None:
+        """Seconds the engine may sleep before a deadline needs checking (None: nothing
+        waits here)."""
+        if not self.has_work():
+            return None
         if not self.deadlines:
             return MAX_IDLE_WAIT_S
         left = min(self.deadlines.values()) - time.monotonic()
         return min(MAX_IDLE_WAIT_S, max(left, 0.0))
 
-    def step(self) -> list[Req]:
+    def poll(self) -> list[Req]:
         """Take in finished transfers, end failed and late ones, start new ones. Returns the
         requests that ended (or got their first token)."""
         changed = self._poll()
@@ -222,9 +340,6 @@ class DecodeSide:
         self.deadlines.pop(rid, None)
         req.finish(FinishReason("abort", message=message))
         return req
-
-    def ended(self, reqs: list[Req]) -> None:
-        pass
 
     # -- internals -------------------------------------------------------------------------
 
@@ -287,40 +402,21 @@ class DecodeSide:
         return ended
 
     def _allocate(self) -> None:
-        """Preallocate the prompt's slots (whole pages) for queued requests, while the running
+        """Reserve the prompt's slots (whole pages) for queued requests, while the running
         limit and the KV pool allow, and start their transfers."""
-        sched = self.scheduler
-        alloc, table = sched.allocator, sched.req_to_token
         while self.queue:
-            if len(sched.running) + len(self.transfers) >= sched.config.max_running_requests:
-                return
             req = self.queue[0]
-            n = len(req.input_ids)
-            row = table.alloc()
-            if row is None:
-                return
-            slots = alloc.alloc(n)
+            slots = self.scheduler.reserve_prompt(req, len(self.transfers))
             if slots is None:
-                sched.cache.evict(alloc.tokens_needed(0, n) - alloc.available())
-                slots = alloc.alloc(n)
-            if slots is None:
-                table.free(row)
                 return
             self.queue.popleft()
-            table.write(row, 0, slots)
-            req.req_pool_idx = row
             b = req.bootstrap
             self.transfers[b.room] = req
             self.connector.receive(b.room, (b.host, b.port), slots)
 
     def _free(self, req: Req) -> None:
-        """Give back a waiting request's preallocated slots and table row."""
-        if req.req_pool_idx is None:
-            return
-        table = self.scheduler.req_to_token
-        self.scheduler.allocator.free(table.table[req.req_pool_idx, : len(req.input_ids)].clone())
-        table.free(req.req_pool_idx)
-        req.req_pool_idx = None
+        """Give back a waiting request's reserved slots and table row."""
+        self.scheduler.free_reserved(req)
 
     def _fail(self, req: Req, message: str, refused: bool = False) -> None:
         """End ``req``: refused (the server answers 400) or failed (500)."""

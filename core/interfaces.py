@@ -10,9 +10,19 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from radixserve.core.config import ConfigError
+
+# the speculative and KV-transfer plugins' contracts live beside this file (re-exported)
+from radixserve.core.interfaces_kv_transfer import KVConnector, TransferEvent  # noqa: F401
+from radixserve.core.interfaces_speculative import (  # noqa: F401
+    DeviceCycle,
+    Draft,
+    SpeculativeAlgorithm,
+    SpeculativeContext,
+    TargetVerify,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -176,6 +186,12 @@ class AttentionBackend(ABC):
     #: whether the backend attends a pool whose dtype differs from the queries'
     #: (``kv_pool.compute_dtype``), as --kv-cache-dtype asks: the engine refuses it otherwise
     reads_other_kv_dtype: bool = False
+    #: Capabilities, declared (the core never probes): ``prepare_decode_graph(rows, lens)`` /
+    #: ``prepare_verify_graph(rows, lens, q_len)`` prepare a decode / q_len rows per request
+    #: from device tensors (CUDA-graph capturable); ``plan_decode_graph`` plans on the host.
+    prepares_decode_on_device: bool = False
+    prepares_verify_on_device: bool = False
+    plans_decode_on_host: bool = False
 
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> None:
@@ -308,266 +324,175 @@ class GrammarBackend(ABC):
         logits[index] = logits[index].masked_fill(banned, float("-inf"))
 
 
-@dataclass
-class Draft:
-    """One request's proposed continuation: a chain of draft tokens, in order."""
+@runtime_checkable
+class KeepsHiddenLayers(Protocol):
+    """A step executor (``HardwarePlatform.step_executor``) that can keep target layers'
+    outputs on its fast path (captured graphs). Checked once when the runner starts."""
 
-    tokens: list[int]
-    #: [len(tokens), vocab] float32: the distribution each token was drawn from, for rejection
-    #: sampling. None when the tokens were chosen without sampling (greedy drafts, n-gram
-    #: lookups); verification then treats each as certain (probability 1).
-    probs: torch.Tensor | None = None
-    #: [len(tokens)] int64 on the device: the tokens not yet read back (a draft model's output
-    #: left where it was computed, so the verify step can start without a host sync). Until
-    #: the core reads them (``core.spec_verify.read_pending``, together with the verify
-    #: result), ``tokens`` holds as many placeholders: only its length counts.
-    pending: torch.Tensor | None = None
-    #: a tree draft (``--speculative-eagle-topk`` > 1): each token's parent, an index into
-    #: ``tokens`` or -1 for the request's last token; tokens breadth-first, siblings distinct
-    #: (``core/spec_tree.py``). None: a chain.
-    parents: list[int] | None = None
+    def keep_hidden_layers(
+        self, layers: tuple[int, ...], consumer: Callable[[ForwardBatch], None] | None = None
+    ) -> None: ...
 
 
-@dataclass(frozen=True)
-class SpeculativeContext:
-    """What a speculative algorithm may use, given once by ``setup`` before the first step."""
+@runtime_checkable
+class UniformRows(Protocol):
+    """A step executor whose steps with extra rows are much faster when every request has as
+    many (``uniform_verify``: it replays graphs of one length). Checked once at start-up."""
 
-    config: EngineConfig
-    model_config: ModelConfig
-    model_path: str  # the target model's directory
-    host: Any  # core.plugins.PluginHost: to build a draft model from the model plugins
-    platform: HardwarePlatform
-    dtype: torch.dtype
-    device: str
-    attention: str  # the target's attention plugin name
-    kv_size: int  # slots in the target's KV pool (a draft's own pool mirrors them)
-    page_size: int
-    req_to_token: ReqToTokenPool  # the target's slot table; a draft writes at the same slots
-    eos_token_ids: tuple[int, ...]
-    #: the target CausalLM itself, for drafters that share its modules (a draft head reads the
-    #: target's token embedding); None where no model is at hand
-    target_model: Any = None
-    #: how often the pages of the given slots were freed (TokenAllocator.free_counts): a
-    #: drafter whose KV at a position depends only on the tokens up to it may reuse what it
-    #: wrote at a slot for another request sharing the prefix (the radix cache), while the
-    #: count has not moved since; None where not available
-    free_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
+    uniform_verify: bool
 
 
-class SpeculativeAlgorithm(ABC):
-    """Proposes draft tokens that the target model verifies in one extend-like step.
+@dataclass(frozen=True, slots=True)
+class StepCapabilities:
+    """What the step executor offers (``KeepsHiddenLayers``, ``UniformRows``), read once."""
 
-    Per step, for the decoding requests that speculate (each with nothing pending, in DECODE):
-    ``propose`` returns each one's draft; the core checks drafts against the request's grammar
-    and budget, runs the target once over [last token, *draft] per request, accepts the longest
-    verified prefix (greedy) or by rejection sampling, commits the accepted tokens plus one
-    from the target, frees the KV of rejected positions and calls ``verified``.
+    uniform_rows: bool = False
+    keep_hidden_layers: Callable[..., None] | None = None
 
-    KV: when ``propose`` runs, a request's target KV covers positions ``[0, req.kv_len)``; its
-    last token (``req.output_ids[-1]`` or the prompt's last) sits at position ``req.kv_len``,
-    and the slots of positions ``req.kv_len .. req.kv_len + max_drafts[i]`` are allocated in
-    ``context.req_to_token.table[req.req_pool_idx]``. A drafter with its own KV pool (same
-    size as the target's, indexed by the same slots) may write at any allocated position and
-    must not write elsewhere. Slots of positions at or past the new ``req.kv_len`` after
-    verification are freed and may go to other requests; slots below it can be replaced when
-    the prefix cache merges duplicates, so a drafter that keeps KV should check that the slots
-    it wrote are still the row's before it trusts them.
+    @staticmethod
+    def of(step: object) -> StepCapabilities:
+        keep = step.keep_hidden_layers if isinstance(step, KeepsHiddenLayers) else None
+        uniform = isinstance(step, UniformRows) and bool(step.uniform_verify)
+        return StepCapabilities(uniform, keep)
 
-    Target features: a drafter that reads the target's hidden states names the layers in
-    ``capture_hidden_layers``; every target forward then keeps those layers' outputs for every
-    new token and hands the batch to ``target_hidden`` right after the forward (prefill
-    chunks, decodes and verify steps alike, rejected draft positions included: their slots
-    are freed after verification and rewritten by the next forward that takes them).
+
+class StepStrategy:
+    """A capability that changes the engine's step (speculation, prefill/decode
+    disaggregation, ...), plugged in at the fixed points of the loop (core/engine_core.py),
+    the scheduler (core/scheduler.py) and the model runner (core/model_runner.py). Those call
+    every enabled strategy at each point, in order, and never ask which one it is. Every hook
+    has a default that changes nothing, so a strategy implements only its own.
+
+    The loop is, per step: ``poll`` each strategy; let one ``run_own_step`` (a step it runs
+    itself, e.g. on the device); else the scheduler plans (``extend_plan`` adds extra rows),
+    the runner executes the plan (``add_rows``, ``before_forward``, ``after_forward``,
+    ``sample_rows``), and the scheduler commits it (``before_commit``, ``committed``); then
+    ``step_done`` and ``ended``.
+
+    Invariants: KV slots are allocated and freed only through the scheduler and written only
+    through the slot table (core/memory.py), and what a strategy allocated for extra rows is
+    in the plan when ``extend_plan`` returns, or freed by then; a request is in one place
+    only (the scheduler, a strategy that ``admit`` took it into, or ended); hooks run on the
+    engine's thread and never block (``wait_timeout`` says how long the engine may sleep).
     """
 
-    #: target layers whose outputs (the residual stream after the layer) ``target_hidden``
-    #: receives; empty: none are kept, at no cost
-    capture_hidden_layers: tuple[int, ...] = ()
-    #: ``target_hidden`` is device work only (no host sync, no host-side state, rows written
-    #: at ``batch.out_cache_loc``), so a step executor that replays CUDA graphs may capture it
-    #: inside them, where padding rows write slot 0 (the pools' padding row)
-    target_hidden_capturable: bool = False
+    # -- the request lifecycle (engine core) --------------------------------------------------
 
-    def memory_needs(self, config: EngineConfig, host: Any, dtype: torch.dtype) -> tuple[int, int]:
-        """(bytes of weights, KV bytes per KV-pool slot) that ``setup`` will allocate on the
-        device, asked before the target's KV pool is sized so the pool leaves room for them
-        (e.g. a draft model and its own pool with one slot per target slot)."""
-        return 0, 0
+    def admit(self, req: Any, compiling: bool) -> bool:
+        """A validated request arrives (``compiling``: its grammar compiles first, and it
+        comes back through ``admit_compiled``). Raise InvalidRequest to refuse it; return True
+        when the strategy holds it (the scheduler must not queue it: the strategy hands it
+        over, e.g. once its KV arrived), False to let it run as usual."""
+        return False
 
-    def setup(self, context: SpeculativeContext) -> None:  # noqa: B027 - optional hook
-        """Called once before the first step (build a draft model here)."""
-
-    @abstractmethod
-    def propose(self, reqs: Sequence[Any], max_drafts: Sequence[int]) -> list[Draft]:
-        """Up to ``max_drafts[i]`` draft tokens for ``reqs[i]`` (a ``core.request.Req``: read
-        ``input_ids``, ``output_ids``, ``sampling``, ``rid``, ``req_pool_idx``, ``kv_len``).
-        An empty draft means "decode normally"."""
-
-    #: ``propose_trees`` drafts trees (``Draft.parents``) for ``--speculative-eagle-topk`` > 1
-    drafts_trees: bool = False
-
-    def propose_trees(
-        self, reqs: Sequence[Any], max_depths: Sequence[int], max_nodes: Sequence[int]
-    ) -> list[Draft]:
-        """``propose`` where some requests may draft trees: ``reqs[i]`` gets a tree of at most
-        ``max_nodes[i]`` tokens and depth ``max_depths[i]`` (or a chain of at most that
-        length), or, where ``max_nodes[i]`` is 0, a chain as ``propose`` drafts. The slots of
-        positions ``req.kv_len .. req.kv_len + max(max_nodes[i], max_depths[i])`` are
-        allocated; node j of a tree will take the slot of position ``req.kv_len + 1 + j``.
-        Only plugins with ``drafts_trees`` are asked."""
-        raise NotImplementedError
-
-    def verified(self, reqs: Sequence[Any], num_accepted: Sequence[int]) -> None:  # noqa: B027
-        """After the step: ``num_accepted[i]`` of ``reqs[i]``'s draft tokens were kept (its
-        output grew by that plus one; ``req.kv_len`` is updated)."""
-
-    def target_hidden(self, batch: ForwardBatch) -> None:  # noqa: B027 - optional hook
-        """After each target forward, when ``capture_hidden_layers`` is not empty:
-        ``batch.hidden_states[layer]`` is [T, hidden] for the T new tokens, which were written
-        at ``batch.out_cache_loc`` (their positions in ``batch.positions``)."""
-
-    def release(self, rid: str) -> None:  # noqa: B027 - optional hook
-        """Request ``rid`` finished, was aborted or retracted: drop its state (a retracted
-        request comes back with no KV and is proposed for afresh)."""
-
-    def device_cycle(self, verify: TargetVerify, max_batch: int) -> DeviceCycle | None:
-        """A whole speculative cycle that runs from state on the device (core/spec_loop.py),
-        for greedy requests, at most ``max_batch`` of them; None (the default): not offered.
-        ``verify`` runs the target over verify rows given as device tensors."""
+    def admit_compiled(self, req: Any) -> bool | None:
+        """``req``'s grammar compiled. None: admit it as usual (jump-forward, then the
+        scheduler); False: the strategy took it; True: it ended instead (finished)."""
         return None
 
+    def refused(self, req: Any, message: str) -> None:
+        """This server refused ``req`` (validation, ``admit``) with ``message``; tell a peer
+        that waits for it."""
 
-class TargetVerify(ABC):
-    """The target's forward over ``q_len`` verify rows per request, from device tensors only:
-    token ids, positions and KV slots [bs * q_len], table rows and sequence lengths after the
-    rows [bs] (int32). Returns every row's logits; capturable in a CUDA graph where the
-    attention backend prepares from device tensors."""
+    def cancel_room(
+        self, room: int, message: str, peer: tuple[str, int] | None, refused: bool = True
+    ) -> None:
+        """This server refused a request of ``room`` (see EngineCore.cancel_room): tell the
+        peer that waits for it, unless the room belongs to a live request."""
 
-    @abstractmethod
-    def __call__(
-        self,
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        rows: torch.Tensor,
-        seq_lens: torch.Tensor,
-        q_len: int,
-    ) -> torch.Tensor: ...
+    def ended_unscheduled(self, reqs: list[Any]) -> None:
+        """``reqs`` ended before the scheduler saw them (their grammar failed to compile)."""
 
+    def poll(self) -> list[Any]:
+        """Before each step: requests that changed outside a step (ended, got a token)."""
+        return []
 
-class DeviceCycle(ABC):
-    """Speculation whose cycle (propose k drafts, verify them with the target, accept the
-    greedy prefix, advance) runs from state kept on the device, so the host may queue the next
-    cycle before it reads this one's tokens (core/spec_loop.py drives it)."""
+    def ended(self, reqs: list[Any]) -> None:
+        """After each step and each abort: ``reqs`` changed (some finished)."""
 
-    k: int  # drafts a cycle proposes per request
-    max_batch: int  # requests a cycle takes at most
-
-    @abstractmethod
-    def begin(self, reqs: Sequence[Any]) -> None:
-        """Load ``reqs``' state (lengths, recent tokens) onto the device; their last tokens
-        are on the host and positions kv_len .. kv_len + 2(k + 1) - 1 have slots."""
-
-    @abstractmethod
-    def launch(self) -> Callable[[], list[list[int]]]:
-        """Queue one cycle; return what waits for its result: per request, the k + 1 target
-        tokens t0..tk and then the number a of drafts accepted (t0..ta are its new tokens)."""
-
-    @abstractmethod
-    def end(self, reqs: Sequence[Any], trusted: Sequence[int]) -> None:
-        """The loop is over for ``reqs`` (their ``kv_len`` is committed): the drafter's own
-        record of them must hold again; ``trusted[i]``: positions of draft KV written from the
-        target's features by the last cycle committed."""
-
-
-@dataclass(frozen=True)
-class TransferEvent:
-    """What a connector reports about one room (``KVConnector.poll``).
-
-    Decode side: ``ok`` True once the room's KV is in the slots given to ``receive`` and
-    ``meta`` holds the prefill's message; ``ok`` False when the transfer failed (``error``
-    names the peer and the cause), with ``refused`` True when the prefill refused the request
-    (``cancel(..., refused=True)``: a client error, which the decode answers with a 400 and
-    ``error``, not a failure). Prefill side: ``ok`` False when the decode gave the room up
-    (aborted, timed out, disconnected) before or while it was sent.
-    """
-
-    room: int
-    ok: bool
-    meta: bytes = b""
-    error: str = ""
-    refused: bool = False
-
-
-class KVConnector(ABC):
-    """Moves one request's prompt KV and a small metadata message from a prefill engine to a
-    decode engine (prefill/decode disaggregation; the request states live in
-    ``core/disaggregation.py``). Built by its registered factory with no arguments.
-
-    Rooms: a router gives both engines the same ``bootstrap_room`` (an integer) for one
-    request; it names the transfer on both sides. The decode learns the prefill's bootstrap
-    address (host, port) from the request too.
-
-    Unit of kv indices: token slots of the KV pool (row ``s`` of every layer's
-    ``KVPool.k[layer]`` and ``KVPool.v[layer]``), in position order. The decode engine
-    allocates its slots in whole pages before the transfer starts; the prefill's slots hold the
-    prompt's positions ``0 .. n-1`` in its own pool, whatever its page size.
-
-    Threads: every method is called on the engine's thread and must not block on the network;
-    a connector does its I/O on its own threads and reports through ``poll``. It must never
-    raise from ``poll``: a transfer that cannot complete is a ``TransferEvent`` with ``ok``
-    False. No pickle on any socket.
-    """
-
-    #: A file descriptor that is readable while ``poll`` has events; the engine waits on it
-    #: (with its inbound socket) when it has nothing else to do. None: the engine polls.
-    wakeup_fd: int | None = None
-    #: Prefill: the address its bootstrap server listens on (the server's --host; "": every
-    #: interface). Set by the engine before ``start``.
-    bootstrap_host: str = ""
-
-    @abstractmethod
-    def start(self, role: str, kv_pool: KVPool, bootstrap_port: int, timeout: float) -> None:
-        """Called once before the first request. ``role`` is "prefill" or "decode". A prefill
-        serves decode engines on ``bootstrap_port`` (its bootstrap server). ``timeout``:
-        seconds a prefill keeps a room's data that no decode has asked for, and a decode waits
-        for a room's data, before the room fails."""
-
-    @abstractmethod
-    def send(self, room: int, kv_slots: torch.Tensor, meta: bytes) -> None:
-        """Prefill: the KV of ``kv_slots`` (the prompt's positions) is final; deliver it and
-        ``meta`` to the decode engine that asks for ``room``. The engine may reuse the slots
-        once this returns, so the connector must have read (or copied) them by then."""
-
-    @abstractmethod
-    def receive(self, room: int, peer: tuple[str, int], kv_slots: torch.Tensor) -> None:
-        """Decode: fetch ``room``'s KV from the prefill's bootstrap server ``peer`` into
-        ``kv_slots`` (preallocated, one per prompt token). A size or layout that does not
-        match the prefill's fails the room. Completion or failure comes through ``poll``."""
-
-    @abstractmethod
-    def cancel(self, room: int, reason: str, refused: bool = False) -> None:
-        """Give ``room`` up on this side; the peer learns it (a decode's ``receive`` fails with
-        ``reason``, and with ``refused`` when it is set: the prefill refused the request, a
-        client error; a prefill reports the room through ``poll`` and drops its data). No
-        event for ``room`` follows on this side. Unknown rooms are ignored."""
-
-    @abstractmethod
-    def poll(self) -> list[TransferEvent]:
-        """Events since the last call; on a decode, the KV of an ``ok`` room is in its slots
-        when the event is returned."""
-
-    def refuse(self, room: int, peer: tuple[str, int], reason: str) -> None:  # noqa: B027
-        """Decode: this server refused a request of ``room`` before asking for its KV (bad
-        input, overload). Tell the prefill at ``peer`` (its bootstrap server), without
-        blocking, so that it gives the room up at once: it reports the room through ``poll``
-        (a running request is aborted), drops KV it holds for it, and ``refused`` names the
-        reason if the request comes later. Optional: without it the prefill keeps the room's
-        KV until the transfer timeout."""
-
-    def refused(self, room: int) -> str | None:
-        """Prefill: why a decode refused ``room`` (see ``refuse``), else None."""
+    def abort(self, rid: str, message: str) -> Any | None:
+        """Abort ``rid`` if the strategy holds it (``admit``); return it finished, else None."""
         return None
 
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Stop the connector's threads and servers (the engine is shutting down)."""
+    def has_work(self) -> bool:
+        """Whether the strategy has work of its own (requests it holds, a step it runs)."""
+        return False
+
+    def wait_timeout(self) -> float | None:
+        """Seconds the engine may sleep when the strategy's only work waits on something
+        outside the engine (KV arriving); None: it has no such wait."""
+        return None
+
+    def drain(self, scheduler: Any) -> list[Any]:
+        """Stop any step the strategy runs itself; its requests go back to the scheduler,
+        whole (its state is about to change outside a step). Returns those that changed."""
+        return []
+
+    def close(self) -> None:
+        """Let go of threads, sockets and device memory; the strategy is not called again."""
+
+    def spec_stats(self) -> dict[str, object] | None:
+        """Speculation's settings and accept statistics (/server_info); None elsewhere."""
+        return None
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def needs_host_tokens(self, scheduler: Any) -> bool:
+        """Whether the next plan needs every running request's last token on the host: the
+        step in flight (overlap scheduling) is then committed before planning."""
+        return False
+
+    def run_own_step(self, scheduler: Any, hold: bool) -> tuple[list[Any], bool]:
+        """Run this step instead of the scheduler's plan, where the strategy can (nothing is
+        in flight; ``hold``: requests wait for the host, so it must stop instead). Returns
+        the requests it changed and whether it ran the step."""
+        return [], False
+
+    def step_done(self, plan: Any, seconds: float, overlapped: bool) -> None:
+        """``plan``'s result came ``seconds`` after it was planned (or the previous result
+        came, if later); ``overlapped``: launched while the previous step was running."""
+
+    # -- the scheduler ----------------------------------------------------------------------
+
+    def extend_plan(self, scheduler: Any, decodes: list[Any]) -> dict[str, Draft]:
+        """Extra rows for some of this step's ``decodes`` (their decode slot is allocated):
+        rid -> the rows, whose KV slots (positions kv_len + 1 ..) the strategy allocated
+        through ``scheduler``. Those entries extend over their last token and the rows, and
+        their step emits a list of tokens (``sample_rows``)."""
+        return {}
+
+    def before_commit(self, scheduler: Any, req: Any, extra: Draft, tokens: list[Any]) -> None:
+        """Before an extended entry's ``tokens`` are appended: arrange its slots so that the
+        positions the tokens follow come first (the scheduler keeps kv_len + the tokens kept
+        and frees the rest)."""
+
+    def committed(self, plan: Any, outcomes: list[tuple[Any, Draft, int, int]]) -> None:
+        """After the scheduler committed ``plan``: per extended entry (request, extra rows,
+        tokens emitted, tokens kept). Rolling back is done: each request's KV holds exactly
+        its kept tokens (the rest of the rows' slots are freed)."""
+
+    def released(self, req: Any) -> None:
+        """``req``'s KV and row were given back (finished, aborted, retracted): forget it."""
+
+    def on_release(self, scheduler: Any, req: Any) -> None:
+        """``req``'s slots are about to be given back (they still hold its KV)."""
+
+    # -- the model runner -------------------------------------------------------------------
+
+    def add_rows(self, rows: Any, index: int, req: Any, n: int, extra: Draft) -> bool:
+        """Add plan entry ``index`` (``n`` new tokens, ``extra``) to ``rows``
+        (core/step_rows.py); False when the strategy did not extend it."""
+        return False
+
+    def before_forward(self, batch: ForwardBatch) -> None:
+        """The step's ForwardBatch is built; ask the model for what the strategy reads."""
+
+    def after_forward(self, batch: ForwardBatch) -> None:
+        """The model ran ``batch`` (its kept hidden states are set)."""
+
+    def sample_rows(
+        self, logits: torch.Tensor, plan: Any, plans: list[Any], sample: list[int], eos: Any
+    ) -> dict[int, Any] | None:
+        """Sample a plan with extended entries: {batch index: token (a list of tokens for an
+        extended entry)} for each of ``sample``; None when it has none of the strategy's."""
+        return None

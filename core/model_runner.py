@@ -7,14 +7,14 @@ Per step it does one ForwardBatch build, one model call and one host sync (the s
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from radixserve.core import spec_tree
+from radixserve.core import strategies
 from radixserve.core.batch import ForwardBatch, to_device
 from radixserve.core.checkpoint import check_checkpoint
 from radixserve.core.config import ConfigError, EngineConfig, ModelConfig, PlatformSettings
@@ -24,19 +24,18 @@ from radixserve.core.interfaces import (
     PLUGIN_KINDS,
     AttentionBackend,
     CausalLM,
-    Draft,
     HardwarePlatform,
+    StepCapabilities,
+    StepExecutor,
+    StepStrategy,
 )
-from radixserve.core.logprobs import record_input_logprobs, scored_positions
+from radixserve.core.logprobs import record_input_logprobs
 from radixserve.core.memory import KVPool, ReqToTokenPool, TokenAllocator
 from radixserve.core.plugins import PluginError, PluginHost, parse_plugin_selections
 from radixserve.core.pooling import finish_pooling, plan_pooling, record_label_logprobs
-from radixserve.core.request import Req, token_slice
 from radixserve.core.sampling import SampleResult, presample_logits, sample, sample_ids
-from radixserve.core.scheduler import SampledToken, ScheduledBatch
-from radixserve.core.spec_tree import ancestors
-from radixserve.core.spec_verify import verify_drafts
-from radixserve.core.speculative import Speculator
+from radixserve.core.step_plan import SampledToken, StepPlan
+from radixserve.core.step_rows import LogitsPlan, StepRows
 from radixserve.core.weights import (
     count_parameters,
     iter_weights,
@@ -50,14 +49,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # A default max_running_requests is lowered to what the KV pool holds at this many tokens each.
 _MIN_TOKENS_PER_RUNNING_REQUEST = 128
 
-
-_NOTHING_SCORED = range(0)
-
-
-class LogitsPlan(NamedTuple):
-    scored: range  # positions scored for input logprobs
-    first_row: int  # logits row of scored[0]
-    sample_row: int  # logits row of the entry's last new token
+__all__ = ["LogitsPlan", "ModelRunner", "LaunchedStep"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +61,8 @@ class ChosenPlugins:
 
 
 class ModelRunner:
+    step: StepExecutor  # how each step runs the model (the platform's; see _build_model)
+
     def __init__(
         self,
         model_dir: Path,
@@ -82,7 +76,7 @@ class ModelRunner:
         the caller's defaults for settings left unset, before the platform's (for example the
         offline Engine's, ``EngineConfig.with_platform_defaults``)."""
         self.grammar_masker: GrammarMasker | None = None  # set by EngineCore
-        self.speculator: Speculator | None = None  # set by EngineCore when speculating
+        self.strategies: list[StepStrategy] = []  # set by EngineCore
         selections = parse_plugin_selections(config.plugins)
         hw = host.select_hardware(selections.get("hardware"))
         self.platform: HardwarePlatform = hw.factory()
@@ -116,7 +110,11 @@ class ModelRunner:
         self.local_config = self.ranks.local_config(mc)
         weight_bytes = self.ranks.share(count_parameters(model_dir) * self.dtype.itemsize)
         self.ranks.check_plugins(self.plugins.names, config)
-        self._reserve_speculative(config, host)
+        # What the step strategies need is built here, so their device memory (e.g. a second
+        # model and its KV) is set aside before the KV pool is sized (core/strategies.py).
+        self.reservation = strategies.reserve(
+            host, dict(self.plugins.names), config, self.dtype, self.ranks.size
+        )
         config, self.settings = config.with_platform_defaults(
             hardware, self.platform.engine_defaults(mc, weight_bytes), usage
         )
@@ -127,6 +125,7 @@ class ModelRunner:
         self._build_memory(config)
         self._build_attention(host, config)
         self._build_model(model_dir, model_reg, config)
+        self.capabilities = StepCapabilities.of(self.step)  # checked once, here
 
     def _choose_plugins(
         self, host: PluginHost, hardware: str, selections: Mapping[str, str]
@@ -144,27 +143,16 @@ class ModelRunner:
         self.plugins = ChosenPlugins(chosen)
         return model_reg
 
-    def _reserve_speculative(self, config: EngineConfig, host: PluginHost) -> None:
-        """Build the speculative algorithm now, so its device memory (a draft model and its
-        KV) is set aside before the KV pool is sized; EngineCore sets it up later."""
-        spec_factory = host.registries["speculative"].get(self.plugins.names["speculative"]).factory
-        self.speculative_algorithm = spec_factory()
-        self._spec_weight_bytes, self._spec_kv_bytes = self.speculative_algorithm.memory_needs(
-            config, host, self.dtype
-        )
-
     def _build_memory(self, config: EngineConfig) -> None:
         """The KV slot allocator, the req->token table and the KV pool (this rank's heads)."""
         self.allocator = TokenAllocator(self.kv_size, config.page_size)
-        # Scratch rows for draft trees: their nodes' rows in verify steps (reserved here) and
-        # the drafter's (reserved at its setup).
-        trees = spec_tree.TREE_BATCH
-        node_rows = trees * config.tree_nodes
-        scratch = node_rows + trees * config.speculative_eagle_topk if node_rows else 0
+        # Scratch rows of the slot table for the strategies: the step's (reserved here) and
+        # their own (reserved at their setup).
         self.req_to_token = ReqToTokenPool(
-            self.settings.max_running_requests + 1 + scratch, self.max_context + 1
+            self.settings.max_running_requests + 1 + self.reservation.table_rows,
+            self.max_context + 1,
         )
-        self._tree_rows = self.req_to_token.reserve(node_rows)
+        self.scratch_rows = self.req_to_token.reserve(self.reservation.node_rows)
         mc, local = self.model_config, self.local_config
         self.kv_pool = KVPool(
             self.kv_size, mc.num_layers, local.num_kv_heads, mc.head_dim, self.kv_dtype,
@@ -240,11 +228,11 @@ class ModelRunner:
         per_token = KVPool.bytes_per_token(
             mc.num_layers, mc.num_kv_heads, mc.head_dim, self.kv_dtype
         )
-        per_token += self._spec_kv_bytes
+        per_token += self.reservation.kv_bytes_per_slot
         if config.max_total_tokens is not None:
             return config.max_total_tokens
         fraction = self.settings.mem_fraction_static
-        weight_bytes += self._spec_weight_bytes
+        weight_bytes += self.reservation.weight_bytes
         size = self.platform.kv_cache_bytes(weight_bytes, fraction) // per_token
         if self.platform.max_kv_tokens is not None:
             size = min(size, self.platform.max_kv_tokens)
@@ -277,161 +265,32 @@ class ModelRunner:
         )
 
     def build_batch(
-        self, batch: ScheduledBatch, prev_ids: torch.Tensor | None = None
+        self, batch: StepPlan, prev_ids: torch.Tensor | None = None
     ) -> tuple[ForwardBatch, list[LogitsPlan]]:
         """The step's ForwardBatch and, per entry, which logits rows belong to it. A request
         whose last token is still pending reads it from ``prev_ids`` (on the device)."""
-        future_dst: list[int] = []
-        future_src: list[int] = []
-        pending_dst: list[int] = []  # input rows of draft tokens still on the device
-        pending: list[torch.Tensor] = []
-        rows: list[int] = []
-        logits_rows: list[int] = []
-        plans: list[LogitsPlan] = []
-        positions: list[int] = []
-        input_ids: list[int] = []
-        pool_rows: list[int] = []
-        seq_lens: list[int] = []
-        tree_rows = iter(self._tree_rows)
-        tree_entries: dict[int, int] = {}  # batch index of a tree verify -> its decode rows
+        rows = StepRows()
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens, strict=True)):
             assert req.req_pool_idx is not None
-            start = req.kv_len
             if n == 1 and req.logprob_start_len < 0:  # a plain decode: the hot path
-                prompt_len = len(req.input_ids)
-                if req.num_pending:
-                    future_dst.append(len(positions))
-                    future_src.append(req.pending_row)
-                    input_ids.append(0)
-                elif start >= prompt_len:
-                    input_ids.append(req.output_ids[start - prompt_len])
-                else:
-                    input_ids.append(req.input_ids[start])
-                positions.append(start)
-                rows.append(req.req_pool_idx)
-                pool_rows.append(req.req_pool_idx)
-                seq_lens.append(start + 1)
-                logits_rows.append(len(positions) - 1)
-                plans.append(
-                    LogitsPlan(_NOTHING_SCORED, len(logits_rows) - 1, len(logits_rows) - 1)
-                )
+                rows.add_decode(req)
                 continue
             assert not req.num_pending, "only plain decodes have pending tokens"
-            draft = batch.drafts.get(i)
-            if draft is not None and draft.parents is not None:
-                # a tree: the root and every node as a decode row (core/spec_tree.py)
-                first = len(logits_rows)
-                tokens = token_slice(req.input_ids, req.output_ids, start, 1) + draft.tokens
-                node_rows = self._tree_node_rows(req, draft, tree_rows)
-                for (r, p), token in zip(node_rows, tokens, strict=True):
-                    input_ids.append(token)
-                    positions.append(p)
-                    rows.append(r)
-                    pool_rows.append(r)
-                    seq_lens.append(p + 1)
-                    logits_rows.append(len(positions) - 1)
-                tree_entries[i] = len(node_rows)
-                plans.append(LogitsPlan(_NOTHING_SCORED, first, len(logits_rows) - 1))
+            extra = batch.extra.get(i)
+            if extra is not None and any(
+                s.add_rows(rows, i, req, n, extra) for s in self.strategies
+            ):
                 continue
-            if draft is not None:  # verify: the last token, then the draft
-                input_ids += token_slice(req.input_ids, req.output_ids, start, 1) + draft.tokens
-                if draft.pending is not None:
-                    pending_dst += range(len(positions) + 1, len(positions) + n)
-                    pending.append(draft.pending)
-            else:
-                input_ids += token_slice(req.input_ids, req.output_ids, start, n)
-            positions += range(start, start + n)
-            rows += [req.req_pool_idx] * n
-            pool_rows.append(req.req_pool_idx)
-            seq_lens.append(start + n)
-            offset = len(positions) - n - start  # flattened row of sequence position 0
-            first = len(logits_rows)
-            if draft is not None:  # every new token's logits: row j verifies draft token j
-                logits_rows += range(offset + start, offset + start + n)
-                plans.append(LogitsPlan(_NOTHING_SCORED, first, len(logits_rows) - 1))
-                continue
-            scored = scored_positions(req, start, n)
-            logits_rows += [offset + p for p in scored]
-            logits_rows.append(offset + start + n - 1)
-            plans.append(LogitsPlan(scored, first, len(logits_rows) - 1))
-        t, n_logits = len(positions), len(logits_rows)
-        positions_t = torch.tensor(positions, dtype=torch.int64)
-        out_cache_loc = self.req_to_token.table[torch.tensor(rows), positions_t]
-        # One host->device copy for every per-token index of the step.
-        packed = torch.cat(
-            [
-                torch.tensor(input_ids, dtype=torch.int64),
-                positions_t,
-                out_cache_loc,
-                torch.tensor(logits_rows + future_dst + future_src, dtype=torch.int64),
-                torch.tensor(pending_dst, dtype=torch.int64),
-            ]
-        )
-        extend_lens, num_decode = list(batch.extend_lens), batch.num_decode
-        if tree_entries:  # each tree verify entry is that many decode rows, after the decodes
-            extend_lens = []
-            for i, n in enumerate(batch.extend_lens):
-                extend_lens += [1] * tree_entries[i] if i in tree_entries else [n]
-            num_decode += sum(tree_entries.values())
-        dev = to_device(packed, self.device)
-        input_ids_t = dev[:t]
-        n_future = len(future_dst)
-        if future_dst:
-            assert prev_ids is not None, "a pending token needs the previous step's ids"
-            at = 3 * t + n_logits
-            dst, src = dev[at : at + 2 * n_future].view(2, -1)
-            input_ids_t[dst] = prev_ids[src]
-        if pending:  # draft tokens go device to device: no host sync before the verify
-            at = 3 * t + n_logits + 2 * n_future
-            input_ids_t[dev[at:]] = torch.cat(pending) if len(pending) > 1 else pending[0]
-        fb = ForwardBatch(
-            input_ids=input_ids_t,
-            positions=dev[t : 2 * t],
-            out_cache_loc=dev[2 * t : 3 * t],
-            req_pool_indices=torch.tensor(pool_rows, dtype=torch.int64),
-            req_to_token=self.req_to_token.table,
-            seq_lens=seq_lens,
-            extend_lens=extend_lens,
-            num_decode=num_decode,
-            logits_indices=dev[3 * t : 3 * t + n_logits],
-            kv_pool=self.kv_pool,
-            req_to_token_pool=self.req_to_token,
-        )
-        return fb, plans
-
-    def _tree_node_rows(
-        self, req: Req, draft: Draft, scratch: Iterator[int]
-    ) -> list[tuple[int, int]]:
-        """(slot-table row, position) of a tree verify's decode rows: the root on the
-        request's own row, then each node on a scratch row holding the request's prefix, the
-        node's ancestors and the node (whose slot is that of position kv_len + 1 + j)."""
-        assert draft.parents is not None and req.req_pool_idx is not None
-        own, start = req.req_pool_idx, req.kv_len
-        table = self.req_to_token.table
-        prefix = table[own, : start + 1]
-        node_slots = table[own, start + 1 : start + 1 + len(draft.tokens)]
-        out = [(own, start)]
-        for j in range(len(draft.tokens)):
-            path = ancestors(draft.parents, j)
-            row = next(scratch)
-            self.req_to_token.write(row, 0, torch.cat([prefix, node_slots[path]]))
-            out.append((row, start + len(path)))
-        return out
-
-    def keep_hidden_layers(
-        self, layers: tuple[int, ...], consumer: Callable[[ForwardBatch], None] | None = None
-    ) -> None:
-        """The speculative plugin reads these target layers' outputs after every forward: an
-        executor that can keep them on its fast path (CUDA graphs: ``keep_hidden_layers``) is
-        told so; any other runs such forwards as it always does. ``consumer``: the plugin's
-        ``target_hidden`` where it may run inside a graph (``target_hidden_capturable``)."""
-        keep = getattr(self.step, "keep_hidden_layers", None)
-        if keep is not None:
-            keep(tuple(layers), consumer)
+            rows.add_extend(req, n)
+        fb = rows.forward_batch(
+            list(batch.extend_lens), batch.num_decode, self.req_to_token, self.kv_pool,
+            self.device, prev_ids,
+        )  # fmt: skip
+        return fb, rows.plans
 
     def launch(
         self,
-        batch: ScheduledBatch,
+        batch: StepPlan,
         sample_rows: list[int],
         eos_ids: tuple[int, ...],
         prev_ids: torch.Tensor | None = None,
@@ -441,42 +300,19 @@ class ModelRunner:
         ``prev_ids`` are the previous step's sampled ids on the device: requests with a pending
         token take their input from there. When every sampled request is ``overlappable`` no
         host sync happens here; ``result()`` waits for the ids."""
-        fb, plans = self.build_batch(batch, prev_ids)
-        pooling = plan_pooling(batch.reqs, batch.extend_lens)
-        if pooling is not None:
-            fb.hidden_rows = to_device(torch.tensor(pooling.rows, dtype=torch.int64), self.device)
-        algorithm = self.speculator.algorithm if self.speculator is not None else None
-        if algorithm is not None and algorithm.capture_hidden_layers:
-            fb.capture_hidden_layers = algorithm.capture_hidden_layers
-        self.req_to_token.sync()  # the device mirror of the slot table, before any kernel
-        logits = self.step(fb)
-        if fb.capture_hidden_layers and not fb.hidden_consumed:
-            assert algorithm is not None
-            if fb.hidden_states is None:
-                raise RuntimeError(
-                    f"model plugin '{self.plugins.names['model']}' keeps no hidden states "
-                    "(ForwardBatch.capture_hidden_layers), which the speculative plugin "
-                    f"'{self.plugins.names['speculative']}' needs"
-                )
-            algorithm.target_hidden(fb)
-        for req, n, plan in zip(batch.reqs, batch.extend_lens, plans, strict=True):
-            if plan.scored:
-                rows = logits[plan.first_row : plan.first_row + len(plan.scored)]
-                record_input_logprobs(req, plan.scored, rows)
-            if req.label_token_ids is not None and req.kv_len + n == req.seq_len:
-                record_label_logprobs(req, logits[plan.sample_row])
-        if pooling is not None:
-            if fb.final_hidden is None:
-                raise RuntimeError(
-                    f"model plugin '{self.plugins.names['model']}' keeps no final hidden "
-                    "states (ForwardBatch.hidden_rows), so it cannot serve embeddings"
-                )
-            finish_pooling(pooling, fb.final_hidden)
+        logits, plans = self._forward(batch, prev_ids)
         if not sample_rows:
             return LaunchedStep(None, True, dict)
-        if batch.drafts:
-            verified = self._verify_now(logits, batch, plans, sample_rows, eos_ids)
-            return LaunchedStep(None, False, lambda: verified)
+        chosen = next(
+            (
+                x
+                for s in self.strategies
+                if (x := s.sample_rows(logits, batch, plans, sample_rows, eos_ids)) is not None
+            ),
+            None,
+        )
+        if chosen is not None:
+            return LaunchedStep(None, False, lambda: chosen)
         reqs = [batch.reqs[i] for i in sample_rows]
         last_rows = [plans[i].sample_row for i in sample_rows]
         if all(r.overlappable for r in reqs):
@@ -492,41 +328,42 @@ class ModelRunner:
         sampled = self._sample_now(logits[last_rows], reqs, sample_rows, eos_ids)
         return LaunchedStep(None, False, lambda: sampled)
 
+    def _forward(
+        self, batch: StepPlan, prev_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, list[LogitsPlan]]:
+        """Run the model over ``batch``; record input logprobs and pooled embeddings. Returns
+        the logits and each entry's logits rows."""
+        fb, plans = self.build_batch(batch, prev_ids)
+        pooling = plan_pooling(batch.reqs, batch.extend_lens)
+        if pooling is not None:
+            fb.hidden_rows = to_device(torch.tensor(pooling.rows, dtype=torch.int64), self.device)
+        for strategy in self.strategies:
+            strategy.before_forward(fb)
+        self.req_to_token.sync()  # the device mirror of the slot table, before any kernel
+        logits = self.step(fb)
+        for strategy in self.strategies:
+            strategy.after_forward(fb)
+        for req, n, plan in zip(batch.reqs, batch.extend_lens, plans, strict=True):
+            if plan.scored:
+                rows = logits[plan.first_row : plan.first_row + len(plan.scored)]
+                record_input_logprobs(req, plan.scored, rows)
+            if req.label_token_ids is not None and req.kv_len + n == req.seq_len:
+                record_label_logprobs(req, logits[plan.sample_row])
+        if pooling is not None:
+            if fb.final_hidden is None:
+                raise RuntimeError(
+                    f"model plugin '{self.plugins.names['model']}' keeps no final hidden "
+                    "states (ForwardBatch.hidden_rows), so it cannot serve embeddings"
+                )
+            finish_pooling(pooling, fb.final_hidden)
+        return logits, plans
+
     def run(
-        self, batch: ScheduledBatch, sample_rows: list[int], eos_ids: tuple[int, ...]
+        self, batch: StepPlan, sample_rows: list[int], eos_ids: tuple[int, ...]
     ) -> dict[int, SampledToken]:
         """Forward ``batch``; sample the rows in ``sample_rows``.
         Returns {batch index: (token id, its logprob or None, top logprobs or None)}."""
         return self.launch(batch, sample_rows, eos_ids).result()
-
-    def _verify_now(
-        self,
-        logits: torch.Tensor,
-        batch: ScheduledBatch,
-        plans: list[LogitsPlan],
-        sample_rows: list[int],
-        eos_ids: tuple[int, ...],
-    ) -> dict[int, Any]:
-        """Sample a step with verify entries: each sampled entry's rows (one for a plain
-        entry, 1 + len(draft) for a verify entry) go through ``speculative.verify``; a verify
-        entry gets the list of tokens it emits, a plain entry its one token."""
-        assert self.speculator is not None
-        reqs: list[Any] = []
-        drafts: list[Draft | None] = []
-        rows: list[int] = []
-        for i in sample_rows:
-            draft = batch.drafts.get(i)
-            last = plans[i].sample_row
-            rows += range(last - (len(draft.tokens) if draft is not None else 0), last + 1)
-            reqs.append(batch.reqs[i])
-            drafts.append(draft)
-        if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
-            logits = logits[rows]  # (every row, in order, is the common case: no copy)
-        emitted = verify_drafts(logits, reqs, drafts, eos_ids, self.grammar_masker, self.speculator)
-        return {
-            i: tokens if i in batch.drafts else tokens[0]
-            for i, tokens in zip(sample_rows, emitted, strict=True)
-        }
 
     def _sample_now(
         self,

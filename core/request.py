@@ -131,21 +131,6 @@ class SamplingParams:
         (booleans strictly bool, integers strictly int), range and, where ``vocab_size`` is
         given, against the vocabulary, so nothing that passes can fail in the engine; numeric
         fields are normalized to float."""
-        self._validate_counts(vocab_size)
-        self._validate_numbers()
-        self._validate_stops(vocab_size)
-        if self.logit_bias is not None:
-            self.logit_bias = _check_logit_bias(self.logit_bias, vocab_size)
-        self._validate_seed()
-        self._validate_grammar()
-        if self.min_new_tokens > self.max_new_tokens:
-            raise InvalidRequest(
-                f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens "
-                f"({self.max_new_tokens})"
-            )
-
-    def _validate_counts(self, vocab_size: int | None) -> None:
-        """The integer fields and the boolean flags."""
         _check_int("max_new_tokens", self.max_new_tokens, 0)
         _check_int("min_new_tokens", self.min_new_tokens, 0)
         _check_int("n", self.n, 1)
@@ -163,8 +148,6 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise InvalidRequest(f"{name} must be true or false, got {value!r}")
-
-    def _validate_numbers(self) -> None:
         # Numbers become floats here, so the sampler never sees an integer past the float range.
         self.temperature = _check_float("temperature", self.temperature, 0.0, math.inf)
         self.min_p = _check_float("min_p", self.min_p, 0.0, 1.0)
@@ -180,8 +163,15 @@ class SamplingParams:
         self.top_p = _check_float("top_p", self.top_p, 0.0, 1.0)
         if self.top_p == 0.0:
             raise InvalidRequest("top_p must be in (0, 1], got 0")
+        self._validate_stops_and_seed(vocab_size)
+        self._validate_grammar()
+        if self.min_new_tokens > self.max_new_tokens:
+            raise InvalidRequest(
+                f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens "
+                f"({self.max_new_tokens})"
+            )
 
-    def _validate_stops(self, vocab_size: int | None) -> None:
+    def _validate_stops_and_seed(self, vocab_size: int | None) -> None:
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequest("stop must be a non-empty string or a list of non-empty strings")
         for stop in self.stop:
@@ -194,14 +184,13 @@ class SamplingParams:
         if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be < vocab size {vocab_size}")
         _check_stop_regex(self.stop_regex)
-
-    def _validate_seed(self) -> None:
-        if self.seed is None:
-            return
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise InvalidRequest(f"seed must be an integer, got {self.seed!r:.200}")
-        if not 0 <= self.seed <= SEED_MAX:
-            raise InvalidRequest(f"seed must be an integer in [0, 2**64), got {self.seed}")
+        if self.logit_bias is not None:
+            self.logit_bias = _check_logit_bias(self.logit_bias, vocab_size)
+        if self.seed is not None:
+            if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+                raise InvalidRequest(f"seed must be an integer, got {self.seed!r:.200}")
+            if not 0 <= self.seed <= SEED_MAX:
+                raise InvalidRequest(f"seed must be an integer in [0, 2**64), got {self.seed}")
 
     def _validate_grammar(self) -> None:
         given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
@@ -330,15 +319,6 @@ class Req:
         self.output_ids: list[int] = []
         self.state = ReqState.WAITING
         self.finish_reason: FinishReason | None = None
-        # timing
-        self.arrival_time = time.perf_counter()
-        self.first_token_time: float | None = None
-        self.finish_time: float | None = None
-        self._init_kv_state()
-        self._init_outputs()
-        self._init_prefill_only_and_transfer()
-
-    def _init_kv_state(self) -> None:
         # KV bookkeeping (owned by the scheduler)
         self.req_pool_idx: int | None = None
         self.kv_len = 0  # tokens of fill_ids whose KV is in the pool for this request
@@ -355,8 +335,22 @@ class Req:
         # spec_accepted_tokens).
         self.spec_verify_ct = 0
         self.spec_accepted_tokens = 0
+        self._init_outputs()
+        # Prefill/decode disaggregation: where its KV comes from or goes to
+        # (core.disaggregation.Bootstrap); None: the request runs whole here.
+        self.bootstrap: Any = None
+        # The client's max_new_tokens where the engine cut the budget (a PD prefill samples
+        # only the first token): what a grammar's shortest output is checked against.
+        self.asked_max_new_tokens: int | None = None
+        # Why the engine failed this request (the server answers 500), once it has.
+        self.failed: str | None = None
+        # timing
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
 
     def _init_outputs(self) -> None:
+        # outputs
         self.logprob_start_len = -1  # >= 0: also score prompt tokens from this position
         self.input_token_logprobs: list[float] = []  # for prompt positions max(start, 1)..
         self.input_top_logprobs: list[list[tuple[float, int]]] = []
@@ -368,8 +362,6 @@ class Req:
         self.bias_entries: tuple[list[int], list[float]] | None = None
         self.grammar: Any = None  # the request's Grammar matcher (core.interfaces), once compiled
         self.refused = False  # ended before running because its input was bad (grammar compile)
-
-    def _init_prefill_only_and_transfer(self) -> None:
         # Prefill-only outputs (max_new_tokens 0, see core/pooling.py): an embedding pooled
         # ("last" or "mean") from the final hidden states, or the logprobs of given label
         # tokens at the position after the prompt (/v1/score).
@@ -378,14 +370,6 @@ class Req:
         self.embedding: list[float] | None = None
         self.label_logprobs: list[float] | None = None
         self.pooled_sum: Any = None  # mean pooling: the sum over the chunks prefilled so far
-        # Prefill/decode disaggregation: where its KV comes from or goes to
-        # (core.disaggregation.Bootstrap); None: the request runs whole here.
-        self.bootstrap: Any = None
-        # The client's max_new_tokens where the engine cut the budget (a PD prefill samples
-        # only the first token): what a grammar's shortest output is checked against.
-        self.asked_max_new_tokens: int | None = None
-        # Why the engine failed this request (the server answers 500), once it has.
-        self.failed: str | None = None
 
     def fill_ids(self) -> list[int]:
         """All tokens whose KV the request needs: prompt then output so far."""

@@ -1,142 +1,42 @@
 """Scheduler: admission, a per-step token budget, chunked prefill, policies and retraction.
 
-One step is ``schedule -> run batch -> process output``. Decodes go first (one token each),
-then prefill chunks fill the rest of the token budget, so a long prompt never stalls running
-decodes. Under KV pressure the scheduler evicts cache, then retracts the newest running
-requests (their tokens are recomputed later; greedy output does not change).
+One step is ``plan -> execute -> commit``: ``schedule`` returns the step's plan (plain data,
+core/step_plan.py), the model runner executes it, ``advance`` and ``commit`` take its result
+(core/step_commit.py). Decodes go first (one token each), then prefill chunks fill the rest
+of the token budget, so a long prompt never stalls running decodes. Under KV pressure the
+scheduler evicts cache, then retracts the newest running requests (their tokens are
+recomputed later; greedy output does not change).
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
-import torch
-
+from radixserve.core.admission import Admission
 from radixserve.core.grammar import GrammarStepper
-from radixserve.core.interfaces import Draft
-from radixserve.core.logprobs import first_scored_position
+from radixserve.core.interfaces import StepStrategy
 from radixserve.core.memory import ReqToTokenPool, TokenAllocator
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
-from radixserve.core.request import FinishReason, Req, ReqState, token_slice
-from radixserve.core.schedule_policy import order_waiting, prefill_budget
-from radixserve.core.spec_tree import follow, node_depths
-from radixserve.core.spec_verify import SampledToken
-from radixserve.core.speculative import Speculator, speculating
-from radixserve.core.stop import StopChecker, TopLogprobs
+from radixserve.core.request import FinishReason, Req, ReqState
+from radixserve.core.schedule_policy import prefill_budget
+from radixserve.core.step_commit import StepCommit
+from radixserve.core.step_plan import Extra, SchedulerStats, StepPlan, step_kind
+from radixserve.core.step_plan import RetractionNeeded as RetractionNeeded
+from radixserve.core.step_plan import ScheduledBatch as ScheduledBatch
+from radixserve.core.step_plan import SchedulerConfig as SchedulerConfig
+from radixserve.core.stop import StopChecker
 
 logger = logging.getLogger(__name__)
 
 
-class RetractionNeeded(Exception):
-    """The KV pool is too full for the running decodes; retracting needs every pending token
-    committed first."""
+class Scheduler(StepCommit, Admission):
+    """Plans each step (core/step_plan.py): decodes, strategies' extra rows, prefill chunks
+    and admissions within the token budget; retracts under KV pressure."""
 
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    max_running_requests: int
-    chunked_prefill_size: int  # -1: no chunking
-    schedule_policy: str
-    max_context: int
-    random_seed: int = 0
-    # Admission reserves room for the running requests' future tokens: this share of what each
-    # may still generate. It starts at init, decays to min while nothing is retracted, and jumps
-    # back up after a retraction (SGLang's new_token_ratio).
-    init_new_token_ratio: float = 0.7
-    min_new_token_ratio: float = 0.098
-    new_token_ratio_decay_steps: int = 600
-    # False: a step with prefill work runs it alone and the decodes wait a step (SGLang's
-    # default; a decode-only step can replay a CUDA graph, a mixed one runs eagerly).
-    mixed_chunk: bool = True
-    # Past this many decodes in a step, its prefill tokens shrink in proportion (0: never;
-    # schedule_policy.prefill_budget).
-    prefill_shrink_after_decodes: int = 0
-    # While decodes run and the waiting prompts would fill under the step's prefill budget,
-    # admission waits up to this many steps (0: never) and at most prefill_gather_max_wait_s
-    # after the oldest waiting request arrived, so that arrivals trickling in one by one share
-    # one mixed step instead of making each step mixed (a decode-only step replays a CUDA
-    # graph; a mixed one runs eagerly).
-    prefill_gather_steps: int = 0
-    prefill_gather_max_wait_s: float = 0.05
-    # Pad token-only drafts to the step's full draft length, and give paused requests filler
-    # drafts while others speculate, so that a verify step keeps one shape: set where the step
-    # executor replays verify graphs of one length (a ragged or mixed step runs eagerly, on an
-    # H200 ~30 ms against ~3 ms for the default model at batch 8: bench/spec_steps.py).
-    uniform_drafts: bool = False
-    # Requests whose uncached prompt shares at least this many tokens with one being prefilled
-    # wait for that prefill to reach the cache instead of computing the same KV again.
-    shared_prefill_min_tokens: int = 32
-
-
-@dataclass(slots=True)
-class ScheduledBatch:
-    """The requests of one step, decodes (extend 1) first, with their new-token counts."""
-
-    reqs: list[Req]
-    extend_lens: list[int]
-    num_decode: int
-    # Speculating decodes: batch index -> draft; such an entry extends over its last token and
-    # the draft (1 + len(draft.tokens) new tokens) and its step emits 1 or more tokens.
-    drafts: dict[int, Draft] = field(default_factory=dict)
-    kind: str = "decode"  # step_kind() of its decodes and prefill tokens
-
-
-STEP_KINDS = ("decode", "mixed", "prefill")
-
-
-def step_kind(num_decodes: int, prefill_tokens: int) -> str:
-    """A step's kind: "decode", decodes only (what a CUDA graph can replay); "prefill",
-    prefill chunks only; "mixed", both (runs eagerly)."""
-    if not prefill_tokens:
-        return "decode"
-    return "mixed" if num_decodes else "prefill"
-
-
-@dataclass(slots=True)
-class StepKindStats:
-    """Steps of one kind: how many, their decodes and prefill tokens, and their wall time
-    (timed by the engine core: each step from its launch, or the previous step's result if
-    that came later, to its own result)."""
-
-    steps: int = 0
-    decodes: int = 0
-    prefill_tokens: int = 0
-    seconds: float = 0.0
-
-    def to_json(self) -> dict[str, float]:
-        return {
-            "steps": self.steps,
-            "decodes": self.decodes,
-            "prefill_tokens": self.prefill_tokens,
-            "seconds": round(self.seconds, 6),
-        }
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    steps: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    retractions: int = 0
-    deferred_admissions: int = 0  # times a request waited for a shared prefill (per step)
-    gathering_steps: int = 0  # steps whose admission waited for more arrivals (gather)
-    step_trace: list[tuple[int, int]] = field(default_factory=list)  # (decodes, prefill tokens)
-    by_kind: dict[str, StepKindStats] = field(
-        default_factory=lambda: {k: StepKindStats() for k in STEP_KINDS}
-    )
-
-    @property
-    def cache_hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
@@ -145,7 +45,7 @@ class Scheduler:
         cache: RadixCache | NoPrefixCache,
         stop_checker: StopChecker,
         grammar: GrammarStepper | None = None,
-        speculator: Speculator | None = None,
+        strategies: Sequence[StepStrategy] = (),
     ) -> None:
         self.config = config
         self.allocator = allocator
@@ -157,10 +57,8 @@ class Scheduler:
         self.paused = False
         self.stop_checker = stop_checker
         self.grammar = grammar or GrammarStepper(stop_checker.tokenizer, jump_forward=False)
-        self.speculator = speculator
-        # paused requests verifying filler only this step (uniform_drafts): not judged, not
-        # counted in the accept statistics, so their pause runs its course
-        self._filler_only: set[str] = set()
+        # the enabled step strategies (core/interfaces.py): extra rows, commit, release
+        self.strategies = list(strategies)
         self.waiting: deque[Req] = deque()
         # Requests ended outside any batch (the KV pool cannot hold them); see pop_ended().
         self.ended: list[Req] = []
@@ -184,9 +82,6 @@ class Scheduler:
         # cost O(running) each, paid on every arrival by a server with hundreds running).
         self._reserved = 0.0
         self._prefilling: list[Req] = []
-        # Called with a request whose slots are about to be released (a prefill server sends
-        # their KV then; core/disaggregation.py).
-        self.on_release: Callable[[Req], None] | None = None
 
     # -- queue -----------------------------------------------------------------------------
 
@@ -227,7 +122,7 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------
 
-    def schedule(self, allow_retract: bool = True) -> ScheduledBatch | None:
+    def schedule(self, allow_retract: bool = True) -> StepPlan | None:
         """The next step's batch, or None when nothing can run. With ``allow_retract=False``
         (tokens are pending) it raises RetractionNeeded where it would have to retract.
 
@@ -247,8 +142,8 @@ class Scheduler:
             budget = prefill_budget(
                 config.chunked_prefill_size, len(decodes), config.prefill_shrink_after_decodes
             )
-            drafts = self._draft(decodes) if decodes and self.speculator is not None else {}
-            budget -= sum(len(d.tokens) for d in drafts.values())
+            extra = self._extend(decodes) if decodes else {}
+            budget -= sum(len(e.tokens) for e in extra.values())
             prefills, budget = self._extend_running_prefills(budget)
             if decodes or prefills or not self._stalled():
                 self._scheduled = {r.rid: 1 for r in decodes}
@@ -269,51 +164,37 @@ class Scheduler:
             )
         if not decodes and not prefills:
             return None
-        # Single-token extends attend like decodes, so they join the batched decode path;
-        # verify entries (a decode with a draft) go with the extends.
+        return self._plan(decodes, prefills, extra)
+
+    def _extend(self, decodes: list[Req]) -> dict[str, Extra]:
+        """The strategies' extra rows for this step's decodes (rid -> rows)."""
+        extra: dict[str, Extra] = {}
+        for strategy in self.strategies:
+            extra.update(strategy.extend_plan(self, decodes))
+        return extra
+
+    def _plan(
+        self, decodes: list[Req], prefills: list[tuple[Req, int]], extra: dict[str, Extra]
+    ) -> StepPlan:
+        """The plan: single-token extends attend like decodes, so they join the batched
+        decode path; entries with extra rows go with the extends, or, where those rows attend
+        as decodes, right after the decodes."""
         decode_entries = [
-            (r, 1 + len(drafts[r.rid].tokens) if r.rid in drafts else 1) for r in decodes
+            (r, 1 + len(extra[r.rid].tokens) if r.rid in extra else 1) for r in decodes
         ]
-        # Draft trees verify as decode rows (core/spec_tree.py): they follow the decodes.
-        entries = sorted(decode_entries + prefills, key=lambda e: _entry_order(e, drafts))
+        entries = sorted(decode_entries + prefills, key=lambda e: _entry_order(e, extra))
         num_decode = sum(1 for _, n in entries if n == 1)
         kind = self._count_step(len(decodes), sum(n for _, n in prefills))
         by_index = {
-            i: drafts[r.rid]
+            i: extra[r.rid]
             for i, (r, _) in enumerate(entries)
-            if r.rid in drafts and r.state == ReqState.DECODE
+            if r.rid in extra and r.state == ReqState.DECODE
         }
-        return ScheduledBatch(
+        return StepPlan(
             [r for r, _ in entries], [n for _, n in entries], num_decode, by_index, kind
         )
 
-    def _gathering(self, decode_only: bool, budget: int) -> bool:
-        """Whether this step's admission waits for more arrivals: the step would otherwise be
-        decode-only, the waiting prompts fill under ``budget``, and neither the step bound nor
-        the oldest waiting request's age bound has been reached."""
-        config = self.config
-        hold = (
-            decode_only
-            and self._held_steps < config.prefill_gather_steps
-            and self._waiting_tokens_under(budget)
-            and time.perf_counter() - min(r.arrival_time for r in self.waiting)
-            < config.prefill_gather_max_wait_s
-        )
-        self._held_steps = self._held_steps + 1 if hold else 0
-        self.stats.gathering_steps += hold
-        return hold
-
-    def _waiting_tokens_under(self, budget: int) -> bool:
-        """Whether the waiting requests' tokens sum to less than ``budget`` (stops summing
-        there: a long queue is not walked each step)."""
-        total = 0
-        for req in self.waiting:
-            total += req.seq_len
-            if total >= budget:
-                return False
-        return True
-
-    def _schedule_prefill_alone(self) -> ScheduledBatch | None:
+    def _schedule_prefill_alone(self) -> StepPlan | None:
         """Without mixing: a step of prefill chunks only (running prefills, then admissions),
         or None when none can run now (the mixed path then schedules the decodes, and retracts
         where it must)."""
@@ -333,7 +214,7 @@ class Scheduler:
         kind = self._count_step(0, sum(n for _, n in prefills))
         num_decode = sum(1 for _, n in entries if n == 1)
         reqs, lens = [r for r, _ in entries], [n for _, n in entries]
-        return ScheduledBatch(reqs, lens, num_decode, kind=kind)
+        return StepPlan(reqs, lens, num_decode, kind=kind)
 
     def _count_step(self, num_decodes: int, prefill_tokens: int) -> str:
         """Count a scheduled step under its kind (and trace it when asked); return the kind."""
@@ -360,233 +241,6 @@ class Scheduler:
         self._release(victim)
         victim.finish(FinishReason("abort", message="KV pool too small for this request"))
         self.ended.append(victim)
-
-    def process_output(self, batch: ScheduledBatch, sampled: dict[int, SampledToken]) -> list[Req]:
-        """Advance requests after a forward; ``sampled`` maps batch index -> (token id,
-        logprob, top logprobs).
-        Returns the requests that produced a token or finished this step."""
-        self.advance(batch)
-        return self.commit(batch, sampled)
-
-    def advance(self, batch: ScheduledBatch) -> None:
-        """The bookkeeping of a launched step that needs no sampled token: KV lengths, prompt
-        sharing, states. Each request that samples gets one pending token until ``commit``,
-        so the next step can be scheduled while the device still computes this one."""
-        self.stats.steps += 1
-        sample_row = 0  # rows of the step's sampled ids, in batch order
-        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens, strict=True)):
-            req.kv_len += n
-            if i in batch.drafts:  # commit keeps the accepted positions, frees the rest
-                req.num_pending += 1
-                req.pending_row = sample_row
-                sample_row += 1
-                continue
-            if req.kv_len < req.seq_len:
-                self._cache_of(req).cache_unfinished_req(req)  # chunked prefill goes on
-                continue
-            if req.state == ReqState.PREFILL:
-                self._cache_of(req).cache_unfinished_req(req)  # share the prompt while it decodes
-            if req.sampling.max_new_tokens > 0:
-                req.state = ReqState.DECODE
-                req.num_pending += 1
-                req.pending_row = sample_row
-                sample_row += 1
-
-    def commit(self, batch: ScheduledBatch, sampled: dict[int, SampledToken]) -> list[Req]:
-        """Append ``batch``'s sampled tokens (after ``advance``) and finish what must finish.
-        Requests that ended since the step was launched (a stop found one step late) are
-        skipped: their token for this step is discarded.
-        Returns the requests that produced a token or finished."""
-        changed: list[Req] = []
-        verified: list[tuple[Req, int, int]] = []
-        for i, req in enumerate(batch.reqs):
-            if req.finished:
-                continue
-            token = sampled.get(i)
-            if i in batch.drafts:
-                assert isinstance(token, list), "a verify entry samples a list of tokens"
-                draft = batch.drafts[i]
-                if draft.parents is not None:
-                    self._keep_accepted_nodes(req, draft, token)
-                kept = self._commit_verified(req, batch.extend_lens[i], token)
-                if req.rid not in self._filler_only:
-                    gain = _draft_gain(draft)
-                    if kept < len(token):  # cut by a stop or the token budget (uniform
-                        gain = min(gain, kept - 1)  # drafts draft past it): count what was kept
-                    verified.append((req, gain, kept - 1))
-            elif token is not None:
-                req.num_pending -= 1
-                self._append_sampled(req, *token)
-            elif req.sampling.max_new_tokens == 0 and req.kv_len >= req.seq_len:
-                req.finish(FinishReason("length", length=0))
-            else:
-                assert req.kv_len < req.seq_len, f"{req} reached its end but sampled nothing"
-                continue  # a prefill chunk; the prompt continues next step
-            if req.finished:
-                self._release(req)
-            changed.append(req)
-        if verified and self.speculator is not None:
-            reqs, drafted, accepted = zip(*verified, strict=True)
-            self.speculator.verified(reqs, drafted, accepted, len(batch.reqs))
-        return changed
-
-    def _commit_verified(self, req: Req, n: int, tokens: list[SampledToken]) -> int:
-        """Append a verify entry's emitted tokens in order, up to a stop (or a grammar's
-        jump-forward), keep the KV of the positions they follow and free the rest. Returns
-        how many tokens were appended."""
-        start = req.kv_len - n  # the position of the step's first input (the last token)
-        req.num_pending -= 1
-        committed = 0
-        for token in tokens:
-            self._append_sampled(req, *token)
-            committed += 1
-            if req.finished or req.state == ReqState.PREFILL:
-                break
-        req.kv_len = start + committed
-        self.free_positions(req, req.kv_len, start + n)
-        return committed
-
-    def _keep_accepted_nodes(self, req: Req, draft: Draft, tokens: list[SampledToken]) -> None:
-        """A tree's accepted nodes: their slots move to positions kv_len + 1 .. in path order
-        and every other node's slot after them, so that keeping a prefix of the positions
-        keeps the path (``_commit_verified`` frees the rest)."""
-        assert draft.parents is not None and req.req_pool_idx is not None
-        path = follow(draft.tokens, draft.parents, [t for t, _, _ in tokens])
-        if path == list(range(len(path))):
-            return  # the path already holds the first positions
-        first = req.kv_len - len(draft.tokens)  # position kv_len + 1 before the step
-        row = self.req_to_token.table[req.req_pool_idx]
-        slots = row[first : first + len(draft.tokens)].clone()
-        on_path = set(path)
-        order = path + [j for j in range(len(slots)) if j not in on_path]
-        self.req_to_token.write(req.req_pool_idx, first, slots[order])
-
-    def append_received(
-        self, req: Req, token: int, lp: float | None, top: TopLogprobs | None
-    ) -> None:
-        """Append a token sampled elsewhere (a prefill server's first token, under the
-        request's grammar if it has one) as if sampled here: grammar, stops, jump-forward."""
-        self._append_sampled(req, token, lp, top)
-
-    def _append_sampled(
-        self, req: Req, token: int, lp: float | None, top: TopLogprobs | None
-    ) -> None:
-        if req.grammar is not None and not self.grammar.accept(req, token):
-            return  # finished with an abort naming the grammar problem
-        self.stop_checker.append(req, token, lp, top)
-        done = req.grammar is None or req.finished
-        forced = [] if done else self.grammar.after_token(req)
-        for t in forced:  # jump-forward: the next step extends over these tokens
-            self.stop_checker.append(req, t)
-            if req.finished:
-                return
-        if forced:
-            req.state = ReqState.PREFILL
-
-    def needs_sampling(self, batch: ScheduledBatch) -> list[int]:
-        """Batch indices whose forward reaches the end of their tokens and must sample."""
-        return [
-            i
-            for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens, strict=True))
-            if (req.kv_len + n == req.seq_len or i in batch.drafts)
-            and req.sampling.max_new_tokens > 0
-        ]
-
-    # -- speculation -----------------------------------------------------------------------
-
-    def _draft(self, decodes: list[Req]) -> dict[str, Draft]:
-        """Drafts for the decodes that speculate this step, with KV slots for their positions
-        (allocated here, before proposing, so a draft model can write its own KV there)."""
-        assert self.speculator is not None
-        k = self.speculator.draft_length(len(decodes))
-        if not k:
-            return {}
-        reqs: list[Req] = []
-        limits: list[int] = []
-        nodes: list[int] = []  # a tree's nodes where the request may draft one, else 0
-        slots: list[int] = []  # draft positions allocated
-        paused: list[tuple[Req, int]] = []
-        drafting = (
-            sum(1 for r in decodes if speculating(r) and self.speculator.may_draft(r))
-            if self.speculator.tree_nodes
-            else 0
-        )
-        for req in decodes:
-            left = self.config.max_context - req.seq_len
-            if not self.config.uniform_drafts:
-                left = min(left, req.sampling.max_new_tokens - req.num_output_tokens)
-            # With uniform drafts a request near its token budget drafts the full length all
-            # the same (what it emits past the budget is cut at commit): one shorter draft
-            # made the whole step's verify uneven, and such a step runs eagerly (~20 ms of
-            # host time for the default model on an H200, against ~1 ms from a graph).
-            limit = min(k, left - 1)
-            # wants() first: a paused request's pause counts every step, also one whose last
-            # token is still on the device (overlap scheduling)
-            wants = self.speculator.wants(req)
-            if limit <= 0 or not speculating(req):
-                continue
-            if not wants:
-                if self.config.uniform_drafts:
-                    paused.append((req, limit))
-                continue
-            tree = self.speculator.tree_nodes_for(req, drafting)
-            if tree and req.seq_len + tree >= self.config.max_context:
-                tree = 0
-            if self._alloc_draft_slots(req, max(limit, tree)):
-                reqs.append(req)
-                limits.append(limit)
-                nodes.append(tree)
-                slots.append(max(limit, tree))
-        if not reqs:
-            return {}
-        try:
-            if any(nodes):
-                drafts = self.speculator.propose(reqs, limits, nodes)
-            else:
-                drafts = self.speculator.propose(reqs, limits)
-        except Exception:  # noqa: BLE001 - a failing drafter must not take the engine down
-            logger.exception("speculative plugin '%s' failed to propose", self.speculator.name)
-            drafts = [Draft([]) for _ in reqs]
-        if self.config.uniform_drafts:
-            self._filler_only.clear()
-            for req, limit in paused:  # they verify filler only: the step keeps one shape
-                if self._alloc_draft_slots(req, limit):
-                    reqs.append(req)
-                    limits.append(limit)
-                    slots.append(limit)
-                    drafts.append(Draft([]))
-                    self._filler_only.add(req.rid)
-            drafts = [_padded(r, n, d) for r, n, d in zip(reqs, limits, drafts, strict=True)]
-        out = {}
-        for req, allocated, draft in zip(reqs, slots, drafts, strict=True):
-            m = len(draft.tokens)
-            self.free_positions(req, req.kv_len + 1 + m, req.kv_len + 1 + allocated)
-            if m:
-                out[req.rid] = draft
-        return out
-
-    def _alloc_draft_slots(self, req: Req, limit: int) -> bool:
-        """KV slots for ``limit`` draft positions after ``req``'s decode slot; False when
-        the pool has no room (the request then decodes normally)."""
-        assert req.req_pool_idx is not None
-        row = self.req_to_token.table[req.req_pool_idx]
-        start = req.kv_len + 1  # the decode slot of position kv_len is already allocated
-        slots = self.allocator.alloc_extend(row, start, limit)
-        if slots is None:
-            return False
-        self.req_to_token.write(req.req_pool_idx, start, slots)
-        return True
-
-    def free_positions(self, req: Req, keep: int, end: int) -> None:
-        """Give back the slots of positions [keep, end) of ``req``'s row, except those in the
-        page that also holds position keep - 1 (the request keeps writing into it)."""
-        assert req.req_pool_idx is not None
-        p = self.allocator.page_size
-        first = -(-keep // p) * p
-        if first < end:
-            self.allocator.free(self.req_to_token.table[req.req_pool_idx, first:end].clone())
-
-    # -- decodes and KV pressure -----------------------------------------------------------
 
     def _schedule_decodes(self, allow_retract: bool) -> list[Req]:
         # A request whose pending token ends it (length) gets no step: it finishes at commit.
@@ -635,74 +289,6 @@ class Scheduler:
             return 0.0  # --schedule-conservativeness 0: admission keeps nothing back
         return min(1.0, max(estimate, self.config.init_new_token_ratio))
 
-    def _alloc_kv(
-        self, alloc: Callable[[], torch.Tensor | None], tokens_needed: Callable[[], int]
-    ) -> torch.Tensor | None:
-        """``alloc()``; when it fails, evict cache for the missing part of ``tokens_needed()``
-        (fresh pages, in tokens) and try once more."""
-        slots = alloc()
-        if slots is None:
-            self.cache.evict(tokens_needed() - self.allocator.available())
-            slots = alloc()
-        return slots
-
-    def _alloc_decode_slots(self, decodes: list[Req]) -> bool:
-        """A slot each for the next position of ``decodes``, written into the table at once."""
-        table = self.req_to_token.table
-        rows = torch.tensor([r.req_pool_idx for r in decodes], dtype=torch.int64)
-        lens = torch.tensor([r.kv_len for r in decodes], dtype=torch.int64)
-        slots = self._alloc_kv(
-            lambda: self.allocator.alloc_decode(table, rows, lens),
-            lambda: self.allocator.tokens_needed_decode(lens),
-        )
-        if slots is None:
-            return False
-        self.req_to_token.write_points(rows, lens, slots)  # one indexed write (hot path)
-        return True
-
-    def _alloc_extend(self, row: int, kv_len: int, num_tokens: int) -> bool:
-        """Slots for positions kv_len.. of table row ``row``, written into the row."""
-        table_row = self.req_to_token.table[row]
-        slots = self._alloc_kv(
-            lambda: self.allocator.alloc_extend(table_row, kv_len, num_tokens),
-            lambda: self.allocator.tokens_needed(kv_len, num_tokens),
-        )
-        if slots is None:
-            return False
-        self.req_to_token.write(row, kv_len, slots)
-        return True
-
-    def alloc_positions(self, req: Req, start: int, num_tokens: int) -> bool:
-        """Slots for positions start.. of running ``req``'s row (evicting cache if needed);
-        False when the pool cannot give them."""
-        assert req.req_pool_idx is not None
-        return self._alloc_extend(req.req_pool_idx, start, num_tokens)
-
-    def release(self, req: Req) -> None:
-        """Give back a finished ``req``'s KV and row, and drop it from the running requests."""
-        self._release(req)
-
-    def _release(self, req: Req) -> None:
-        """Give back ``req``'s KV (computed tokens go to the cache) and its table row."""
-        if req.req_pool_idx is not None:
-            if self.on_release is not None:
-                self.on_release(req)
-            self._cache_of(req).cache_finished_req(req)
-            self.req_to_token.free(req.req_pool_idx)
-            req.req_pool_idx = None
-        req.kv_len = 0
-        req.num_pending = 0
-        if self.speculator is not None:
-            self.speculator.algorithm.release(req.rid)
-            self.speculator.forget(req.rid)
-        if req in self.running:
-            self.running.remove(req)
-
-    def _cache_of(self, req: Req) -> RadixCache | NoPrefixCache:
-        return self.cache if req.pooling is None else self._uncached
-
-    # -- prefill ---------------------------------------------------------------------------
-
     def _extend_running_prefills(self, budget: int) -> tuple[list[tuple[Req, int]], int]:
         """The next chunks of the running prefills, in order, within ``budget``: the
         (request, chunk) pairs that got KV, and the budget left."""
@@ -721,158 +307,14 @@ class Scheduler:
         assert req.req_pool_idx is not None
         return chunk if self._alloc_extend(req.req_pool_idx, req.kv_len, chunk) else 0
 
-    def _admit(self, budget: int) -> list[tuple[Req, int]]:
-        # The tree's matched lengths cannot change during admission (no insert happens; a split
-        # keeps lengths), so each waiting request is peeked at most once per step.
-        peeked: dict[str, tuple[int, object]] = {}
 
-        def peek(r: Req) -> tuple[int, object]:
-            if r.rid not in peeked:
-                key = r.fill_ids()[: _match_limit(r)]
-                peeked[r.rid] = self.cache.peek_prefix(key, r.extra_key)
-            return peeked[r.rid]
-
-        admitted: list[tuple[Req, int]] = []
-        self._reserved = sum(self._reserve_of(r) for r in self.running)
-        self._prefilling = [
-            r for r in self.running if r.state == ReqState.PREFILL and r.pooling is None
-        ]
-        ordered = order_waiting(self.config.schedule_policy, list(self.waiting), peek, self._rng)  # type: ignore[arg-type]
-        for req in ordered:
-            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
-                break
-            if self._shares_running_prefill(req, peek):
-                self.stats.deferred_admissions += 1
-                continue
-            chunk = self._admit_one(req, budget)
-            if chunk == 0:
-                self.blocked = req
-                break
-            self.waiting.remove(req)
-            admitted.append((req, chunk))
-            budget -= chunk
-        return admitted
-
-    def _shares_running_prefill(self, req: Req, peek: Callable[[Req], tuple[int, object]]) -> bool:
-        """Whether ``req``'s uncached prompt starts like a prompt still being prefilled (an
-        identical prompt sent together, a sibling of n>1): it then waits one step or more, and
-        is admitted from the cache once that prefill has put the shared tokens there.
-        ``peek(req)`` says how much of it the cache holds now."""
-        prefilling = [r for r in self._prefilling if r.extra_key == req.extra_key]
-        if not prefilling:
-            return False
-        limit = _match_limit(req)
-        cached = peek(req)[0]
-        span = min(self.config.shared_prefill_min_tokens, limit - cached)
-        span -= span % self.allocator.page_size
-        if span <= 0:
-            return False
-        n = cached + span
-        key = token_slice(req.input_ids, req.output_ids, 0, n)
-        return any(token_slice(r.input_ids, r.output_ids, 0, n) == key for r in prefilling)
-
-    def _admit_one(self, req: Req, budget: int) -> int:
-        fill = req.fill_ids()
-        cache = self._cache_of(req)
-        prefix, node = cache.match_prefix(fill[: _match_limit(req)], req.extra_key)
-        chunk = min(len(fill) - len(prefix), budget)
-        row = self.req_to_token.alloc()
-        if row is None:
-            return 0
-        cache.inc_lock_ref(node)  # protect the matched prefix from our own eviction
-        if self.running and not self._fits_with_reserve(req, len(fill) - len(prefix)):
-            cache.dec_lock_ref(node)
-            self.req_to_token.free(row)
-            return 0
-        self.req_to_token.write(row, 0, prefix)
-        if not self._alloc_extend(row, len(prefix), chunk):
-            cache.dec_lock_ref(node)
-            self.req_to_token.free(row)
-            return 0
-        req.req_pool_idx, req.cache_node = row, node
-        req.prefix_len = req.kv_len = len(prefix)
-        if req.num_retractions == 0:
-            req.cached_tokens = len(prefix)
-            self.stats.prompt_tokens += len(fill)
-            self.stats.cached_tokens += len(prefix)
-        req.state = ReqState.PREFILL
-        self.running.append(req)
-        self._scheduled[req.rid] = chunk
-        self._reserved += self._reserve_of(req)
-        if req.pooling is None:
-            self._prefilling.append(req)
-        return chunk
-
-    def _fits_with_reserve(self, req: Req, uncached: int) -> bool:
-        """Whether ``req``'s uncached prompt and its share of future tokens fit beside what the
-        running requests still need (their unprefilled prompts and their share). Called with
-        ``req``'s prefix locked, so the cache it shares is not counted as evictable."""
-        room = self.allocator.available() + self.cache.evictable_size - self._reserved
-        return uncached + self.new_token_ratio * self._remaining_new_tokens(req) <= room
-
-    def _reserve_of(self, r: Req) -> float:
-        """What running request ``r`` still needs: its prompt without slots yet, and its share
-        of the tokens it may still generate."""
-        unslotted = r.seq_len - r.kv_len - self._scheduled.get(r.rid, 0)
-        return unslotted + self.new_token_ratio * self._remaining_new_tokens(r)
-
-    def _remaining_new_tokens(self, req: Req) -> int:
-        left = req.sampling.max_new_tokens - req.num_output_tokens
-        return max(0, min(left, self.config.max_context - req.seq_len))
-
-    # -- accounting ------------------------------------------------------------------------
-
-    def kv_accounting(self) -> dict[str, int]:
-        free = self.allocator.available()
-        evictable, locked = self.cache.evictable_size, self.cache.locked_size
-        return {
-            "size": self.allocator.size,
-            "free": free,
-            "evictable": evictable,
-            "locked": locked,
-            "in_use": self.allocator.size - free - evictable - locked,
-        }
-
-    def check_no_leak(self) -> None:
-        """At idle every slot is free or held by the cache; raise AssertionError otherwise."""
-        acct = self.kv_accounting()
-        if not self.running and acct["in_use"] != 0:
-            raise AssertionError(f"KV leak at idle: {acct}")
-        if not self.running and acct["locked"] != 0:
-            raise AssertionError(f"cache nodes still locked at idle: {acct}")
-
-
-def _entry_order(entry: tuple[Req, int], drafts: dict[str, Draft]) -> int:
-    """Decodes first, then tree verifies (decode rows to the model), then extends."""
+def _entry_order(entry: tuple[Req, int], extra: dict[str, Extra]) -> int:
+    """Decodes first, then entries whose extra rows attend as decodes, then extends."""
     req, n = entry
     if n == 1:
         return 0
-    draft = drafts.get(req.rid)
-    return 1 if draft is not None and draft.parents is not None else 2
-
-
-def _draft_gain(draft: Draft) -> int:
-    """The most draft tokens a verify of ``draft`` can accept: a chain's length, a tree's
-    depth."""
-    if draft.parents is None:
-        return len(draft.tokens)
-    return max(node_depths(draft.parents), default=0)
-
-
-def _padded(req: Req, limit: int, draft: Draft) -> Draft:
-    """``draft`` filled up to ``limit`` tokens, so that every request of the step verifies as
-    many (a captured verify graph has one length). The filler repeats the last token: the
-    target verifies it like any draft, and accepts it only where it is the target's own token,
-    so outputs do not change. Left alone: drafts drawn from a distribution (rejection sampling
-    needs its probabilities), drafts still on the device (full length already) and constrained
-    requests (their drafts must stay inside the grammar)."""
-    missing = limit - len(draft.tokens)
-    if missing <= 0 or draft.probs is not None or draft.pending is not None or req.grammar:
-        return draft
-    if draft.parents is not None:  # a tree verifies as decode rows, in no verify graph
-        return draft
-    last = draft.tokens[-1] if draft.tokens else (req.output_ids or req.input_ids)[-1]
-    return Draft(draft.tokens + [last] * missing)
+    rows = extra.get(req.rid)
+    return 1 if rows is not None and rows.decode_rows else 2
 
 
 def new_token_ratios(conservativeness: float) -> dict[str, Any]:
@@ -883,13 +325,3 @@ def new_token_ratios(conservativeness: float) -> dict[str, Any]:
 
 # After a retraction, running requests are assumed to decode this many more steps each.
 _RETRACT_MARGIN_STEPS = 20
-
-
-def _match_limit(req: Req) -> int:
-    """How many leading tokens may come from the cache: never the last one (its logits are
-    needed), and none whose logits input-logprob scoring still needs."""
-    if req.pooling is not None:
-        return 0  # embeddings use no cached prefix (core/pooling.py)
-    limit = req.seq_len - 1
-    scored_from = first_scored_position(req)
-    return limit if scored_from is None else min(limit, scored_from)

@@ -17,6 +17,7 @@ positions ``kv_len + 1 ..`` of the request's row and the other nodes' slots are 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 #: Requests of one step that may draft trees (the rest draft chains): each takes a tree's
 #: worth of scratch slot-table rows for its verify, reserved at start.
@@ -93,3 +94,10 @@ def follow(tokens: Sequence[int], parents: Sequence[int], emitted: Sequence[int]
 def _children(tokens: Sequence[int], parents: Sequence[int]) -> dict[tuple[int, int], int]:
     """(parent, token) -> node."""
     return {(p, t): j for j, (p, t) in enumerate(zip(parents, tokens, strict=True))}
+
+
+def scratch_rows(config: Any) -> tuple[int, int]:
+    """Slot-table rows draft trees need beyond the requests' own: (all of them, the verify
+    steps' node rows among them). The drafter's share is reserved at its setup."""
+    node_rows = TREE_BATCH * config.tree_nodes
+    return (node_rows + TREE_BATCH * config.speculative_eagle_topk if node_rows else 0), node_rows

@@ -34,9 +34,9 @@ from radixserve.core.sampling import (
     token_logprobs,
 )
 from radixserve.core.spec_tree import accepted_nodes, ancestors
-from radixserve.core.stop import TopLogprobs
+from radixserve.core.step_plan import SampledToken
 
-SampledToken = tuple[int, float | None, TopLogprobs | None]
+__all__ = ["SampledToken"]  # re-exported: it lived here first
 
 
 class AcceptSimulation(Protocol):
@@ -166,18 +166,7 @@ def verify(
     (what sampling would choose). ``trees``: each draft's parents where it is a tree
     (core/spec_tree.py: row 0 the root, row 1 + j node j), else None."""
     trees = trees if trees is not None else [None] * len(drafts)
-    positions: list[DraftPosition] = []
-    firsts: list[int] = []
-    for req, draft, tree in zip(reqs, drafts, trees, strict=True):
-        firsts.append(len(positions))
-        if tree is None:
-            positions += [DraftPosition(req, draft, j) for j in range(len(draft) + 1)]
-            continue
-        assert req.grammar is None, "a constrained request drafts chains"
-        positions.append(DraftPosition(req, [], 0))
-        for j in range(len(draft)):
-            path = [draft[a] for a in ancestors(tree, j)]
-            positions.append(DraftPosition(req, path, len(path)))
+    positions, firsts = _positions(reqs, drafts, trees)
     # A DraftPosition has every attribute of a Req that the sampler reads.
     views = cast("list[Req]", positions)
     raw = None
@@ -201,6 +190,52 @@ def verify(
     if rejection:
         _rejection_sample(logits, views, firsts, drafts, draft_probs, rejection, eos_ids, ids)
     changed = bool(rejection) or speculator.simulate_accept_len is not None
+    emitted_rows = _emitted_rows(ids, reqs, drafts, trees, firsts, speculator)
+    logprobs = result
+    if changed and result.logprobs is not None:  # the chosen ids moved: score them again
+        chosen = torch.tensor(ids, device=logits.device)
+        logprobs = token_logprobs(raw if raw is not None else logits, chosen, views)
+    out: list[list[SampledToken]] = []
+    for rows in emitted_rows:
+        if logprobs.logprobs is None:
+            out.append([(ids[r], None, None) for r in rows])
+        else:
+            tops = logprobs.top_logprobs
+            out.append([(ids[r], logprobs.logprobs[r], tops[r] if tops else None) for r in rows])
+    return out
+
+
+def _positions(
+    reqs: Sequence[Req], drafts: Sequence[list[int]], trees: Sequence[list[int] | None]
+) -> tuple[list[DraftPosition], list[int]]:
+    """Each logits row's view of its request (the draft tokens before it), and each
+    request's first row."""
+    positions: list[DraftPosition] = []
+    firsts: list[int] = []
+    for req, draft, tree in zip(reqs, drafts, trees, strict=True):
+        firsts.append(len(positions))
+        if tree is None:
+            positions += [DraftPosition(req, draft, j) for j in range(len(draft) + 1)]
+            continue
+        assert req.grammar is None, "a constrained request drafts chains"
+        positions.append(DraftPosition(req, [], 0))
+        for j in range(len(draft)):
+            path = [draft[a] for a in ancestors(tree, j)]
+            positions.append(DraftPosition(req, path, len(path)))
+    return positions, firsts
+
+
+def _emitted_rows(
+    ids: list[int],
+    reqs: Sequence[Req],
+    drafts: Sequence[list[int]],
+    trees: Sequence[list[int] | None],
+    firsts: list[int],
+    speculator: AcceptSimulation,
+) -> list[list[int]]:
+    """Per request, the rows whose sampled ids it emits: the accepted prefix of its draft
+    and the target's token after it (a tree: its accepted path). A simulated accept length
+    writes the accepted drafts into ``ids``."""
     emitted_rows: list[list[int]] = []
     for i, draft in enumerate(drafts):
         first, tree = firsts[i], trees[i]
@@ -218,18 +253,7 @@ def verify(
             while accepted < len(draft) and ids[first + accepted] == draft[accepted]:
                 accepted += 1
         emitted_rows.append(list(range(first, first + accepted + 1)))
-    logprobs = result
-    if changed and result.logprobs is not None:  # the chosen ids moved: score them again
-        chosen = torch.tensor(ids, device=logits.device)
-        logprobs = token_logprobs(raw if raw is not None else logits, chosen, views)
-    out: list[list[SampledToken]] = []
-    for rows in emitted_rows:
-        if logprobs.logprobs is None:
-            out.append([(ids[r], None, None) for r in rows])
-        else:
-            tops = logprobs.top_logprobs
-            out.append([(ids[r], logprobs.logprobs[r], tops[r] if tops else None) for r in rows])
-    return out
+    return emitted_rows
 
 
 def _rejection_sample(

@@ -22,11 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
 from spec_workloads import HELDOUT_GROUPS, all_workloads, workload_group  # noqa: E402
 
 from radixserve import Engine  # noqa: E402
+from radixserve.core.spec_strategy import speculator_of
 
 
 def kind_of(batch: Any) -> str:
-    if batch.drafts:
-        return "verify" if batch.num_decode + len(batch.drafts) == len(batch.reqs) else "mixed"
+    if batch.extra:
+        return "verify" if batch.num_decode + len(batch.extra) == len(batch.reqs) else "mixed"
     if batch.num_decode == len(batch.reqs):
         return "decode"
     return "prefill"
@@ -44,8 +45,8 @@ def measure(flags: dict[str, Any], group: str, batch: int, device: str) -> dict[
         steps: list[dict[str, Any]] = []
         host: dict[str, float] = defaultdict(float)
         launch, propose = core.runner.launch, None
-        if core.speculator is not None:
-            propose = core.speculator.propose
+        if speculator_of(core) is not None:
+            propose = speculator_of(core).propose
 
             def timed_propose(*a: Any, **k: Any) -> Any:
                 t = time.perf_counter()
@@ -54,7 +55,7 @@ def measure(flags: dict[str, Any], group: str, batch: int, device: str) -> dict[
                 finally:
                     host["propose"] += time.perf_counter() - t
 
-            core.speculator.propose = timed_propose  # type: ignore[method-assign]
+            speculator_of(core).propose = timed_propose  # type: ignore[method-assign]
 
         def timed_launch(b: Any, *a: Any, **k: Any) -> Any:
             t = time.perf_counter()
@@ -86,8 +87,8 @@ def measure(flags: dict[str, Any], group: str, batch: int, device: str) -> dict[
         for s in steps:
             by_kind[s["kind"]][0] += 1
             by_kind[s["kind"]][1] += s["overlapped"]
-        kept = core.speculator.stats.to_json() if core.speculator is not None else {}
-        sp = core.speculator
+        kept = speculator_of(core).stats.to_json() if speculator_of(core) is not None else {}
+        sp = speculator_of(core)
         classes = {b for _, b in getattr(sp, "_step_samples", {})}
         policy = {
             f"{'verify' if v else 'decode'}@{b}": round(t * 1e3, 3)

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
 from spec_workloads import workload_group  # noqa: E402
 
 from radixserve import Engine  # noqa: E402
+from radixserve.core.spec_strategy import loop_of, speculator_of
 
 
 def timed(
@@ -83,12 +84,12 @@ def main() -> None:
     workloads = workload_group(args.group)
     with Engine(plugins=[f"hardware={args.device}"], **flags) as engine:
         core = engine.core
-        loop = core.spec_loop
+        loop = loop_of(core)
         assert loop is not None
         spent: dict[str, float] = Counter()  # type: ignore[assignment]
         counts: Counter[str] = Counter()
         calls: dict[str, list[float]] = {}
-        drafter = core.speculator.algorithm
+        drafter = speculator_of(core).algorithm
         profile = cProfile.Profile()
         if args.profile_catch_up and args.profile_launch:
             profiled(core.runner, "launch", profile)

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
 from spec_workloads import workload_group  # noqa: E402
 
 from radixserve import Engine  # noqa: E402
+from radixserve.core.spec_strategy import loop_of, speculator_of
 
 
 def replay_ms(replay: Any, sync: Any, n: int = 200) -> float:
@@ -61,7 +62,7 @@ def main() -> None:
         ids = [engine.tokenizer.encode_chat(w.messages) for w in prompt_of]
         params = {"temperature": 0, "max_new_tokens": args.tokens, "ignore_eos": True}
         engine.generate(input_ids=ids[0], sampling_params={"max_new_tokens": 16})
-        loop = core.spec_loop
+        loop = loop_of(core)
         host = {"launch": 0.0, "wait": 0.0, "commit": 0.0}
         if loop is not None:
             launch_cycle, commit = loop.cycle.launch, loop._commit
@@ -133,7 +134,7 @@ def main() -> None:
             graph = cycle.graphs[1]
             print(f"cycle graph bs1: {replay_ms(graph.replay, sync, 100):.3f} ms/replay")
             cycle.kv_lens[:1].fill_(64)
-        chain = getattr(core.speculator.algorithm, "chain", None)
+        chain = getattr(speculator_of(core).algorithm, "chain", None)
         if chain is not None and 1 in chain.graphs:
             print(f"proposal graph bs1: {replay_ms(chain.graphs[1].replay, sync):.3f} ms/replay")
         verify = getattr(step, "verify_graphs", {})

@@ -35,6 +35,8 @@ args = p.parse_args()
 
 from gpu_model import write_random_llama  # noqa: E402
 
+from radixserve.core.spec_strategy import speculator_of  # noqa: E402
+
 target = Path(args.workdir) / args.shape
 if not (target / "config.json").exists():
     write_random_llama(target, args.shape, "cuda" if torch.cuda.is_available() else "cpu")
@@ -81,7 +83,7 @@ for name, kw in (("off", {}), (args.algorithm, {"speculative_algorithm": args.al
         for kind, ts in sorted(times.items(), key=lambda kv: -sum(kv[1])):
             print(f"   {kind:28s} {len(ts):5d} steps  mean {statistics.mean(ts) * 1e3:7.2f} ms"
                   f"  max {max(ts) * 1e3:8.2f} ms  total {sum(ts):6.2f} s")  # fmt: skip
-    if core.speculator is not None:
+    if speculator_of(core) is not None:
         print("  ", core.spec_stats())
     core.shutdown()
     del core, forward, recording

@@ -94,8 +94,8 @@ def make_pair(
     pc, dc = MemoryConnector(wire), MemoryConnector(wire)
     pc.start("prefill", prefill.runner.kv_pool, 0, timeout)
     dc.start("decode", decode.runner.kv_pool, 0, timeout)
-    prefill.disagg = PrefillSide(pc, prefill.scheduler, prefill.abort)
-    decode.disagg = DecodeSide(dc, decode.scheduler, timeout)
+    prefill.strategies.append(PrefillSide(pc, prefill.scheduler, prefill.abort))
+    decode.strategies.append(DecodeSide(dc, decode.scheduler, timeout))
     return prefill, decode, wire
 
 
@@ -209,7 +209,7 @@ def test_prefill_refusal_ends_the_decode_as_the_callers_fault_or_not(
 
 def test_late_room_frees_its_slots(tiny_llama_dir: Path) -> None:
     _, decode, _ = make_pair(tiny_llama_dir)
-    disagg = decode.disagg
+    disagg = decode.strategies[-1]
     assert isinstance(disagg, DecodeSide)
     d = req("d", PROMPTS[3], 11)
     decode.add_request(d)
@@ -240,4 +240,3 @@ def test_requests_without_a_room_run_whole(tiny_llama_dir: Path) -> None:
     drive(prefill, decode)
     assert len(a.output_ids) == len(b.output_ids) == 8 and a.output_ids == b.output_ids
     assert_no_leak(prefill, decode)
-

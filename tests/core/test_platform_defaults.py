@@ -15,6 +15,7 @@ from radixserve import Engine
 from radixserve.core.config import CORE_DEFAULTS, ConfigError, EngineConfig, ModelConfig
 from radixserve.core.hookspecs import hookimpl
 from radixserve.core.plugins import PluginHost
+from radixserve.core.spec_strategy import speculator_of
 from radixserve.plugins.hardware.cpu import CpuPlatform
 from radixserve.plugins.hardware.cuda import CudaPlatform
 
@@ -94,12 +95,12 @@ def test_speculation_stops_above_two_decodes_on_the_cpu(tiny_llama_dir: Path) ->
     with Engine(str(tiny_llama_dir), speculative_algorithm="NGRAM") as eng:
         entry = eng.core.runner.settings.describe()["speculative_disable_batch_size"]
         assert entry == {"value": 2, "from": "cpu default"}
-        speculator = eng.core.speculator
+        speculator = speculator_of(eng.core)
         assert isinstance(speculator, Speculator)
         assert speculator.draft_length(2) > 0 and speculator.draft_length(3) == 0
     flagged = {"speculative_algorithm": "NGRAM", "speculative_disable_batch_size": 16}
     with Engine(str(tiny_llama_dir), **flagged) as eng:
-        assert eng.core.speculator is not None and eng.core.speculator.draft_length(16) > 0
+        assert speculator_of(eng.core) is not None and speculator_of(eng.core).draft_length(16) > 0
     assert CORE_DEFAULTS["speculative_disable_batch_size"] == 32
 
 

@@ -15,7 +15,7 @@ import torch
 from tiny_models import make_tokenizer_json
 
 from radixserve.core.engine_core import EngineCore
-from radixserve.core.interfaces import Draft
+from radixserve.core.interfaces import Draft, StepStrategy
 from radixserve.core.memory import ReqToTokenPool, TokenAllocator
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
 from radixserve.core.request import FinishReason, Req, ReqState, SamplingParams
@@ -28,6 +28,7 @@ from radixserve.core.scheduler import (
     new_token_ratios,
     step_kind,
 )
+from radixserve.core.spec_strategy import Speculation
 from radixserve.core.stop import StopChecker
 from radixserve.core.tokenizer import Tokenizer
 
@@ -73,7 +74,7 @@ def make(
         cache,
         StopChecker(tokenizer, [EOS], context),
         grammar,
-        speculator,
+        [Speculation(speculator, None, context, False)] if speculator is not None else [],  # type: ignore[arg-type]
     )
 
 
@@ -93,8 +94,8 @@ def add(sched: Scheduler, *reqs: Req) -> None:
 def sampled_for(sched: Scheduler, batch: ScheduledBatch, token: int = TOKEN) -> dict[int, Any]:
     out: dict[int, Any] = {}
     for i in sched.needs_sampling(batch):
-        if i in batch.drafts:  # verify entries: accept every draft token, then one more
-            out[i] = [(t, None, None) for t in batch.drafts[i].tokens] + [(token, None, None)]
+        if i in batch.extra:  # verify entries: accept every draft token, then one more
+            out[i] = [(t, None, None) for t in batch.extra[i].tokens] + [(token, None, None)]
         else:
             out[i] = (token, None, None)
     return out
@@ -625,7 +626,13 @@ def test_a_shared_prefill_span_is_cut_to_whole_pages(tokenizer: Tokenizer) -> No
 def test_add_running_decodes_from_kv_it_did_not_compute(tokenizer: Tokenizer) -> None:
     sched = make(tokenizer, pool=64)
     released: list[str] = []
-    sched.on_release = lambda r: released.append(r.rid)
+
+    class Releases(StepStrategy):
+        def on_release(self, scheduler: Any, req: Any) -> None:
+            assert req.req_pool_idx is not None  # called while its slots are still held
+            released.append(req.rid)
+
+    sched.strategies.append(Releases())
     r = req("r", 10, max_new_tokens=3)
     row = sched.req_to_token.alloc()
     slots = sched.allocator.alloc(10)
@@ -707,7 +714,7 @@ def test_verify_entries_extend_over_the_draft_and_commit_the_accepted_tokens(
     batch = sched.schedule()
     assert batch is not None
     assert shape(batch) == (["plain", "r"], [1, 4], 1)
-    assert list(batch.drafts) == [1] and batch.drafts[1].tokens == [21, 22, 23]
+    assert list(batch.extra) == [1] and batch.extra[1].tokens == [21, 22, 23]
     assert spec.limits == [[3]]
     assert sched.needs_sampling(batch) == [0, 1]
     # The target accepts one draft token and emits its own: the KV of positions 6 (the last
@@ -750,7 +757,7 @@ def test_a_failing_drafter_or_an_empty_draft_leaves_plain_decodes(tokenizer: Tok
         step(sched)
         free = sched.allocator.available()
         batch = sched.schedule()
-        assert batch is not None and shape(batch) == (["r"], [1], 1) and not batch.drafts
+        assert batch is not None and shape(batch) == (["r"], [1], 1) and not batch.extra
         assert sched.allocator.available() == free - 1  # the draft slots went back
         sched.process_output(batch, sampled_for(sched, batch))
         run_to_idle(sched)
@@ -912,7 +919,7 @@ def test_no_drafts_when_the_policy_says_zero_or_their_slots_do_not_fit(
     add(sched, req("r", 6))
     step(sched)
     batch = step(sched)
-    assert batch is not None and not batch.drafts and spec.limits == []
+    assert batch is not None and not batch.extra and spec.limits == []
     spec = FakeSpeculator(4, [21, 22, 23, 24])
     sched = make(tokenizer, pool=16, radix=False, speculator=spec)
     r = req("r", 10, max_new_tokens=8)
@@ -1666,3 +1673,57 @@ def test_a_step_that_prefills_anyway_admits_small_arrivals_at_once(
     b = req("b", 2, start=200)
     add(sched, b)
     assert shape(step(sched)) == (["a", "long", "b"], [1, 5, 2], 1)
+
+
+# -- step strategies: the fixed points the scheduler calls ------------------------------------
+
+
+class EchoRows(StepStrategy):
+    """Gives every decode two extra rows (tokens 21, 22) with slots it allocates through the
+    scheduler, and records what the scheduler reports back."""
+
+    def __init__(self) -> None:
+        self.outcomes: list[tuple[str, int, int]] = []
+        self.gone: list[str] = []
+
+    def extend_plan(self, scheduler: Any, decodes: list[Any]) -> dict[str, Any]:
+        from radixserve.core.interfaces import Draft
+
+        out = {}
+        for r in decodes:
+            if not r.num_pending and scheduler.alloc_positions(r, r.kv_len + 1, 2):
+                out[r.rid] = Draft([21, 22])
+        return out
+
+    def committed(self, plan: Any, outcomes: list[tuple[Any, Any, int, int]]) -> None:
+        self.outcomes += [(r.rid, emitted, kept) for r, _, emitted, kept in outcomes]
+
+    def released(self, req: Any) -> None:
+        self.gone.append(req.rid)
+
+
+def test_a_strategy_extends_decodes_and_the_commit_keeps_only_the_kept_positions(
+    tokenizer: Tokenizer,
+) -> None:
+    """Any strategy (not only speculation) may give decodes extra rows: the plan extends them
+    over their last token and the rows, the entry samples a list, and the commit keeps the KV
+    of exactly the positions the kept tokens follow, frees the rest, and reports each outcome."""
+    strategy = EchoRows()
+    sched = make(tokenizer, pool=64)
+    sched.strategies.append(strategy)
+    r = req("r", 6, max_new_tokens=10)
+    add(sched, r)
+    step(sched)  # the prefill: position 0..5, one token out
+    plan = sched.schedule()
+    assert plan is not None and plan.extend_lens == [3] and list(plan.extra) == [0]
+    assert sched.needs_sampling(plan) == [0]
+    free = sched.allocator.available()
+    changed = sched.process_output(plan, {0: [(21, None, None), (40, None, None)]})
+    assert changed == [r] and r.output_ids == [TOKEN, 21, 40]
+    assert r.kv_len == 8 and r.num_pending == 0  # positions 6 (last token) and 7 (kept row)
+    assert sched.allocator.available() == free + 1  # position 8's slot went back
+    assert strategy.outcomes == [("r", 2, 2)]
+    check_accounting(sched)
+    run_to_idle(sched)
+    assert r.finished and strategy.gone == ["r"]
+    sched.check_no_leak()

@@ -252,18 +252,17 @@ def test_plain_decoding_is_measured_by_steps_that_overlapped_under_the_overlap_s
     steps always count, steps with a prefill never do."""
     from types import SimpleNamespace
 
-    from radixserve.core.engine_core import EngineCore, InFlightStep
+    from radixserve.core.spec_strategy import is_reference_step
 
-    def step(decodes: int, drafts: int, prefills: int, overlapped: bool) -> InFlightStep:
-        batch = SimpleNamespace(
+    def step(decodes: int, drafts: int, prefills: int, overlapped: bool) -> tuple[Any, bool]:
+        plan = SimpleNamespace(
             reqs=[object()] * (decodes + drafts + prefills),
             num_decode=decodes,
-            drafts={i: Draft([1]) for i in range(drafts)},
+            extra={i: Draft([1]) for i in range(drafts)},
         )
-        return InFlightStep(batch, None, 0.0, 0.0, overlapped)  # type: ignore[arg-type]
+        return plan, overlapped
 
-    core = SimpleNamespace(overlap=overlap)
-    counts = lambda s: EngineCore._is_reference_step(core, s)  # noqa: E731
+    counts = lambda s: is_reference_step(*s, overlap)  # noqa: E731
     assert counts(step(4, 0, 0, overlapped=True))
     assert counts(step(4, 0, 0, overlapped=False)) is not overlap
     assert counts(step(2, 2, 0, overlapped=False))

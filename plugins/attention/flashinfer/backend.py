@@ -45,6 +45,10 @@ HEAD_DIMS = (64, 128, 256)
 
 
 class FlashInferAttention(AttentionBackend):
+    # capabilities (core/interfaces.py): prepare_decode_graph, and plan_decode_graph (host)
+    prepares_decode_on_device = True
+    plans_decode_on_host = True
+
     def __init__(
         self, kv_pool: KVPool, model_config: ModelConfig, device: str, page_size: int | None = None
     ) -> None:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from radixserve import Engine
+from radixserve.core.spec_strategy import speculator_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -93,7 +94,7 @@ def _run(target: Path, attention: str, **kw: Any) -> tuple[list[list[int]], Any]
     ) as engine:  # fmt: skip
         outputs = _traffic(engine)
         runner = engine.core.runner.step
-        algorithm = getattr(engine.core.speculator, "algorithm", None)
+        algorithm = getattr(speculator_of(engine.core), "algorithm", None)
         # the heads' proposal graphs, or DFlash's block graphs
         chain = getattr(algorithm, "chain", None) or getattr(algorithm, "graphs", None)
         replays = (getattr(runner, "verify_replays", 0), chain.replays if chain else 0)
@@ -200,7 +201,7 @@ def test_features_written_inside_graphs_equal_eager_writes(
             max_running_requests=8, max_total_tokens=16384, speculative_disable_pause=True,
             speculative_disable_batch_size=8, **flags,
         ) as engine:  # fmt: skip
-            algorithm = engine.core.speculator.algorithm
+            algorithm = speculator_of(engine.core).algorithm
             eager = {"calls": 0}
             write = algorithm.target_hidden
 

@@ -25,6 +25,7 @@ if not torch.cuda.is_available():
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU emulation of the graphs")
 
 from radixserve import Engine  # noqa: E402
+from radixserve.core.spec_strategy import speculator_of  # noqa: E402
 from radixserve.plugins.speculative import draft_chain, standalone  # noqa: E402
 from radixserve.plugins.speculative.draft_chain import DraftChainGraphs  # noqa: E402
 
@@ -78,7 +79,7 @@ def _generate(model: Path, **kw: Any) -> tuple[list[list[int]], Any, Any]:
         max_running_requests=4, **kw,
     ) as engine:  # fmt: skip
         out = engine.generate(input_ids=prompts, sampling_params=params)
-        algorithm = getattr(engine.core.speculator, "algorithm", None)
+        algorithm = getattr(speculator_of(engine.core), "algorithm", None)
         chain = getattr(algorithm, "chain", None)
         return [o["output_ids"] for o in out], engine.core.spec_stats(), chain
 

@@ -27,6 +27,7 @@ if not torch.cuda.is_available():
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU emulation of the graphs")
 
 from radixserve import Engine  # noqa: E402
+from radixserve.core.spec_strategy import speculator_of  # noqa: E402
 from radixserve.plugins.speculative import head_chain, head_draft  # noqa: E402
 from radixserve.plugins.speculative.head_chain import HeadChainGraphs  # noqa: E402
 
@@ -94,7 +95,7 @@ def _generate(
         max_running_requests=4, debug_leak_check=True, **kw,
     ) as engine:  # fmt: skip
         out = engine.generate(input_ids=prompts, sampling_params=params)
-        algorithm = getattr(engine.core.speculator, "algorithm", None)
+        algorithm = getattr(speculator_of(engine.core), "algorithm", None)
         chain = getattr(algorithm, "chain", None)
         return [o["output_ids"] for o in out], engine.core.spec_stats(), chain
 

@@ -26,6 +26,7 @@ from radixserve.core.config import EngineConfig
 from radixserve.core.engine_core import EngineCore
 from radixserve.core.plugins import default_host
 from radixserve.core.request import Req, SamplingParams
+from radixserve.core.spec_strategy import loop_of, speculator_of
 
 LOOP = {
     "enable_speculative_loop": True,
@@ -77,8 +78,8 @@ def test_loop_outputs_equal_speculation_off(
     with _smollm2(smollm2_dir, speculative_algorithm=algorithm, **LOOP) as engine:
         out = _run(engine)
         # (no reference to the loop kept past the engine: it holds the model and KV pool)
-        assert engine.core.spec_loop is not None
-        assert engine.core.spec_loop.cycles > 20 and engine.core.spec_loop.loops >= 4
+        assert loop_of(engine.core) is not None
+        assert loop_of(engine.core).cycles > 20 and loop_of(engine.core).loops >= 4
         stats = engine.core.spec_stats()
         assert stats is not None and stats["accepted_tokens"] > 20
         engine.core.scheduler.check_no_leak()
@@ -106,10 +107,10 @@ def test_loop_with_pauses_and_warmed_catch_up_outputs_equal_speculation_off(
     flags = LOOP | {"speculative_disable_pause": False}
     with _smollm2(smollm2_dir, speculative_algorithm="EAGLE3", **flags) as engine:
         rows = engine.core.scheduler.req_to_token.available()
-        engine.core.speculator.algorithm.warm_catch_up(4)
+        speculator_of(engine.core).algorithm.warm_catch_up(4)
         assert engine.core.scheduler.req_to_token.available() == rows
         out = _run(engine)
-        loop = engine.core.spec_loop
+        loop = loop_of(engine.core)
         assert loop is not None and loop.cycles > 0
         engine.core.scheduler.check_no_leak()
     assert [o["output_ids"] for o in out] == [o["output_ids"] for o in reference]
@@ -152,7 +153,7 @@ def _reference(model_dir: Path, prompts: dict[str, list[int]], tokens: int) -> d
 
 
 def _step_until(core: EngineCore, looping: bool, limit: int = 50) -> None:
-    loop = core.spec_loop
+    loop = loop_of(core)
     assert loop is not None
     for _ in range(limit):
         core.step()
@@ -167,7 +168,7 @@ def test_arrival_and_abort_stop_the_loop_and_lose_nothing(
     prompts = {"a": PROMPT, "b": PROMPT[::-1], "c": [20, 21, 22, 23, 24, 25]}
     want = _reference(tiny_llama_dir, prompts, 60)
     core = _core(tiny_llama_dir, head_dir)
-    loop = core.spec_loop
+    loop = loop_of(core)
     assert loop is not None
     reqs = {rid: Req(rid, list(p), greedy(60)) for rid, p in prompts.items()}
     core.add_request(reqs["a"])
@@ -211,7 +212,7 @@ def test_requests_that_need_the_host_keep_the_loop_off(
     req = Req("other", list(PROMPT), params)
     core.add_request(req)
     _drain(core)
-    assert core.spec_loop is not None and core.spec_loop.loops == 0
+    assert loop_of(core) is not None and loop_of(core).loops == 0
     assert len(req.output_ids) == 30 and core.spec_stats()["verify_steps"] > 0
     core.scheduler.check_no_leak()
 
@@ -247,7 +248,7 @@ def test_a_third_party_cycle_runs_the_loop(tiny_llama_dir: Path) -> None:
         core.add_request(req)
     _drain(core)
     core.scheduler.check_no_leak()
-    assert core.spec_loop is not None and core.spec_loop.cycles > 10
+    assert loop_of(core) is not None and loop_of(core).cycles > 10
     assert {rid: r.output_ids for rid, r in reqs.items()} == want
     stats = core.spec_stats()
     assert stats is not None and stats["accepted_tokens"] > 0

@@ -12,6 +12,7 @@ import torch
 from small_pool_speculation import run_small_pool
 
 from radixserve import Engine
+from radixserve.core.spec_strategy import speculator_of
 
 
 @pytest.mark.parametrize("algorithm", ["STANDALONE", "NGRAM"])
@@ -48,8 +49,8 @@ def test_standalone_draft_reuses_the_kv_of_a_prefix_the_cache_shares(tiny_llama_
         speculative_draft_model_path=str(tiny_llama_dir), speculative_disable_pause=True,
         speculative_disable_batch_size=64,
     ) as engine:  # fmt: skip
-        assert engine.core.speculator is not None
-        draft = engine.core.speculator.algorithm
+        assert speculator_of(engine.core) is not None
+        draft = speculator_of(engine.core).algorithm
         fed: list[int] = []
         step = draft.step
         draft.step = lambda fb: (fed.append(int(fb.input_ids.numel())), step(fb))[1]

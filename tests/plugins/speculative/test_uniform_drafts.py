@@ -1,4 +1,4 @@
-"""Drafts padded to one length (``SchedulerConfig.uniform_drafts``, set where the step executor
+"""Drafts padded to one length (``Speculation.uniform``, set where the step executor
 replays verify graphs of one length, i.e. CUDA): every request of a speculating step verifies
 the step's full draft length, whether its n-gram lookup found a shorter draft, none at all, or
 the request is paused (its filler then counts in no accept statistic), or the request has fewer
@@ -8,14 +8,13 @@ setting forced on."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from radixserve import Engine
-from radixserve.core.scheduler import Scheduler
+from radixserve.core.spec_strategy import Speculation, speculation_of
 from radixserve.core.speculative import Speculator, speculating
 
 K = 4
@@ -35,8 +34,9 @@ def _generate(
         str(model), plugins=["attention=torch_native", "hardware=cpu"], dtype="float32",
         debug_leak_check=True, **kw,
     ) as engine:  # fmt: skip
-        scheduler = engine.core.scheduler
-        scheduler.config = dataclasses.replace(scheduler.config, uniform_drafts=uniform)
+        strategy = speculation_of(engine.core)
+        if strategy is not None:  # (the reference runs without speculation)
+            strategy.uniform = uniform
         params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
         out = engine.generate(input_ids=PROMPTS, sampling_params=params)
         for o in out:  # a verify emits its accepted drafts + 1, also where the budget cut it
@@ -59,16 +59,16 @@ def test_every_request_of_a_speculating_step_verifies_the_full_length(
             return calls["n"] % 2 == 0
         return wants(self, req)
 
-    draft = Scheduler._draft
+    draft = Speculation.extend_plan
     checked = {"steps": 0, "own_drafts": 0}
     near_the_end = False
 
-    def checked_draft(self: Scheduler, decodes: list[Any]) -> Any:
+    def checked_draft(self: Speculation, scheduler: Any, decodes: list[Any]) -> Any:
         nonlocal near_the_end
-        drafts = draft(self, decodes)
+        drafts = draft(self, scheduler, decodes)
         if drafts:
             checked["steps"] += 1
-            checked["own_drafts"] += len(drafts) - len(self._filler_only)
+            checked["own_drafts"] += len(drafts) - len(self.filler_only)
             for req in decodes:
                 if speculating(req):
                     assert len(drafts[req.rid].tokens) == K, (req.input_ids, drafts)
@@ -76,7 +76,7 @@ def test_every_request_of_a_speculating_step_verifies_the_full_length(
         return drafts
 
     monkeypatch.setattr(Speculator, "wants", paused_every_other_step)
-    monkeypatch.setattr(Scheduler, "_draft", checked_draft)
+    monkeypatch.setattr(Speculation, "extend_plan", checked_draft)
     outputs, stats = _generate(
         tiny_llama_dir, uniform=True, speculative_algorithm="NGRAM",
         speculative_num_steps=K, speculative_disable_pause=True,

@@ -1,0 +1,152 @@
+"""EngineConfig's checks: each raises ConfigError naming the setting and what would work
+(core/config.py calls them from ``EngineConfig.__post_init__``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from radixserve.core.config import EngineConfig
+
+
+class ConfigError(ValueError):
+    """A bad setting or model directory; the message names the setting and what would work."""
+
+
+PAGE_SIZES = tuple(1 << i for i in range(9))  # 1 .. 256
+SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# the hardware platform runs them (quantize_model)
+QUANTIZATIONS = ("int8wo", "int4wo", "w8a8_int8", "gguf")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+
+
+def check_limits(cfg: EngineConfig) -> None:
+    if not cfg.grammar_compile_timeout > 0:
+        raise ConfigError(
+            f"grammar_compile_timeout must be > 0 seconds, got {cfg.grammar_compile_timeout}"
+        )
+    if cfg.grammar_compile_memory < 64:
+        raise ConfigError(
+            f"grammar_compile_memory must be >= 64 MiB, got {cfg.grammar_compile_memory}"
+        )
+    if not cfg.watchdog_timeout > 0:
+        raise ConfigError(f"watchdog_timeout must be > 0 seconds, got {cfg.watchdog_timeout}")
+    if cfg.tp_size < 1:
+        raise ConfigError(f"tp_size must be >= 1, got {cfg.tp_size}")
+    if cfg.cpu_threads is not None and cfg.cpu_threads < 1:
+        raise ConfigError(f"cpu_threads must be >= 1, got {cfg.cpu_threads}")
+    if cfg.cuda_graph_max_prefill_tokens < 0:
+        raise ConfigError(
+            "cuda_graph_max_prefill_tokens must be >= 0 (0: no prefill graphs), got "
+            f"{cfg.cuda_graph_max_prefill_tokens}"
+        )
+    if cfg.torch_compile_max_bs < 1:
+        raise ConfigError(f"torch_compile_max_bs must be >= 1, got {cfg.torch_compile_max_bs}")
+    if cfg.max_running_requests is not None and cfg.max_running_requests < 1:
+        raise ConfigError(f"max_running_requests must be >= 1, got {cfg.max_running_requests}")
+    if cfg.max_total_tokens is not None and cfg.max_total_tokens < 16:
+        raise ConfigError(f"max_total_tokens must be >= 16, got {cfg.max_total_tokens}")
+    if cfg.page_size not in PAGE_SIZES:
+        raise ConfigError(
+            f"page_size must be a power of two from 1 to {PAGE_SIZES[-1]}, got {cfg.page_size}"
+        )
+    if cfg.max_total_tokens is not None and cfg.max_total_tokens < 2 * cfg.page_size:
+        raise ConfigError(
+            f"max_total_tokens={cfg.max_total_tokens} holds no page of page_size="
+            f"{cfg.page_size} besides the reserved one; give at least {2 * cfg.page_size}"
+        )
+
+
+def check_choices(cfg: EngineConfig) -> None:
+    shrink = cfg.prefill_shrink_after_decodes
+    if shrink is not None and shrink < 0:
+        raise ConfigError(f"prefill_shrink_after_decodes must be >= 0, got {shrink}")
+    gather = cfg.prefill_gather_steps
+    if gather is not None and gather < 0:
+        raise ConfigError(f"prefill_gather_steps must be >= 0, got {gather}")
+    chunk = cfg.chunked_prefill_size
+    if chunk is not None and (chunk == 0 or chunk < -1):
+        raise ConfigError(
+            f"chunked_prefill_size must be positive or -1, got {cfg.chunked_prefill_size}"
+        )
+    if not cfg.schedule_conservativeness >= 0:
+        raise ConfigError(
+            f"schedule_conservativeness must be >= 0, got {cfg.schedule_conservativeness}"
+        )
+    if cfg.schedule_policy not in SCHEDULE_POLICIES:
+        raise ConfigError(
+            f"unknown schedule policy '{cfg.schedule_policy}'; "
+            f"choose one of {', '.join(SCHEDULE_POLICIES)}"
+        )
+    if cfg.log_level not in LOG_LEVELS:
+        raise ConfigError(
+            f"unknown log level '{cfg.log_level}'; choose one of {', '.join(LOG_LEVELS)}"
+        )
+    if cfg.dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype '{cfg.dtype}'; choose one of {', '.join(DTYPES)}")
+    if cfg.kv_cache_dtype not in DTYPES:
+        raise ConfigError(
+            f"unknown kv_cache_dtype '{cfg.kv_cache_dtype}'; choose one of {', '.join(DTYPES)}"
+        )
+    if cfg.quantization is not None and cfg.quantization not in QUANTIZATIONS:
+        raise ConfigError(
+            f"unknown quantization '{cfg.quantization}'; choose one of {', '.join(QUANTIZATIONS)}"
+        )
+    if cfg.mem_fraction_static is not None and not 0.0 < cfg.mem_fraction_static <= 1.0:
+        raise ConfigError(f"mem_fraction_static must be in (0, 1], got {cfg.mem_fraction_static}")
+
+
+def check_disaggregation(cfg: EngineConfig) -> None:
+    if cfg.disaggregation_mode not in DISAGGREGATION_MODES:
+        raise ConfigError(
+            f"unknown disaggregation mode '{cfg.disaggregation_mode}'; "
+            f"choose one of {', '.join(DISAGGREGATION_MODES)}"
+        )
+    if not 1 <= cfg.disaggregation_bootstrap_port <= 65535:
+        raise ConfigError(
+            "disaggregation_bootstrap_port must be a TCP port (1-65535), got "
+            f"{cfg.disaggregation_bootstrap_port}"
+        )
+    if not cfg.disaggregation_transfer_timeout > 0:
+        raise ConfigError(
+            "disaggregation_transfer_timeout must be > 0 seconds, got "
+            f"{cfg.disaggregation_transfer_timeout}"
+        )
+
+
+def check_speculative(cfg: EngineConfig) -> None:
+    for name in ("speculative_num_steps", "speculative_num_draft_tokens"):
+        value = getattr(cfg, name)
+        if value is not None and not 1 <= value - (name.endswith("tokens")) <= 64:
+            raise ConfigError(f"{name} must give 1 to 64 draft tokens, got {value}")
+    topk = cfg.speculative_eagle_topk
+    if not 1 <= topk <= 16:
+        raise ConfigError(f"speculative_eagle_topk must be 1 to 16, got {topk}")
+    if topk > 1 and cfg.page_size != 1:
+        raise ConfigError(
+            f"speculative_eagle_topk {topk} (draft trees) needs --page-size 1: a tree's "
+            f"nodes take single KV slots, got page_size {cfg.page_size}"
+        )
+    if topk > 1 and cfg.speculative_simulate_accept_len is not None:
+        raise ConfigError(
+            "speculative_simulate_accept_len simulates chains; use it with speculative_eagle_topk 1"
+        )
+    if cfg.speculative_disable_batch_size is not None and cfg.speculative_disable_batch_size < 1:
+        raise ConfigError(
+            f"speculative_disable_batch_size must be >= 1, got {cfg.speculative_disable_batch_size}"
+        )
+    lo = cfg.speculative_ngram_min_match_window_size
+    hi = cfg.speculative_ngram_max_match_window_size
+    if not 1 <= lo <= hi:
+        raise ConfigError(
+            "need 1 <= speculative_ngram_min_match_window_size <= "
+            f"speculative_ngram_max_match_window_size, got {lo} and {hi}"
+        )
+    acc = cfg.speculative_simulate_accept_len
+    if acc is not None and not 1.0 <= acc <= cfg.num_draft_tokens + 1:
+        raise ConfigError(
+            f"speculative_simulate_accept_len must be in [1, {cfg.num_draft_tokens + 1}] "
+            f"(draft tokens + 1), got {acc}"
+        )

@@ -1,0 +1,52 @@
+"""The built-in step strategies (core/interfaces.py, ``StepStrategy``): what each needs
+before the engine is built (device memory, slot-table rows, settings it cannot run with)
+and building them once the engine core exists. The core's step files call only these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from radixserve.core import disaggregation, spec_setup, spec_tree
+from radixserve.core.config import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from radixserve.core.engine_core import EngineCore
+    from radixserve.core.interfaces import StepStrategy
+    from radixserve.core.plugins import PluginHost
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """What the strategies set aside before the KV pool is sized."""
+
+    algorithm: Any  # the speculative plugin's algorithm (set up by its strategy)
+    weight_bytes: int  # device memory for their own weights
+    kv_bytes_per_slot: int  # device memory per KV-pool slot for their own KV
+    table_rows: int  # scratch rows of the slot table they need
+    node_rows: int  # of which the step's own (reserved by the runner, ``scratch_rows``)
+
+
+def reserve(
+    host: PluginHost, names: dict[str, str], config: Any, dtype: torch.dtype, tp_size: int
+) -> Reservation:
+    """Build what must exist before the KV pool is sized; refuse settings a strategy cannot
+    run with (ConfigError)."""
+    algorithm, weights, kv = spec_setup.algorithm_for(host, names, config, dtype, tp_size)
+    mode = config.disaggregation_mode
+    if tp_size > 1 and mode != "null":
+        raise ConfigError(
+            f"disaggregation_mode={mode} does not run with tp_size={tp_size} "
+            "yet (each rank's KV pool holds only its heads); drop one of them"
+        )
+    total, nodes = spec_tree.scratch_rows(config)
+    return Reservation(algorithm, weights, kv, total, nodes)
+
+
+def build_all(core: EngineCore, host: PluginHost, model_dir: Path) -> list[StepStrategy]:
+    """The enabled strategies of ``core``, in the order the loop calls them."""
+    found = [spec_setup.build(core, host, model_dir), disaggregation.build(core, host)]
+    return [s for s in found if s is not None]  # type: ignore[misc]
