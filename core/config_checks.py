@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from radixserve.core.config import EngineConfig
+# NOTE: ``cfg`` is an EngineConfig (core/config.py), typed Any here: config.py imports this
+# module, and importing it back, even for types, would make a cycle.
+EngineConfig = Any
 
 
 class ConfigError(ValueError):

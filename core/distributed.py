@@ -28,7 +28,7 @@ import torch
 
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.config import ConfigError, EngineConfig, ModelConfig
-from radixserve.core.interfaces import CausalLM, HardwarePlatform
+from radixserve.core.interfaces import CausalLM, HardwarePlatform, ShardedModel
 from radixserve.core.memory import KVPool, ReqToTokenPool
 from radixserve.core.parallel import (
     SINGLE,
@@ -134,7 +134,7 @@ class Ranks:
         """The checkpoint's tensors, cut to this rank's shard by the model's ``tp_plan``."""
         if self.size == 1:
             return weights
-        plan = getattr(model, "tp_plan", None)
+        plan = model.tp_plan if isinstance(model, ShardedModel) else None
         if plan is None:
             raise ConfigError(
                 f"model plugin '{name}' declares no tp_plan, so it cannot run with "

@@ -342,6 +342,31 @@ class UniformRows(Protocol):
     uniform_verify: bool
 
 
+@runtime_checkable
+class ReleasesCapture(Protocol):
+    """A step executor holding captured work (CUDA graphs with collectives) that must be let
+    go before its process group is left: ``release()`` frees it. Checked at close."""
+
+    def release(self) -> None: ...
+
+
+@runtime_checkable
+class ShardedModel(Protocol):
+    """A model plugin that can run with several ranks declares how its checkpoint's tensors
+    shard: ``tp_plan`` maps HF tensor-name patterns to a kind of ``core.parallel.SHARD_KINDS``
+    (None: it cannot be sharded)."""
+
+    tp_plan: dict[str, str] | None
+
+
+@runtime_checkable
+class KeepsWeightCopies(Protocol):
+    """A module that keeps a copy of its weights (e.g. repacked for a kernel by the hardware
+    platform): a weight reload calls ``weights_reloaded()`` to rebuild it."""
+
+    def weights_reloaded(self) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class StepCapabilities:
     """What the step executor offers (``KeepsHiddenLayers``, ``UniformRows``), read once."""

@@ -14,7 +14,6 @@ if TYPE_CHECKING:
 
     from radixserve.core.batch import ForwardBatch
     from radixserve.core.config import EngineConfig, ModelConfig
-    from radixserve.core.interfaces import HardwarePlatform
     from radixserve.core.memory import ReqToTokenPool
 
 
@@ -51,7 +50,7 @@ class SpeculativeContext:
     model_config: ModelConfig
     model_path: str  # the target model's directory
     host: Any  # core.plugins.PluginHost: to build a draft model from the model plugins
-    platform: HardwarePlatform
+    platform: Any  # the HardwarePlatform (core/interfaces.py re-exports this module)
     dtype: torch.dtype
     device: str
     attention: str  # the target's attention plugin name

@@ -30,7 +30,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -63,6 +63,16 @@ class FastAllReduce(Protocol):
         ...
 
 
+@runtime_checkable
+class FusedAllReduceNorm(Protocol):
+    """A FastAllReduce that can also add the residual and RMS-normalize in the same
+    collective (``TensorParallel.all_reduce_add_rms_norm``)."""
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, site: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+
 class TensorParallel:
     """This process's place in the tensor-parallel group and the collectives a model needs.
     With ``size == 1`` every collective is the identity and nothing is initialised."""
@@ -80,6 +90,16 @@ class TensorParallel:
         self.group = group  # the device backend's group (nccl on CUDA, gloo on CPU)
         self.cpu_group = cpu_group  # gloo, for host-side step metadata
         self.fast_all_reduce = fast_all_reduce  # tried first; the backend's otherwise
+
+    @property
+    def fast_all_reduce(self) -> FastAllReduce | None:
+        return self._fast
+
+    @fast_all_reduce.setter
+    def fast_all_reduce(self, fast: FastAllReduce | None) -> None:
+        self._fast = fast
+        # the fused form, resolved here once: it is called twice per layer and step
+        self._fused_norm = fast if isinstance(fast, FusedAllReduceNorm) else None
 
     @property
     def leader(self) -> bool:
@@ -100,8 +120,8 @@ class TensorParallel:
         where the platform's fast all-reduce has one (``add_rms_norm``) and takes ``x``; None
         otherwise (then the caller all-reduces and normalizes itself). ``site`` names the call
         site (0 or 1), so two calls in a row may use different buffers."""
-        fused = getattr(self.fast_all_reduce, "add_rms_norm", None) if self.size > 1 else None
-        return None if fused is None else fused(x, residual, weight, eps, site)
+        fused = self._fused_norm if self.size > 1 else None
+        return None if fused is None else fused.add_rms_norm(x, residual, weight, eps, site)
 
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, n] on each rank -> [rows, size * n] on every rank, rank r's columns r-th."""

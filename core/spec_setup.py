@@ -17,7 +17,6 @@ from radixserve.core.spec_strategy import Speculation
 from radixserve.core.speculative import Speculator
 
 if TYPE_CHECKING:
-    from radixserve.core.engine_core import EngineCore
     from radixserve.core.plugins import PluginHost
 
 logger = logging.getLogger(__name__)
@@ -40,7 +39,7 @@ def algorithm_for(
     return algorithm, weights, kv
 
 
-def build(core: EngineCore, host: PluginHost, model_dir: Path) -> Speculation | None:
+def build(core: Any, host: PluginHost, model_dir: Path) -> Speculation | None:
     """Speculation for ``core`` when a speculative plugin is chosen, set up, with the step
     executor told which hidden layers to keep and the device loop where it can run."""
     runner, config = core.runner, core.config
@@ -87,7 +86,7 @@ def build(core: EngineCore, host: PluginHost, model_dir: Path) -> Speculation | 
     return strategy
 
 
-def _device_loop(core: EngineCore, sp: Speculator) -> SpecLoop | None:
+def _device_loop(core: Any, sp: Speculator) -> SpecLoop | None:
     """The device-side speculative loop (core/spec_loop.py), where the plugin offers a
     cycle and the attention backend prepares from device tensors on an asynchronous
     device (FlashInfer plans on the host: no loop)."""

@@ -24,7 +24,6 @@ from radixserve.core.step_rows import LogitsPlan, StepRows
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from radixserve.core.model_runner import ModelRunner
     from radixserve.core.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -60,7 +59,7 @@ class Speculation(StepStrategy):
     def __init__(
         self,
         speculator: Speculator,
-        runner: ModelRunner,
+        runner: Any,  # the ModelRunner (which imports this module)
         max_context: int,
         overlap: bool,
         host: Any = None,

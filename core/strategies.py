@@ -14,7 +14,6 @@ from radixserve.core.config import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from radixserve.core.engine_core import EngineCore
     from radixserve.core.interfaces import StepStrategy
     from radixserve.core.plugins import PluginHost
 
@@ -46,7 +45,8 @@ def reserve(
     return Reservation(algorithm, weights, kv, total, nodes)
 
 
-def build_all(core: EngineCore, host: PluginHost, model_dir: Path) -> list[StepStrategy]:
-    """The enabled strategies of ``core``, in the order the loop calls them."""
+def build_all(core: Any, host: PluginHost, model_dir: Path) -> list[StepStrategy]:
+    """The enabled strategies of ``core`` (an EngineCore: typed Any, as importing it would
+    make a cycle), in the order the loop calls them."""
     found = [spec_setup.build(core, host, model_dir), disaggregation.build(core, host)]
     return [s for s in found if s is not None]  # type: ignore[misc]

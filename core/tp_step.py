@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from radixserve.core.batch import ForwardBatch
+from radixserve.core.interfaces import ReleasesCapture, UniformRows
 from radixserve.core.memory import KVPool, ReqToTokenPool
 from radixserve.core.parallel import TensorParallel
 
@@ -55,7 +56,8 @@ class StepBroadcaster:
         self.req_to_token = req_to_token
         self.on_host = torch.device(device).type == "cpu"
         self.run = step
-        self.uniform_verify = getattr(step, "uniform_verify", False)  # the scheduler reads it
+        # what the step executor declares (UniformRows) holds for the broadcast step too
+        self.uniform_verify = isinstance(step, UniformRows) and bool(step.uniform_verify)
         self.stopped = False
         req_to_token.record_writes()
 
@@ -111,9 +113,8 @@ def release_step(step: Any) -> None:
     """Before the group is left: let the step executor (under rank 0's broadcaster) free what
     it captured, e.g. CUDA graphs holding collectives, if it has a ``release()``."""
     inner = step.run if isinstance(step, StepBroadcaster) else step
-    release = getattr(inner, "release", None)
-    if release is not None:
-        release()
+    if isinstance(inner, ReleasesCapture):
+        inner.release()
 
 
 def follow_steps(

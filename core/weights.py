@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from radixserve.core.checkpoint import safetensors_files
+from radixserve.core.interfaces import KeepsWeightCopies
 
 __all__ = ["count_parameters", "iter_weights", "reload_in_place", "safetensors_files"]
 
@@ -51,6 +52,5 @@ def weights_reloaded(model: torch.nn.Module) -> None:
     """Tell the modules that keep copies of their weights (e.g. repacked for a kernel by the
     hardware platform) that the weights changed: each ``weights_reloaded()`` rebuilds them."""
     for module in model.modules():
-        hook = getattr(module, "weights_reloaded", None)
-        if hook is not None:
-            hook()
+        if isinstance(module, KeepsWeightCopies):
+            module.weights_reloaded()

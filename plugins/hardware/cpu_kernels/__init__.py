@@ -84,6 +84,7 @@ def checked() -> Any:
     on every build of torch. For callers whose operands are not built to fit."""
     from radixserve.plugins.hardware.cpu_kernels.checks import checked_ops
 
+    load()  # the library built and its ops registered, before the checks call them
     return checked_ops()
 
 

@@ -208,15 +208,13 @@ def linear_f32_packed(x: Any, packed: Any, n: int, bias: Any = None) -> torch.Te
 
 
 def _library() -> Any:
-    from radixserve.plugins.hardware.cpu_kernels import load
-
-    return load()
+    # the ops ``load()`` (cpu_kernels/__init__.py) registered; ``checked()`` loads them first
+    return torch.ops.radixserve_cpu
 
 
 @cache
 def checked_ops() -> SimpleNamespace:
-    """The kernels as ``load()`` has them, each behind its checks (the library built first)."""
-    _library()
+    """The kernels as ``load()`` has them (it must have run), each behind its checks."""
     return SimpleNamespace(
         decode_attention=decode_attention,
         store_decode_attention=store_decode_attention,
