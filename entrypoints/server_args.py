@@ -11,14 +11,13 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from radixserve.core.config import (
+from radixserve.core.config import ConfigError, EngineConfig
+from radixserve.core.config_checks import (
     DISAGGREGATION_MODES,
     DTYPES,
     LOG_LEVELS,
     QUANTIZATIONS,
     SCHEDULE_POLICIES,
-    ConfigError,
-    EngineConfig,
 )
 from radixserve.core.request import POOLING_METHODS
 from radixserve.entrypoints.admission import Limits

@@ -7,7 +7,7 @@ int4wo) one offline Engine on the default model (or ``--model``):
 - agreement: 64 prompts (8 instructions x 8 topics) x 64 greedy tokens (EOS ignored), compared
   with float32's position by position: the share of identical tokens, of prompts identical in
   full, and the mean length of the common prefix;
-- perplexity of ``bench/data/perplexity.txt`` (the opening of Pride and Prejudice, public
+- perplexity of ``data/perplexity.txt`` beside this file (the opening of Pride and Prejudice, public
   domain) from the prompt's own logprobs;
 - the median batch-1 decode step (a 256-token random prompt, 64 tokens), load-dependent: read
   it as a ratio to float32's in the same run, and only on a quiet machine.

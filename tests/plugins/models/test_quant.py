@@ -48,7 +48,7 @@ KERNEL_CLASSES = [
     pytest.param(Q4BlockLinear, marks=needs_kernels),
 ]
 
-TEXT = (Path(__file__).parents[3] / "bench" / "data" / "perplexity.txt").read_text()
+TEXT = (Path(__file__).parents[3] / "bench" / "experiments" / "data" / "perplexity.txt").read_text()
 PROMPTS = [
     f"{i} {t}"
     for i in ("Write a short story about", "Explain to a child:", "Three facts about")
