@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from radixserve.core import config_checks
-from radixserve.core.config_checks import ConfigError  # (re-exported: it lived here first)
+from radixserve.core.config_checks import (  # noqa: F401 - re-exported: they lived here first
+    DISAGGREGATION_MODES,
+    DTYPES,
+    LOG_LEVELS,
+    PAGE_SIZES,
+    QUANTIZATIONS,
+    SCHEDULE_POLICIES,
+    ConfigError,
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -247,7 +247,7 @@ class EngineCore(EngineViews):
         if len(self.grammars) and not self.scheduler.has_work():
             self.grammars.wait()  # idle until a grammar compiles: no busy loop
             return []
-        return self._fail_unschedulable()
+        return self.scheduler.end_unschedulable()
 
     def _execute(self, plan: StepPlan, start: float) -> list[Req]:
         """Launch ``plan`` on the device; commit the step before it meanwhile (overlap) or
@@ -357,9 +357,7 @@ class EngineCore(EngineViews):
         step executor, cached prefixes), then have the platform give cached memory back, so
         another engine can start in this process at once. The core cannot step afterwards."""
         self.grammars.shutdown()
-        strategies, self.strategies = self.strategies, []
-        for strategy in strategies:
-            strategy.close()  # e.g. a connector's threads, graphs and a second model
+        self._close_strategies()
         if not hasattr(self, "runner"):
             return  # already shut down
         platform = self.runner.platform
@@ -374,16 +372,12 @@ class EngineCore(EngineViews):
         platform.empty_cache()
         platform.release()
 
-    def _fail_unschedulable(self) -> list[Req]:
-        """Nothing could run although requests wait: the one admission stopped at can never
-        fit (nothing runs to free KV); end it. Not the oldest: the policy may have tried a
-        larger one first (lpm), and the oldest may fit once that one is gone."""
-        sched = self.scheduler
-        req = sched.blocked
-        if req is None or sched.running or sched.paused or all(r is not req for r in sched.waiting):
-            return []
-        sched.abort(req.rid, "the request does not fit in the KV pool")
-        return [req]
+    def _close_strategies(self) -> None:
+        """Close and drop every strategy (the scheduler and runner share the list): no
+        reference to one outlives this call (shutdown empties the device's cache next)."""
+        for strategy in self.strategies:
+            strategy.close()
+        self.strategies.clear()
 
     def pause_admission(self, paused: bool) -> None:
         """Stop (or resume) admitting waiting requests; running ones go on to the end."""

@@ -65,7 +65,7 @@ class Scheduler(StepCommit, Admission):
         self.running: list[Req] = []
         # The waiting request this step's admission stopped at (it could not get KV); None
         # when admission did not run or stopped for another reason. With nothing running it can
-        # never fit (EngineCore._fail_unschedulable ends it, not another one).
+        # never fit (``end_unschedulable`` ends it, not another one).
         self.blocked: Req | None = None
         self.stats = SchedulerStats()
         self._rng = random.Random(config.random_seed)
@@ -119,6 +119,16 @@ class Scheduler(StepCommit, Admission):
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def end_unschedulable(self) -> list[Req]:
+        """Nothing could run although requests wait: the one admission stopped at can never
+        fit (nothing runs to free KV); end it. Not the oldest: the policy may have tried a
+        larger one first (lpm), and the oldest may fit once that one is gone."""
+        req = self.blocked
+        if req is None or self.running or self.paused or all(r is not req for r in self.waiting):
+            return []
+        self.abort(req.rid, "the request does not fit in the KV pool")
+        return [req]
 
     # -- one step --------------------------------------------------------------------------
 

@@ -7,14 +7,12 @@ check the same paths end to end; these pin the arithmetic that mutation testing 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from tiny_models import make_tokenizer_json
 
-from radixserve.core.engine_core import EngineCore
 from radixserve.core.interfaces import Draft, StepStrategy
 from radixserve.core.memory import ReqToTokenPool, TokenAllocator
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
@@ -299,7 +297,7 @@ def test_the_request_admission_stopped_at_is_the_one_ended_as_too_big(
     add(sched, small, big)
     assert big.seq_len > sched.allocator.size
     assert sched.schedule() is None and sched.blocked is big
-    ended = EngineCore._fail_unschedulable(SimpleNamespace(scheduler=sched))  # type: ignore[arg-type]
+    ended = sched.end_unschedulable()
     assert ended == [big] and big.finish_reason is not None
     assert big.finish_reason.message == "the request does not fit in the KV pool"
     assert small.finish_reason is None and list(sched.waiting) == [small]
@@ -314,7 +312,7 @@ def test_nothing_is_ended_when_admission_did_not_stop_at_a_request(tokenizer: To
     add(sched, req("a", 4))
     assert sched.schedule() is None and sched.blocked is None
     sched.paused = False  # unpaused before the engine looks: still nothing to end
-    assert EngineCore._fail_unschedulable(SimpleNamespace(scheduler=sched)) == []  # type: ignore[arg-type]
+    assert sched.end_unschedulable() == []
     run_to_idle(sched)
 
 
