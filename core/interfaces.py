@@ -9,10 +9,19 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 from radixserve.core.config import ConfigError
+
+# what a step executor, a model or a module may also offer, declared once (re-exported)
+from radixserve.core.interfaces_capabilities import (  # noqa: F401
+    KeepsHiddenLayers,
+    KeepsWeightCopies,
+    ReleasesCapture,
+    ShardedModel,
+    StepCapabilities,
+    UniformRows,
+)
 
 # the speculative and KV-transfer plugins' contracts live beside this file (re-exported)
 from radixserve.core.interfaces_kv_transfer import KVConnector, TransferEvent  # noqa: F401
@@ -322,63 +331,6 @@ class GrammarBackend(ABC):
         bits = (bitmask[index].unsqueeze(-1) >> shifts) & 1
         banned = bits.view(len(rows), -1)[:, :vocab] == 0
         logits[index] = logits[index].masked_fill(banned, float("-inf"))
-
-
-@runtime_checkable
-class KeepsHiddenLayers(Protocol):
-    """A step executor (``HardwarePlatform.step_executor``) that can keep target layers'
-    outputs on its fast path (captured graphs). Checked once when the runner starts."""
-
-    def keep_hidden_layers(
-        self, layers: tuple[int, ...], consumer: Callable[[ForwardBatch], None] | None = None
-    ) -> None: ...
-
-
-@runtime_checkable
-class UniformRows(Protocol):
-    """A step executor whose steps with extra rows are much faster when every request has as
-    many (``uniform_verify``: it replays graphs of one length). Checked once at start-up."""
-
-    uniform_verify: bool
-
-
-@runtime_checkable
-class ReleasesCapture(Protocol):
-    """A step executor holding captured work (CUDA graphs with collectives) that must be let
-    go before its process group is left: ``release()`` frees it. Checked at close."""
-
-    def release(self) -> None: ...
-
-
-@runtime_checkable
-class ShardedModel(Protocol):
-    """A model plugin that can run with several ranks declares how its checkpoint's tensors
-    shard: ``tp_plan`` maps HF tensor-name patterns to a kind of ``core.parallel.SHARD_KINDS``
-    (None: it cannot be sharded)."""
-
-    tp_plan: dict[str, str] | None
-
-
-@runtime_checkable
-class KeepsWeightCopies(Protocol):
-    """A module that keeps a copy of its weights (e.g. repacked for a kernel by the hardware
-    platform): a weight reload calls ``weights_reloaded()`` to rebuild it."""
-
-    def weights_reloaded(self) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class StepCapabilities:
-    """What the step executor offers (``KeepsHiddenLayers``, ``UniformRows``), read once."""
-
-    uniform_rows: bool = False
-    keep_hidden_layers: Callable[..., None] | None = None
-
-    @staticmethod
-    def of(step: object) -> StepCapabilities:
-        keep = step.keep_hidden_layers if isinstance(step, KeepsHiddenLayers) else None
-        uniform = isinstance(step, UniformRows) and bool(step.uniform_verify)
-        return StepCapabilities(uniform, keep)
 
 
 class StepStrategy:
