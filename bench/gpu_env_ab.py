@@ -12,7 +12,7 @@ An ``--env`` that starts with ``--`` names one of the tuning flags instead (benc
 ``add_tuning_flags``), set to each value in turn.
 
 It measured the skinny GEMM of issue 18 (RADIXSERVE_TRITON_SKINNY, no longer
-in the model) as no gain: 7.21 against 7.19 ms a decode step (bench/experiments/HISTORY.md).
+in the model) as no gain: 7.21 against 7.19 ms a decode step (bench/HISTORY.md).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 #: runs batches, where no one watches tokens arrive, so a step takes a whole prefill chunk
 #: beside its decodes instead of shrinking it for their inter-token latency (the CPU server's
 #: default). 32 requests on the 2-core CPU VM: 74.99 tok/s at 0 against 71.52 at 4 and
-#: 60.75 at 2 (docs/BENCHMARKS.md, issue 19). vLLM's offline LLM class also batches more per
+#: 60.75 at 2 (bench/HISTORY.md, issue 19). vLLM's offline LLM class also batches more per
 #: step than its server by default.
 OFFLINE_DEFAULTS: dict[str, Any] = {"prefill_shrink_after_decodes": 0}
 

@@ -2,7 +2,7 @@
 # Issue 24, CPU half: `radixserve serve` (the default model) with today's scheduling
 # (--prefill-shrink-after-decodes 0, "old") against the CPU default (no flag, "new"), one server
 # per run, alternating, each measured by bench/serving.py at concurrency 32 (the workload of
-# bench/experiments/HISTORY.md "CPU serving, chunk size and inter-token latency"). Run it on a quiet
+# bench/HISTORY.md "CPU serving, chunk size and inter-token latency"). Run it on a quiet
 # machine; the load average is printed before and after each run. Mode "t2" is the default
 # with the server's engine on two torch threads (--cpu-threads 2; issue 19's thread count);
 # mode "sN" passes --prefill-shrink-after-decodes N. WORKLOAD=issue19 runs issue 19's

@@ -11,7 +11,7 @@ projection with SiLU(gate) * up computed inside (against silu_mul then cuBLAS).
 
 It is not in the model. Splitting K lost everywhere; unsplit it beat cuBLAS by 3-15% on some
 shapes in isolation, but wired into the decoder (commit e918dce) the 64-request workload's
-decode steps took as long as with cuBLAS (7.21 vs 7.19 ms, bench/experiments/HISTORY.md).
+decode steps took as long as with cuBLAS (7.21 vs 7.19 ms, bench/HISTORY.md).
 
 For each weight shape of the 8B model's layers and each row count, 32 distinct weights are
 multiplied back to back in a CUDA graph (so L2 holds none of them); the table gives us per

@@ -38,7 +38,7 @@ class CpuPlatform(HardwarePlatform):
         # decodes the chunk shrinks in proportion; fewer decodes still get a full chunk. 4
         # rather than 8 once the engine ran on every core: 64 requests at once, 32 streams,
         # alternating, ITL p99/p50 2.3-3.0 against 3.8-5.2 at the same throughput
-        # (docs/BENCHMARKS.md, CPU serving, chunk size and inter-token latency). 2 once the C++
+        # (bench/HISTORY.md, CPU serving, chunk size and inter-token latency). 2 once the C++
         # kernels made decode steps ~1.5x faster while a chunk's cost stayed: at 4, ITL p99/p50
         # rose to 3.2x (p50 245-282 ms, p99 794-901), at 2 it was 2.3x (288 / 674 ms) at
         # 63.7 tok/s, against 51.9 before the kernels (same VM, same hour; issue 19). 1 once
@@ -49,7 +49,7 @@ class CpuPlatform(HardwarePlatform):
         # Speculation off above 2 decodes: EAGLE-3 on the default model gained at batch 2
         # (JSON 1.61x, code and extraction 1.06x) and lost at batch 4 on every workload
         # (0.80-0.93x) and at 8 (0.76-1.04x): a verify step's rows multiply the linears' work,
-        # which 2 cores feel at once (2026-12-03, docs/BENCHMARKS.md).
+        # which 2 cores feel at once (2026-12-03, bench/HISTORY.md).
         return {"prefill_shrink_after_decodes": 1, "speculative_disable_batch_size": 2}
 
     # A host has far more memory than a CPU-served model's traffic needs; reserving all of
@@ -127,7 +127,7 @@ class CpuPlatform(HardwarePlatform):
         # more than it gave. Same quiet 2-core Intel VM, alternating servers, concurrency 32:
         # 39.2 / 35.7 tok/s with one engine thread against 63.6 / 66.5 with two, ITL and TTFT
         # lower too; at concurrency 1 (int4wo + compile) 44.2 against 46-47.6 tok/s
-        # (docs/BENCHMARKS.md, issue 19). --cpu-threads chooses another count.
+        # (bench/HISTORY.md, issue 19). --cpu-threads chooses another count.
         if self._ranks == 1:
             threads = self._threads or len(os.sched_getaffinity(0))
             if threads != torch.get_num_threads():

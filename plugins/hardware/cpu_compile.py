@@ -1,7 +1,7 @@
 """Decode steps through ``torch.compile`` on CPU (``--enable-torch-compile``).
 
 A batch-1 decode of the default model on CPU spends more of its time in ~6,000 small eager ops
-and their Python than in its weight-only int4 products (docs/BENCHMARKS.md, issue 19). Inductor
+and their Python than in its weight-only int4 products (bench/HISTORY.md, issue 19). Inductor
 fuses those ops into a few C++ loops and, with its C++ wrapper, runs the step without Python
 between them.
 

@@ -3,7 +3,7 @@ RMSNorm, residual add + RMSNorm, SiLU(gate) * up and RoPE, each one C++ pass
 (``cpu_kernels/fused_ops.cpp``) where eager torch runs 2-6 ops with their temporaries.
 
 A float32 decode step of the default model at batch 32 spent ~40 ms of ~330 in those small ops
-(profile in docs/BENCHMARKS.md, issue 19). Inputs the kernels do not take (other dtypes) and
+(profile in bench/HISTORY.md, issue 19). Inputs the kernels do not take (other dtypes) and
 steps dynamo traces (``--enable-torch-compile``: inductor fuses the eager code itself) run the
 eager formulas, which are the model's own (``plugins/models/eager_ops.py``, the decoder's).
 """

@@ -33,7 +33,7 @@ def set_blas_library() -> None:
     0.97 against 0.93; qkv and o are the same (bench/decode_gemms.py, H200). In the engine
     (bench/gpu_env_ab.py, one machine, two rounds each): 64 x (1,024 + 256) at 4,761 / 4,728
     tok/s against 4,643 / 4,649, decode steps 7.07 against 7.27 ms; 512 x (1,024 + 1,024)
-    unchanged within noise (docs/BENCHMARKS.md, 2026-12-03). The setting is torch's, for the
+    unchanged within noise (bench/HISTORY.md, 2026-12-03). The setting is torch's, for the
     whole process. ROCm builds keep torch's choice unless the variable names one."""
     blas = os.environ.get("RADIXSERVE_CUDA_BLAS") or (
         "default" if torch.version.hip else "cublaslt"
@@ -46,7 +46,7 @@ def set_blas_library() -> None:
 #: LAUNCH_BOUND_WEIGHTS bytes: its steps cost their launches and the host's work, not their
 #: weight reads (SmolLM2-135M on an H200: ~1 ms a decode step for 0.27 GB of weights), so a
 #: verify step's host work (drafting, accepting) is what speculation adds. The default model
-#: on an H200, every batch size forced to speculate (2026-12-03, docs/BENCHMARKS.md): n-gram
+#: on an H200, every batch size forced to speculate (2026-12-03, bench/HISTORY.md): n-gram
 #: gained at 2 (1.08-2.24x) and at 4 on three workloads of four (1.42-1.79x; code edits
 #: 0.62x), and lost at 8 on all four (0.73-0.93x); EAGLE-3 lost at every size (0.61-0.89x).
 #: Larger models keep the core's cut-off: the Llama-3.1-8B shape (16 GB) gained 1.67x at
@@ -107,7 +107,7 @@ class CudaPlatform(HardwarePlatform):
         (a thread per core) does not speed up but slows: with 16 threads, steps took 15.9 ms
         against 8.5 ms with one under `serve` (14,194 vs 26,366 tok/s), and the offline Engine
         ran at 16,295 and 23,204 tok/s against 28,896 with OMP_NUM_THREADS=1 (H200, SmolLM2
-        shape, 512 x (1,024 + 256); docs/BENCHMARKS.md). So the engine runs one thread, in the
+        shape, 512 x (1,024 + 256); bench/HISTORY.md). So the engine runs one thread, in the
         offline Engine's process too (``release`` restores the count), unless --cpu-threads or
         OMP_NUM_THREADS says otherwise."""
         if cpu_threads is None and "OMP_NUM_THREADS" in os.environ:
@@ -172,7 +172,7 @@ class CudaPlatform(HardwarePlatform):
         """A head that says its norms and RoPE see token-major tensors
         (``supports_fused_ops``: the EAGLE heads) runs them on the target's Triton kernels:
         eagerly, each RMSNorm is ~7 kernels and each RoPE ~6, and an EAGLE-3 head step took
-        ~0.14 ms of device time at batch 1 on the H200 (launch-bound; docs/BENCHMARKS.md)."""
+        ~0.14 ms of device time at batch 1 on the H200 (launch-bound; bench/HISTORY.md)."""
         from radixserve.plugins.models.decoder import attach_fused_ops, fused_ops_for
 
         fused = fused_ops_for(self.device)

@@ -158,7 +158,7 @@ class CudaGraphRunner:
         which comes after the graphs' first capture. ``consumer`` (the plugin's
         ``target_hidden``, where capturable) is captured at the end of every graph: eagerly,
         its launches came on top of every decode step (DFlash's context projection: 1.45 ms
-        a step against 1.0 on the H200 with the default model; docs/BENCHMARKS.md)."""
+        a step against 1.0 on the H200 with the default model; bench/HISTORY.md)."""
         layers = tuple(layers)
         if (layers, consumer) == (self.capture_layers, self.hidden_consumer) or self.max_bs == 0:
             return

@@ -8,7 +8,7 @@ larger share of the half-width matrices of tensor parallelism, and splits some o
 with a second reduce kernel. This kernel splits the output rows over the programs, each
 reading its rows' weights in BLOCK_K-wide strips with float32 sums; fusing the activation into
 the down projection also drops one kernel per layer. H200, 8B shape, batch-1 decode: TP1 210.5
--> 219.5 tok/s, TP2 298.4 -> 327.9 (317.1 without the SiLU fusion); docs/BENCHMARKS.md.
+-> 219.5 tok/s, TP2 298.4 -> 327.9 (317.1 without the SiLU fusion); bench/HISTORY.md.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A short prompt's eager prefill is host-bound on a GPU: every layer launches its kernels from
 Python (the default model on an H200: ~24 ms of host time for a ~60-token prompt, against ~1 ms
-for a decode step from a graph; docs/BENCHMARKS.md). ``PaddedPrefill`` holds static inputs for
+for a decode step from a graph; bench/HISTORY.md). ``PaddedPrefill`` holds static inputs for
 a prefill step of up to R requests and T new tokens, padded to one of a few shapes
 (``prefill_shapes``), and runs the forward from them; ``CudaGraphRunner`` captures that run
 once per shape and replays it.

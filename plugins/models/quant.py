@@ -17,8 +17,8 @@ float weights):
             AVX2 CPU multiplies int8 by int8 in integer arithmetic where the weight-only
             kernels convert every weight to float. Not weight-only: the activations' rounding
             (7 bits, fbgemm's reduced range) is an error of its own, reported beside the others
-            in docs/BENCHMARKS.md. It takes float32 activations; on the 2-core AVX2 VM it
-            was not faster than ``int4wo`` end to end (docs/BENCHMARKS.md).
+            in bench/HISTORY.md. It takes float32 activations; on the 2-core AVX2 VM it
+            was not faster than ``int4wo`` end to end (bench/HISTORY.md).
 
 ``gguf``    GGUF's Q4_1 blocks (4-bit codes in groups of 32 with a float16 scale and minimum;
             the default model's file is Q4_1, and its codes come back), multiplied the way

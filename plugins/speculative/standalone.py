@@ -262,7 +262,7 @@ def _draw(q: torch.Tensor, views: list[DraftPosition]) -> torch.Tensor:
 
 
 #: Largest batch drafted by the chain graph. Measured on an H200 (8B target, one-layer draft,
-#: docs/BENCHMARKS.md): at batch 1 it lifted speculation from 2.18x to 2.28x; at batch 8 the
+#: bench/HISTORY.md): at batch 1 it lifted speculation from 2.18x to 2.28x; at batch 8 the
 #: same run fell from 1.72x to 1.03x, not yet explained, so larger batches keep the step loop.
 CHAIN_MAX_BATCH = 1
 

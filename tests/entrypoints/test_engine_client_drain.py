@@ -1,6 +1,6 @@
 """The server's receive loop applies every engine output already queued before its streams
 run, so a server behind the engine sends each stream one event with all its new tokens instead
-of one event per engine step (which kept it behind: H200, docs/BENCHMARKS.md)."""
+of one event per engine step (which kept it behind: H200, bench/HISTORY.md)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ MERGE_IN_LAUNCH_SPLITS = 4
 #: but the engine A-B (bench/gpu_env_ab.py, RADIXSERVE_TRITON_DECODE) showed no gain: decode
 #: steps 7.25 ms both ways, tok/s within the rounds' spread; so these stay. Neither did the
 #: KV heads' launch order, evict-first K/V loads nor an L2 prefetch of o_proj's weight from
-#: this launch gain in the engine (2026-12-04, commit ee868b7, docs/BENCHMARKS.md).
+#: this launch gain in the engine (2026-12-04, commit ee868b7, bench/HISTORY.md).
 #: ``splits`` > 0 fixes the number of splits (0: from ``programs_per_sm``, see num_decode_splits).
 GPU_CONFIG = {
     "block_n": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 8, "splits": 0,

@@ -27,7 +27,7 @@ from radixserve.plugins.attention.triton.attend import (
 #: bench/extend_sweep.py on an H200 (8B heads, 8 x 1,024 new tokens over 0 and 1,024 cached)
 #: found 3 stages 4% and 11% faster, but it was not adopted: prefill attention is ~6% of the
 #: 64 x (1,024 + 256) prefill, and 3 stages of 64-row K and V tiles take 96 KB of shared memory
-#: at head size 128 (192 KB at 256), about all that smaller GPUs have (docs/BENCHMARKS.md).
+#: at head size 128 (192 KB at 256), about all that smaller GPUs have (bench/HISTORY.md).
 #: The loop switches, timed in CUDA graphs (``--grid flags``, 2026-12-03): last block first
 #: (``heavy_first``) 230 -> 231 and 242 -> 250 TFLOP/s at these settings (247 -> 248 and
 #: 278 -> 280 with 3 stages), so it is on; the unmasked pass (``split_mask``) 230 -> 207 and
