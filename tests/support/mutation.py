@@ -39,6 +39,9 @@ MODULES: dict[str, list[str]] = {
     # The Scheduler driven by hand, without a model (milliseconds a test; the engine-level
     # test_scheduler*.py files take ~100 s together, too long to run once per mutant).
     "core/scheduler.py": ["tests/core/test_scheduler_unit.py"],
+    # The scheduler's admission and commit halves, same tests.
+    "core/admission.py": ["tests/core/test_scheduler_unit.py"],
+    "core/step_commit.py": ["tests/core/test_scheduler_unit.py"],
 }
 
 
