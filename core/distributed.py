@@ -20,7 +20,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,22 +72,6 @@ class Ranks:
     @property
     def size(self) -> int:
         return self.group.size
-
-    def check_plugins(self, chosen: Mapping[str, str], config: EngineConfig) -> None:
-        """Refuse what does not run on more than one rank yet, naming it."""
-        if self.size == 1:
-            return
-        if chosen["speculative"] != "none":
-            raise ConfigError(
-                f"speculative decoding ({chosen['speculative']}) does not run with "
-                f"tp_size={self.size} yet; drop one of them"
-            )
-        disaggregation = config.disaggregation_mode
-        if disaggregation != "null":
-            raise ConfigError(
-                f"disaggregation_mode={disaggregation} does not run with tp_size={self.size} "
-                "yet (each rank's KV pool holds only its heads); drop one of them"
-            )
 
     def check_reload(self) -> None:
         """Refuse loading new weights into a running model of more than one rank."""

@@ -109,9 +109,9 @@ class ModelRunner:
         # Each rank holds its heads' share of the weights and of the KV pool.
         self.local_config = self.ranks.local_config(mc)
         weight_bytes = self.ranks.share(count_parameters(model_dir) * self.dtype.itemsize)
-        self.ranks.check_plugins(self.plugins.names, config)
         # What the step strategies need is built here, so their device memory (e.g. a second
-        # model and its KV) is set aside before the KV pool is sized (core/strategies.py).
+        # model and its KV) is set aside before the KV pool is sized; they refuse settings
+        # they cannot run with, several ranks among them (core/strategies.py).
         self.reservation = strategies.reserve(
             host, dict(self.plugins.names), config, self.dtype, self.ranks.size
         )
