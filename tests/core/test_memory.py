@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.core.memory import ReqToTokenPool, TokenAllocator
+from radixserve.core.memory import ReqToTokenPool, TokenAllocator, to_device
 
 P = 16
 
@@ -211,6 +211,25 @@ def test_req_to_token_rows_are_handed_out_in_order_and_reused() -> None:
     pool.write(2, 0, torch.tensor([], dtype=torch.int64))  # nothing to write
     assert not pool.table.any()
     pool.sync()  # no mirror, no writes: nothing to do
+
+
+def test_reserved_rows_are_the_last_ones_and_never_handed_out() -> None:
+    pool = ReqToTokenPool(5, 8)
+    assert pool.reserve(0) == []
+    assert pool.reserve(2) == [4, 3]  # scratch rows for the step strategies, taken for good
+    assert pool.available() == 3
+    assert [pool.alloc(), pool.alloc(), pool.alloc()] == [0, 1, 2]
+    assert pool.alloc() is None
+    pool.free(3)
+    with pytest.raises(ValueError, match="2 scratch rows asked, 1 free"):
+        pool.reserve(2)
+    assert pool.available() == 1  # a refused reservation takes nothing
+
+
+def test_to_device_leaves_a_host_tensor_as_it_is() -> None:
+    tensor = torch.arange(4)
+    assert to_device(tensor, "cpu") is tensor
+    assert to_device(tensor, torch.device("cpu")) is tensor
 
 
 def test_req_to_token_mirror_is_pinned_to_its_device() -> None:
