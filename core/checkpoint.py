@@ -48,8 +48,12 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise ConfigError(f"'{index}' is not a safetensors index (no weight_map): {e}") from e
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(name, str) for name in weight_map.values()
+        ):
+            raise ConfigError(f"'{index}' is not a safetensors index (weight_map: name -> file)")
         files = [root / name for name in sorted(set(weight_map.values()))]
         absent = [f.name for f in files if not f.is_file()]
         if absent:
@@ -91,6 +95,17 @@ def check_checkpoint(model_dir: str | Path, running: ModelConfig) -> None:
     """ConfigError unless ``model_dir`` is a checkpoint that can load into ``running``'s model:
     a config.json of the same shape, and weight files whose headers read and whose tensors lie
     within the file. Reads only config.json and the files' headers."""
+    try:
+        _check_checkpoint(model_dir, running)
+    except ConfigError:
+        raise
+    except (OSError, ValueError, TypeError, AttributeError, KeyError, RecursionError) as e:
+        # a file broken in a way no check above names: still the checkpoint's fault (a 400)
+        why = f"{type(e).__name__}: {e}"
+        raise ConfigError(f"'{model_dir}' is not a readable checkpoint ({why:.300})") from None
+
+
+def _check_checkpoint(model_dir: str | Path, running: ModelConfig) -> None:
     if not Path(model_dir).is_dir():
         raise ConfigError(f"'{model_dir}' is not a model directory")
     check_reload_config(ModelConfig.from_dir(model_dir), running, model_dir)
@@ -113,7 +128,7 @@ def _read_header(path: Path) -> dict[str, list[int]]:
             header = json.loads(f.read(length))
     except OSError as e:
         raise ConfigError(f"cannot read '{path}': {e.strerror or e}") from None
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ConfigError(f"'{path}' has no readable safetensors header: {e}") from None
     if not isinstance(header, dict):
         raise ConfigError(f"'{path}' has no readable safetensors header")
@@ -122,7 +137,12 @@ def _read_header(path: Path) -> dict[str, list[int]]:
         if name == "__metadata__":
             continue
         offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2 and 0 <= offsets[0] <= offsets[1]):
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+        ):
             raise ConfigError(f"'{path}': tensor {name!r:.100} has no valid data_offsets")
         if offsets[1] > data:
             raise ConfigError(f"'{path}' is truncated: tensor {name!r:.100} ends past the file")

@@ -35,6 +35,10 @@ class Limits:
     max_stop_strings: int = 16
     max_stop_length: int = 256
     max_top_logprobs: int = 100
+    # characters tokenized for one request, all its prompts together: a body cannot carry more
+    # (the request-body limit), but some fields are copied into every prompt (/v1/score's
+    # query, a completion's suffix), so they are checked against it before they are built
+    max_batch_chars: int = 32 << 20
 
     @property
     def max_live(self) -> int:

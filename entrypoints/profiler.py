@@ -4,8 +4,12 @@ Chrome trace (``export_chrome_trace``; gzipped when the name ends in .gz)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -61,6 +65,10 @@ class EngineProfiler:
             directory.mkdir(parents=True, exist_ok=True)
         except (OSError, ValueError) as e:  # ValueError: a NUL in the path
             raise ProfilerError(f"cannot create output_dir {output_dir!r}: {e}") from None
+        # The server checked ``output_dir`` as a real path inside the profile directory; a
+        # symlink put in its place since (before the mkdir above) would lead elsewhere.
+        if os.path.realpath(directory) != str(directory.absolute()):
+            raise ProfilerError(f"output_dir {output_dir!r} changed into a link; not written")
         kinds = {"CPU": ProfilerActivity.CPU, "GPU": ProfilerActivity.CUDA}
         prof = profile(
             activities=[kinds[a] for a in chosen],
@@ -90,6 +98,23 @@ class EngineProfiler:
             raise ProfilerError("profiling is not in progress; call /start_profile first")
         self._prof = None
         prof.stop()
-        prof.export_chrome_trace(self.trace_path)
+        _export_without_following(prof, self.trace_path)
         logger.warning("profile written to %s", self.trace_path)
         return self.trace_path
+
+
+def _export_without_following(prof: Any, path: str) -> None:
+    """Write the trace beside ``path`` under a fresh name, then rename it over ``path``: a
+    rename replaces a symlink at ``path`` instead of writing through it (a link planted in
+    the profile directory must not turn the trace into a write to any file)."""
+    directory, name = os.path.split(path)
+    # the same ending: torch compresses a trace whose name ends in .gz
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=f"-{name}", dir=directory)
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

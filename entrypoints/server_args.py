@@ -167,6 +167,7 @@ class ServerArgs:
             max_stop_strings=self.max_stop_strings,
             max_stop_length=self.max_stop_length,
             max_top_logprobs=self.max_top_logprobs,
+            max_batch_chars=self.max_body_bytes,
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -102,6 +102,8 @@ class CompletionServing(OpenAIServing):
         texts = [prompt] if isinstance(prompt, str) else prompt
         if not texts or not all(isinstance(t, str) for t in texts):
             raise ApiError(400, "suffix needs a text prompt (not token ids)", param="suffix")
+        # sized before they are built: the suffix is copied into each
+        self.tm.check_batch_text_size([len(text) + len(suffix) for text in texts])
         return [fim_prompt(tokens, text, suffix) for text in texts]
 
     def _echoes(self, body: CompletionRequest, reqs: list[ServerReq]) -> list[str]:

@@ -95,12 +95,20 @@ class ScoreServing(OpenAIServing):
                 query = ""
             if not isinstance(query, str):
                 raise InvalidRequest("query and items must both be text or both be token ids")
+            # sized before they are built: the query is copied into each
+            self.tm.check_batch_text_size([len(query) + len(i) for i in items])
             texts = [f"{i}{query}" if body.item_first else f"{query}{i}" for i in items]
             return await self.tm.encode_async(texts)  # type: ignore[arg-type]
         if query is None:
             query = []
         if isinstance(query, str):
             raise InvalidRequest("query and items must both be text or both be token ids")
+        longest = len(query) + max(len(i) for i in items)  # type: ignore[arg-type]
+        if longest >= self.tm.info.max_context:  # refused before the query is copied into each
+            raise InvalidRequest(
+                f"the prompt has {longest} tokens; this model's context length is "
+                f"{self.tm.info.max_context}"
+            )
         return [list(i) + query if body.item_first else query + list(i) for i in items]  # type: ignore[operator]
 
     def _labels(self, value: list[int] | list[list[int]] | None, count: int) -> list[list[int]]:

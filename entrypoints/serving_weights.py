@@ -50,7 +50,11 @@ def add_weight_routes(app: FastAPI, tm: TokenizerManager) -> None:
                 f"load_format {body.load_format!r:.100} is not supported; use 'auto' or "
                 "'safetensors'"
             )
-        if _local_path(body.model_path):  # else a name a resolve_model_dir plugin resolves
+        try:
+            local = _local_path(body.model_path)  # else a name resolve_model_dir plugins resolve
+        except OSError as e:  # e.g. a name too long for the file system
+            raise InvalidRequest(f"model_path cannot be a path here: {e.strerror or e}") from None
+        if local:
             try:  # off the event loop: it reads files
                 await asyncio.to_thread(check_checkpoint, body.model_path, running)
             except ConfigError as e:
@@ -68,11 +72,13 @@ def add_weight_routes(app: FastAPI, tm: TokenizerManager) -> None:
 
 
 def _local_path(model_path: str) -> bool:
-    """Whether ``model_path`` names a local checkpoint directory (or a missing one): a
-    directory, or a path spelled as one (absolute, ./, ../) that does not exist. A file (a
-    .gguf) or a hub name is left to the engine's resolve_model_dir plugins."""
+    """Whether ``model_path`` names a local checkpoint directory (or a missing one, or a file
+    that cannot be one): a directory, a path spelled as one (absolute, ./, ../) that does not
+    exist, or an existing file other than a .gguf. A .gguf file or a hub name is left to the
+    engine's resolve_model_dir plugins."""
     path = Path(model_path)
     if path.is_dir():
         return True
-    spelled = model_path.startswith(("/", "./", "../"))
-    return spelled and not path.exists()
+    if path.exists():
+        return path.suffix != ".gguf"
+    return model_path.startswith(("/", "./", "../"))

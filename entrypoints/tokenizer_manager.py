@@ -166,6 +166,20 @@ class TokenizerManager:
                 f"({MAX_CHARS_PER_TOKEN} characters per token); it was not tokenized"
             )
 
+    def check_batch_text_size(self, sizes: Sequence[int]) -> None:
+        """Raise InvalidRequest when one prompt of ``sizes`` characters cannot fit in the context
+        or all of them together pass what one request may have tokenized; checked before the
+        prompts are built where they repeat a field (a query or suffix copied into each)."""
+        if not sizes:
+            return
+        self.check_text_size(max(sizes))
+        total, limit = sum(sizes), self.limits.max_batch_chars
+        if total > limit:
+            raise InvalidRequest(
+                f"the prompts have {total} characters together, more than the {limit} one "
+                "request may have tokenized (--max-body-bytes); they were not tokenized"
+            )
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if isinstance(text, str):
             self.check_text_size(len(text))
@@ -177,9 +191,7 @@ class TokenizerManager:
         """``encode`` of each text, off the event loop unless they are short: a long prompt
         must not hold up /health or other clients while it is tokenized. Each text is checked
         against ``max_prompt_chars`` first."""
-        for text in texts:
-            if isinstance(text, str):
-                self.check_text_size(len(text))
+        self.check_batch_text_size([len(t) for t in texts if isinstance(t, str)])
         if sum(len(t) for t in texts if isinstance(t, str)) <= INLINE_TOKENIZE_CHARS:
             return [self.tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
         return await asyncio.to_thread(self.tokenizer.encode_batch, texts, add_special_tokens)

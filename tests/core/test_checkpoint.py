@@ -41,6 +41,12 @@ def test_a_checkpoint_of_the_running_shape_passes(model: Path) -> None:
         (lambda d: _config(d, rope_theta=123.0), "rope_theta"),
         (lambda d: _resave(d, "model.norm.weight"), "model.norm.weight has shape"),
         (lambda d: _resave(d, "model.embed_tokens.weight"), "embed_tokens.weight has shape"),
+        # were 500s (AttributeError, TypeError, RecursionError) on /update_weights_from_disk
+        (lambda d: _index(d, ["model.safetensors"]), "not a safetensors index"),
+        (lambda d: _header(d, {"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, "x"]}}),
+         "no valid data_offsets"),
+        (lambda d: _raw_header(d, b"[" * 100_000), "no readable safetensors header"),
+        (lambda d: (d / "config.json").write_text("[1, 2]"), "config"),
     ],
 )  # fmt: skip
 def test_a_bad_checkpoint_is_one_config_error(
@@ -72,3 +78,16 @@ def _resave(model: Path, name: str) -> None:
     tensors = load_file(str(model / "model.safetensors"))
     tensors[name] = tensors[name][:-1].clone()
     save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _index(model: Path, weight_map: object) -> None:
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def _header(model: Path, header: dict[str, object]) -> None:
+    _raw_header(model, json.dumps(header).encode())
+
+
+def _raw_header(model: Path, header: bytes) -> None:
+    data = len(header).to_bytes(8, "little") + header + b"\0" * 8
+    (model / "model.safetensors").write_bytes(data)

@@ -188,6 +188,52 @@ def test_a_20mb_prompt_is_refused_before_tokenizing(server: RunningServer) -> No
     assert "tokens" in response.json()["error"]["message"]
 
 
+def test_a_query_copied_into_every_item_cannot_pass_the_size_cap(server: RunningServer) -> None:
+    """/v1/score builds one prompt per item, each with the query: a 60 KB body made 60 MB of
+    text to tokenize (each prompt alone under the cap), and a token-id query was copied into
+    every item before any length check. Both are refused before the prompts are built."""
+    rss_start = rss_mib(server.proc.pid)
+    query = "x " * 30_000  # 60,000 characters: one prompt fits the 65,536-character cap
+    body = {"query": query, "items": ["a"] * 1000, "label_token_ids": [1, 2]}
+    response = post(server, "/v1/score", json.dumps(body).encode())
+    assert_openai_error(response, range(400, 401))
+    assert "characters together" in response.json()["error"]["message"], response.text
+    ids = {"query": [5] * 200_000, "items": [[1]] * 300, "label_token_ids": [1, 2]}
+    response = post(server, "/v1/score", json.dumps(ids).encode())
+    assert_openai_error(response, range(400, 401))
+    assert "the prompt has 200001 tokens" in response.json()["error"]["message"], response.text
+    grown = rss_mib(server.proc.pid) - rss_start
+    assert grown < 200, f"the HTTP process grew by {grown:.0f} MiB"
+
+
+def test_an_existing_file_as_weights_path_is_refused_at_once(
+    server: RunningServer, gate: Gate, tmp_path: Path
+) -> None:
+    """A file that cannot be a checkpoint (not a .gguf) skipped the early check: admission
+    paused until the running request ended. A name too long for the file system was a 500."""
+    not_a_checkpoint = tmp_path / "weights.bin"
+    not_a_checkpoint.write_bytes(b"\0" * 16)
+    gate.close()
+    results: list[httpx.Response] = []
+    try:
+        thread = _gated_request(server, results)
+        gate.wait_entered(gate.entered() + 1)
+        url = server.url + "/update_weights_from_disk"
+        for path, needle in [
+            (str(not_a_checkpoint), "not a model directory"),
+            ("/" + "a" * 5000, "cannot be a path here"),
+        ]:
+            r = httpx.post(url, json={"model_path": path}, headers=server.headers, timeout=30)
+            assert r.status_code == 400, r.text
+            text = r.json().get("message") or r.json()["error"]["message"]
+            assert needle in text, r.text
+        assert not results  # the held request is still running: nothing waited for it
+    finally:
+        gate.open()
+    thread.join(HANG_GUARD_S)
+    assert results and results[0].status_code == 200, results
+
+
 # -- dropped non-streaming clients ------------------------------------------------------------
 
 

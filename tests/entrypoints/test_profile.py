@@ -168,3 +168,39 @@ def test_metrics_need_enable_metrics(profiled: tuple[RunningServer, Path]) -> No
     r = requests.get(server.url + "/metrics", timeout=TIMEOUT)
     assert r.status_code == 404
     assert "--enable-metrics" in r.json()["error"]["message"]
+
+
+def test_a_link_at_the_trace_name_is_replaced_not_written_through(tmp_path: Path) -> None:
+    """Was followed: a symlink planted in the profile directory at the trace's name got the
+    trace written into whatever file it pointed to."""
+    import torch
+
+    from radixserve.entrypoints.profiler import EngineProfiler
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    root = tmp_path / "profiles"
+    root.mkdir()
+    (root / "p1-TP-0.trace.json.gz").symlink_to(victim)
+    profiler = EngineProfiler()
+    profiler.start(str(root), "p1-TP-0.trace.json.gz", ["CPU"])
+    torch.ones(4) @ torch.ones(4)
+    path = Path(profiler.stop())
+    assert victim.read_text() == "keep me"
+    assert not path.is_symlink() and json.loads(gzip.decompress(path.read_bytes()))
+    assert [p.name for p in root.iterdir()] == ["p1-TP-0.trace.json.gz"]  # no temp file left
+
+
+def test_a_directory_that_became_a_link_is_refused(tmp_path: Path) -> None:
+    """The server checks output_dir as a real path inside the profile directory; a link put in
+    its place before the engine creates it must not lead the trace elsewhere."""
+    from radixserve.entrypoints.profiler import EngineProfiler, ProfilerError
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    root = tmp_path / "profiles"
+    root.mkdir()
+    (root / "run").symlink_to(outside)  # the checked path was <root>/run, a real directory
+    with pytest.raises(ProfilerError, match="changed into a link"):
+        EngineProfiler().start(str(root / "run"), "p-TP-0.trace.json.gz", ["CPU"])
+    assert list(outside.iterdir()) == []
