@@ -197,10 +197,12 @@ class AttentionBackend(ABC):
     reads_other_kv_dtype: bool = False
     #: Capabilities, declared (the core never probes): ``prepare_decode_graph(rows, lens)`` /
     #: ``prepare_verify_graph(rows, lens, q_len)`` prepare a decode / q_len rows per request
-    #: from device tensors (CUDA-graph capturable); ``plan_decode_graph`` plans on the host.
+    #: from device tensors (CUDA-graph capturable); ``plan_decode_graph`` plans on the host;
+    #: ``prepare_extend_graph(meta, max_ext_len)`` a prefill step (hardware plugins read this).
     prepares_decode_on_device: bool = False
     prepares_verify_on_device: bool = False
     plans_decode_on_host: bool = False
+    prepares_extend_on_device: bool = False
 
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> None:

@@ -188,7 +188,7 @@ class CudaPlatform(HardwarePlatform):
         eager = super().step_executor(model, attention, kv_pool, req_to_token, config)
         if config.disable_cuda_graph or config.cuda_graph_max_bs < 1:
             return eager
-        if not hasattr(attention, "prepare_decode_graph"):
+        if not attention.prepares_decode_on_device:  # declared (core/interfaces.py)
             logger.info("CUDA graphs off: attention %s cannot be captured", type(attention))
             return eager
         from radixserve.plugins.hardware.cuda_graph import CudaGraphRunner

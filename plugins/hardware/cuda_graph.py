@@ -112,7 +112,7 @@ class CudaGraphRunner:
         self._pool = torch.cuda.graph_pool_handle()
         # Verify graphs: {padded batch size: tokens per request}.
         self.verify_shapes = dict(verify_shapes or {})
-        if self.verify_shapes and not hasattr(attention, "prepare_verify_graph"):
+        if self.verify_shapes and not attention.prepares_verify_on_device:
             logger.info("no verify graphs: attention %s cannot prepare them", type(attention))
             self.verify_shapes = {}
         most = max((b * q for b, q in self.verify_shapes.items()), default=0)
@@ -123,7 +123,7 @@ class CudaGraphRunner:
         self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verify_replays = 0  # verify steps served from a graph (tests read it)
         self.prefill: PaddedPrefill | None = None
-        if prefill_tokens > 0 and hasattr(attention, "prepare_extend_graph"):
+        if prefill_tokens > 0 and attention.prepares_extend_on_device:
             self.prefill = PaddedPrefill(
                 model, attention, kv_pool, req_to_token, self.pad_row, prefill_tokens, device
             )  # type: ignore[arg-type]

@@ -188,7 +188,7 @@ def _block_graphs(drafter: DFlashDraft, context: SpeculativeContext) -> DFlashBl
     from radixserve.plugins.hardware.cuda_graph import capture_sizes
     from radixserve.plugins.speculative.draft_chain import graphs_capturable
 
-    if not graphs_capturable(context, None):
+    if not graphs_capturable(context):
         return None
     config = context.config
     limit = min(FULL_DRAFT_BATCH, config.speculative_disable_batch_size)

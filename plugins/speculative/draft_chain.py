@@ -128,13 +128,18 @@ class DraftChainGraphs:
         return self.out[:, :bs].T.clone()
 
 
-def graphs_capturable(context: Any, attention: Any, *needs: str) -> bool:
+def graphs_capturable(
+    context: Any, attention: Any = None, *, decode: bool = False, verify: bool = False
+) -> bool:
     """Whether a drafter's steps can be captured in CUDA graphs: a CUDA device, graphs not
-    turned off, and an attention backend with the graph-preparing methods ``needs``."""
+    turned off, and an attention backend that declares it prepares the steps the drafter
+    runs from device tensors (``decode``: ``prepares_decode_on_device``; ``verify``:
+    ``prepares_verify_on_device``; core/interfaces.py)."""
     return (
         context.device.startswith("cuda")
         and not context.config.disable_cuda_graph
-        and all(hasattr(attention, name) for name in needs)
+        and (not decode or attention.prepares_decode_on_device)
+        and (not verify or attention.prepares_verify_on_device)
     )
 
 

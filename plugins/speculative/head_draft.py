@@ -364,8 +364,7 @@ def _chain_graphs(drafter: HeadDraft, context: SpeculativeContext) -> Any:
     from radixserve.plugins.speculative.draft_chain import graphs_capturable
     from radixserve.plugins.speculative.head_chain import HeadChainGraphs
 
-    needs = ("prepare_decode_graph", "prepare_verify_graph")
-    if not graphs_capturable(context, drafter.attention, *needs):
+    if not graphs_capturable(context, drafter.attention, decode=True, verify=True):
         return None
     config = context.config
     limit = min(FULL_DRAFT_BATCH, config.speculative_disable_batch_size)

@@ -274,7 +274,7 @@ def _chain_graphs(context: SpeculativeContext, model: Any, attention: Any, kv_po
     from radixserve.plugins.hardware.cuda_graph import capture_sizes
     from radixserve.plugins.speculative.draft_chain import DraftChainGraphs, graphs_capturable
 
-    if not graphs_capturable(context, attention, "prepare_decode_graph"):
+    if not graphs_capturable(context, attention, decode=True):
         return None
     config = context.config
     limit = min(CHAIN_MAX_BATCH, FULL_DRAFT_BATCH, config.speculative_disable_batch_size)

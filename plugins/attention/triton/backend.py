@@ -52,6 +52,7 @@ class TritonAttention(AttentionBackend):
     # capabilities (core/interfaces.py): prepare_decode_graph and prepare_verify_graph
     prepares_decode_on_device = True
     prepares_verify_on_device = True
+    prepares_extend_on_device = True
 
     def __init__(
         self, kv_pool: KVPool, model_config: ModelConfig, device: str, page_size: int | None = None
