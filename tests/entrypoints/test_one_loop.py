@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import requests
 import zmq
+from platform_choice import on_cpu
 from server_process import RunningServer
 
 from radixserve import Engine
@@ -27,8 +28,9 @@ PROMPTS = [[1, 150, 43, 186], [1, 45, 96, 173, 170, 299, 16], [5, 6, 7, 8, 9, 10
 
 @pytest.fixture(scope="module")
 def engine(tiny_long_llama_dir: Path) -> Iterator[Engine]:
-    # the shared server's model and KV pool (tests/support/server_process.py)
-    eng = Engine(str(tiny_long_llama_dir), max_total_tokens=16384)
+    # the shared server's model, KV pool and platform (tests/support/server_process.py): the
+    # CPU, which that server asks for, so a GPU machine compares like with like
+    eng = Engine(str(tiny_long_llama_dir), **on_cpu({"max_total_tokens": 16384}))
     yield eng
     eng.shutdown()
 

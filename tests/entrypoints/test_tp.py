@@ -115,8 +115,9 @@ def test_a_start_refused_after_joining_leaves_no_group_behind(tiny3_dir: Path) -
     from radixserve.core.config import ConfigError
 
     threads = torch.get_num_threads()
+    settings = on_cpu({**SETTINGS, "tp_size": 2, "speculative_algorithm": "ngram"})
     with pytest.raises(ConfigError, match=r"speculative decoding \(ngram\) does not run with"):
-        Engine(str(tiny3_dir), **SETTINGS, tp_size=2, speculative_algorithm="ngram")
+        Engine(str(tiny3_dir), **settings)
     assert not torch.distributed.is_initialized()
     assert torch.get_num_threads() == threads
 
