@@ -8,6 +8,7 @@ so "still running" never depends on how fast the machine generates."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -206,34 +207,6 @@ def test_a_query_copied_into_every_item_cannot_pass_the_size_cap(server: Running
     assert grown < 200, f"the HTTP process grew by {grown:.0f} MiB"
 
 
-def test_an_existing_file_as_weights_path_is_refused_at_once(
-    server: RunningServer, gate: Gate, tmp_path: Path
-) -> None:
-    """A file that cannot be a checkpoint (not a .gguf) skipped the early check: admission
-    paused until the running request ended. A name too long for the file system was a 500."""
-    not_a_checkpoint = tmp_path / "weights.bin"
-    not_a_checkpoint.write_bytes(b"\0" * 16)
-    gate.close()
-    results: list[httpx.Response] = []
-    try:
-        thread = _gated_request(server, results)
-        gate.wait_entered(gate.entered() + 1)
-        url = server.url + "/update_weights_from_disk"
-        for path, needle in [
-            (str(not_a_checkpoint), "not a model directory"),
-            ("/" + "a" * 5000, "cannot be a path here"),
-        ]:
-            r = httpx.post(url, json={"model_path": path}, headers=server.headers, timeout=30)
-            assert r.status_code == 400, r.text
-            text = r.json().get("message") or r.json()["error"]["message"]
-            assert needle in text, r.text
-        assert not results  # the held request is still running: nothing waited for it
-    finally:
-        gate.open()
-    thread.join(HANG_GUARD_S)
-    assert results and results[0].status_code == 200, results
-
-
 # -- dropped non-streaming clients ------------------------------------------------------------
 
 
@@ -267,16 +240,27 @@ def test_dropped_non_streaming_clients_are_aborted_at_once(
 # -- admin routes ------------------------------------------------------------------------------
 
 
-def _gated_request(server: RunningServer, results: list[httpx.Response]) -> threading.Thread:
+@contextlib.contextmanager
+def _request_held(server: RunningServer, gate: Gate) -> Iterator[list[httpx.Response]]:
+    """One /generate request held inside its model step until the block ends; the list it
+    yields stays empty while the request runs, and the request must then end with a 200."""
     payload = {"input_ids": gated_prompt(), "sampling_params": {"max_new_tokens": 4}}
+    results: list[httpx.Response] = []
 
     def run() -> None:
         url = server.url + "/generate"
         results.append(httpx.post(url, json=payload, headers=server.headers, timeout=HANG_GUARD_S))
 
+    gate.close()
     thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
+    try:
+        thread.start()
+        gate.wait_entered(gate.entered() + 1)
+        yield results
+    finally:
+        gate.open()
+    thread.join(HANG_GUARD_S)
+    assert results and results[0].status_code == 200, results
 
 
 def test_a_bad_weights_path_is_a_400_before_anything_pauses(
@@ -285,11 +269,7 @@ def test_a_bad_weights_path_is_a_400_before_anything_pauses(
     """Was checked only after admission paused and the running request finished (a tiny
     request waited 369.8 s). Here the running request is held inside its model step for as
     long as the test likes: the update must answer meanwhile."""
-    gate.close()
-    results: list[httpx.Response] = []
-    try:
-        thread = _gated_request(server, results)
-        gate.wait_entered(gate.entered() + 1)
+    with _request_held(server, gate) as results:
         url = server.url + "/update_weights_from_disk"
         for path, needle in [
             ("/etc", "config.json"),
@@ -301,10 +281,26 @@ def test_a_bad_weights_path_is_a_400_before_anything_pauses(
             assert r.json()["success"] is False and needle in r.json()["message"], r.text
             assert r.json()["num_paused_requests"] == 0
         assert not results  # the held request is still running: nothing waited for it
-    finally:
-        gate.open()
-    thread.join(HANG_GUARD_S)
-    assert results and results[0].status_code == 200, results
+
+
+def test_an_existing_file_as_weights_path_is_refused_at_once(
+    server: RunningServer, gate: Gate, tmp_path: Path
+) -> None:
+    """A file that cannot be a checkpoint (not a .gguf) skipped the early check: admission
+    paused until the running request ended. A name too long for the file system was a 500."""
+    not_a_checkpoint = tmp_path / "weights.bin"
+    not_a_checkpoint.write_bytes(b"\0" * 16)
+    with _request_held(server, gate) as results:
+        url = server.url + "/update_weights_from_disk"
+        for path, needle in [
+            (str(not_a_checkpoint), "not a model directory"),
+            ("/" + "a" * 5000, "cannot be a path here"),
+        ]:
+            r = httpx.post(url, json={"model_path": path}, headers=server.headers, timeout=30)
+            assert r.status_code == 400, r.text
+            text = r.json().get("message") or r.json()["error"]["message"]
+            assert needle in text, r.text
+        assert not results  # the held request is still running: nothing waited for it
 
 
 def test_profile_output_outside_its_directory_is_refused(
