@@ -54,15 +54,21 @@ def check_prompt(ids: Sequence[int], limits: ServingLimits) -> None:
     n = len(ids)
     if n == 0:
         raise InvalidRequest("the prompt is empty; send at least one token")
-    if n >= limits.max_context:  # before the O(n) scan below: a huge prompt is refused at once
-        raise InvalidRequest(
-            f"the prompt has {n} tokens; this model's context length is {limits.max_context}"
-        )
+    check_context(n, limits.max_context)  # before the O(n) scan below: refused at once
     bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
         raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
     if n >= limits.kv_tokens:
         raise InvalidRequest(f"the prompt has {n} tokens; the KV pool holds {limits.kv_tokens}")
+
+
+def check_context(num_tokens: int, max_context: int) -> None:
+    """Raise InvalidRequest when a prompt of ``num_tokens`` leaves no room for an output token
+    in the context (checked alone where a prompt is measured before it is built)."""
+    if num_tokens >= max_context:
+        raise InvalidRequest(
+            f"the prompt has {num_tokens} tokens; this model's context length is {max_context}"
+        )
 
 
 def fit_output_budget(params: SamplingParams, prompt_len: int, kv_tokens: int) -> SamplingParams:

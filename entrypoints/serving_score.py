@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field
 
 from radixserve.core.request import InvalidRequest
+from radixserve.core.validation import check_context
 from radixserve.entrypoints.openai_protocol import STRICT, UsageInfo
 from radixserve.entrypoints.serving_embedding import run_prefill_only
 from radixserve.entrypoints.serving_openai import OpenAIServing
@@ -103,12 +104,9 @@ class ScoreServing(OpenAIServing):
             query = []
         if isinstance(query, str):
             raise InvalidRequest("query and items must both be text or both be token ids")
+        # refused before the query is copied into each item
         longest = len(query) + max(len(i) for i in items)  # type: ignore[arg-type]
-        if longest >= self.tm.info.max_context:  # refused before the query is copied into each
-            raise InvalidRequest(
-                f"the prompt has {longest} tokens; this model's context length is "
-                f"{self.tm.info.max_context}"
-            )
+        check_context(longest, self.tm.info.max_context)
         return [list(i) + query if body.item_first else query + list(i) for i in items]  # type: ignore[operator]
 
     def _labels(self, value: list[int] | list[list[int]] | None, count: int) -> list[list[int]]:
