@@ -26,7 +26,6 @@ from radixserve.core.schedule_policy import prefill_budget
 from radixserve.core.step_commit import StepCommit
 from radixserve.core.step_plan import Extra, SchedulerStats, StepPlan, step_kind
 from radixserve.core.step_plan import RetractionNeeded as RetractionNeeded
-from radixserve.core.step_plan import ScheduledBatch as ScheduledBatch
 from radixserve.core.step_plan import SchedulerConfig as SchedulerConfig
 from radixserve.core.stop import StopChecker
 

@@ -36,8 +36,6 @@ from radixserve.core.sampling import (
 from radixserve.core.spec_tree import accepted_nodes, ancestors
 from radixserve.core.step_plan import SampledToken
 
-__all__ = ["SampledToken"]  # re-exported: it lived here first
-
 
 class AcceptSimulation(Protocol):
     """What verifying reads of the speculator (``core.speculative.Speculator``, which imports

@@ -73,9 +73,6 @@ class StepPlan:
     kind: str = "decode"  # step_kind() of its decodes and prefill tokens
 
 
-#: The name the model tests and older callers use.
-ScheduledBatch = StepPlan
-
 STEP_KINDS = ("decode", "mixed", "prefill")
 
 

@@ -19,7 +19,6 @@ from radixserve.core.radix_cache import NoPrefixCache, RadixCache
 from radixserve.core.request import FinishReason, Req, ReqState, SamplingParams
 from radixserve.core.scheduler import (
     RetractionNeeded,
-    ScheduledBatch,
     Scheduler,
     SchedulerConfig,
     SchedulerStats,
@@ -27,6 +26,7 @@ from radixserve.core.scheduler import (
     step_kind,
 )
 from radixserve.core.spec_strategy import Speculation
+from radixserve.core.step_plan import StepPlan
 from radixserve.core.stop import StopChecker
 from radixserve.core.tokenizer import Tokenizer
 
@@ -89,7 +89,7 @@ def add(sched: Scheduler, *reqs: Req) -> None:
         sched.add_request(r)
 
 
-def sampled_for(sched: Scheduler, batch: ScheduledBatch, token: int = TOKEN) -> dict[int, Any]:
+def sampled_for(sched: Scheduler, batch: StepPlan, token: int = TOKEN) -> dict[int, Any]:
     out: dict[int, Any] = {}
     for i in sched.needs_sampling(batch):
         if i in batch.extra:  # verify entries: accept every draft token, then one more
@@ -99,7 +99,7 @@ def sampled_for(sched: Scheduler, batch: ScheduledBatch, token: int = TOKEN) -> 
     return out
 
 
-def step(sched: Scheduler, token: int = TOKEN) -> ScheduledBatch | None:
+def step(sched: Scheduler, token: int = TOKEN) -> StepPlan | None:
     batch = sched.schedule()
     if batch is not None:
         sched.process_output(batch, sampled_for(sched, batch, token))
@@ -107,7 +107,7 @@ def step(sched: Scheduler, token: int = TOKEN) -> ScheduledBatch | None:
     return batch
 
 
-def run_to_idle(sched: Scheduler) -> list[ScheduledBatch]:
+def run_to_idle(sched: Scheduler) -> list[StepPlan]:
     batches = []
     for _ in range(MAX_STEPS):
         if not sched.has_work():
@@ -128,7 +128,7 @@ def check_accounting(sched: Scheduler) -> None:
     assert acct["free"] + acct["evictable"] + acct["locked"] + held == acct["size"]
 
 
-def shape(batch: ScheduledBatch | None) -> tuple[list[str], list[int], int] | None:
+def shape(batch: StepPlan | None) -> tuple[list[str], list[int], int] | None:
     if batch is None:
         return None
     return [r.rid for r in batch.reqs], batch.extend_lens, batch.num_decode

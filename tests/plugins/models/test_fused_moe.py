@@ -24,7 +24,7 @@ from radixserve.core.config import EngineConfig  # noqa: E402
 from radixserve.core.model_runner import ModelRunner  # noqa: E402
 from radixserve.core.plugins import default_host  # noqa: E402
 from radixserve.core.request import Req, SamplingParams  # noqa: E402
-from radixserve.core.scheduler import ScheduledBatch  # noqa: E402
+from radixserve.core.step_plan import StepPlan  # noqa: E402
 from radixserve.plugins.models import fused_moe, moe  # noqa: E402
 from radixserve.plugins.models.moe import SparseMoE  # noqa: E402
 
@@ -154,7 +154,7 @@ def test_qwen3_moe_logits_through_the_fused_path_equal_hf(
     for n in (11, 1, 1, 1):
         slots = runner.allocator.alloc(n)
         runner.req_to_token.write(req.req_pool_idx, req.kv_len, slots)
-        fb, _ = runner.build_batch(ScheduledBatch([req], [n], int(n == 1)))
+        fb, _ = runner.build_batch(StepPlan([req], [n], int(n == 1)))
         fb.logits_indices = torch.arange(n)
         runner.attention.prepare(fb)
         logits = runner.model.forward(fb).cpu()

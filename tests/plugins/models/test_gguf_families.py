@@ -28,7 +28,7 @@ from radixserve.core.config import EngineConfig
 from radixserve.core.model_runner import ModelRunner
 from radixserve.core.plugins import default_host
 from radixserve.core.request import Req, SamplingParams
-from radixserve.core.scheduler import ScheduledBatch
+from radixserve.core.step_plan import StepPlan
 from radixserve.plugins.models.gguf_loader import convert_gguf_to_hf_dir
 
 #: name -> (GGUF architecture, transformers model_type, architecture, config overrides)
@@ -152,7 +152,7 @@ def _logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
     req = Req("a", ids, SamplingParams())
     req.req_pool_idx = runner.req_to_token.alloc()
     runner.req_to_token.write(req.req_pool_idx, 0, runner.allocator.alloc(len(ids)))
-    fb, _ = runner.build_batch(ScheduledBatch([req], [len(ids)], 0))
+    fb, _ = runner.build_batch(StepPlan([req], [len(ids)], 0))
     fb.logits_indices = torch.arange(len(ids))
     runner.attention.prepare(fb)
     return runner.model.forward(fb).cpu()

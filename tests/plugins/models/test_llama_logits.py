@@ -11,7 +11,7 @@ from radixserve.core.config import EngineConfig
 from radixserve.core.model_runner import ModelRunner
 from radixserve.core.plugins import default_host
 from radixserve.core.request import Req, SamplingParams
-from radixserve.core.scheduler import ScheduledBatch
+from radixserve.core.step_plan import StepPlan
 
 ATOL = 1e-4
 
@@ -48,7 +48,7 @@ def _forward(runner: ModelRunner, reqs: list[Req], lens: list[int], all_logits: 
         assert slots is not None
         runner.req_to_token.write(req.req_pool_idx, req.kv_len, slots)
     num_decode = sum(1 for n in lens if n == 1)
-    fb, _ = runner.build_batch(ScheduledBatch(reqs, lens, num_decode))
+    fb, _ = runner.build_batch(StepPlan(reqs, lens, num_decode))
     if all_logits:
         fb.logits_indices = torch.arange(sum(lens))
     runner.attention.prepare(fb)

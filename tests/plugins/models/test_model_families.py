@@ -33,7 +33,7 @@ from radixserve.core.config import EngineConfig  # noqa: E402
 from radixserve.core.model_runner import ModelRunner  # noqa: E402
 from radixserve.core.plugins import default_host  # noqa: E402
 from radixserve.core.request import Req, SamplingParams  # noqa: E402
-from radixserve.core.scheduler import ScheduledBatch  # noqa: E402
+from radixserve.core.step_plan import StepPlan  # noqa: E402
 
 ATOL = 1e-4
 #: name -> (transformers model_type, architecture, config overrides)
@@ -121,7 +121,7 @@ def _forward(runner: ModelRunner, reqs: list[Req], lens: list[int]) -> torch.Ten
         assert slots is not None
         runner.req_to_token.write(req.req_pool_idx, req.kv_len, slots)
     num_decode = sum(1 for n in lens if n == 1)
-    fb, _ = runner.build_batch(ScheduledBatch(reqs, lens, num_decode))
+    fb, _ = runner.build_batch(StepPlan(reqs, lens, num_decode))
     fb.logits_indices = torch.arange(sum(lens))
     runner.attention.prepare(fb)
     logits = runner.model.forward(fb)
