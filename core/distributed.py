@@ -107,6 +107,7 @@ class Ranks:
     def local_config(self, config: ModelConfig) -> ModelConfig:
         """``config`` with this rank's head counts and, with pipeline stages, its stage's
         layers (what the KV pool and attention see); places this rank's stage first."""
+        self._model_config = config
         if self.pp_size > 1 and self.group.stage is None:
             self.group.stage = pipeline_stage(
                 config.num_layers, self.world.rank // self.group.size, self.pp_size
@@ -182,7 +183,7 @@ class Ranks:
         stage = self.group.stage
         assert stage is not None
         self.pipeline = PipelineStep(
-            run, stage, self.world.rank, self.group.size, model.config, model_dtype(model),
+            run, stage, self.world.rank, self.group.size, self._model_config, model_dtype(model),
             platform.device,
         )  # fmt: skip
         return self.pipeline

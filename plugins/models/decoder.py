@@ -453,8 +453,7 @@ class DecoderForCausalLM(nn.Module, CausalLM):
                     config.vocab_size, config.hidden_size, tp
                 )
             self.layers = nn.ModuleList(
-                self.layer_cls(config, self.first_layer + i, attention, tp)
-                for i in range(n_layers)
+                self.layer_cls(config, self.first_layer + i, attention, tp) for i in range(n_layers)
             )
             if last:
                 self.norm = norm_cls(config.hidden_size, float(raw.get("rms_norm_eps", 1e-6)))
@@ -581,7 +580,6 @@ class DecoderForCausalLM(nn.Module, CausalLM):
         missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
         if missing:
             raise ValueError(f"checkpoint lacks weights: {', '.join(sorted(missing)[:5])} ...")
-
 
     def stage_name(self, name: str) -> str | None:
         """A checkpoint name (without ``model.``) as this pipeline stage's parameters name it
