@@ -282,12 +282,7 @@ def join(platform: HardwarePlatform, config: EngineConfig, rendezvous: Rendezvou
         cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=30))
         if config.pp_size > 1:
             world = TensorParallel(rendezvous.rank, size, dist.group.WORLD, cpu_group)
-            stage_group = stage_groups(rendezvous.rank, config.tp_size, config.pp_size)
-            logger.info("engine rank %d of %d: pipeline stage %d of %d, tensor-parallel rank "
-                        "%d of %d on %s (%s)", rendezvous.rank, size,
-                        rendezvous.rank // config.tp_size, config.pp_size, stage_group.rank,
-                        config.tp_size, platform.device, backend)  # fmt: skip
-            return Ranks(stage_group, threads_before, world, config.pp_size)
+            return pipeline_ranks(world, config, threads_before)
         fast = _agreed_fast_all_reduce(platform, dist.group.WORLD, size, cpu_group,
                                        not config.disable_custom_all_reduce)  # fmt: skip
     except BaseException:
@@ -299,6 +294,16 @@ def join(platform: HardwarePlatform, config: EngineConfig, rendezvous: Rendezvou
                 platform.device, backend,
                 f", small all-reduces: {type(fast).__name__}" if fast else "")  # fmt: skip
     return Ranks(group, threads_before)
+
+
+def pipeline_ranks(world: TensorParallel, config: EngineConfig, threads_before: int) -> Ranks:
+    """This rank's Ranks with ``config.pp_size`` pipeline stages, once every rank joined
+    ``world``: its stage's tensor-parallel group beside the world's."""
+    stage_group = stage_groups(world.rank, config.tp_size, config.pp_size)
+    logger.info("engine rank %d of %d: pipeline stage %d of %d, tensor-parallel rank %d of %d",
+                world.rank, world.size, world.rank // config.tp_size, config.pp_size,
+                stage_group.rank, config.tp_size)  # fmt: skip
+    return Ranks(stage_group, threads_before, world, config.pp_size)
 
 
 def stage_groups(rank: int, tp_size: int, pp_size: int) -> TensorParallel:

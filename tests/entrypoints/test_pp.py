@@ -1,10 +1,10 @@
 """Pipeline parallelism on CPU (gloo, float32): greedy outputs at --pp-size 2 equal one
-process's token for token, on a tiny random Llama of 5 layers (stages of 2 + 3, untied LM head)
-and a tiny random Qwen3 of 3 layers (1 + 2, LM head tied to the embedding, which the last stage
-holds too), through the offline Engine and through a real server on loopback; --tp-size 2 x
---pp-size 2 (4 ranks) equals one process too. The KV-leak check is on everywhere. Killing a
-stage's process mid-request ends the server within 10 s with a non-zero exit and a message
-naming the rank, and no rank is left behind.
+process's token for token, on a tiny random Llama of 5 layers (stages of 2 + 3, untied LM
+head), a tiny random Qwen3 of 3 layers (1 + 2, LM head tied to the embedding, which the last
+stage holds too) and a tiny random Qwen3-MoE, through the offline Engine, and on the Llama
+through a real server on loopback; --tp-size 2 x --pp-size 2 (4 ranks) equals one process
+too. The KV-leak check is on everywhere. Killing a stage's process mid-request ends the server
+within 10 s with a non-zero exit and a message naming the rank, and no rank is left behind.
 
 Prompts prefill in chunks of 8 tokens mixed with decodes, and several requests run at once, so
 the steps split into two micro-batches of disjoint requests."""
@@ -57,12 +57,16 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model_dir(
-        tmp_path_factory.mktemp("tiny-qwen3-3"), "qwen3", "Qwen3ForCausalLM",
-        num_hidden_layers=3, tie_word_embeddings=True, max_position_embeddings=2048,
-    )  # fmt: skip
+#: tiny random Qwen3s of 3 layers (stages 1 + 2): dense with the LM head tied to the
+#: embedding (the last stage holds the embedding too), and MoE with a dense layer between
+#: sparse ones (6 experts, 2 per token)
+QWEN3 = {
+    "qwen3-tied": ("qwen3", "Qwen3ForCausalLM", {"tie_word_embeddings": True}),
+    "qwen3-moe": ("qwen3_moe", "Qwen3MoeForCausalLM", {
+        "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+        "norm_topk_prob": True, "mlp_only_layers": [1],
+    }),
+}  # fmt: skip
 
 
 def _engine_outputs(model_dir: Path, **settings: Any) -> list[list[int]]:
@@ -93,8 +97,14 @@ def test_engine_pp2_equals_one_process(llama_dir: Path, llama_reference: list[li
     assert _engine_outputs(llama_dir, pp_size=2) == llama_reference
 
 
-def test_engine_pp2_with_a_tied_lm_head_equals_one_process(qwen3_dir: Path) -> None:
-    assert _engine_outputs(qwen3_dir, pp_size=2) == _engine_outputs(qwen3_dir)
+@pytest.mark.parametrize("family", sorted(QWEN3))
+def test_engine_pp2_of_qwen3_families_equals_one_process(family: str, tmp_path: Path) -> None:
+    model_type, architecture, overrides = QWEN3[family]
+    model_dir = make_tiny_model_dir(
+        tmp_path, model_type, architecture, num_hidden_layers=3, max_position_embeddings=2048,
+        **overrides,
+    )  # fmt: skip
+    assert _engine_outputs(model_dir, pp_size=2) == _engine_outputs(model_dir)
 
 
 @pytest.mark.slow
