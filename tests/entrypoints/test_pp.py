@@ -1,10 +1,11 @@
 """Pipeline parallelism on CPU (gloo, float32): greedy outputs at --pp-size 2 equal one
 process's token for token, on a tiny random Llama of 5 layers (stages of 2 + 3, untied LM
 head), a tiny random Qwen3 of 3 layers (1 + 2, LM head tied to the embedding, which the last
-stage holds too) and a tiny random Qwen3-MoE, through the offline Engine, and on the Llama
-through a real server on loopback; --tp-size 2 x --pp-size 2 (4 ranks) equals one process
-too. The KV-leak check is on everywhere. Killing a stage's process mid-request ends the server
-within 10 s with a non-zero exit and a message naming the rank, and no rank is left behind.
+stage holds too) and a tiny random Qwen3-MoE, through the offline Engine; and on the Llama
+through a real server on loopback at --pp-size 2 and at --tp-size 2 x --pp-size 2 (4 ranks).
+The KV-leak check is on everywhere. Killing a stage's process mid-request (the 4-rank
+server's rank 3) ends the server within 10 s with a non-zero exit and a message naming the
+rank, and no rank is left behind.
 
 Prompts prefill in chunks of 8 tokens mixed with decodes, and several requests run at once, so
 the steps split into two micro-batches of disjoint requests."""
@@ -94,7 +95,8 @@ def llama_reference(llama_dir: Path) -> list[list[int]]:
 
 
 def test_engine_pp2_equals_one_process(llama_dir: Path, llama_reference: list[list[int]]) -> None:
-    assert _engine_outputs(llama_dir, pp_size=2) == llama_reference
+    # overlap scheduling on (as on GPUs): a step is launched before the last one is committed
+    assert _engine_outputs(llama_dir, pp_size=2, enable_overlap_schedule=True) == llama_reference
 
 
 @pytest.mark.parametrize("family", sorted(QWEN3))
@@ -107,13 +109,6 @@ def test_engine_pp2_of_qwen3_families_equals_one_process(family: str, tmp_path: 
     assert _engine_outputs(model_dir, pp_size=2) == _engine_outputs(model_dir)
 
 
-@pytest.mark.slow
-def test_engine_tp2_x_pp2_equals_one_process(
-    llama_dir: Path, llama_reference: list[list[int]]
-) -> None:
-    assert _engine_outputs(llama_dir, tp_size=2, pp_size=2) == llama_reference
-
-
 def _flags(settings: dict[str, Any]) -> list[str]:
     out = []
     for name, value in settings.items():
@@ -122,27 +117,49 @@ def _flags(settings: dict[str, Any]) -> list[str]:
     return out
 
 
+#: server configurations: name -> (tp_size, pp_size)
+LAYOUTS = {"pp2": (1, 2), "tp2xpp2": (2, 2)}
+
+
+class Servers:
+    """One server per layout of LAYOUTS on the tiny Llama, started on first use and kept for
+    the module (the kill test ends the tp2xpp2 one). Servers still running at the end must
+    exit 0: with --debug-leak-check a KV leak fails the engine and the exit code."""
+
+    def __init__(self, model_dir: Path, logs: Path) -> None:
+        self.model_dir, self.logs = model_dir, logs
+        self.running: dict[str, RunningServer] = {}
+
+    def get(self, layout: str) -> RunningServer:
+        if layout not in self.running:
+            tp, pp = LAYOUTS[layout]
+            args = [*CPU_FLAGS, "--model-path", str(self.model_dir), "--tp-size", str(tp),
+                    "--pp-size", str(pp), *_flags(SETTINGS)]  # fmt: skip
+            log = self.logs / f"{layout}.log"
+            self.running[layout] = start_server(args, log, timeout=HANG_GUARD_S)
+        return self.running[layout]
+
+    def stop_all(self) -> None:
+        codes = {name: (stop_server(s), s) for name, s in self.running.items()}
+        for name, (code, server) in codes.items():
+            assert code == 0, f"{name}: exit {code}\n{server.log()[-3000:]}"
+
+
 @pytest.fixture(scope="module")
-def pp2_server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A --pp-size 2 server; the kill test ends it (then it is not stopped here). One that
-    still runs at the end must exit 0: a KV leak would fail the engine and the exit code."""
-    args = [*CPU_FLAGS, "--model-path", str(llama_dir), "--pp-size", "2", *_flags(SETTINGS)]
-    log = tmp_path_factory.mktemp("pp-server-logs") / "pp2.log"
-    holder = {"server": start_server(args, log, timeout=HANG_GUARD_S)}
-    yield holder
-    if "server" in holder:
-        server = holder["server"]
-        code = stop_server(server)
-        assert code == 0, f"exit {code}\n{server.log()[-3000:]}"
+def servers(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    running = Servers(llama_dir, tmp_path_factory.mktemp("pp-server-logs"))
+    yield running
+    running.stop_all()
 
 
 @pytest.mark.slow
-def test_server_pp2_equals_one_process(
-    pp2_server: dict[str, RunningServer], llama_reference: list[list[int]]
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_server_equals_one_process(
+    layout: str, servers: Servers, llama_reference: list[list[int]]
 ) -> None:
-    server = pp2_server["server"]
+    server = servers.get(layout)
     info = httpx.get(server.url + "/get_server_info", timeout=30).json()
-    assert info["pp_size"] == 2 and info["tp_size"] == 1
+    assert (info["tp_size"], info["pp_size"]) == LAYOUTS[layout]
     out = []
     for prompts in (PROMPTS, CACHED):
         r = httpx.post(
@@ -177,10 +194,12 @@ def _stream_until_killed(server: RunningServer, stream: list[str], first: thread
 
 
 @pytest.mark.slow
-def test_killing_a_stage_ends_the_server(pp2_server: dict[str, RunningServer]) -> None:
-    server = pp2_server.pop("server")  # it will not exit 0
+def test_killing_a_stage_ends_the_server(servers: Servers) -> None:
+    """tp2 x pp2: rank 3 is the last stage's tensor-parallel rank 1."""
+    server = servers.get("tp2xpp2")  # the equality test's, when it ran
+    del servers.running["tp2xpp2"]  # it will not exit 0
     ranks = _ranks(server)
-    assert len(ranks) == 2, [p.cmdline() for p in ranks]
+    assert len(ranks) == 4, [p.cmdline() for p in ranks]
     stream: list[str] = []
     first_chunk = threading.Event()
     client = threading.Thread(
@@ -189,19 +208,20 @@ def test_killing_a_stage_ends_the_server(pp2_server: dict[str, RunningServer]) -
     client.start()
     assert first_chunk.wait(HANG_GUARD_S)
     killed = time.monotonic()
-    ranks[1].send_signal(signal.SIGKILL)  # the last stage, in the middle of the request
+    ranks[3].send_signal(signal.SIGKILL)  # in the middle of the request
     code = server.proc.wait(HANG_GUARD_S)
     elapsed = time.monotonic() - killed
     log = server.log()
     assert code != 0, log[-3000:]
     assert elapsed < DEATH_LIMIT_S, f"the server took {elapsed:.1f} s to exit:\n{log[-3000:]}"
-    named = f"engine rank 1 (pipeline stage 1, tensor-parallel rank 0) (pid {ranks[1].pid})"
+    named = f"engine rank 3 (pipeline stage 1, tensor-parallel rank 1) (pid {ranks[3].pid})"
     assert f"{named} was killed by SIGKILL" in log, log[-3000:]
-    # every process ends: rank 0 (blocked in a receive from the dead stage) is not left behind
+    # every process ends: no rank (waiting on the dead one) is left behind
     deadline = time.monotonic() + DEATH_LIMIT_S
-    while ranks[0].is_running() and ranks[0].status() != psutil.STATUS_ZOMBIE:
-        assert time.monotonic() < deadline, "rank 0 outlived the server"
-        time.sleep(0.05)
+    for rank in ranks:
+        while rank.is_running() and rank.status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, f"{rank.pid} outlived the server"
+            time.sleep(0.05)
     client.join(HANG_GUARD_S)
     assert not client.is_alive()
     finals = [json.loads(s[6:]) for s in stream if s.startswith("data: {")]
