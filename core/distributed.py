@@ -184,7 +184,7 @@ class Ranks:
         assert stage is not None
         self.pipeline = PipelineStep(
             run, stage, self.world.rank, self.group.size, self._model_config, model_dtype(model),
-            platform.device,
+            platform.device, platform.synchronize if platform.asynchronous else None,
         )  # fmt: skip
         return self.pipeline
 

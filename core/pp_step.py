@@ -85,8 +85,12 @@ class PipelineStep:
         config: ModelConfig,
         dtype: torch.dtype,
         device: str,
+        synchronize: Callable[[], None] | None = None,
     ) -> None:
+        """``synchronize``: waits for the device (an asynchronous one), so that the stage's
+        busy time is the device's, not the host's time to queue the work."""
         self.run = run
+        self.synchronize = synchronize
         self.stage = stage
         self.rank = rank
         self.prev = None if stage.first else rank - tp_size
@@ -118,6 +122,8 @@ class PipelineStep:
                 part.stage_input = x
             start = time.perf_counter()
             out = self.run(part)
+            if self.synchronize is not None:
+                self.synchronize()
             self.busy_s += time.perf_counter() - start
             if self.next is not None:
                 sends.append(self._send(out, self.next))
