@@ -165,6 +165,13 @@ class EngineConfig:
         "one engine process and one device each (GPUs 0..N-1, or N CPU processes over gloo); "
         "rank 0 schedules and broadcasts each step",
     )
+    pp_size: int = _opt(
+        1,
+        "Pipeline parallelism: stages that split the decoder's layers into contiguous runs "
+        "(embedding on the first, final norm and LM head on the last), one engine process per "
+        "stage and tensor-parallel rank (tp_size x pp_size ranks); each step's requests go "
+        "through the stages as up to pp_size micro-batches in flight at once",
+    )
     cuda_graph_max_bs: int | None = _opt(
         None,
         "Largest decode batch replayed from a CUDA graph (batches are padded up to a size; "

@@ -36,6 +36,9 @@ def check_limits(cfg: EngineConfig) -> None:
         raise ConfigError(f"watchdog_timeout must be > 0 seconds, got {cfg.watchdog_timeout}")
     if cfg.tp_size < 1:
         raise ConfigError(f"tp_size must be >= 1, got {cfg.tp_size}")
+    if cfg.pp_size < 1:
+        raise ConfigError(f"pp_size must be >= 1, got {cfg.pp_size}")
+    check_pipeline(cfg)
     if cfg.cpu_threads is not None and cfg.cpu_threads < 1:
         raise ConfigError(f"cpu_threads must be >= 1, got {cfg.cpu_threads}")
     if cfg.cuda_graph_max_prefill_tokens < 0:
@@ -151,3 +154,18 @@ def check_speculative(cfg: EngineConfig) -> None:
             f"speculative_simulate_accept_len must be in [1, {cfg.num_draft_tokens + 1}] "
             f"(draft tokens + 1), got {acc}"
         )
+
+
+def check_pipeline(cfg: EngineConfig) -> None:
+    """What pipeline parallelism does not run with, refused in one line each."""
+    if cfg.pp_size == 1:
+        return
+    refused = {
+        "speculative decoding": cfg.speculative_algorithm is not None,
+        f"disaggregation_mode={cfg.disaggregation_mode}": cfg.disaggregation_mode != "null",
+        f"--quantization {cfg.quantization}": cfg.quantization is not None,
+        "--enable-torch-compile": cfg.enable_torch_compile,
+    }
+    for what, on in refused.items():
+        if on:
+            raise ConfigError(f"{what} does not run with pp_size={cfg.pp_size} yet")

@@ -155,7 +155,7 @@ class ModelRunner:
         self.scratch_rows = self.req_to_token.reserve(self.reservation.node_rows)
         mc, local = self.model_config, self.local_config
         self.kv_pool = KVPool(
-            self.kv_size, mc.num_layers, local.num_kv_heads, mc.head_dim, self.kv_dtype,
+            self.kv_size, local.num_layers, local.num_kv_heads, mc.head_dim, self.kv_dtype,
             self.device, page_size=config.page_size, compute_dtype=self.dtype,
         )  # fmt: skip
 
@@ -185,8 +185,8 @@ class ModelRunner:
             self.platform.quantize_model(self.model, config.quantization)
         self.platform.prepare_model(self.model, config)
         # The platform decides how a step runs (eagerly here; e.g. CUDA graphs for decodes).
-        self.step = self.platform.step_executor(
-            self.model, self.attention, self.kv_pool, self.req_to_token, config
+        self.step = self.ranks.step_executor(
+            self.platform, self.model, self.attention, self.kv_pool, self.req_to_token, config
         )
         self.step = self.ranks.lead(self.step, self.req_to_token, self.device)
 

@@ -181,10 +181,10 @@ class Engine:
         """With tp_size > 1, spawn ranks 1..N-1 (this process is rank 0). They build their
         plugins from the installed entry points: a ``host`` given to Engine is not theirs."""
         self._rendezvous = None
-        size = self.config.tp_size
+        size, pp = self.config.tp_size * self.config.pp_size, self.config.pp_size
         if size == 1:
             return []
-        ranks = tp_workers.rendezvous(size, self.config.watchdog_timeout)
+        ranks = tp_workers.rendezvous(size, self.config.watchdog_timeout, pp)
         self._rendezvous = ranks[0]
         workers = tp_workers.start_workers(dataclasses.asdict(self.config), ranks[1:])
         try:  # a rank dead at start-up (an unguarded main module) fails now, not at the timeout

@@ -65,9 +65,9 @@ class EngineClient:
         from radixserve.entrypoints.process_exit import run_then_exit
 
         ctx = multiprocessing.get_context("spawn")
-        size = int(settings.get("tp_size") or 1)
+        size, pp = tp_workers.world_size(settings), int(settings.get("pp_size") or 1)
         ranks = (  # (with one rank, none: torch.distributed is not imported here)
-            tp_workers.rendezvous(size, float(settings.get("watchdog_timeout") or 300))
+            tp_workers.rendezvous(size, float(settings.get("watchdog_timeout") or 300), pp)
             if size > 1
             else []
         )
@@ -82,6 +82,7 @@ class EngineClient:
             daemon=True,
         )  # fmt: skip
         self.process.start()
+        self.process._radixserve_label = tp_workers.rank_label(0, size, pp)  # type: ignore[attr-defined]
         if size > 1:
             self.workers = tp_workers.start_workers(settings, ranks[1:])
 
