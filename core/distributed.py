@@ -193,9 +193,10 @@ def join(platform: HardwarePlatform, config: EngineConfig, rendezvous: Rendezvou
     dist = torch.distributed
     if dist.is_initialized():
         raise ConfigError("this process already runs a tensor-parallel engine; shut it down")
-    if sys.platform == "linux":
+    if sys.platform == "linux" and _on_loopback(rendezvous.init_method):
         # The ranks of one engine share a host and meet on loopback; without this, gloo binds
         # to whatever the hostname resolves to, which fails in containers without one.
+        # (Nodes meeting at another address use the interface that reaches it.)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     threads_before = torch.get_num_threads()
     platform.bind_rank(rendezvous.rank, size)
@@ -221,6 +222,14 @@ def join(platform: HardwarePlatform, config: EngineConfig, rendezvous: Rendezvou
                 platform.device, backend,
                 f", small all-reduces: {type(fast).__name__}" if fast else "")  # fmt: skip
     return Ranks(group, threads_before)
+
+
+def _on_loopback(init_method: str) -> bool:
+    """A file store (one host), or a TCP store on a loopback address."""
+    if not init_method.startswith("tcp://"):
+        return True
+    host = init_method.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _agreed_fast_all_reduce(
