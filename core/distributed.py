@@ -218,6 +218,7 @@ def join(platform: HardwarePlatform, config: EngineConfig, rendezvous: Rendezvou
         teardown()
         raise
     group = TensorParallel(rendezvous.rank, size, dist.group.WORLD, cpu_group, fast)
+    group.ep_size = config.ep_size
     logger.info("tensor-parallel rank %d of %d on %s (%s%s)", rendezvous.rank, size,
                 platform.device, backend,
                 f", small all-reduces: {type(fast).__name__}" if fast else "")  # fmt: skip
