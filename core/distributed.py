@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 import threading
+import urllib.parse
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -227,9 +228,10 @@ def join(platform: HardwarePlatform, config: EngineConfig, rendezvous: Rendezvou
 
 def _on_loopback(init_method: str) -> bool:
     """A file store (one host), or a TCP store on a loopback address."""
-    if not init_method.startswith("tcp://"):
+    url = urllib.parse.urlsplit(init_method)
+    if url.scheme == "file":
         return True
-    host = init_method.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    host = url.hostname or ""
     return host in ("localhost", "::1") or host.startswith("127.")
 
 

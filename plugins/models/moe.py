@@ -169,6 +169,8 @@ def expert_parallel(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
 
 def _run_received(moe: SparseMoE, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
     """Each received row through its (local) expert, unweighted."""
+    if not rows.shape[0]:
+        return rows
     if moe.kernels is not None and moe.act_name in ("silu", "swish"):
         ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
         return moe.kernels.fused_experts(rows, moe.w13, moe.w2, ones, local_ids[:, None])
@@ -305,7 +307,7 @@ class MoEForCausalLM(DecoderForCausalLM):
             if leaf not in _EXPERT_LEAVES:
                 return name, None, None  # reported as unexpected
             param, half = _EXPERT_LEAVES[leaf]
-            moe = self.layers[layer].moe
+            moe: SparseMoE | None = getattr(self.layers[layer], "moe", None)
             if moe is not None:
                 e -= moe.first_expert
                 if not 0 <= e < moe.local_experts:

@@ -38,7 +38,8 @@ FAMILIES = {
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     model_type, arch, overrides = FAMILIES[request.param]
-    return make_tiny_model_dir(tmp_path_factory.mktemp(request.param), model_type, arch, **overrides)
+    out = tmp_path_factory.mktemp(request.param)
+    return make_tiny_model_dir(out, model_type, arch, **overrides)
 
 
 def _engine_outputs(model_dir: Path, **settings: Any) -> tuple[list[list[int]], Any]:
