@@ -107,7 +107,13 @@ class Ranks:
                 f"model plugin '{name}' takes no group argument, so it cannot run with "
                 f"tp_size={self.size} (docs/plugins.md: tensor parallelism)"
             )
-        return factory(config, *args, group=self.group)
+        model = factory(config, *args, group=self.group)
+        if self.group.ep_size > 1 and not getattr(model, "expert_parallel", False):
+            raise ConfigError(
+                f"ep_size={self.group.ep_size}: model plugin '{name}' has no experts to spread "
+                "(--ep-size is for MoE models: Qwen3-MoE, Mixtral); use --tp-size alone"
+            )
+        return model
 
     def shard(
         self,

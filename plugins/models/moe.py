@@ -280,6 +280,9 @@ EXPERT_TP_PLAN: dict[str, str] = {
 
 
 class MoEForCausalLM(DecoderForCausalLM):
+    #: its experts spread over the ranks with --ep-size (core/distributed.py asks)
+    expert_parallel = True
+
     @property
     def tp_plan(self) -> dict[str, str]:  # type: ignore[override]
         if self.tp.ep_size > 1:

@@ -92,3 +92,13 @@ def test_engine_shards_the_experts(family: Path, reference: list[list[int]]) -> 
         outputs, (w13, w2) = _engine_outputs(family, tp_size=2, ep_size=2)
         assert w13 == (2, 2 * 48, 96) and w2 == (2, 96, 48)
     assert outputs == reference
+
+
+def test_ep_size_is_refused_for_a_dense_model(tmp_path: Path) -> None:
+    from tiny_models import make_tiny_llama_dir
+
+    from radixserve.core.config import ConfigError
+
+    model_dir = make_tiny_llama_dir(tmp_path / "llama")
+    with pytest.raises(ConfigError, match=r"ep_size=2: model plugin 'LlamaForCausalLM' has no"):
+        Engine(str(model_dir), **on_cpu({**SETTINGS, "tp_size": 2, "ep_size": 2}))
