@@ -157,3 +157,33 @@ def test_the_offline_engine_refuses_several_nodes(model_dir: Path) -> None:
     settings = {"tp_size": 2, "nnodes": 2, "dist_init_addr": "127.0.0.1:9"}
     with pytest.raises(ConfigError, match="one launch per node"):
         Engine(str(model_dir), **on_cpu(settings))
+
+
+@pytest.mark.slow
+def test_a_node_killed_outright_ends_node_0(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Node 1's launch SIGKILLed mid-request (no word from it): node 0 exits non-zero within
+    10 s naming node 1 and its rank; node 1's rank follows its launch."""
+    nodes = TwoNodes(model_dir, tmp_path_factory.mktemp("mnode-kill-logs"))
+    try:
+        follower = psutil.Process(nodes.follower.pid)
+        rank = next(c for c in follower.children() if "spawn_main" in " ".join(c.cmdline()))
+        body = {"text": PROMPTS[0], "stream": True,
+                "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}  # fmt: skip
+        with httpx.stream("POST", nodes.leader.url + "/generate", json=body,
+                          timeout=HANG_GUARD_S) as r:  # fmt: skip
+            next(r.iter_lines())  # in flight
+            killed = time.monotonic()
+            nodes.follower.send_signal(signal.SIGKILL)
+            code = nodes.leader.proc.wait(HANG_GUARD_S)
+        elapsed = time.monotonic() - killed
+        assert code != 0 and elapsed < DEATH_LIMIT_S, (code, elapsed)
+        log = nodes.leader.log()
+        assert "node 1 (tensor-parallel rank 1) is gone" in log, log[-3000:]
+        rank.wait(HANG_GUARD_S)  # it does not outlive its launch
+    finally:
+        for proc in (nodes.leader.proc, nodes.follower):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
