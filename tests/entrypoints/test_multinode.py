@@ -1,7 +1,8 @@
 """Multi-node launch on loopback (CPU, gloo, float32): two `radixserve serve` launches with
 ``--nnodes 2 --node-rank 0/1 --dist-init-addr`` make one --tp-size 2 server whose greedy outputs
-equal --tp-size 1's token for token (KV-leak check on); killing node 1's rank mid-request ends
-both launches with a non-zero exit within 10 s, each naming the rank.
+equal --tp-size 1's token for token (KV-leak check on: stopping node 0 stops both with exit
+0); killing node 1's rank mid-request ends both launches with a non-zero exit within 10 s,
+each naming the rank, and so does killing node 1's launch outright (node 0 names it).
 
 The reference is the offline Engine at --tp-size 1 in this process."""
 
@@ -70,22 +71,30 @@ class TwoNodes:
         cmd = [sys.executable, "-m", "radixserve.launch_server", *common, "--node-rank", "1"]
         with open(self.follower_log, "wb") as log:
             self.follower = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        self.leader: RunningServer = start_server(
-            [*common, "--node-rank", "0"], logs / "node0.log", timeout=HANG_GUARD_S
-        )
+        try:
+            self.leader: RunningServer = start_server(
+                [*common, "--node-rank", "0"], logs / "node0.log", timeout=HANG_GUARD_S
+            )
+        except BaseException:
+            self.follower.kill()
+            self.follower.wait()
+            raise
 
     def follower_text(self) -> str:
         return self.follower_log.read_text(errors="replace")
 
+    def kill(self) -> None:
+        for proc in (self.leader.proc, self.follower):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
-@pytest.fixture(scope="module")
+
+@pytest.fixture
 def two_nodes(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoNodes]:
     nodes = TwoNodes(model_dir, tmp_path_factory.mktemp("mnode-logs"))
     yield nodes
-    for proc in (nodes.leader.proc, nodes.follower):
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    nodes.kill()
 
 
 def test_two_node_tp2_equals_tp1(two_nodes: TwoNodes, reference: list[list[int]]) -> None:
@@ -97,6 +106,10 @@ def test_two_node_tp2_equals_tp1(two_nodes: TwoNodes, reference: list[list[int]]
     assert [item["output_ids"] for item in r.json()] == reference
     info = httpx.get(two_nodes.leader.url + "/get_server_info", timeout=30).json()
     assert info["tp_size"] == 2 and info["nnodes"] == 2
+    # an orderly stop of node 0 stops node 1 too; both exit 0 (a KV leak would fail node 0)
+    assert stop_server(two_nodes.leader) == 0, two_nodes.leader.log()[-3000:]
+    assert two_nodes.follower.wait(HANG_GUARD_S) == 0, two_nodes.follower_text()[-3000:]
+    assert "node 0 stopped the group" in two_nodes.follower_text()
 
 
 def test_killing_node_1_ends_both_nodes(two_nodes: TwoNodes) -> None:
@@ -183,7 +196,4 @@ def test_a_node_killed_outright_ends_node_0(
         assert "node 1 (tensor-parallel rank 1) is gone" in log, log[-3000:]
         rank.wait(HANG_GUARD_S)  # it does not outlive its launch
     finally:
-        for proc in (nodes.leader.proc, nodes.follower):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        nodes.kill()
