@@ -211,8 +211,10 @@ class EngineClient:
             self._task.cancel()
         proc = self.process
         tp_workers.stop_watching([p for _, p in self._ranks()])  # exits are expected now
-        if self.nodes is not None:
-            self.nodes.stopping = True  # and so are the other nodes' (rank 0 stops them)
+        if self.nodes is not None:  # and so are the other nodes' (rank 0 stops them)
+            if self.dead is None:
+                self.nodes.announce_stop()
+            self.nodes.stopping = True
         if self.dead is not None and (self.workers or self.nodes is not None):
             # a rank died: the others may wait in a collective for it; end them now
             tp_workers.end_all([p for _, p in self._ranks()], 0.0)

@@ -14,8 +14,10 @@ and keeps the connection open while it runs. When one of a follower's ranks dies
 sends one line saying which rank and how, ends its other ranks and exits non-zero; node 0's
 engine dies with that line as the reason and the server exits non-zero. A connection that closes
 without a word (a node killed outright, a broken network) ends node 0 the same way, naming the
-node and its ranks; a follower whose connection to node 0 closes ends itself. Nothing waits for
-a collective's timeout.
+node and its ranks. Node 0 says "stop" to the others before an orderly stop (its rank 0 then
+stops every rank); a follower whose connection closes, or whose ranks are stopped, without that
+word knows node 0 died (a killed server's engine still stops the ranks on its way out) and ends
+itself with a non-zero exit. Nothing waits for a collective's timeout.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ CONNECT_TIMEOUT_S = 120.0
 ORDERLY_EXIT_S = 5.0
 #: after one rank stopped in order, how long a follower waits for its other ranks to stop
 ORDERLY_GRACE_S = 10.0
+#: what node 0 sends the other nodes before an orderly stop (their ranks then exit 0)
+STOP_WORD = b"stop\n"
 #: after node 0's engine failed, how long it waits for a follower's word on which rank died
 WORD_WAIT_S = 2.0
 
@@ -138,6 +142,17 @@ class NodeWatch:
             time.sleep(0.05)
         return self.dead
 
+    def announce_stop(self) -> None:
+        """Tell the other nodes an orderly stop follows (rank 0 is about to stop the group);
+        closed connections are expected from here on."""
+        with self._lock:
+            self.stopping = True
+        for conn in self._conns:
+            try:
+                conn.sendall(STOP_WORD)
+            except OSError:
+                pass  # that node is gone: nothing to tell
+
     def close(self) -> None:
         """An orderly stop follows: closed connections are expected from here on."""
         with self._lock:
@@ -176,51 +191,59 @@ def follow(settings: dict[str, Any]) -> int:
 
 
 def _watch(conn: socket.socket, pairs: Sequence[tuple[int, BaseProcess]], node: int) -> int:
+    """Until this node's ranks end: 0 after node 0 said it stops (its ``STOP_WORD``) and they
+    stopped cleanly, else 1 with a line saying which rank or node ended first."""
     sentinels = {p.sentinel: (rank, p) for rank, p in pairs}
+    told = False  # node 0 said an orderly stop follows
     while True:
-        ready = wait([conn, *sentinels])
-        for item in ready:
+        for item in wait([conn, *sentinels]):
             if item is conn:
-                if conn.recv(4096):
-                    continue  # node 0 sends nothing; ignore anything it does
-                return _leader_gone(pairs, node)
+                data = conn.recv(4096)
+                told = told or STOP_WORD in data
+                if data:
+                    continue
+                if told:
+                    return _orderly(pairs, node, ORDERLY_EXIT_S)
+                return _fail(node, "node 0 (tensor-parallel rank 0, the server) is gone: its "
+                             "connection closed")  # fmt: skip
             rank, proc = sentinels[item]  # type: ignore[index]
             proc.join(1)
-            if proc.exitcode == 0:  # rank 0 told it to stop: the others follow
-                return _orderly(pairs, node)
+            if proc.exitcode == 0 and (told or _told(conn, WORD_WAIT_S)):
+                return _orderly(pairs, node, ORDERLY_GRACE_S)
             why = tp_workers.describe_exit(rank, proc)
-            print(f"radixserve: node {node}: {why}; ending this node", file=sys.stderr, flush=True)
+            if proc.exitcode == 0:  # rank 0 stopped it, but node 0 said nothing: it died
+                why = f"node 0 (tensor-parallel rank 0, the server) ended without a word ({why})"
             try:
                 conn.sendall(f"{why}\n".encode())
             except OSError:
                 pass  # node 0 is gone too
-            return 1
+            return _fail(node, why)
 
 
-def _orderly(pairs: Sequence[tuple[int, BaseProcess]], node: int) -> int:
-    tp_workers.end_all([p for _, p in pairs], ORDERLY_GRACE_S)
+def _told(conn: socket.socket, timeout_s: float) -> bool:
+    """Whether node 0 says it stops in order within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while wait([conn], max(0.0, deadline - time.monotonic())):
+        data = conn.recv(4096)
+        if STOP_WORD in data:
+            return True
+        if not data:
+            return False
+    return False
+
+
+def _fail(node: int, why: str) -> int:
+    print(f"radixserve: node {node}: {why}; ending this node", file=sys.stderr, flush=True)
+    return 1
+
+
+def _orderly(pairs: Sequence[tuple[int, BaseProcess]], node: int, grace_s: float) -> int:
+    tp_workers.end_all([p for _, p in pairs], grace_s)
     bad = [tp_workers.describe_exit(r, p) for r, p in pairs if p.exitcode != 0]
     if bad:
-        print(f"radixserve: node {node}: {bad[0]}", file=sys.stderr, flush=True)
-        return 1
+        return _fail(node, bad[0])
     print(f"radixserve: node {node}: node 0 stopped the group; exiting", flush=True)
     return 0
-
-
-def _leader_gone(pairs: Sequence[tuple[int, BaseProcess]], node: int) -> int:
-    deadline = time.monotonic() + ORDERLY_EXIT_S
-    for _, p in pairs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    if all(p.exitcode == 0 for _, p in pairs):
-        print(f"radixserve: node {node}: node 0 stopped the group; exiting", flush=True)
-        return 0
-    print(
-        f"radixserve: node {node}: node 0 (tensor-parallel rank 0, the server) is gone: its "
-        "connection closed; ending this node",
-        file=sys.stderr,
-        flush=True,
-    )
-    return 1
 
 
 def _connect(host: str, port: int, timeout_s: float) -> socket.socket:

@@ -197,3 +197,21 @@ def test_a_node_killed_outright_ends_node_0(
         rank.wait(HANG_GUARD_S)  # it does not outlive its launch
     finally:
         nodes.kill()
+
+
+@pytest.mark.slow
+def test_node_0_killed_outright_ends_node_1(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Node 0's server SIGKILLed: node 1 exits non-zero within 10 s naming node 0 (its engine
+    may still stop the ranks on its way out: without node 0's word that is no orderly stop)."""
+    nodes = TwoNodes(model_dir, tmp_path_factory.mktemp("mnode-kill0-logs"))
+    try:
+        killed = time.monotonic()
+        nodes.leader.proc.send_signal(signal.SIGKILL)
+        code = nodes.follower.wait(HANG_GUARD_S)
+        elapsed = time.monotonic() - killed
+        assert code != 0 and elapsed < DEATH_LIMIT_S, (code, elapsed, nodes.follower_text())
+        assert "node 0 (tensor-parallel rank 0, the server)" in nodes.follower_text()
+    finally:
+        nodes.kill()
