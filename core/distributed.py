@@ -206,7 +206,8 @@ def join(platform: HardwarePlatform, config: EngineConfig, rendezvous: Rendezvou
         # (Nodes meeting at another address use the interface that reaches it.)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     threads_before = torch.get_num_threads()
-    platform.bind_rank(rendezvous.rank, size)
+    per_node = size // config.nnodes  # a rank binds the device (and cores) of its own node
+    platform.bind_rank(rendezvous.rank % per_node, per_node)
     backend = platform.distributed_backend()
     timeout = datetime.timedelta(seconds=rendezvous.timeout_s)
     dist.init_process_group(
@@ -218,8 +219,9 @@ def join(platform: HardwarePlatform, config: EngineConfig, rendezvous: Rendezvou
         # ranks wait in it for the next step while the server idles; a dead rank is noticed by
         # the parent process (its sentinel), not by this timeout.
         cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=30))
-        fast = _agreed_fast_all_reduce(platform, dist.group.WORLD, size, cpu_group,
-                                       not config.disable_custom_all_reduce)  # fmt: skip
+        # (the platform's fast all-reduce is peer-to-peer within one host)
+        wanted = not config.disable_custom_all_reduce and config.nnodes == 1
+        fast = _agreed_fast_all_reduce(platform, dist.group.WORLD, size, cpu_group, wanted)
     except BaseException:
         torch.set_num_threads(threads_before)  # no Ranks will close the group: do it here
         teardown()
