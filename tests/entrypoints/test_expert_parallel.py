@@ -82,6 +82,7 @@ def test_server_ep2_equals_ep1(
     assert [item["output_ids"] for item in r.json()] == reference
 
 
+@pytest.mark.slow
 def test_engine_shards_the_experts(family: Path, reference: list[list[int]]) -> None:
     """Mixtral at --tp-size 2: each of the 4 experts keeps half its 64 intermediate features;
     Qwen3-MoE at --ep-size 2: each rank keeps 2 whole experts (48 intermediate features)."""
