@@ -172,6 +172,26 @@ class EngineConfig:
         "stage and tensor-parallel rank (tp_size x pp_size ranks); each step's requests go "
         "through the stages as up to pp_size micro-batches in flight at once",
     )
+    nnodes: int = _opt(
+        1,
+        "Multi-node tensor parallelism: hosts the --tp-size ranks are spread over (tp_size / "
+        "nnodes each); start one `radixserve serve` per node with the same flags and its "
+        "--node-rank",
+    )
+    node_rank: int = _opt(
+        0, "This launch's node (0: serves HTTP and schedules; others follow, no HTTP server)"
+    )
+    dist_init_addr: str | None = _opt(
+        None,
+        "host:port of node 0 where the nodes meet (torch.distributed's TCP store; the node "
+        "watch listens on port + 1); needed with --nnodes > 1",
+    )
+    ep_size: int = _opt(
+        1,
+        "Expert parallelism for MoE models: the experts are spread over this many ranks "
+        "(expert e on rank e // (experts / ep_size)) and tokens reach them through all-to-all; "
+        "must equal --tp-size (attention is tensor-parallel over the same ranks)",
+    )
     cuda_graph_max_bs: int | None = _opt(
         None,
         "Largest decode batch replayed from a CUDA graph (batches are padded up to a size; "
@@ -343,6 +363,7 @@ class EngineConfig:
         config_checks.check_speculative(self)
         config_checks.check_limits(self)
         config_checks.check_choices(self)
+        config_checks.check_nodes(self)
 
     def _merge_grammar_backend(self, name: str) -> None:
         self._merge_plugin_alias("grammar", "grammar_backend", name)

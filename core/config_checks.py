@@ -102,6 +102,31 @@ def check_choices(cfg: EngineConfig) -> None:
         raise ConfigError(f"mem_fraction_static must be in (0, 1], got {cfg.mem_fraction_static}")
 
 
+def check_nodes(cfg: EngineConfig) -> None:
+    """Multi-node launch and expert parallelism (docs/parallelism.md)."""
+    if cfg.nnodes < 1 or not 0 <= cfg.node_rank < cfg.nnodes:
+        raise ConfigError(
+            f"need nnodes >= 1 and 0 <= node_rank < nnodes, got {cfg.nnodes} and {cfg.node_rank}"
+        )
+    if cfg.tp_size % cfg.nnodes:
+        raise ConfigError(
+            f"tp_size={cfg.tp_size} does not divide over nnodes={cfg.nnodes}: each node runs "
+            "tp_size / nnodes ranks"
+        )
+    if cfg.nnodes > 1:
+        host, _, port = (cfg.dist_init_addr or "").rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) < 65535:
+            raise ConfigError(
+                f"nnodes={cfg.nnodes} needs dist_init_addr host:port (node 0's address, a free "
+                f"port and the next one), got {cfg.dist_init_addr!r}"
+            )
+    if cfg.ep_size not in (1, cfg.tp_size):
+        raise ConfigError(
+            f"ep_size={cfg.ep_size} must be 1 or equal tp_size={cfg.tp_size}: the experts are "
+            "spread over the tensor-parallel ranks (give --tp-size and --ep-size the same N)"
+        )
+
+
 def check_disaggregation(cfg: EngineConfig) -> None:
     if cfg.disaggregation_mode not in DISAGGREGATION_MODES:
         raise ConfigError(
@@ -165,6 +190,8 @@ def check_pipeline(cfg: EngineConfig) -> None:
         f"disaggregation_mode={cfg.disaggregation_mode}": cfg.disaggregation_mode != "null",
         f"--quantization {cfg.quantization}": cfg.quantization is not None,
         "--enable-torch-compile": cfg.enable_torch_compile,
+        f"--nnodes {cfg.nnodes}": cfg.nnodes > 1,
+        f"--ep-size {cfg.ep_size}": cfg.ep_size > 1,
     }
     for what, on in refused.items():
         if on:

@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 import threading
+import urllib.parse
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -144,6 +145,11 @@ class Ranks:
                 f"model plugin '{name}' does not build pipeline stages (its model has no "
                 f"'stage' of the group's), so it cannot run with pp_size={self.pp_size}"
             )
+        if self.group.ep_size > 1 and not getattr(model, "expert_parallel", False):
+            raise ConfigError(
+                f"ep_size={self.group.ep_size}: model plugin '{name}' has no experts to spread "
+                "(--ep-size is for MoE models: Qwen3-MoE, Mixtral); use --tp-size alone"
+            )
         return model
 
     def shard(
@@ -263,12 +269,14 @@ def join(platform: HardwarePlatform, config: EngineConfig, rendezvous: Rendezvou
     dist = torch.distributed
     if dist.is_initialized():
         raise ConfigError("this process already runs a tensor-parallel engine; shut it down")
-    if sys.platform == "linux":
+    if sys.platform == "linux" and _on_loopback(rendezvous.init_method):
         # The ranks of one engine share a host and meet on loopback; without this, gloo binds
         # to whatever the hostname resolves to, which fails in containers without one.
+        # (Nodes meeting at another address use the interface that reaches it.)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     threads_before = torch.get_num_threads()
-    platform.bind_rank(rendezvous.rank, size)
+    per_node = size // config.nnodes  # a rank binds the device (and cores) of its own node
+    platform.bind_rank(rendezvous.rank % per_node, per_node)
     backend = platform.distributed_backend()
     timeout = datetime.timedelta(seconds=rendezvous.timeout_s)
     dist.init_process_group(
@@ -280,16 +288,18 @@ def join(platform: HardwarePlatform, config: EngineConfig, rendezvous: Rendezvou
         # ranks wait in it for the next step while the server idles; a dead rank is noticed by
         # the parent process (its sentinel), not by this timeout.
         cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=30))
+        # (the platform's fast all-reduce is peer-to-peer within one host)
+        wanted = not config.disable_custom_all_reduce and config.nnodes == 1
         if config.pp_size > 1:
             world = TensorParallel(rendezvous.rank, size, dist.group.WORLD, cpu_group)
             return pipeline_ranks(world, config, threads_before)
-        fast = _agreed_fast_all_reduce(platform, dist.group.WORLD, size, cpu_group,
-                                       not config.disable_custom_all_reduce)  # fmt: skip
+        fast = _agreed_fast_all_reduce(platform, dist.group.WORLD, size, cpu_group, wanted)
     except BaseException:
         torch.set_num_threads(threads_before)  # no Ranks will close the group: do it here
         teardown()
         raise
     group = TensorParallel(rendezvous.rank, size, dist.group.WORLD, cpu_group, fast)
+    group.ep_size = config.ep_size
     logger.info("tensor-parallel rank %d of %d on %s (%s%s)", rendezvous.rank, size,
                 platform.device, backend,
                 f", small all-reduces: {type(fast).__name__}" if fast else "")  # fmt: skip
@@ -319,6 +329,15 @@ def stage_groups(rank: int, tp_size: int, pp_size: int) -> TensorParallel:
             mine = TensorParallel(rank - members[0], tp_size, group, cpu)
     assert mine is not None
     return mine
+
+
+def _on_loopback(init_method: str) -> bool:
+    """A file store (one host), or a TCP store on a loopback address."""
+    url = urllib.parse.urlsplit(init_method)
+    if url.scheme == "file":
+        return True
+    host = url.hostname or ""
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _agreed_fast_all_reduce(

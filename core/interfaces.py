@@ -102,8 +102,9 @@ class HardwarePlatform(ABC):
         return "gloo"
 
     def bind_rank(self, rank: int, size: int) -> None:  # noqa: B027 - optional hook
-        """Tensor parallelism: this process is rank ``rank`` of ``size`` and drives that rank's
-        device (e.g. ``cuda:{rank}``); set ``device`` to it. Called once, before anything is
+        """Tensor parallelism: this process is rank ``rank`` of the ``size`` ranks of its node
+        (all of them on one node) and drives that rank's device (e.g. ``cuda:{rank}``); set
+        ``device`` to it. Called once, before anything is
         allocated. The default does nothing (every rank uses ``device`` as it is)."""
 
     def fast_all_reduce(self, group: Any, size: int) -> Any:

@@ -93,6 +93,9 @@ class TensorParallel:
         self.group = group  # the device backend's group (nccl on CUDA, gloo on CPU)
         self.cpu_group = cpu_group  # gloo, for host-side step metadata
         self.fast_all_reduce = fast_all_reduce  # tried first; the backend's otherwise
+        #: ranks a MoE's experts are spread over (1, or ``size``: --ep-size); with 1 each
+        #: expert's intermediate features are cut like a dense MLP's
+        self.ep_size = 1
 
     @property
     def fast_all_reduce(self) -> FastAllReduce | None:
@@ -134,6 +137,13 @@ class TensorParallel:
         out = torch.empty((self.size * rows, n), dtype=x.dtype, device=x.device)
         _all_gather(out, x.contiguous(), self.group)
         return out.view(self.size, rows, n).permute(1, 0, 2).reshape(rows, self.size * n)
+
+    def all_to_all(self, x: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
+        """Rows of ``x``, ``send[r]`` of them to rank r in rank order, exchanged for
+        ``receive[r]`` rows from each rank r (expert-parallel dispatch and combine)."""
+        out = x.new_empty((sum(receive), *x.shape[1:]))
+        torch.distributed.all_to_all_single(out, x.contiguous(), receive, send, group=self.group)
+        return out
 
     def agree_min(self, value: int) -> int:
         """The smallest ``value`` any rank has (e.g. the KV pool size every rank can hold)."""

@@ -182,6 +182,11 @@ class Engine:
         plugins from the installed entry points: a ``host`` given to Engine is not theirs."""
         self._rendezvous = None
         size, pp = self.config.tp_size * self.config.pp_size, self.config.pp_size
+        if self.config.nnodes > 1:
+            raise ConfigError(
+                f"nnodes={self.config.nnodes}: a multi-node engine runs through `radixserve "
+                "serve`, one launch per node; the offline Engine runs on one node"
+            )
         if size == 1:
             return []
         ranks = tp_workers.rendezvous(size, self.config.watchdog_timeout, pp)
