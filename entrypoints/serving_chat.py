@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -41,6 +41,12 @@ from radixserve.entrypoints.tool_calls import ToolPlan, plan_tools
 from radixserve.entrypoints.tool_parsers import get_tool_parser
 
 
+class ChatRun(NamedTuple):
+    model: str  # the served name, which the response reports
+    reqs: list[ServerReq]  # the n choices, queued
+    output: ChatOutput  # how their text becomes reasoning, content and tool calls
+
+
 class ChatServing(OpenAIServing):
     def __init__(
         self,
@@ -55,7 +61,10 @@ class ChatServing(OpenAIServing):
         self.tool_parser = get_tool_parser(tool_call_parser)
         self.reasoning_parser = reasoning_parser
 
-    async def create(self, body: ChatCompletionRequest, raw: Request) -> Any:
+    async def start(self, body: ChatCompletionRequest) -> ChatRun:
+        """Check and queue a chat request: its n requests and how their output is read.
+        /v1/messages and /v1/responses translate their bodies into chat requests and start
+        them here too."""
         model = self.check_model(body.model)
         plan = plan_tools(body, self.tool_parser)
         output = ChatOutput(plan, self.reasoning_parser, body)
@@ -71,7 +80,10 @@ class ChatServing(OpenAIServing):
         params, max_field = self.sampling(
             body, [len(ids)], max_tokens, field, body.logprobs, top_n, grammar
         )
-        reqs = self.submit_all([ids], params, body.n, max_field, body=body)
+        return ChatRun(model, self.submit_all([ids], params, body.n, max_field, body=body), output)
+
+    async def create(self, body: ChatCompletionRequest, raw: Request) -> Any:
+        model, reqs, output = await self.start(body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             stream = self._stream(body, reqs, rid, model, output)
