@@ -81,12 +81,13 @@ def test_the_prompt_is_the_chat_routes(client: anthropic.Anthropic, server: Runn
     messages.append({"role": "user", "content": "And tomorrow?"})
     r = create(client, system=system, messages=messages, max_tokens=2)
     prompt = r.usage.input_tokens + r.usage.cache_read_input_tokens
-    same = chat.chat.completions.create(
-        model=TINY_MODEL_NAME, max_tokens=2, messages=[
-            {"role": "system", "content": "You are terse.\nBe kind."}, USER,
-            {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "And tomorrow?"},
-        ],
-    )  # fmt: skip
+    plain = [
+        {"role": "system", "content": "You are terse.\nBe kind."},
+        USER,
+        {"role": "assistant", "content": "Sunny."},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    same = chat.chat.completions.create(model=TINY_MODEL_NAME, max_tokens=2, messages=plain)
     assert same.usage.prompt_tokens == prompt
     counted = client.messages.count_tokens(model=TINY_MODEL_NAME, system=system, messages=messages)
     assert counted.input_tokens == prompt
