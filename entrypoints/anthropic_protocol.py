@@ -6,7 +6,8 @@ messages, ``tools`` (``input_schema``) function tools, ``tool_choice`` auto / an
 the chat route's auto / required / named / none, ``stop_sequences`` stop strings. What the chat
 route does with that (the template, the forcing grammar, the parsers) is then the same.
 Content other than text, tool_use, tool_result and thinking (images, documents, server tools)
-is refused with a 400 naming where it is.
+is refused with a 400 naming where it is. SGLang's extensions (``ChatExtensions``: regex,
+ignore_eos, chat_template_kwargs, ...) are taken as the chat route takes them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from radixserve.entrypoints.agent_protocol import ChatExtensions, chat_body
 from radixserve.entrypoints.http_errors import ApiError
 from radixserve.entrypoints.openai_protocol import ChatCompletionRequest
 
@@ -32,7 +34,7 @@ class AnthropicTool(BaseModel):
     type: str | None = None  # "custom" or absent; Anthropic's server tools are not served
 
 
-class CountTokensRequest(BaseModel):
+class CountTokensRequest(ChatExtensions):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
@@ -60,6 +62,7 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         "tools": [_tool(i, t) for i, t in enumerate(body.tools)] if body.tools else None,
         "tool_choice": choice,
         "parallel_tool_calls": parallel,
+        **body.extensions(),
     }
     if isinstance(body, MessagesRequest):
         fields.update(
@@ -70,7 +73,7 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
             stop=body.stop_sequences or None,
             stream=body.stream,
         )
-    return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    return chat_body(fields)
 
 
 def chat_messages(
@@ -176,7 +179,7 @@ def _tool_choice(choice: dict[str, Any] | None) -> tuple[str | dict[str, Any] | 
         return None, True
     parallel = choice.get("disable_parallel_tool_use") is not True
     kind = choice.get("type")
-    if kind in _CHOICES:
+    if isinstance(kind, str) and kind in _CHOICES:
         return _CHOICES[kind], parallel
     if kind == "tool" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}, parallel

@@ -5,7 +5,8 @@ function_call_output items; reasoning items are skipped) becomes chat messages, 
 a system message before them, function ``tools`` chat tools, ``tool_choice`` the chat route's,
 ``max_output_tokens`` its budget and ``text.format`` its response_format. With
 ``previous_response_id`` the stored conversation of that response goes before the new input
-(``responses_store``); its instructions do not carry over, as OpenAI documents.
+(``responses_store``); its instructions do not carry over, as OpenAI documents. SGLang's
+extensions (``ChatExtensions``) are taken as the chat route takes them.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
+from radixserve.entrypoints.agent_protocol import ChatExtensions, chat_body
 from radixserve.entrypoints.http_errors import ApiError
 from radixserve.entrypoints.openai_protocol import ChatCompletionRequest
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(ChatExtensions):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -57,8 +59,9 @@ def chat_request(
         "tool_choice": _tool_choice(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls,
         "response_format": _response_format(body.text),
+        **body.extensions(),
     }
-    return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    return chat_body(fields)
 
 
 def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -95,7 +98,8 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
-    role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+    role = item.get("role")
+    role = _ROLES.get(role) if isinstance(role, str) else None
     if role is None:
         raise ApiError(
             400,
