@@ -61,10 +61,10 @@ class ChatServing(OpenAIServing):
         self.tool_parser = get_tool_parser(tool_call_parser)
         self.reasoning_parser = reasoning_parser
 
-    async def start(self, body: ChatCompletionRequest) -> ChatRun:
+    async def start(self, body: ChatCompletionRequest, budget_field: str | None = None) -> ChatRun:
         """Check and queue a chat request: its n requests and how their output is read.
         /v1/messages and /v1/responses translate their bodies into chat requests and start
-        them here too."""
+        them here too (``budget_field``: what their API calls the output budget, for errors)."""
         model = self.check_model(body.model)
         plan = plan_tools(body, self.tool_parser)
         output = ChatOutput(plan, self.reasoning_parser, body)
@@ -74,6 +74,7 @@ class ChatServing(OpenAIServing):
         grammar = chat_grammar(body, plan)
         ids = await self.prompt_ids(body, plan)
         max_tokens, field = self.output_budget(body)
+        field = budget_field or field
         top_n = body.top_logprobs or 0
         if top_n and not body.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs=true", param="top_logprobs")

@@ -45,7 +45,7 @@ class ResponsesServing:
 
     async def create(self, body: ResponsesRequest, raw: Request) -> Any:
         conversation = self._history(body.previous_response_id) + input_messages(body.input)
-        run = await self.chat.start(chat_request(body, conversation))
+        run = await self.chat.start(chat_request(body, conversation), "max_output_tokens")
         base = _response(f"resp_{uuid.uuid4().hex}", run.model, body)
         if body.stream:
             stream = self._stream(run, base, body, conversation)

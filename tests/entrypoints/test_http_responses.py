@@ -168,6 +168,7 @@ def test_store_false_and_unknown_ids(client: openai.OpenAI) -> None:
         ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "x"}},
          "'x'"),
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "hi", "max_output_tokens": 10**6}, "max_output_tokens=1000000"),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]},
          "not JSON"),
     ],
