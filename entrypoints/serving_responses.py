@@ -115,8 +115,9 @@ class ResponsesServing:
         async for updates in follow(self.chat.tm, run.reqs):
             for u in updates:
                 if u.req.failed:
-                    error = error_event(u.req)
-                    yield event({"type": "error", **error["error"], **error})
+                    error = error_event(u.req)["error"]
+                    # OpenAI's error event (code, message, param), and the error object too
+                    yield event({**error, "type": "error", "error": error})
                     return
                 events = blocks.feed(*stream.feed(u.text, u.finished))
                 if u.finished:

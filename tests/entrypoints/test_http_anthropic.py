@@ -5,6 +5,7 @@ cache split, count_tokens, and bad requests as 4xx in Anthropic's error shape.""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -211,3 +212,21 @@ def test_sdk_errors_and_authentication(client: anthropic.Anthropic, server: Runn
     with pytest.raises(anthropic.AuthenticationError) as e:
         create(wrong)
     assert e.value.body["error"]["type"] == "authentication_error"
+
+
+def test_a_stream_that_fails_ends_with_an_error_event(server: RunningServer) -> None:
+    """A forced call whose schema the grammar backend refuses fails once the request is queued
+    (the stream has started): the stream ends with Anthropic's error event."""
+    bad = {**WEATHER, "input_schema": {"type": "strin"}}
+    body = {"model": TINY_MODEL_NAME, "max_tokens": 8, "messages": [USER], "stream": True,
+            "tools": [bad], "tool_choice": {"type": "any"}}  # fmt: skip
+    r = post(server, "/v1/messages", body)
+    assert r.status_code == 200
+    events = [line[7:] for line in r.text.splitlines() if line.startswith("event: ")]
+    assert events == ["message_start", "ping", "error"], r.text
+    last = json.loads(r.text.strip().splitlines()[-1].removeprefix("data: "))
+    assert last["error"]["type"] == "invalid_request_error" and "strin" in last["error"]["message"]
+    client = anthropic.Anthropic(base_url=server.url, api_key=TINY_API_KEY, max_retries=0)
+    with pytest.raises(anthropic.APIError, match="strin"):
+        with client.messages.stream(**{k: v for k, v in body.items() if k != "stream"}) as s:
+            list(s)

@@ -183,3 +183,22 @@ def test_bad_requests_are_400s(server: RunningServer, body: dict[str, Any], reas
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and reason in error["message"], error
+
+
+def test_a_stream_that_fails_ends_with_an_error_event(client: openai.OpenAI) -> None:
+    """A schema the grammar backend refuses fails once the request is queued, after
+    response.created: an error event, which the SDK raises."""
+    r = requests.post(
+        client.base_url.join("responses").__str__(),
+        json={"model": TINY_MODEL_NAME, "input": "x", "stream": True, "text": bad_format()},
+        headers={"Authorization": f"Bearer {TINY_API_KEY}"},
+        timeout=60,
+    )
+    events = [line[7:] for line in r.text.splitlines() if line.startswith("event: ")]
+    assert r.status_code == 200 and events[0] == "response.created" and events[-1] == "error"
+    with pytest.raises(openai.APIError, match="strin"):
+        list(create(client, text=bad_format(), stream=True))
+
+
+def bad_format() -> dict[str, Any]:
+    return {"format": {"type": "json_schema", "name": "w", "schema": {"type": "strin"}}}
