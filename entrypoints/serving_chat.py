@@ -61,10 +61,15 @@ class ChatServing(OpenAIServing):
         self.tool_parser = get_tool_parser(tool_call_parser)
         self.reasoning_parser = reasoning_parser
 
-    async def start(self, body: ChatCompletionRequest, budget_field: str | None = None) -> ChatRun:
+    async def start(
+        self, body: ChatCompletionRequest, budget_field: str | None = None, bound: bool = False
+    ) -> ChatRun:
         """Check and queue a chat request: its n requests and how their output is read.
         /v1/messages and /v1/responses translate their bodies into chat requests and start
-        them here too (``budget_field``: what their API calls the output budget, for errors)."""
+        them here too: ``budget_field`` is what their API calls the output budget (for
+        errors); ``bound``: the budget is only an upper bound (Anthropic's required
+        max_tokens, which clients set high), so past the context the answer ends there
+        ("length") instead of being refused."""
         model = self.check_model(body.model)
         plan = plan_tools(body, self.tool_parser)
         output = ChatOutput(plan, self.reasoning_parser, body)
@@ -81,6 +86,8 @@ class ChatServing(OpenAIServing):
         params, max_field = self.sampling(
             body, [len(ids)], max_tokens, field, body.logprobs, top_n, grammar
         )
+        if bound:
+            max_field = None
         return ChatRun(model, self.submit_all([ids], params, body.n, max_field, body=body), output)
 
     async def create(self, body: ChatCompletionRequest, raw: Request) -> Any:

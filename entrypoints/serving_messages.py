@@ -1,6 +1,9 @@
 """POST /v1/messages and /v1/messages/count_tokens: the Anthropic Messages API, served as the
 chat request it translates to (``anthropic_protocol``), its output as content blocks.
 
+- ``max_tokens`` is an upper bound: where the prompt leaves less room in the context, the
+  answer ends at the context (``max_tokens``) instead of being refused (agent clients send a
+  large one with every request, fit for the largest models).
 - ``stop_reason``: ``tool_use`` when the answer called a tool, ``max_tokens`` when the budget
   ran out, ``stop_sequence`` (and ``stop_sequence``) when one of the request's ended it, else
   ``end_turn``.
@@ -44,7 +47,8 @@ class MessagesServing:
         self.chat = chat
 
     async def create(self, body: MessagesRequest, raw: Request) -> Any:
-        run = await self.chat.start(chat_request(body))
+        # max_tokens is required, and agent clients send a large one: a bound, not a demand
+        run = await self.chat.start(chat_request(body), bound=True)
         mid = f"msg_{uuid.uuid4().hex}"
         if body.stream:
             return StreamingResponse(self._stream(run, mid), media_type="text/event-stream")

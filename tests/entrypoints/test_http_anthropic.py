@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 import requests
-from server_process import TINY_API_KEY, TINY_MODEL_NAME, RunningServer
+from server_process import TINY_API_KEY, TINY_CONTEXT, TINY_MODEL_NAME, RunningServer
 
 SCHEMA = {
     "type": "object",
@@ -230,3 +230,21 @@ def test_a_stream_that_fails_ends_with_an_error_event(server: RunningServer) -> 
     with pytest.raises(anthropic.APIError, match="strin"):
         with client.messages.stream(**{k: v for k, v in body.items() if k != "stream"}) as s:
             list(s)
+
+
+def test_max_tokens_is_a_bound_up_to_the_context(client: anthropic.Anthropic) -> None:
+    """Agent clients send a large max_tokens with every request: past the context it is not a
+    400, the answer ends at the context with stop_reason max_tokens."""
+
+    def turn(k: int) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": "hello " * k}]
+
+    def count(k: int) -> int:
+        return client.messages.count_tokens(model=TINY_MODEL_NAME, messages=turn(k)).input_tokens
+
+    base, per = count(0), (count(200) - count(100)) / 100
+    k = int((TINY_CONTEXT - 30 - base) / per)
+    prompt = count(k)
+    assert 0 < TINY_CONTEXT - prompt <= 60, prompt
+    r = create(client, max_tokens=10**6, messages=turn(k), extra_body={"ignore_eos": True})
+    assert r.stop_reason == "max_tokens" and r.usage.output_tokens == TINY_CONTEXT - prompt
