@@ -71,6 +71,7 @@ def test_text_answer_whole_and_streamed_agree(client: openai.OpenAI) -> None:
     assert final.output_text == whole.output_text and final.status == whole.status
     assert final.usage.input_tokens == whole.usage.input_tokens
     assert final.usage.input_tokens_details.cached_tokens > 0  # the same prompt, cached
+    assert client.responses.retrieve(final.id).output_text == whole.output_text  # kept too
 
 
 def test_forced_function_call_round_trip(client: openai.OpenAI) -> None:
