@@ -15,17 +15,11 @@ import openai
 import pytest
 import requests
 from server_process import TINY_API_KEY, TINY_CONTEXT, TINY_MODEL_NAME, RunningServer
+from weather_tool import QUESTION, WEATHER_SCHEMA
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"enum": ["Paris", "Tokyo", "Lima"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-}
+SCHEMA = WEATHER_SCHEMA  # tests/support/weather_tool.py
 WEATHER = {"name": "get_weather", "description": "Weather forecast", "input_schema": SCHEMA}
-USER = {"role": "user", "content": "What is the weather like in Paris?"}
+USER = {"role": "user", "content": QUESTION}
 
 
 @pytest.fixture(scope="module")

@@ -14,18 +14,11 @@ import openai
 import pytest
 import requests
 from server_process import TINY_API_KEY, TINY_MODEL_NAME, RunningServer
+from weather_tool import QUESTION, WEATHER_SCHEMA
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"enum": ["Paris", "Tokyo", "Lima"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-}
+SCHEMA = WEATHER_SCHEMA  # tests/support/weather_tool.py
 WEATHER = {"type": "function", "name": "get_weather", "parameters": SCHEMA}
 FORCED = {"type": "function", "name": "get_weather"}
-QUESTION = "What is the weather like in Paris?"
 
 
 @pytest.fixture(scope="module")
