@@ -60,8 +60,9 @@ class ServerArgs:
     port: int = _opt(30000, "Port to listen on")
     api_key: str | None = _opt(
         None,
-        "Require 'Authorization: Bearer KEY' on every route but /health and /metrics (also "
-        f"from ${API_KEY_ENV} or --api-key-file, which keep it out of `ps`)",
+        "Require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY') on every route "
+        f"but /health and /metrics (also from ${API_KEY_ENV} or --api-key-file, which keep it "
+        "out of `ps`)",
     )
     api_key_file: str | None = _opt(None, "Read --api-key from this file (its first line)")
     admin_api_key: str | None = _opt(
