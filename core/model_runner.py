@@ -183,6 +183,8 @@ class ModelRunner:
         self.model.load_weights(self.ranks.shard(weights, self.model, model_reg.name, mc))
         if config.quantization is not None:
             self.platform.quantize_model(self.model, config.quantization)
+        # e.g. LoRA's wrapped projections, before the platform captures any graph
+        self.lora_weights = strategies.prepare_model(self.model, config, self.device)
         self.platform.prepare_model(self.model, config)
         # The platform decides how a step runs (eagerly here; e.g. CUDA graphs for decodes).
         self.step = self.platform.step_executor(

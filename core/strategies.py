@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from radixserve.core import disaggregation, spec_setup, spec_tree
+from radixserve.core import disaggregation, lora_strategy, spec_setup, spec_tree
 from radixserve.core.config import ConfigError
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ def reserve(
 ) -> Reservation:
     """Build what must exist before the KV pool is sized; refuse settings a strategy cannot
     run with (ConfigError)."""
+    lora_strategy.check_combination(config, tp_size)
     algorithm, weights, kv = spec_setup.algorithm_for(host, names, config, dtype, tp_size)
     mode = config.disaggregation_mode
     if tp_size > 1 and mode != "null":
@@ -48,5 +49,19 @@ def reserve(
 def build_all(core: Any, host: PluginHost, model_dir: Path) -> list[StepStrategy]:
     """The enabled strategies of ``core`` (an EngineCore: typed Any, as importing it would
     make a cycle), in the order the loop calls them."""
-    found = [spec_setup.build(core, host, model_dir), disaggregation.build(core, host)]
+    found = [
+        spec_setup.build(core, host, model_dir),
+        disaggregation.build(core, host),
+        lora_strategy.build(core),
+    ]
     return [s for s in found if s is not None]  # type: ignore[misc]
+
+
+def prepare_model(model: Any, config: Any, device: str) -> Any:
+    """Wrap what the strategies need of the model, before the platform captures any graph
+    of it: LoRA's projections (plugins/models/lora_layers.py). Returns that, or None."""
+    if not config.enable_lora:
+        return None
+    from radixserve.plugins.models.lora_layers import attach_lora
+
+    return attach_lora(model, config, device)
