@@ -182,6 +182,7 @@ class EngineReady(msgspec.Struct, tag="ready", kw_only=True):
     # EngineCore.spec_stats() at start (its settings, zero counts); None: speculation is off
     speculative: dict[str, Any] | None = None
     disaggregation_mode: str = "null"  # "prefill" or "decode": bootstrap fields are honoured
+    lora_adapters: dict[str, str] | None = None  # LoRA adapters loaded (name -> path); None: off
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):
