@@ -59,9 +59,13 @@ def build_all(core: Any, host: PluginHost, model_dir: Path) -> list[StepStrategy
 
 def prepare_model(model: Any, config: Any, device: str) -> Any:
     """Wrap what the strategies need of the model, before the platform captures any graph
-    of it: LoRA's projections (plugins/models/lora_layers.py). Returns that, or None."""
+    of it: LoRA's projections, through the model's ``attach_lora`` (the decoders':
+    plugins/models/lora_layers.py). Returns that, or None."""
     if not config.enable_lora:
         return None
-    from radixserve.plugins.models.lora_layers import attach_lora
-
-    return attach_lora(model, config, device)
+    attach = getattr(model, "attach_lora", None)
+    if attach is None:
+        raise ConfigError(
+            f"--enable-lora: the model {type(model).__name__} does not support LoRA adapters"
+        )
+    return attach(config, device)

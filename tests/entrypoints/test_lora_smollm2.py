@@ -84,7 +84,7 @@ def server(
     args = [*CPU_FLAGS, "--model-path", str(smollm2_dir), "--dtype", "float32",
             "--lora-paths", *(f"{n}={p}" for n, p in adapters.items()),
             "--max-loras-per-batch", "2", "--debug-leak-check"]  # fmt: skip
-    running = start_server(args, log, timeout=300)
+    running = start_server(args, log, timeout=600)
     yield running
     code = stop_server(running)
     assert code == 0, f"server exited with {code}:\n{running.log()[-4000:]}"
