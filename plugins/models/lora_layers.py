@@ -15,6 +15,7 @@ buffer (data, not shape: a CUDA graph captures them once for every mix of adapte
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,9 +161,13 @@ class LoRALayers:
             if self.backend == "triton":
                 from radixserve.plugins.models import lora_triton
 
+                # NOTE: sliced by shape from the static buffer, so a CUDA graph captured with
+                # any batch reads the slots set_step writes before each replay.
+                t = x.shape[0]
+                buf = self.token_slots
+                slots = buf[:t] if t <= buf.shape[0] else self.step_slots
                 for sub in w.subs:
-                    lora_triton.add_lora(y, x, sub.a, sub.b, self.scale, self.step_slots,
-                                         sub.offset)  # fmt: skip
+                    lora_triton.add_lora(y, x, sub.a, sub.b, self.scale, slots, sub.offset)
                 return y
             for i, rows, r in self.segments:
                 xs = x if rows is None else x.index_select(0, rows)
@@ -182,9 +187,12 @@ def attach_lora(model: Any, config: Any, device: str) -> LoRALayers:
     """Wrap ``model``'s projections for ``config``'s adapters (before any graph is
     captured): the device side of the slot pool."""
     backend = config.lora_backend or ("triton" if torch.device(device).type == "cuda" else "torch")
-    if backend == "triton" and torch.device(device).type != "cuda":
-        if __import__("os").environ.get("TRITON_INTERPRET") != "1":
-            raise ConfigError("--lora-backend triton needs a CUDA device; use torch")
+    on_cuda = torch.device(device).type == "cuda"
+    if backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("--lora-backend triton needs a CUDA device; use torch")
+    if backend == "torch" and on_cuda and not config.disable_cuda_graph:
+        # its per-step loop over adapters is host code: a graph would replay none of it
+        raise ConfigError("--lora-backend torch on CUDA needs --disable-cuda-graph; use triton")
     max_tokens = max(config.chunked_prefill_size or 0, config.cuda_graph_max_bs or 0, 8192)
     return LoRALayers(
         model, tuple(config.lora_target_modules), config.max_loras_per_batch,

@@ -5,6 +5,7 @@ pool's. On a CPU machine they run under TRITON_INTERPRET=1 at small sizes."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,3 +40,26 @@ def test_add_lora_matches_the_product_per_slot(offset: int) -> None:
     add_lora(got, x.to(DEVICE), a.to(DEVICE), b.to(DEVICE), scale.to(DEVICE),
              token_slots.to(DEVICE), offset)  # fmt: skip
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_engine_on_the_triton_backend_equals_the_torch_backend(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """The hooks, the slot buffer and the kernels together: one batch of an adapter and the
+    base model gives the torch backend's tokens (interpreted on the CPU: a short run)."""
+    from lora_adapters import make_adapter
+
+    from radixserve.entrypoints.engine import Engine
+
+    adapter = make_adapter(tiny_llama_dir, tmp_path / "a", rank=4, seed=1, scale=4.0)
+    params = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
+    outs = {}
+    for backend in ("torch", "triton"):
+        with Engine(str(tiny_llama_dir), lora_paths=[f"a={adapter}"], lora_backend=backend,
+                    max_total_tokens=4096, plugins={"hardware": "cpu"}) as engine:  # fmt: skip
+            out = engine.generate(input_ids=[[5, 6, 7, 8, 9]] * 2, sampling_params=params,
+                                  lora_path=["a", None])  # fmt: skip
+            outs[backend] = [o["output_ids"] for o in out]
+    assert outs["triton"] == outs["torch"]
+    assert outs["torch"][0] != outs["torch"][1]
