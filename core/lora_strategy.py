@@ -118,11 +118,6 @@ class LoRAStrategy(StepStrategy):
         lens = torch.tensor(batch.extend_lens, dtype=torch.int64)
         self.weights.set_step(per_req.repeat_interleave(lens))
 
-    def stats(self) -> dict[str, Any]:
-        held = sum(1 for h in self.slots.holders.values() if h)
-        return {"loaded": sorted(self.registry.adapters), "slots_held": held,
-                "slot_loads": self.slots.loads}  # fmt: skip
-
 
 def build(core: Any) -> LoRAStrategy | None:
     """The LoRA strategy of ``core`` (an EngineCore) with --lora-paths loaded, or None."""
