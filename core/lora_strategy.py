@@ -41,6 +41,21 @@ def check_combination(config: Any, tp_size: int) -> None:
             raise ConfigError(f"--enable-lora does not run with {flag} yet; drop one of them")
 
 
+def slot_bytes(config: Any, model: Any, itemsize: int) -> int:
+    """Device memory of the adapter slots (A and B of every targeted projection, at
+    --max-lora-rank), set aside before the KV pool is sized; 0 with LoRA off."""
+    if not config.enable_lora:
+        return 0
+    h, d = model.hidden_size, model.head_dim
+    q, kv = model.num_heads * d, model.num_kv_heads * d
+    inter = int(model.raw.get("intermediate_size") or 0)
+    sizes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+             "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}  # fmt: skip
+    per_rank = sum(sum(sizes[m]) for m in config.lora_target_modules)
+    slots = config.max_loras_per_batch
+    return slots * config.max_lora_rank * per_rank * model.num_layers * itemsize
+
+
 class LoRAStrategy(StepStrategy):
     def __init__(self, config: Any, weights: AdapterWeights, table_rows: int) -> None:
         self.registry = LoRARegistry(config.max_lora_rank, tuple(config.lora_target_modules))

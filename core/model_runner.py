@@ -113,7 +113,7 @@ class ModelRunner:
         # model and its KV) is set aside before the KV pool is sized; they refuse settings
         # they cannot run with, several ranks among them (core/strategies.py).
         self.reservation = strategies.reserve(
-            host, dict(self.plugins.names), config, self.dtype, self.ranks.size
+            host, dict(self.plugins.names), config, self.dtype, self.ranks.size, mc
         )
         config, self.settings = config.with_platform_defaults(
             hardware, self.platform.engine_defaults(mc, weight_bytes), usage

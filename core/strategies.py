@@ -30,12 +30,19 @@ class Reservation:
 
 
 def reserve(
-    host: PluginHost, names: dict[str, str], config: Any, dtype: torch.dtype, tp_size: int
+    host: PluginHost,
+    names: dict[str, str],
+    config: Any,
+    dtype: torch.dtype,
+    tp_size: int,
+    model: Any = None,
 ) -> Reservation:
     """Build what must exist before the KV pool is sized; refuse settings a strategy cannot
-    run with (ConfigError)."""
+    run with (ConfigError). ``model``: the ModelConfig (LoRA's slots are sized by it)."""
     lora_strategy.check_combination(config, tp_size)
     algorithm, weights, kv = spec_setup.algorithm_for(host, names, config, dtype, tp_size)
+    if model is not None:
+        weights += lora_strategy.slot_bytes(config, model, dtype.itemsize)
     mode = config.disaggregation_mode
     if tp_size > 1 and mode != "null":
         raise ConfigError(
