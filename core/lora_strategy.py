@@ -35,6 +35,7 @@ def check_combination(config: Any, tp_size: int) -> None:
         ("--disaggregation-mode", config.disaggregation_mode != "null"),
         ("--tp-size > 1", tp_size > 1),
         ("--enable-torch-compile", config.enable_torch_compile),
+        ("--quantization", config.quantization is not None),
     )
     for flag, on in refused:
         if on:

@@ -108,3 +108,15 @@ def test_slots_share_pin_evict_least_recently_used_and_wait() -> None:
     assert weights.loads == [(1, "a"), (2, "b"), (2, "c"), (1, "b")]
     assert slots.acquire("r6", c) == 2  # c still in its slot: no load
     assert len(weights.loads) == 4
+
+
+def test_what_lora_does_not_run_with_is_refused() -> None:
+    from radixserve.core.lora_strategy import check_combination
+
+    check_combination(EngineConfig(enable_lora=True), 1)
+    with pytest.raises(ConfigError, match="--enable-lora does not run with --tp-size > 1"):
+        check_combination(EngineConfig(enable_lora=True), 2)
+    with pytest.raises(ConfigError, match="with --speculative-algorithm"):
+        check_combination(EngineConfig(enable_lora=True, speculative_algorithm="NGRAM"), 1)
+    with pytest.raises(ConfigError, match="with --quantization"):
+        check_combination(EngineConfig(enable_lora=True, quantization="int8wo"), 1)
