@@ -1,8 +1,8 @@
 """LoRA serving through the real server, on a tiny random Llama with random PEFT adapters
 (float32, CPU) compared with transformers + peft: more adapters than --max-loras-per-batch
-slots still serve every request; adapters load and unload at run time while another request
-streams; an unknown adapter is a 400 naming it (native lora_path and OpenAI's "base:adapter");
-with LoRA off a lora_path is a 400 too."""
+slots still serve every request (prompts in prefill chunks); adapters load and unload at run
+time while another request streams; an unknown adapter is a 400 naming it (native lora_path
+and OpenAI's "base:adapter"); with LoRA off a lora_path is a 400 too."""
 
 from __future__ import annotations
 
@@ -45,9 +45,11 @@ def lora_server(
     tiny_llama_dir: Path, adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningServer]:
     log = tmp_path_factory.mktemp("tiny-lora-server") / "server.log"
-    # a and b at start, one slot: two adapters (three with c) share it in turns
+    # a and b at start, one slot: two adapters (three with c) share it in turns; prompts
+    # prefill in chunks of 4 tokens, beside other requests' decodes
     args = [*tiny_server_args(tiny_llama_dir), "--lora-paths", f"a={adapters['a']}",
-            str(adapters["b"]), "--max-loras-per-batch", "1", "--max-lora-rank", "16"]  # fmt: skip
+            str(adapters["b"]), "--max-loras-per-batch", "1", "--max-lora-rank", "16",
+            "--chunked-prefill-size", "4"]  # fmt: skip
     running = start_server(args, log, timeout=300)
     yield running
     code = stop_server(running)
