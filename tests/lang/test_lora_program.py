@@ -50,3 +50,27 @@ def test_programs_name_the_adapter(engine: Engine) -> None:
 def test_native_body_carries_lora_path() -> None:
     body = generate_body("x", SamplingOptions(max_new_tokens=2, lora_path="a"))
     assert body["lora_path"] == "a" and "lora_path" not in body["sampling_params"]
+
+
+def test_engine_loads_and_unloads_adapters(engine: Engine, tmp_path: Path) -> None:
+    from radixserve.core.request import InvalidRequest
+
+    params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    base = engine.generate(PROMPT, params)["output_ids"]
+    reply = engine.load_lora_adapter("b", str(engine_adapter_path(engine)))
+    assert reply["success"] and set(reply["loaded_adapters"]) == {"a", "b"}
+    assert engine.generate(PROMPT, params, lora_path="b")["output_ids"] != base
+    bad = engine.load_lora_adapter("c", str(tmp_path))
+    assert not bad["success"] and "not a PEFT adapter directory" in bad["error_message"]
+    assert engine.unload_lora_adapter("b")["success"]
+    with pytest.raises(InvalidRequest, match="unknown LoRA adapter 'b'"):
+        engine.generate(PROMPT, params, lora_path="b")
+
+
+def engine_adapter_path(engine: Engine) -> str:
+    """The path adapter 'a' was loaded from (loaded again under another name)."""
+    from radixserve.core.lora_strategy import lora_of
+
+    lora = lora_of(engine.core)
+    assert lora is not None
+    return lora.names()["a"]
