@@ -76,6 +76,8 @@ class Admission(KVSlots):
         for req in ordered:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
+            if not all(s.admissible(req) for s in self.strategies):
+                continue  # e.g. its LoRA adapter finds no free slot
             if self._shares_running_prefill(req, peek):
                 self.stats.deferred_admissions += 1
                 continue

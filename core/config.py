@@ -349,6 +349,22 @@ class EngineConfig:
         "asked for; past it the request ends with an error and its slots are freed",
     )
 
+    enable_lora: bool = _opt(False, "Serve LoRA adapters (docs/lora.md)")
+    lora_paths: tuple[str, ...] = _opt(
+        (), "LoRA adapters loaded at start: NAME=PATH or a PEFT directory PATH (named by its "
+        "basename); several after one flag", metavar="NAME=PATH", nargs="+",
+    )  # fmt: skip
+    max_loras_per_batch: int = _opt(8, "Adapter slots on the device (adapters in one step)")
+    max_lora_rank: int = _opt(64, "Highest adapter rank (the slots' size)")
+    lora_target_modules: tuple[str, ...] = _opt(
+        (), "Projections adapters may adapt (default: all of q_proj k_proj v_proj o_proj "
+        "gate_proj up_proj down_proj)", metavar="MODULE", nargs="+",
+    )  # fmt: skip
+    lora_backend: str | None = _opt(
+        None, "LoRA kernels: torch (a loop over the step's adapters) or triton (default: "
+        "triton on CUDA, torch elsewhere)",
+    )  # fmt: skip
+
     def __post_init__(self) -> None:
         config_checks.check_disaggregation(self)
         if self.disaggregation_mode != "null":
@@ -364,6 +380,7 @@ class EngineConfig:
         config_checks.check_limits(self)
         config_checks.check_choices(self)
         config_checks.check_nodes(self)
+        config_checks.check_lora(self)
 
     def _merge_grammar_backend(self, name: str) -> None:
         self._merge_plugin_alias("grammar", "grammar_backend", name)

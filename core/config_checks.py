@@ -196,3 +196,33 @@ def check_pipeline(cfg: EngineConfig) -> None:
     for what, on in refused.items():
         if on:
             raise ConfigError(f"{what} does not run with pp_size={cfg.pp_size} yet")
+
+
+#: the projections LoRA adapters may adapt (PEFT's module names)
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_BACKENDS = ("torch", "triton")
+
+
+def check_lora(cfg: EngineConfig) -> None:
+    """The LoRA flags; an empty --lora-target-modules becomes every module (the config is
+    frozen: resolved here only)."""
+    targets = tuple(cfg.lora_target_modules) or LORA_MODULES
+    object.__setattr__(cfg, "lora_target_modules", targets)
+    object.__setattr__(cfg, "lora_paths", tuple(cfg.lora_paths))
+    unknown = [t for t in targets if t not in LORA_MODULES]
+    if unknown:
+        raise ConfigError(
+            f"--lora-target-modules '{unknown[0]}' is unknown; choose from "
+            f"{', '.join(LORA_MODULES)}"
+        )
+    if cfg.max_loras_per_batch < 1 or cfg.max_lora_rank < 1:
+        raise ConfigError(
+            "--max-loras-per-batch and --max-lora-rank must be >= 1, got "
+            f"{cfg.max_loras_per_batch} and {cfg.max_lora_rank}"
+        )
+    if cfg.lora_backend is not None and cfg.lora_backend not in LORA_BACKENDS:
+        raise ConfigError(
+            f"--lora-backend '{cfg.lora_backend}' is unknown; choose {' or '.join(LORA_BACKENDS)}"
+        )
+    if cfg.lora_paths:  # as SGLang: adapters at start turn LoRA on
+        object.__setattr__(cfg, "enable_lora", True)

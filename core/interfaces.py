@@ -370,6 +370,11 @@ class StepStrategy:
         scheduler); False: the strategy took it; True: it ended instead (finished)."""
         return None
 
+    def admissible(self, req: Any) -> bool:
+        """Whether waiting ``req`` may start running now (e.g. its LoRA adapter got a slot);
+        False: it waits and admission goes on with the next request."""
+        return True
+
     def refused(self, req: Any, message: str) -> None:
         """This server refused ``req`` (validation, ``admit``) with ``message``; tell a peer
         that waits for it."""

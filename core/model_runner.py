@@ -113,7 +113,7 @@ class ModelRunner:
         # model and its KV) is set aside before the KV pool is sized; they refuse settings
         # they cannot run with, several ranks among them (core/strategies.py).
         self.reservation = strategies.reserve(
-            host, dict(self.plugins.names), config, self.dtype, self.ranks.size
+            host, dict(self.plugins.names), config, self.dtype, self.ranks.size, mc
         )
         config, self.settings = config.with_platform_defaults(
             hardware, self.platform.engine_defaults(mc, weight_bytes), usage
@@ -183,6 +183,8 @@ class ModelRunner:
         self.model.load_weights(self.ranks.shard(weights, self.model, model_reg.name, mc))
         if config.quantization is not None:
             self.platform.quantize_model(self.model, config.quantization)
+        # e.g. LoRA's wrapped projections, before the platform captures any graph
+        self.lora_weights = strategies.prepare_model(self.model, config, self.device)
         self.platform.prepare_model(self.model, config)
         # The platform decides how a step runs (eagerly here; e.g. CUDA graphs for decodes).
         self.step = self.ranks.step_executor(

@@ -316,6 +316,8 @@ class Req:
         self.input_ids = input_ids
         self.sampling = sampling
         self.extra_key = extra_key
+        self.lora_name: str | None = None  # the LoRA adapter asked for (None: the base model)
+        self.lora: Any = None  # its core.lora.LoRAAdapter, once admitted
         self.output_ids: list[int] = []
         self.state = ReqState.WAITING
         self.finish_reason: FinishReason | None = None

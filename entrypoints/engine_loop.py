@@ -15,7 +15,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any, TypeAlias
 
+from radixserve.core.config import ConfigError
 from radixserve.core.engine_core import EngineCore
+from radixserve.core.lora_strategy import lora_of
 from radixserve.core.request import FinishReason, InvalidRequest, Req
 from radixserve.entrypoints import ipc
 from radixserve.entrypoints.gc_timer import GcTimer
@@ -188,6 +190,8 @@ class EngineLoop:
             self._reply(self._profile(msg))
         elif isinstance(msg, ipc.UpdateWeightsRequest):
             self._queue_weight_update(msg)
+        elif isinstance(msg, ipc.LoadLoraRequest | ipc.UnloadLoraRequest):
+            self._reply(lora_call(core, msg))
         elif isinstance(msg, ipc.ShutdownRequest):
             if self.profiler.active:
                 self.profiler.stop()  # the trace so far is written, not lost
@@ -284,4 +288,25 @@ def request_of(msg: ipc.GenerateRequest) -> Req:
     req.logprob_start_len = msg.logprob_start_len
     req.pooling, req.label_token_ids = msg.pooling, msg.label_token_ids
     req.bootstrap = msg.bootstrap
+    req.lora_name = msg.lora_name
     return req
+
+
+def lora_call(core: EngineCore, msg: ipc.LoadLoraRequest | ipc.UnloadLoraRequest) -> ipc.LoraReply:
+    """Load or unload an adapter between steps (core/lora_strategy.py)."""
+    lora = lora_of(core)
+    if lora is None:
+        return ipc.LoraReply(
+            call_id=msg.call_id, success=False,
+            error_message="LoRA is off; start the server with --enable-lora",
+        )  # fmt: skip
+    try:
+        if isinstance(msg, ipc.LoadLoraRequest):
+            lora.load(msg.lora_name, msg.lora_path)
+        else:
+            lora.unload(msg.lora_name)
+    except ConfigError as e:
+        return ipc.LoraReply(
+            call_id=msg.call_id, success=False, error_message=str(e), loaded_adapters=lora.names()
+        )
+    return ipc.LoraReply(call_id=msg.call_id, success=True, loaded_adapters=lora.names())

@@ -28,6 +28,7 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
     input_ids: list[int]
     sampling: SamplingParams
     extra_key: str | None = None
+    lora_name: str | None = None  # a loaded LoRA adapter (None: the base model)
     logprob_start_len: int = -1  # >= 0: also score prompt tokens from this position
     # prefill-only requests (max_new_tokens 0; core/pooling.py): an embedding pooled "last"
     # or "mean", or the logprobs of these tokens after the prompt
@@ -74,6 +75,21 @@ class UpdateWeightsRequest(msgspec.Struct, tag="update_weights", kw_only=True):
     model_path: str
 
 
+class LoadLoraRequest(msgspec.Struct, tag="load_lora"):
+    """Load the PEFT adapter at ``lora_path`` as ``lora_name`` (between steps)."""
+
+    call_id: int
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraRequest(msgspec.Struct, tag="unload_lora"):
+    """Forget ``lora_name``: new requests may not name it; running ones finish with it."""
+
+    call_id: int
+    lora_name: str
+
+
 class ShutdownRequest(msgspec.Struct, tag="shutdown"):
     pass
 
@@ -104,6 +120,8 @@ EngineInbound = Union[  # noqa: UP007 - msgspec needs a runtime union object
     ProfileRequest,
     UpdateWeightsRequest,
     CancelRoomRequest,
+    LoadLoraRequest,
+    UnloadLoraRequest,
 ]
 
 # -- engine -> server ------------------------------------------------------------------------
@@ -164,6 +182,7 @@ class EngineReady(msgspec.Struct, tag="ready", kw_only=True):
     # EngineCore.spec_stats() at start (its settings, zero counts); None: speculation is off
     speculative: dict[str, Any] | None = None
     disaggregation_mode: str = "null"  # "prefill" or "decode": bootstrap fields are honoured
+    lora_adapters: dict[str, str] | None = None  # LoRA adapters loaded (name -> path); None: off
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):
@@ -182,6 +201,16 @@ class UpdateWeightsReply(msgspec.Struct, tag="update_weights_reply", kw_only=Tru
     success: bool
     message: str
     num_paused_requests: int  # requests held back (waiting) while the weights loaded
+
+
+class LoraReply(msgspec.Struct, tag="lora_reply", kw_only=True):
+    """A LoRA load or unload: ``success`` False with the reason in ``error_message``;
+    ``loaded_adapters``: name -> path after the call (SGLang's reply fields)."""
+
+    call_id: int
+    success: bool
+    error_message: str = ""
+    loaded_adapters: dict[str, str] = {}
 
 
 class EngineState(msgspec.Struct, tag="state_reply", kw_only=True):
@@ -221,6 +250,7 @@ EngineOutbound = Union[  # noqa: UP007 - msgspec needs a runtime union object
     EngineState,
     ProfileReply,
     UpdateWeightsReply,
+    LoraReply,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -14,18 +14,20 @@ from radixserve.core.request import InvalidRequest
 from radixserve.entrypoints.http_errors import error_response
 from radixserve.entrypoints.http_json import read_object
 from radixserve.entrypoints.profiling import ProfileDir, start_profile, stop_profile
+from radixserve.entrypoints.serving_lora import LORA_PATHS, add_lora_routes
 from radixserve.entrypoints.serving_weights import add_weight_routes
 from radixserve.entrypoints.tokenizer_manager import TokenizerManager
 
 GET_POST = ["GET", "POST"]
 ADMIN_PATHS = frozenset(
     {"/flush_cache", "/abort_request", "/update_weights_from_disk", "/start_profile",
-     "/stop_profile"}
+     "/stop_profile"} | LORA_PATHS
 )  # fmt: skip
 
 
 def add_admin_routes(app: FastAPI, tm: TokenizerManager, profile_dir: ProfileDir) -> None:
     add_weight_routes(app, tm)
+    add_lora_routes(app, tm)
 
     @app.api_route("/flush_cache", methods=GET_POST)
     async def flush_cache() -> Any:

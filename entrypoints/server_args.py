@@ -213,6 +213,8 @@ def add_dataclass_flags(
             kw["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
         elif base is tuple:
             kw.update(action="append", metavar=f.metadata.get("metavar", "KIND=NAME"))
+            if f.metadata.get("nargs"):  # --flag A B ... (several after one flag, as SGLang)
+                kw.update(action="extend", nargs=f.metadata["nargs"])
             default = argparse.SUPPRESS if suppress else None
         else:
             kw["type"] = base
@@ -255,6 +257,8 @@ def parse_server_args(argv: Sequence[str] | None = None) -> ServerArgs:
     engine_values = {f.name: values.pop(f.name) for f in dataclasses.fields(EngineConfig)}
     engine_values["plugins"] = tuple(engine_values["plugins"] or ())
     engine_values["plugin_allow"] = tuple(engine_values["plugin_allow"] or ())
+    for name in ("lora_paths", "lora_target_modules"):
+        engine_values[name] = tuple(engine_values[name] or ())
     if engine_values["model_path"] == DEFAULT_MODEL_NAME:
         engine_values["model_path"] = None  # the hub id of the default model: use the bundled copy
     try:

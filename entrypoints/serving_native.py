@@ -96,6 +96,11 @@ class NativeServing:
         for ids, p, raw_p in zip(prompts, params, raw_params, strict=True):
             explicit = isinstance(raw_p, dict) and raw_p.get("max_new_tokens") is not None
             self.tm.check(ids, p, "max_new_tokens" if explicit else None)
+        loras = _per_item(body.get("lora_path"), count, "lora_path")
+        for name in loras:
+            if name is not None and not isinstance(name, str):
+                raise InvalidRequest("lora_path must be an adapter name or a list of them")
+            self.tm.check_lora(name)
         rids = _rids(body.get("rid"), count)
         boots = expand_bootstrap(
             body.get("bootstrap_host"),
@@ -103,7 +108,7 @@ class NativeServing:
             body.get("bootstrap_room"),
             [p.n for p in params],
         )
-        reqs, req_options = self._submit(prompts, params, options, rids, boots)
+        reqs, req_options = self._submit(prompts, params, options, rids, boots, loras)
         return stream, batch or len(reqs) > 1, reqs, req_options
 
     async def _prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
@@ -138,21 +143,28 @@ class NativeServing:
         options: list[LogprobOptions],
         rids: list[str | None],
         boots: list[Bootstrap | None],
+        loras: list[str | None],
     ) -> tuple[list[ServerReq], list[LogprobOptions]]:
         self.tm.admit(sum(p.n for p in params))
         event = asyncio.Event()
         reqs: list[ServerReq] = []
         req_options: list[LogprobOptions] = []
         try:
-            for ids, p, o, rid in zip(prompts, params, options, rids, strict=True):
+            for ids, p, o, rid, lora in zip(prompts, params, options, rids, loras, strict=True):
                 for i in range(p.n):
                     choice_rid = rid if rid is None or p.n == 1 else f"{rid}-{i}"
                     start = _resolved_start(o, p)
                     boot = boots[len(reqs)]
                     reqs.append(
                         self.tm.submit(
-                            ids, choice_params(p, i), event, choice_rid, start, bootstrap=boot
-                        )
+                            ids,
+                            choice_params(p, i),
+                            event,
+                            choice_rid,
+                            start,
+                            bootstrap=boot,
+                            lora_name=lora,
+                        )  # fmt: skip
                     )
                     req_options.append(o)
         except Exception:

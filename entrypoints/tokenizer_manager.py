@@ -132,6 +132,8 @@ class TokenizerManager:
         self.limits = limits or Limits()
         self.draining = False  # set on SIGTERM: new requests get 503
         self.info = info
+        # the LoRA adapters requests may name (None: LoRA is off); follows load/unload replies
+        self.lora_adapters = None if info.lora_adapters is None else dict(info.lora_adapters)
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.reqs: dict[str, ServerReq] = {}
@@ -254,6 +256,7 @@ class TokenizerManager:
         pooling: str | None = None,
         label_token_ids: list[int] | None = None,
         bootstrap: Bootstrap | None = None,
+        lora_name: str | None = None,
     ) -> ServerReq:
         """Queue a checked request in the engine. It counts as live (in ``reqs``, against the
         admission limit) only once the engine has it: a request that fails before that leaves
@@ -279,6 +282,7 @@ class TokenizerManager:
             pooling=pooling,
             label_token_ids=label_token_ids,
             bootstrap=bootstrap,
+            lora_name=lora_name,
         )
         try:
             data = ipc.encode(message)
@@ -359,6 +363,27 @@ class TokenizerManager:
                 lambda call_id: ipc.UpdateWeightsRequest(call_id=call_id, model_path=model_path),
                 timeout=WEIGHT_UPDATE_TIMEOUT_S,
             )
+
+    def check_lora(self, name: str | None) -> None:
+        """InvalidRequest (400) naming ``name`` unless that LoRA adapter is loaded."""
+        if name is None:
+            return
+        if self.lora_adapters is None:
+            raise InvalidRequest(
+                f"the request names the LoRA adapter '{name}', but this server serves no "
+                "adapters (start it with --enable-lora)"
+            )
+        if name not in self.lora_adapters:
+            loaded = ", ".join(sorted(self.lora_adapters)) or "none"
+            raise InvalidRequest(f"unknown LoRA adapter '{name}' (loaded: {loaded})")
+
+    async def lora_call(self, make: Callable[[int], Any]) -> ipc.LoraReply:
+        """Load or unload an adapter in the engine (between steps); the names this process
+        checks requests against follow the reply."""
+        reply: ipc.LoraReply = await self.client.call(make)
+        if self.lora_adapters is not None and (reply.success or reply.loaded_adapters):
+            self.lora_adapters = dict(reply.loaded_adapters)
+        return reply
 
     async def engine_state(self) -> ipc.EngineState:
         return await self.client.call(ipc.StateRequest)

@@ -519,6 +519,12 @@ class DecoderForCausalLM(nn.Module, CausalLM):
             return f"{prefix}down_proj.{kind}", None, None
         return name, None, None
 
+    def attach_lora(self, config: Any, device: str) -> Any:
+        """Wrap the projections for LoRA adapters (core/lora.py's AdapterWeights)."""
+        from radixserve.plugins.models.lora_layers import attach_lora
+
+        return attach_lora(self, config, device)
+
     # ---- the fixed part ----
 
     @torch.inference_mode()
