@@ -157,6 +157,23 @@ class EngineConfig:
         "How much KV admission keeps for running requests' future tokens (1.0: an estimate "
         "that adapts to retractions; larger: fewer retractions; 0: none kept)",
     )
+    enable_priority_scheduling: bool = _opt(
+        False,
+        "Admit waiting requests by their 'priority' (larger first), retracting running requests "
+        "of a lower priority when a higher one does not fit; a request gains one level per "
+        "--priority-aging-steps steps waited, so none waits forever",
+    )
+    schedule_low_priority_values_first: bool = _opt(
+        False, "With --enable-priority-scheduling: smaller 'priority' values run first"
+    )
+    priority_aging_steps: int = _opt(
+        100, "Engine steps a request waits (or runs) per priority level it gains (aging)"
+    )
+    session_pin_ratio: float = _opt(
+        0.5,
+        "Most share of the KV pool that open sessions (/open_session) keep pinned; past it "
+        "the oldest session's pin is dropped first",
+    )
     disable_radix_cache: bool = _opt(False, "Turn the radix prefix cache off")
     random_seed: int = _opt(0, "Seed of the engine's random generator")
     tp_size: int = _opt(

@@ -150,7 +150,7 @@ class EngineLoop:
                 req.failed = message
                 ended.append(req)
         kv = self.core.kv_accounting()
-        if kv["in_use"] or kv["locked"]:
+        if kv["in_use"] or kv["locked"] != kv["pinned"]:
             raise RuntimeError(f"cannot recover from a failed step ({error!r}): KV held {kv}")
         if not ended:  # nothing to blame: a step that fails again and again is a broken engine
             self.failed_steps += 1
