@@ -348,8 +348,10 @@ class Req:
         # other way; the scheduler step it first arrived at (-1: not yet queued).
         self.priority = 0
         self.arrival_step = -1
-        # core.sessions.SessionParams: the session this request continues, or None.
+        # core.sessions.SessionParams: the session this request continues, or None; the
+        # tokens of the session's context put before the client's prompt.
         self.session_params: Any = None
+        self.context_tokens = 0
         # timing
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None

@@ -86,7 +86,7 @@ class SessionTable(StepStrategy):
 
     # -- open and close -------------------------------------------------------------------
 
-    def open(
+    def open_session(
         self, capacity: int | None = None, session_id: str | None = None, ttl_s: float | None = None
     ) -> str:
         """Open a session; return its id (``session_id``, or a fresh one)."""
@@ -104,7 +104,7 @@ class SessionTable(StepStrategy):
         self.sessions[session_id] = session
         return session_id
 
-    def close(self, session_id: str) -> None:
+    def close_session(self, session_id: str) -> None:
         """Close ``session_id``: its pin is dropped (its KV stays cached, evictable)."""
         self._unpin(self._get(session_id))
         del self.sessions[session_id]
@@ -114,7 +114,7 @@ class SessionTable(StepStrategy):
         now = self.clock()
         gone = [s.id for s in self.sessions.values() if _expired(s, now)]
         for session_id in gone:
-            self.close(session_id)
+            self.close_session(session_id)
         return gone
 
     def _get(self, session_id: str) -> Session:
@@ -136,7 +136,8 @@ class SessionTable(StepStrategy):
         session = self._get(params.id)
         session.last_used = self.clock()
         if params.append:
-            req.input_ids = self._context(session, params) + list(req.input_ids)
+            context = self._context(session, params)
+            req.input_ids, req.context_tokens = context + list(req.input_ids), len(context)
         if session.capacity is not None and len(req.input_ids) > session.capacity:
             raise InvalidRequest(
                 f"the request holds {len(req.input_ids)} tokens with session '{session.id}''s "

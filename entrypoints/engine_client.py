@@ -31,7 +31,10 @@ MAX_DRAINED = 256
 # process) never imports torch or the model code to start it.
 ENGINE_ENTRY = "radixserve.entrypoints.engine_process:run_engine"
 # Replies to ``call``, matched to their caller by call_id.
-_REPLIES = (ipc.EngineState, ipc.FlushCacheReply, ipc.ProfileReply, ipc.UpdateWeightsReply)
+_REPLIES = (
+    ipc.EngineState, ipc.FlushCacheReply, ipc.ProfileReply, ipc.UpdateWeightsReply,
+    ipc.SessionReply,
+)  # fmt: skip
 
 
 class EngineDied(RuntimeError):

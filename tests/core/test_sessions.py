@@ -87,7 +87,7 @@ def test_a_session_keeps_a_growing_conversation_cached_under_other_traffic(
     short = [cached for previous, cached in without[1:] if cached < previous - 1]
     assert len(short) >= TURNS // 2, without
 
-    session = core.sessions.open()
+    session = core.sessions.open_session()
     with_session = conversation(core, session, seed=200)
     for previous, cached in with_session[1:]:
         # the whole previous context but its last sampled token, which never ran (no KV yet)
@@ -96,7 +96,7 @@ def test_a_session_keeps_a_growing_conversation_cached_under_other_traffic(
     pinned = core.scheduler.kv_accounting()["pinned"]
     assert pinned == TURNS * (NEW_TOKENS + OUTPUT) - 1
 
-    core.sessions.close(session)
+    core.sessions.close_session(session)
     acct = core.scheduler.kv_accounting()
     assert acct["locked"] == acct["pinned"] == 0
     core.scheduler.check_no_leak()
@@ -105,7 +105,7 @@ def test_a_session_keeps_a_growing_conversation_cached_under_other_traffic(
 def test_pins_stay_within_their_share_oldest_dropped_first(tiny_llama_dir: Path) -> None:
     core = make_core(tiny_llama_dir, session_pin_ratio=0.25)  # 192 tokens of pins
     limit = core.sessions.pin_limit
-    ids = [core.sessions.open(session_id=f"s{i}") for i in range(3)]
+    ids = [core.sessions.open_session(session_id=f"s{i}") for i in range(3)]
     for i, sid in enumerate(ids):
         req = Req(f"r{i}", tokens(50 + i, 80), greedy(4))
         req.session_params = SessionParams(id=sid)
@@ -120,7 +120,7 @@ def test_pins_stay_within_their_share_oldest_dropped_first(tiny_llama_dir: Path)
     run(core, big)
     assert core.sessions.sessions["s0"].pin is None
     for sid in ids:
-        core.sessions.close(sid)
+        core.sessions.close_session(sid)
     assert core.scheduler.kv_accounting()["locked"] == 0
 
 
@@ -130,9 +130,9 @@ def test_session_params_are_checked_and_followed(tiny_llama_dir: Path) -> None:
     req.session_params = SessionParams(id="nope")
     with pytest.raises(InvalidRequest, match="unknown session 'nope'"):
         core.add_request(req)
-    sid = core.sessions.open(capacity=40)
+    sid = core.sessions.open_session(capacity=40)
     with pytest.raises(InvalidRequest, match="already open"):
-        core.sessions.open(session_id=sid)
+        core.sessions.open_session(session_id=sid)
     first = Req("first", tokens(2, 10), greedy(4))
     first.session_params = SessionParams(id=sid)
     run(core, first)
@@ -149,16 +149,16 @@ def test_session_params_are_checked_and_followed(tiny_llama_dir: Path) -> None:
     too_long.session_params = SessionParams(id=sid)
     with pytest.raises(InvalidRequest, match="capacity of 40"):
         core.add_request(too_long)
-    core.sessions.close(sid)
+    core.sessions.close_session(sid)
     with pytest.raises(InvalidRequest, match=f"unknown session '{sid}'"):
-        core.sessions.close(sid)
+        core.sessions.close_session(sid)
 
 
 def test_a_session_expires_after_its_ttl(tiny_llama_dir: Path) -> None:
     core = make_core(tiny_llama_dir)
     now = [0.0]
     core.sessions.clock = lambda: now[0]
-    sid = core.sessions.open(ttl_s=10.0)
+    sid = core.sessions.open_session(ttl_s=10.0)
     req = Req("r", tokens(7, 20), greedy(2))
     req.session_params = SessionParams(id=sid)
     run(core, req)
