@@ -29,6 +29,7 @@ from radixserve.entrypoints import ipc
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 PREFIX = "sglang:"
+OURS = "radixserve_"  # metrics SGLang does not have
 ENGINE_TYPE = "unified"  # SGLang's value without prefill/decode disaggregation
 TOKENIZER_LABELS = ("model_name", "engine_type")
 SCHEDULER_LABELS = ("model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank")
@@ -251,11 +252,12 @@ class _EngineMetrics:
         # ours: per priority value (core/priority.py) and the sessions' pins (core/sessions.py)
         by_priority = [*labels, "priority"]
         self.priority = {
-            key: Gauge(PREFIX + name, doc, by_priority, registry=registry)
+            key: Gauge(OURS + name, doc, by_priority, registry=registry)
             for key, (name, doc) in self.PRIORITY_COUNTS.items()
         }
         self.session_gauges = {
-            key: self._gauge(name, doc) for key, (name, doc) in self.SESSION_GAUGES.items()
+            key: Gauge(OURS + name, doc, list(labels), registry=registry).labels(**labels)
+            for key, (name, doc) in self.SESSION_GAUGES.items()
         }
 
     def _gauge(self, name: str, doc: str) -> Any:

@@ -114,7 +114,7 @@ def test_openai_chat_in_a_session_keeps_the_conversation_cached(
             extra_body={"session_params": {"id": sid, "offset": 3}},
         )  # fmt: skip
     assert post(agent_server, "/close_session", {"session_id": sid}).status_code == 200
-    assert metric(agent_server, "sglang:priority_admitted_requests", priority="3") >= 3
+    assert metric(agent_server, "radixserve_priority_admitted_requests", priority="3") >= 3
 
 
 def test_priority_must_be_an_integer(agent_server: RunningServer) -> None:
@@ -123,4 +123,4 @@ def test_priority_must_be_an_integer(agent_server: RunningServer) -> None:
     assert response.status_code == 400 and "priority must be an integer" in response.text
     body["priority"] = -4
     assert post(agent_server, "/generate", body).status_code == 200
-    assert metric(agent_server, "sglang:priority_admitted_requests", priority="-4") == 1
+    assert metric(agent_server, "radixserve_priority_admitted_requests", priority="-4") == 1
