@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.core.request import Req
+from radixserve.core.step_plan import RetractionNeeded
 
 
 @dataclass(slots=True)
@@ -87,10 +88,11 @@ class PriorityPolicy:
             return max(running, key=lambda r: r.arrival_time)
         return min(running, key=lambda r: (self.rank(r), -r.arrival_time))
 
-    def preempt(self, scheduler: Any) -> list[Req]:
+    def preempt(self, scheduler: Any, allow_retract: bool = True) -> list[Req]:
         """Called once per step before planning: retract running requests of a lower rank
         than the first waiting one in rank order until that one fits; return them (retracted
-        through ``scheduler.retract``)."""
+        through ``scheduler.retract``). Raises RetractionNeeded where it would retract but
+        ``allow_retract`` is False (a step is in flight: the engine commits it first)."""
         self.step += 1
         if not self.enabled or not scheduler.waiting or not scheduler.running:
             return []
@@ -102,6 +104,9 @@ class PriorityPolicy:
             (r for r in scheduler.running if self.rank(r) < top_rank),
             key=lambda r: (self.rank(r), -r.arrival_time),
         )
+        if lower and not allow_retract and not scheduler.would_fit(top):
+            self.step -= 1  # the engine plans this step again once the one in flight commits
+            raise RetractionNeeded
         victims: list[Req] = []
         while lower and not scheduler.would_fit(top):
             victim = lower.pop(0)

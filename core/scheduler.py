@@ -148,7 +148,7 @@ class Scheduler(StepCommit, Admission):
         empty while requests run."""
         self.blocked = None
         self._scheduled = {}
-        self.priority.preempt(self)  # a higher rank waits that would not fit: room for it
+        self.priority.preempt(self, allow_retract)  # room for a higher rank that waits
         if not self.config.mixed_chunk:
             alone = self._schedule_prefill_alone()
             if alone is not None:

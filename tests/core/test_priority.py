@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from platform_choice import on_cpu
 from scheduler_checks import check_accounting, greedy, tokens
 
@@ -14,9 +15,10 @@ from radixserve.core.config import EngineConfig
 from radixserve.core.engine_core import EngineCore
 from radixserve.core.plugins import default_host
 from radixserve.core.request import Req
+from radixserve.core.step_plan import RetractionNeeded
 
 LOW_STREAMS = 6
-LOW_OUTPUT = 120
+LOW_OUTPUT = 60
 
 
 def make_core(model_dir: Path, **settings: object) -> EngineCore:
@@ -74,6 +76,13 @@ def ttft_under_load(model_dir: Path, **settings: object) -> tuple[int, int, Engi
     run_to_idle(core)
     core.flush_cache()  # the loaded run computes its prompt again, as the idle one did
     lows = fill_with_low_streams(core)
+    if core.scheduler.priority.enabled:
+        # with a step in flight (overlap) the scheduler asks for it to be committed first
+        waiting = high("in-flight")
+        core.scheduler.add_request(waiting)
+        with pytest.raises(RetractionNeeded):
+            core.scheduler.schedule(allow_retract=False)
+        core.scheduler.waiting.remove(waiting)
     loaded = steps_to_first_token(core, high("loaded"))
     run_to_idle(core)
     return idle, loaded, core, lows
