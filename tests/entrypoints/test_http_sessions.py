@@ -16,6 +16,8 @@ import pytest
 from hardening import metric, own_server, server_state, wait_idle
 from server_process import TINY_API_KEY, TINY_MODEL_NAME, RunningServer
 
+pytestmark = pytest.mark.slow  # a server of its own
+
 FLAGS = ("--enable-priority-scheduling", "--session-pin-ratio", "0.5")
 
 
