@@ -17,9 +17,9 @@ from radixserve.core.request import InvalidRequest, Req
 from radixserve.core.sessions import SessionParams
 
 TURNS = 20
-NEW_TOKENS = 16  # the user's (or tool's) tokens appended each turn
-OUTPUT = 8
-POOL = 768  # the whole conversation (20 x 24 tokens) fits, beside little else
+NEW_TOKENS = 8  # the user's (or tool's) tokens appended each turn
+OUTPUT = 4
+POOL = 512  # the whole conversation (20 x 12 tokens) fits, beside little else
 
 
 def make_core(model_dir: Path, **settings: object) -> EngineCore:
@@ -55,7 +55,7 @@ def other_traffic(turn: int) -> list[Req]:
     """Unrelated prompts that, together, fill the pool: LRU eviction takes whatever is not
     locked, the conversation's history included."""
     seed = 1000 + 10 * turn
-    return [Req(f"other-{turn}-{i}", tokens(seed + i, 300), greedy(1)) for i in range(2)]
+    return [Req(f"other-{turn}-{i}", tokens(seed + i, 150), greedy(1)) for i in range(3)]
 
 
 def conversation(core: EngineCore, session: str | None, seed: int) -> list[tuple[int, int]]:
@@ -103,7 +103,7 @@ def test_a_session_keeps_a_growing_conversation_cached_under_other_traffic(
 
 
 def test_pins_stay_within_their_share_oldest_dropped_first(tiny_llama_dir: Path) -> None:
-    core = make_core(tiny_llama_dir, session_pin_ratio=0.25)  # 192 tokens of pins
+    core = make_core(tiny_llama_dir, max_total_tokens=768, session_pin_ratio=0.25)  # 192
     limit = core.sessions.pin_limit
     ids = [core.sessions.open_session(session_id=f"s{i}") for i in range(3)]
     for i, sid in enumerate(ids):
