@@ -12,7 +12,8 @@ makes that prefix evictable again (once a host tier exists, that is where it wou
 
 ``SessionParams`` on a request (see ``SessionTable.prepare``):
 - ``id``: an open session (an unknown one is refused, naming it);
-- ``rid``: the session's request to continue from (default: its newest);
+- ``rid``: the session's request to continue from (default: its newest; the session
+  remembers its newest ``KEPT_REQUESTS``);
 - ``offset``: keep only that many leading tokens of that request's context (default: all);
 - ``drop_previous_output``: continue from that request's prompt, without its output;
 - ``replace``: once this request finishes, the session forgets its other requests;
@@ -31,6 +32,10 @@ from typing import Any
 
 from radixserve.core.interfaces import StepStrategy
 from radixserve.core.request import InvalidRequest, Req
+
+# Finished requests a session remembers (by rid) for ``session_params.rid``: a long agent
+# conversation holds its whole context per turn, so the oldest go first.
+KEPT_REQUESTS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +195,9 @@ class SessionTable(StepStrategy):
         context = list(req.input_ids) + list(req.output_ids)
         session.contexts[req.rid] = context
         session.prompt_lens[req.rid] = len(req.input_ids)
+        while len(session.contexts) > KEPT_REQUESTS:  # the oldest cannot be continued any more
+            oldest = next(iter(session.contexts))
+            del session.contexts[oldest], session.prompt_lens[oldest]
         session.last_rid = req.rid
         session.last_used = self.clock()
         self._pin(session, context, req.extra_key)

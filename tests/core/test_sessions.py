@@ -10,6 +10,7 @@ import pytest
 from platform_choice import on_cpu
 from scheduler_checks import check_accounting, greedy, tokens
 
+from radixserve.core import sessions
 from radixserve.core.config import EngineConfig
 from radixserve.core.engine_core import EngineCore
 from radixserve.core.plugins import default_host
@@ -168,3 +169,21 @@ def test_a_session_expires_after_its_ttl(tiny_llama_dir: Path) -> None:
     assert sid not in core.sessions.sessions
     assert core.scheduler.kv_accounting()["locked"] == 0
     check_accounting(core)
+
+
+def test_a_session_remembers_only_its_newest_requests(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sessions, "KEPT_REQUESTS", 1)
+    core = make_core(tiny_llama_dir)
+    sid = core.sessions.open_session()
+    for rid in ("a", "b"):
+        req = Req(rid, tokens(ord(rid), 6), greedy(1))
+        req.session_params = SessionParams(id=sid)
+        run(core, req)
+    old = Req("c", tokens(3, 4), greedy(1))
+    old.session_params = SessionParams(id=sid, rid="a")
+    with pytest.raises(InvalidRequest, match="'a' is not a finished request"):
+        core.add_request(old)
+    assert list(core.sessions.sessions[sid].contexts) == ["b"]
+    core.sessions.close_session(sid)
