@@ -88,8 +88,15 @@ def ttft_under_load(model_dir: Path, **settings: object) -> tuple[int, int, Engi
     return idle, loaded, core, lows
 
 
-def test_high_priority_ttft_within_twice_idle_and_low_ones_finish(tiny_llama_dir: Path) -> None:
-    idle, loaded, core, lows = ttft_under_load(tiny_llama_dir, enable_priority_scheduling=True)
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_high_priority_ttft_within_twice_idle_and_low_ones_finish(
+    tiny_llama_dir: Path, overlap: bool
+) -> None:
+    """With overlap scheduling a step's tokens come one step late, idle and loaded alike; a
+    preemption then first commits the step in flight (RetractionNeeded)."""
+    idle, loaded, core, lows = ttft_under_load(
+        tiny_llama_dir, enable_priority_scheduling=True, enable_overlap_schedule=overlap
+    )
     assert loaded <= 2 * idle, (idle, loaded)
     for req in lows:
         assert req.finish_reason is not None and req.finish_reason.type == "length", req.rid
