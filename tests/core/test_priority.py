@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from platform_choice import on_cpu
-from scheduler_checks import check_accounting, greedy, tokens
+from scheduler_checks import check_accounting, greedy, run_to_idle, tokens
 
 from radixserve.core.config import EngineConfig
 from radixserve.core.engine_core import EngineCore
@@ -37,15 +37,6 @@ def steps_to_first_token(core: EngineCore, req: Req) -> int:
         if req.output_ids:
             return steps
     raise AssertionError("no first token")
-
-
-def run_to_idle(core: EngineCore) -> None:
-    for _ in range(5000):
-        if not core.has_work():
-            return
-        core.step()
-        check_accounting(core)
-    raise AssertionError("no progress")
 
 
 def high(rid: str) -> Req:
