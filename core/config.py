@@ -1,4 +1,5 @@
-"""Configuration: the model's shape (ModelConfig) and the engine's settings (EngineConfig).
+"""Configuration: the engine's settings (EngineConfig); the model's shape (ModelConfig) is in
+``model_config.py`` and re-exported here.
 
 Each EngineConfig field carries its ``--help`` text in ``metadata["help"]``; the CLI builds its
 flags from these fields so there is one source of truth.
@@ -6,10 +7,8 @@ flags from these fields so there is one source of truth.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
 from typing import Any
 
 from radixserve.core import config_checks
@@ -22,64 +21,7 @@ from radixserve.core.config_checks import (  # noqa: F401 - re-exported: they li
     SCHEDULE_POLICIES,
     ConfigError,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    """What the core needs of a model's ``config.json``; the raw dict travels along."""
-
-    architecture: str
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_context: int
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
-    raw: dict[str, Any]
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"model directory '{model_dir}' has no config.json")
-        try:
-            raw = json.loads(path.read_text())
-        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-            raise ConfigError(f"{path} is not a valid JSON file: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path} must hold a JSON object, got {type(raw).__name__}")
-        return cls.from_dict(raw)
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        archs = raw.get("architectures") or []
-        if not archs:
-            raise ConfigError("config.json names no 'architectures'")
-        try:
-            hidden = int(raw["hidden_size"])
-            heads = int(raw["num_attention_heads"])
-            layers = int(raw["num_hidden_layers"])
-            vocab = int(raw["vocab_size"])
-        except KeyError as e:
-            raise ConfigError(f"config.json lacks required field {e}") from e
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        return cls(
-            architecture=archs[0],
-            hidden_size=hidden,
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            vocab_size=vocab,
-            max_context=int(raw.get("max_position_embeddings") or 2048),
-            eos_token_ids=eos_ids,
-            bos_token_id=raw.get("bos_token_id"),
-            raw=raw,
-        )
+from radixserve.core.model_config import ModelConfig  # noqa: F401 - re-exported: it lived here
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
@@ -156,6 +98,23 @@ class EngineConfig:
         1.0,
         "How much KV admission keeps for running requests' future tokens (1.0: an estimate "
         "that adapts to retractions; larger: fewer retractions; 0: none kept)",
+    )
+    enable_priority_scheduling: bool = _opt(
+        False,
+        "Admit waiting requests by their 'priority' (larger first), retracting running requests "
+        "of a lower priority when a higher one does not fit; a request gains one level per "
+        "--priority-aging-steps steps waited, so none waits forever",
+    )
+    schedule_low_priority_values_first: bool = _opt(
+        False, "With --enable-priority-scheduling: smaller 'priority' values run first"
+    )
+    priority_aging_steps: int = _opt(
+        100, "Engine steps a request waits (or runs) per priority level it gains (aging)"
+    )
+    session_pin_ratio: float = _opt(
+        0.5,
+        "Most share of the KV pool that open sessions (/open_session) keep pinned; past it "
+        "the oldest session's pin is dropped first",
     )
     disable_radix_cache: bool = _opt(False, "Turn the radix prefix cache off")
     random_seed: int = _opt(0, "Seed of the engine's random generator")

@@ -79,6 +79,10 @@ def check_choices(cfg: EngineConfig) -> None:
         raise ConfigError(
             f"schedule_conservativeness must be >= 0, got {cfg.schedule_conservativeness}"
         )
+    if not 0.0 <= cfg.session_pin_ratio <= 1.0:
+        raise ConfigError(f"session_pin_ratio must be in [0, 1], got {cfg.session_pin_ratio}")
+    if cfg.priority_aging_steps < 1:
+        raise ConfigError(f"priority_aging_steps must be >= 1, got {cfg.priority_aging_steps}")
     if cfg.schedule_policy not in SCHEDULE_POLICIES:
         raise ConfigError(
             f"unknown schedule policy '{cfg.schedule_policy}'; "

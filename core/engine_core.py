@@ -25,6 +25,7 @@ from radixserve.core.plugins import PluginHost
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
 from radixserve.core.request import InvalidRequest, Req
 from radixserve.core.scheduler import Scheduler, SchedulerConfig, new_token_ratios
+from radixserve.core.sessions import SessionTable
 from radixserve.core.step_plan import RetractionNeeded, StepPlan
 from radixserve.core.stop import StopChecker
 from radixserve.core.strategies import build_all
@@ -83,8 +84,11 @@ class EngineCore(EngineViews):
         self._last_result_at = 0.0  # when the previous step's result came (timing per kind)
         self._changed_outside_step: list[Req] = []
         self.scheduler = self._scheduler()
-        # The step strategies (core/strategies.py), called at the loop's fixed points.
-        self.strategies = build_all(self, host, model_dir)
+        # The step strategies (core/strategies.py), called at the loop's fixed points; the
+        # sessions that keep their KV pinned between turns (core/sessions.py) are one.
+        size = self.runner.allocator.size
+        self.sessions = SessionTable(self.cache, size, config.session_pin_ratio)
+        self.strategies = build_all(self, host, model_dir) + [self.sessions]
         self.scheduler.strategies = self.runner.strategies = self.strategies
         info = {
             "model_path": str(model_dir),
@@ -108,6 +112,9 @@ class EngineCore(EngineViews):
                 schedule_policy=config.schedule_policy,
                 max_context=self.max_context,
                 random_seed=config.random_seed,
+                enable_priority_scheduling=config.enable_priority_scheduling,
+                schedule_low_priority_values_first=config.schedule_low_priority_values_first,
+                priority_aging_steps=config.priority_aging_steps,
                 **new_token_ratios(config.schedule_conservativeness),
             ),
             self.runner.allocator,
@@ -145,6 +152,8 @@ class EngineCore(EngineViews):
         a strategy may hold it instead (e.g. until its KV arrived)."""
         compiling = req.sampling.grammar is not None
         try:
+            for strategy in self.strategies:
+                strategy.prepare(req)
             self.validate(req)
             held = [s.admit(req, compiling) for s in self.strategies]
         except InvalidRequest as e:
@@ -403,6 +412,7 @@ class EngineCore(EngineViews):
         except Exception as e:  # noqa: BLE001 - any failure leaves the old weights; it is reported
             logger.warning("weights from %s not loaded: %s", model_path, e)
             return False, f"weights not loaded, the old ones still serve: {e}"
+        self.sessions.unpin_all()  # their KV came from the old weights
         self.cache.evict(1 << 62)
         logger.info("loaded weights from %s", model_path)
         return True, f"loaded weights from '{model_path}'"
@@ -412,6 +422,7 @@ class EngineCore(EngineViews):
         self._sync()
         if self.scheduler.has_work():
             return False
+        self.sessions.unpin_all()  # sessions stay open; their next turn computes again
         self.cache.evict(1 << 62)
         return True
 

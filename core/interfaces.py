@@ -358,6 +358,10 @@ class StepStrategy:
 
     # -- the request lifecycle (engine core) --------------------------------------------------
 
+    def prepare(self, req: Any) -> None:
+        """A request arrives, before validation: the strategy may rewrite its prompt (a
+        session puts its context first, core/sessions.py). Raise InvalidRequest to refuse."""
+
     def admit(self, req: Any, compiling: bool) -> bool:
         """A validated request arrives (``compiling``: its grammar compiles first, and it
         comes back through ``admit_compiled``). Raise InvalidRequest to refuse it; return True
@@ -461,6 +465,10 @@ class StepStrategy:
 
     def on_release(self, scheduler: Any, req: Any) -> None:
         """``req``'s slots are about to be given back (they still hold its KV)."""
+
+    def pinned_tokens(self) -> int:
+        """Cached tokens the strategy keeps locked while no request runs (session pins)."""
+        return 0
 
     # -- the model runner -------------------------------------------------------------------
 

@@ -32,7 +32,8 @@ MAX_DRAINED = 256
 ENGINE_ENTRY = "radixserve.entrypoints.engine_process:run_engine"
 # Replies to ``call``, matched to their caller by call_id.
 _REPLIES = (
-    ipc.EngineState, ipc.FlushCacheReply, ipc.ProfileReply, ipc.UpdateWeightsReply, ipc.LoraReply
+    ipc.EngineState, ipc.FlushCacheReply, ipc.ProfileReply, ipc.UpdateWeightsReply, ipc.LoraReply,
+    ipc.SessionReply,
 )  # fmt: skip
 
 

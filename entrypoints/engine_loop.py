@@ -152,7 +152,7 @@ class EngineLoop:
                 req.failed = message
                 ended.append(req)
         kv = self.core.kv_accounting()
-        if kv["in_use"] or kv["locked"]:
+        if kv["in_use"] or kv["locked"] != kv["pinned"]:
             raise RuntimeError(f"cannot recover from a failed step ({error!r}): KV held {kv}")
         if not ended:  # nothing to blame: a step that fails again and again is a broken engine
             self.failed_steps += 1
@@ -188,6 +188,8 @@ class EngineLoop:
             self._reply(ipc.FlushCacheReply(msg.call_id, core.flush_cache()))
         elif isinstance(msg, ipc.ProfileRequest):
             self._reply(self._profile(msg))
+        elif isinstance(msg, ipc.OpenSessionRequest | ipc.CloseSessionRequest):
+            self._reply(self._session(msg))
         elif isinstance(msg, ipc.UpdateWeightsRequest):
             self._queue_weight_update(msg)
         elif isinstance(msg, ipc.LoadLoraRequest | ipc.UnloadLoraRequest):
@@ -259,6 +261,17 @@ class EngineLoop:
         except (OSError, ValueError) as e:  # writing the trace failed; the profile has ended
             return reply(call_id=msg.call_id, ok=False, message=f"cannot write the trace: {e}")
 
+    def _session(self, msg: ipc.OpenSessionRequest | ipc.CloseSessionRequest) -> ipc.SessionReply:
+        sessions = self.core.sessions
+        try:
+            if isinstance(msg, ipc.OpenSessionRequest):
+                sid = sessions.open_session(msg.capacity, msg.session_id, msg.ttl)
+                return ipc.SessionReply(call_id=msg.call_id, ok=True, session_id=sid)
+            sessions.close_session(msg.session_id)
+            return ipc.SessionReply(call_id=msg.call_id, ok=True, session_id=msg.session_id)
+        except InvalidRequest as e:
+            return ipc.SessionReply(call_id=msg.call_id, ok=False, message=str(e))
+
     def _profile_step(self) -> None:
         """Count a profiled step; the last of ``num_steps`` writes the trace."""
         try:
@@ -278,6 +291,7 @@ class EngineLoop:
             gen_throughput=self.gen_rate.per_second(),
             num_grammar_queue=core.num_grammar_queue,
             gc=self.gc_timer.to_json() if self.gc_timer is not None else {},
+            sessions=core.sessions.describe(),
             **counters,
         )
 
@@ -289,6 +303,7 @@ def request_of(msg: ipc.GenerateRequest) -> Req:
     req.pooling, req.label_token_ids = msg.pooling, msg.label_token_ids
     req.bootstrap = msg.bootstrap
     req.lora_name = msg.lora_name
+    req.priority, req.session_params = msg.priority, msg.session
     return req
 
 

@@ -23,6 +23,7 @@ from radixserve.entrypoints.routes_agents import add_agent_routes
 from radixserve.entrypoints.routes_info import add_info_routes, add_metrics_route
 from radixserve.entrypoints.routes_native import add_native_routes
 from radixserve.entrypoints.routes_openai import add_openai_routes
+from radixserve.entrypoints.routes_sessions import add_session_routes
 from radixserve.entrypoints.server_args import ServerArgs
 from radixserve.entrypoints.serving_chat import ChatServing
 from radixserve.entrypoints.serving_completions import CompletionServing
@@ -64,6 +65,7 @@ def create_app(
     add_agent_routes(app, chat)
     native = NativeServing(tm, incremental=args.incremental_streaming_output)
     add_native_routes(app, tm, native, chat)
+    add_session_routes(app, tm)
     hidden_size = ModelConfig.from_dir(tm.info.model_dir).hidden_size
     embedding = EmbeddingServing(tm, name, aliases, strict, args.embedding_pooling, hidden_size)
     add_embedding_routes(app, embedding, read_json)

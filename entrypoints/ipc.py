@@ -17,6 +17,7 @@ import msgspec
 
 from radixserve.core.disaggregation import Bootstrap
 from radixserve.core.request import FinishReason, SamplingParams
+from radixserve.core.sessions import SessionParams
 
 # -- server -> engine ------------------------------------------------------------------------
 
@@ -36,6 +37,8 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
     label_token_ids: list[int] | None = None
     # prefill/decode disaggregation: the room and the prefill's bootstrap server
     bootstrap: Bootstrap | None = None
+    priority: int = 0  # core/priority.py
+    session: SessionParams | None = None  # core/sessions.py
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):
@@ -90,6 +93,20 @@ class UnloadLoraRequest(msgspec.Struct, tag="unload_lora"):
     lora_name: str
 
 
+class OpenSessionRequest(msgspec.Struct, tag="open_session", kw_only=True):
+    """Open a session (core/sessions.py); the reply is a SessionReply."""
+
+    call_id: int
+    capacity: int | None = None
+    session_id: str | None = None
+    ttl: float | None = None
+
+
+class CloseSessionRequest(msgspec.Struct, tag="close_session", kw_only=True):
+    call_id: int
+    session_id: str
+
+
 class ShutdownRequest(msgspec.Struct, tag="shutdown"):
     pass
 
@@ -122,6 +139,8 @@ EngineInbound = Union[  # noqa: UP007 - msgspec needs a runtime union object
     CancelRoomRequest,
     LoadLoraRequest,
     UnloadLoraRequest,
+    OpenSessionRequest,
+    CloseSessionRequest,
 ]
 
 # -- engine -> server ------------------------------------------------------------------------
@@ -143,6 +162,9 @@ class ReqExtras(msgspec.Struct, kw_only=True, omit_defaults=True):
     # cumulative counts, sent when they change (-1: unchanged): prompt tokens matched in the
     # cache; speculation's verify steps with a draft and the draft tokens accepted over them
     cached_tokens: int = -1
+    # tokens a session put before the client's prompt (core/sessions.py); with cached_tokens
+    # and the finish
+    context_tokens: int = 0
     spec_verify_ct: int = -1
     spec_accepted_tokens: int = -1
     # prefill-only results, with the finish
@@ -196,6 +218,15 @@ class FlushCacheReply(msgspec.Struct, tag="flush_cache_reply"):
     ok: bool
 
 
+class SessionReply(msgspec.Struct, tag="session_reply", kw_only=True):
+    """``ok`` False: refused, ``message`` says why (the server answers 400)."""
+
+    call_id: int
+    ok: bool
+    session_id: str = ""
+    message: str = ""
+
+
 class UpdateWeightsReply(msgspec.Struct, tag="update_weights_reply", kw_only=True):
     call_id: int
     success: bool
@@ -230,6 +261,11 @@ class EngineState(msgspec.Struct, tag="state_reply", kw_only=True):
     steps_by_kind: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
     # the engine process's garbage collections: per generation, count and seconds (GcTimer)
     gc: dict[str, list[Any]] = msgspec.field(default_factory=dict)
+    # core/priority.py: per priority value, PriorityStats.to_json(); preemptions in all
+    priorities: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
+    preemptions: int = 0
+    # core/sessions.py: SessionTable.describe()
+    sessions: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class ProfileReply(msgspec.Struct, tag="profile_reply", kw_only=True):
@@ -251,6 +287,7 @@ EngineOutbound = Union[  # noqa: UP007 - msgspec needs a runtime union object
     ProfileReply,
     UpdateWeightsReply,
     LoraReply,
+    SessionReply,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

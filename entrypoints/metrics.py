@@ -29,6 +29,7 @@ from radixserve.entrypoints import ipc
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 PREFIX = "sglang:"
+OURS = "radixserve_"  # metrics SGLang does not have
 ENGINE_TYPE = "unified"  # SGLang's value without prefill/decode disaggregation
 TOKENIZER_LABELS = ("model_name", "engine_type")
 SCHEDULER_LABELS = ("model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank")
@@ -218,6 +219,23 @@ class _EngineMetrics:
         "accepted_tokens": ("radixserve_spec_accepted_tokens", "Draft tokens accepted"),
     }
 
+    PRIORITY_COUNTS = {
+        "admitted": ("priority_admitted_requests", "Requests admitted, per priority value."),
+        "queue_seconds": (
+            "priority_queue_seconds",
+            "Seconds admitted requests waited from arrival to admission, summed per priority.",
+        ),
+        "preempted": (
+            "priority_preempted_requests",
+            "Retractions for a request of a higher priority, per priority of the retracted.",
+        ),
+    }
+    SESSION_GAUGES = {
+        "open_sessions": ("open_sessions", "Sessions open (/open_session)."),
+        "pinned_tokens": ("session_pinned_tokens", "KV tokens the open sessions keep pinned."),
+        "demoted_pins": ("session_demoted_pins", "Session pins dropped to stay within the bound."),
+    }
+
     def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
         self.registry = registry
         self.labels = labels
@@ -231,6 +249,16 @@ class _EngineMetrics:
             ).labels(**labels)
         )
         self.spec: dict[str, Any] | None = None  # made on the first state with speculation on
+        # ours: per priority value (core/priority.py) and the sessions' pins (core/sessions.py)
+        by_priority = [*labels, "priority"]
+        self.priority = {
+            key: Gauge(OURS + name, doc, by_priority, registry=registry)
+            for key, (name, doc) in self.PRIORITY_COUNTS.items()
+        }
+        self.session_gauges = {
+            key: Gauge(OURS + name, doc, list(labels), registry=registry).labels(**labels)
+            for key, (name, doc) in self.SESSION_GAUGES.items()
+        }
 
     def _gauge(self, name: str, doc: str) -> Any:
         gauge = Gauge(PREFIX + name, doc, list(self.labels), registry=self.registry)
@@ -254,6 +282,11 @@ class _EngineMetrics:
         for name, value in values.items():
             self.gauges[name].set(value)
         self.retractions.advance(state.retractions)
+        for priority, counts in state.priorities.items():
+            for key, gauge in self.priority.items():
+                gauge.labels(**self.labels, priority=priority).set(counts[key])
+        for key, gauge in self.session_gauges.items():
+            gauge.set(state.sessions.get(key, 0))
         if state.speculative is not None:
             self._update_spec(state.speculative)
 

@@ -29,6 +29,7 @@ from radixserve.entrypoints.output import (
     top_logprob_triples,
 )
 from radixserve.entrypoints.serving_openai import error_event, raise_if_failed
+from radixserve.entrypoints.session_fields import RouteExtras, route_extras
 from radixserve.entrypoints.spec_meta import spec_meta_info
 from radixserve.entrypoints.streaming import SSE_DONE, follow, json_response, sse
 from radixserve.entrypoints.tokenizer_manager import ServerReq, TokenizerManager
@@ -102,13 +103,14 @@ class NativeServing:
                 raise InvalidRequest("lora_path must be an adapter name or a list of them")
             self.tm.check_lora(name)
         rids = _rids(body.get("rid"), count)
+        route = route_extras(body.get("priority"), body.get("session_params"), append=True)
         boots = expand_bootstrap(
             body.get("bootstrap_host"),
             body.get("bootstrap_port"),
             body.get("bootstrap_room"),
             [p.n for p in params],
         )
-        reqs, req_options = self._submit(prompts, params, options, rids, boots, loras)
+        reqs, req_options = self._submit(prompts, params, options, rids, boots, loras, route)
         return stream, batch or len(reqs) > 1, reqs, req_options
 
     async def _prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
@@ -144,6 +146,7 @@ class NativeServing:
         rids: list[str | None],
         boots: list[Bootstrap | None],
         loras: list[str | None],
+        route: RouteExtras,
     ) -> tuple[list[ServerReq], list[LogprobOptions]]:
         self.tm.admit(sum(p.n for p in params))
         event = asyncio.Event()
@@ -164,6 +167,7 @@ class NativeServing:
                             start,
                             bootstrap=boot,
                             lora_name=lora,
+                            route=route,
                         )  # fmt: skip
                     )
                     req_options.append(o)
@@ -194,7 +198,7 @@ class NativeServing:
         meta: dict[str, Any] = {
             "id": r.rid,
             "finish_reason": r.finish.to_json() if r.finish is not None else None,
-            "prompt_tokens": len(r.prompt_ids),
+            "prompt_tokens": len(r.prompt_ids) + r.context_tokens,
             "completion_tokens": len(r.output_ids),
             "cached_tokens": r.cached_tokens,
         }

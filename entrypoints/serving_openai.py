@@ -20,6 +20,7 @@ from radixserve.entrypoints.openai_protocol import (
     StreamOptions,
     UsageInfo,
 )
+from radixserve.entrypoints.session_fields import route_extras
 from radixserve.entrypoints.streaming import SSE_DONE, Update, follow, sse, usage_counts
 from radixserve.entrypoints.tokenizer_manager import ServerReq, TokenizerManager
 
@@ -158,7 +159,9 @@ class OpenAIServing:
             self.tm.check(ids, params, max_field)
         self.tm.admit(len(prompts) * n)
         boots: list[Bootstrap | None] = [None] * (len(prompts) * n)
+        route = None
         if body is not None:
+            route = route_extras(body.priority, body.session_params, append=False)
             boots = expand_bootstrap(
                 body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, [n] * len(prompts)
             )
@@ -179,6 +182,7 @@ class OpenAIServing:
                             logprob_start_len,
                             bootstrap=boot,
                             lora_name=lora,
+                            route=route,
                         )  # fmt: skip
                     )
         except Exception:
