@@ -154,3 +154,4 @@ class KVSlots:
             raise AssertionError(f"KV leak at idle: {acct}")
         if not self.running and acct["locked"] != 0:
             raise AssertionError(f"cache nodes still locked at idle: {acct}")
+        self.cache.check_tiers()
