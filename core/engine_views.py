@@ -98,6 +98,7 @@ class EngineViews:
         stats = self.scheduler.stats
         return {
             "cache_hit_rate": stats.cache_hit_rate,
+            "hicache": self.scheduler.cache.tier_stats(),
             "retractions": stats.retractions,
             "steps": stats.steps,
             "steps_by_kind": {k: v.to_json() for k, v in stats.by_kind.items()},

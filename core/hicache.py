@@ -39,6 +39,7 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 
 class HiTreeNode(TreeNode):
     __slots__ = ("host_value", "host_ref", "hit_count", "stored")
+    value: torch.Tensor | None  # type: ignore[assignment]  # None: not on the device
 
     def __init__(self, key: list[int], value: torch.Tensor | None, parent: TreeNode | None) -> None:
         super().__init__(key, value, parent)  # type: ignore[arg-type]
@@ -146,9 +147,8 @@ class HiRadixCache(RadixCache):
             loaded = self._load(path[len(on_device) :], on_device)
             if self._counting:
                 for node in loaded:
-                    fetched = node is path[-1] and fetched_now
                     tokens = len(node.key)
-                    if fetched:
+                    if node is path[-1] and fetched_now:
                         self.stats.storage_hit_tokens += tokens
                     else:
                         self.stats.host_hit_tokens += tokens

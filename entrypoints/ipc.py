@@ -60,6 +60,7 @@ class CancelRoomRequest(msgspec.Struct, tag="cancel_room"):
 
 class FlushCacheRequest(msgspec.Struct, tag="flush_cache"):
     call_id: int
+    storage: bool = False  # clear the hierarchical cache's storage tier instead
 
 
 class StateRequest(msgspec.Struct, tag="state"):
@@ -201,6 +202,8 @@ class EngineState(msgspec.Struct, tag="state_reply", kw_only=True):
     steps_by_kind: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
     # the engine process's garbage collections: per generation, count and seconds (GcTimer)
     gc: dict[str, list[Any]] = msgspec.field(default_factory=dict)
+    # the hierarchical cache's counts per tier (HiCacheStats + host pool); None when it is off
+    hicache: dict[str, int] | None = None
 
 
 class ProfileReply(msgspec.Struct, tag="profile_reply", kw_only=True):

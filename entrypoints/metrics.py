@@ -218,9 +218,34 @@ class _EngineMetrics:
         "accepted_tokens": ("radixserve_spec_accepted_tokens", "Draft tokens accepted"),
     }
 
+    # Ours (SGLang counts cached tokens per source per request; here
+    # sglang:cached_tokens{cache_source="device"} counts them all): the hierarchical cache's
+    # counts per tier (tier_stats() key -> counter name, help).
+    HICACHE_COUNTS = {
+        "device_hit_tokens": (
+            "radixserve_hicache_device_hit_tokens", "Prefix tokens matched on the device"
+        ),
+        "host_hit_tokens": (
+            "radixserve_hicache_host_hit_tokens", "Prefix tokens loaded back from host memory"
+        ),
+        "storage_hit_tokens": (
+            "radixserve_hicache_storage_hit_tokens", "Prefix tokens loaded back from storage"
+        ),
+        "demoted_tokens": (
+            "radixserve_hicache_demoted_tokens", "Tokens evicted from the device to the host"
+        ),
+        "host_evicted_tokens": (
+            "radixserve_hicache_host_evicted_tokens", "Tokens evicted from the host pool"
+        ),
+        "storage_errors": (
+            "radixserve_hicache_storage_errors", "Storage backend calls that failed"
+        ),
+    }  # fmt: skip
+
     def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
         self.registry = registry
         self.labels = labels
+        self.hicache: dict[str, _GrowingCounter] | None = None
         self.gauges = {name: self._gauge(name, doc) for name, doc in self.GAUGES.items()}
         self.retractions = _GrowingCounter(
             Counter(
@@ -256,6 +281,18 @@ class _EngineMetrics:
         self.retractions.advance(state.retractions)
         if state.speculative is not None:
             self._update_spec(state.speculative)
+        if state.hicache is not None:
+            if self.hicache is None:
+                self.hicache = {
+                    key: _GrowingCounter(
+                        Counter(name, doc, list(self.labels), registry=self.registry).labels(
+                            **self.labels
+                        )
+                    )
+                    for key, (name, doc) in self.HICACHE_COUNTS.items()
+                }
+            for key, counter in self.hicache.items():
+                counter.advance(int(state.hicache.get(key, 0)))
 
     def _update_spec(self, stats: dict[str, Any]) -> None:
         if self.spec is None:

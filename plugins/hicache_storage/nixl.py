@@ -91,7 +91,8 @@ class NixlStorage(HiCacheStorage):
 
 
 def _available() -> str | None:
-    if _nixl_api() is None:
+    # NOTE: only find_spec: listing plugins must not import a vendor library.
+    if not any(importlib.util.find_spec(name) for name in NIXL_MODULES):
         return (
             "no NIXL Python package is installed (nixl, nixl_cu12 or nixl_cu13; "
             "pip install nixl); its POSIX file plugin is what this backend uses"
