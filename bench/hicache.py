@@ -16,7 +16,7 @@ and the share of turns whose greedy outputs are identical between the two runs.
     python bench/hicache.py --device cuda --json-out $OUT/hicache.json
     # the same scaled so the histories are 4x the device pool (8B shape):
     python bench/hicache.py --device cuda --max-total-tokens 32768 --json-out $OUT/hicache.json
-    # CPU (2 cores), scaled down: SmolLM2's shape, random weights
+    # CPU (2 cores), scaled down: a small random-weight shape (bench/gpu_model.py cpu-small)
     python bench/hicache.py --device cpu --small
 """
 
@@ -46,7 +46,7 @@ from radixserve.core.request import Req, SamplingParams  # noqa: E402
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--shape", default=None, help="default: llama3-8b on cuda, smollm2 on cpu")
+    p.add_argument("--shape", default=None, help="default: llama3-8b on cuda, cpu-small on cpu")
     p.add_argument("--conversations", type=int, default=32)
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--user", type=int, default=480, help="user tokens per turn")
@@ -63,7 +63,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
     if args.shape is None:
-        args.shape = "llama3-8b" if args.device == "cuda" else "smollm2"
+        args.shape = "llama3-8b" if args.device == "cuda" else "cpu-small"
     if args.page_size is None:
         args.page_size = 16 if args.device == "cuda" else 1
     if args.small:
