@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 import torch
+from server_process import free_port
 
 from radixserve.core.hicache_storage import GuardedStorage, HiCacheStorage, page_keys
 from radixserve.plugins.hicache_storage import file, mooncake, nixl
-from server_process import free_port
 
 
 def _round_trip(store: HiCacheStorage) -> None:
