@@ -15,7 +15,8 @@ and the share of turns whose greedy outputs are identical between the two runs.
     # the issue's workload (32 x 8 turns, histories up to 4k, device pool 8k), on an H200:
     python bench/hicache.py --device cuda --json-out $OUT/hicache.json
     # the same scaled so the histories are 4x the device pool (8B shape):
-    python bench/hicache.py --device cuda --max-total-tokens 32768 --json-out $OUT/hicache.json
+    python bench/hicache.py --device cuda --max-total-tokens 32768 --hicache-ratio 5 \
+        --json-out $OUT/hicache.json
     # CPU (2 cores), scaled down: a small random-weight shape (bench/gpu_model.py cpu-small)
     python bench/hicache.py --device cpu --small
 """
@@ -55,6 +56,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-total-tokens", type=int, default=8192, help="device KV pool")
     p.add_argument("--hicache-ratio", type=float, default=8.0)
     p.add_argument("--write-policy", default="write_through")
+    p.add_argument("--io-backend", default=None, help="default: kernel on cuda, direct on cpu")
     p.add_argument("--page-size", type=int, default=None, help="default: 16 cuda, 1 cpu")
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--dtype", default="auto")
@@ -64,10 +66,12 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.shape is None:
         args.shape = "llama3-8b" if args.device == "cuda" else "cpu-small"
+    if args.io_backend is None:
+        args.io_backend = "kernel" if args.device == "cuda" else "direct"
     if args.page_size is None:
         args.page_size = 16 if args.device == "cuda" else 1
     if args.small:
-        args.conversations, args.turns, args.user, args.output = 8, 4, 96, 8
+        args.conversations, args.turns, args.user, args.output = 8, 6, 64, 4
         args.concurrency, args.max_total_tokens = 2, 1024
     return args
 
@@ -81,6 +85,7 @@ def _engine(model_dir: Path, args: argparse.Namespace, hicache: bool) -> EngineC
         context_length=context, chunked_prefill_size=args.chunked_prefill_size,
         page_size=args.page_size, dtype=args.dtype, enable_hierarchical_cache=hicache,
         hicache_ratio=args.hicache_ratio, hicache_write_policy=args.write_policy,
+        hicache_io_backend=args.io_backend,
     )  # fmt: skip
     return EngineCore(model_dir, config, bench_host(StepStats()))
 
@@ -130,6 +135,8 @@ def run(model_dir: Path, args: argparse.Namespace, vocab: int, hicache: bool) ->
     ttft = sorted(first[r] - sent[r] for r in first)
     stats = core.cache.tier_stats()
     cached = core.scheduler.stats.cached_tokens
+    kinds = core.scheduler.stats.by_kind.values()
+    steps, prefilled = sum(k.steps for k in kinds), sum(k.prefill_tokens for k in kinds)
     core.shutdown()
     return {
         "ttft_p50_s": statistics.median(ttft),
@@ -137,6 +144,8 @@ def run(model_dir: Path, args: argparse.Namespace, vocab: int, hicache: bool) ->
         "output_tok_s": sum(len(o) for o in outputs.values()) / wall,
         "wall_s": wall,
         "cached_tokens": cached,
+        "steps": steps,
+        "prefill_tokens": prefilled,
         "tiers": stats,
         "outputs": outputs,
     }
@@ -167,8 +176,9 @@ def main() -> None:
         print(
             f"hicache {name:3s}: TTFT p50 {r['ttft_p50_s'] * 1e3:8.1f} ms  p99 "
             f"{r['ttft_p99_s'] * 1e3:8.1f} ms  {r['output_tok_s']:8.1f} out tok/s  "
-            f"cached {r['cached_tokens']} tokens  tiers {r['tiers']}"
+            f"{r['steps']} steps  {r['prefill_tokens']} prefilled  cached {r['cached_tokens']}"
         )
+    print(f"tiers (on): {on['tiers']}")
     print(" ".join(f"{k}={v:.2f}" for k, v in summary.items()))
     if args.json_out:
         for r in results.values():
