@@ -62,12 +62,13 @@ class HostKVPool:
                 # NOTE: a blocking copy: the host buffer is written from host code next.
                 k = dev.k[layer].index_select(0, index).cpu()
                 v = dev.v[layer].index_select(0, index).cpu()
+                # index_copy_ / index_select: several times faster than indexed assignment
                 if self.layout == "page_first":
-                    self.buf[host_slots, layer, 0] = k
-                    self.buf[host_slots, layer, 1] = v
+                    self.buf[:, layer, 0].index_copy_(0, host_slots, k)
+                    self.buf[:, layer, 1].index_copy_(0, host_slots, v)
                 else:
-                    self.k[layer][host_slots] = k
-                    self.v[layer][host_slots] = v
+                    self.k[layer].index_copy_(0, host_slots, k)
+                    self.v[layer].index_copy_(0, host_slots, v)
 
     def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
         """Copy the host pool's KV at ``host_slots`` into the device pool at ``device_slots``."""
@@ -77,9 +78,11 @@ class HostKVPool:
             index = device_slots.to(device)
             for layer in range(self.num_layers):
                 if self.layout == "page_first":
-                    k, v = self.buf[host_slots, layer, 0], self.buf[host_slots, layer, 1]
+                    k = self.buf[:, layer, 0].index_select(0, host_slots)
+                    v = self.buf[:, layer, 1].index_select(0, host_slots)
                 else:
-                    k, v = self.k[layer][host_slots], self.v[layer][host_slots]
+                    k = self.k[layer].index_select(0, host_slots)
+                    v = self.v[layer].index_select(0, host_slots)
                 dev.k[layer].index_copy_(0, index, k.to(device, non_blocking=True))
                 dev.v[layer].index_copy_(0, index, v.to(device, non_blocking=True))
 
