@@ -38,7 +38,9 @@ class NixlStorage(HiCacheStorage):
         default = Path(tempfile.gettempdir()) / "radixserve_hicache_nixl"
         self.dir = Path(extra_config.get("dir") or default)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.agent = api.nixl_agent(f"radixserve-hicache-{os.getpid()}", api.nixl_agent_config())
+        # no UCX backend (none is needed for files; its teardown crashed the process at exit)
+        config = api.nixl_agent_config(backends=[])
+        self.agent = api.nixl_agent(f"radixserve-hicache-{os.getpid()}", config)
         if "POSIX" not in self.agent.get_plugin_list():
             raise RuntimeError(
                 "the nixl storage backend is unavailable because NIXL's POSIX plugin is not "
