@@ -117,6 +117,39 @@ class EngineConfig:
         "the oldest session's pin is dropped first",
     )
     disable_radix_cache: bool = _opt(False, "Turn the radix prefix cache off")
+    enable_hierarchical_cache: bool = _opt(
+        False,
+        "HiCache (docs/hicache.md): prefixes evicted from the device KV pool move to a host "
+        "pool (and from there to --hicache-storage-backend) instead of being dropped, and are "
+        "loaded back when a prompt matches them",
+    )
+    hicache_ratio: float = _opt(2.0, "Host KV pool size as a multiple of the device pool's")
+    hicache_size: float | None = _opt(None, "Host KV pool size in GB (overrides --hicache-ratio)")
+    hicache_write_policy: str = _opt(
+        "write_through",
+        "When device KV is copied to the host pool: write_through (as soon as it is cached), "
+        "write_through_selective (once a prefix is hit again; cold ones are dropped on "
+        "eviction), write_back (only when evicted from the device)",
+    )
+    hicache_io_backend: str = _opt(
+        "direct",
+        "How KV moves between device and host: direct (indexed copies on the compute stream) "
+        "or kernel (CUDA only: a copy stream beside the compute stream)",
+    )
+    hicache_mem_layout: str = _opt(
+        "layer_first",
+        "Host pool layout: layer_first (one buffer per layer, as the device pool) or "
+        "page_first (a token's KV of every layer together; storage pages copy in one piece)",
+    )
+    hicache_storage_backend: str | None = _opt(
+        None,
+        "Third tier behind the host pool: file, mooncake or nixl (alias of --plugin "
+        "hicache_storage=NAME; default: none)",
+    )
+    hicache_storage_backend_extra_config: str | None = _opt(
+        None,
+        'The storage backend\'s settings as JSON, e.g. {"dir": "/var/cache/radixserve"} for file',
+    )
     random_seed: int = _opt(0, "Seed of the engine's random generator")
     tp_size: int = _opt(
         1,
@@ -335,7 +368,11 @@ class EngineConfig:
             self._merge_plugin_alias(
                 "speculative", "speculative_algorithm", self.speculative_algorithm.lower()
             )
+        if self.hicache_storage_backend is not None:
+            backend = self.hicache_storage_backend.lower()
+            self._merge_plugin_alias("hicache_storage", "hicache_storage_backend", backend)
         config_checks.check_speculative(self)
+        config_checks.check_hicache(self)
         config_checks.check_limits(self)
         config_checks.check_choices(self)
         config_checks.check_nodes(self)

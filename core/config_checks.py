@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 # NOTE: ``cfg`` is an EngineConfig (core/config.py), typed Any here: config.py imports this
@@ -230,3 +231,50 @@ def check_lora(cfg: EngineConfig) -> None:
         )
     if cfg.lora_paths:  # as SGLang: adapters at start turn LoRA on
         object.__setattr__(cfg, "enable_lora", True)
+
+
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+HICACHE_IO_BACKENDS = ("direct", "kernel")
+HICACHE_MEM_LAYOUTS = ("layer_first", "page_first")
+
+
+def check_hicache(cfg: EngineConfig) -> None:
+    """The hierarchical cache's settings, and the combinations it does not serve."""
+    for name, value, choices in (
+        ("hicache_write_policy", cfg.hicache_write_policy, HICACHE_WRITE_POLICIES),
+        ("hicache_io_backend", cfg.hicache_io_backend, HICACHE_IO_BACKENDS),
+        ("hicache_mem_layout", cfg.hicache_mem_layout, HICACHE_MEM_LAYOUTS),
+    ):
+        if value not in choices:
+            raise ConfigError(f"unknown {name} '{value}'; choose one of {', '.join(choices)}")
+    if not cfg.hicache_ratio > 0:
+        raise ConfigError(f"hicache_ratio must be > 0, got {cfg.hicache_ratio}")
+    if cfg.hicache_size is not None and not cfg.hicache_size > 0:
+        raise ConfigError(f"hicache_size must be > 0 GB, got {cfg.hicache_size}")
+    extra = cfg.hicache_storage_backend_extra_config
+    if extra is not None:
+        try:
+            parsed = json.loads(extra)
+        except ValueError as e:
+            raise ConfigError(f"hicache_storage_backend_extra_config is not JSON: {e}") from None
+        if not isinstance(parsed, dict):
+            raise ConfigError("hicache_storage_backend_extra_config must be a JSON object")
+    if not cfg.enable_hierarchical_cache:
+        return
+    refused = {
+        "--disable-radix-cache": cfg.disable_radix_cache,
+        "speculative decoding": any(
+            p.replace(" ", "").startswith("speculative=") and not p.endswith("none")
+            for p in cfg.plugins
+        ),
+        "--disaggregation-mode prefill|decode": cfg.disaggregation_mode != "null",
+        "--tp-size > 1": cfg.tp_size > 1,
+        "--pp-size > 1": cfg.pp_size > 1,
+        "--enable-lora": cfg.enable_lora,
+    }
+    for flag, on in refused.items():
+        if on:
+            raise ConfigError(
+                f"--enable-hierarchical-cache does not work with {flag} yet "
+                "(docs/hicache.md lists what it serves); drop one of them"
+            )

@@ -99,6 +99,7 @@ class EngineViews:
         stats = self.scheduler.stats
         return {
             "cache_hit_rate": stats.cache_hit_rate,
+            "hicache": self.scheduler.cache.tier_stats(),
             "retractions": stats.retractions,
             "preemptions": stats.preemptions,
             "priorities": self.scheduler.priority.to_json(),

@@ -43,7 +43,9 @@ if TYPE_CHECKING:
 #: Runs one model step: ForwardBatch -> logits (see ``HardwarePlatform.step_executor``).
 StepExecutor = Callable[["ForwardBatch"], "torch.Tensor"]
 
-PLUGIN_KINDS = ("hardware", "attention", "model", "grammar", "speculative", "kv_transfer")
+PLUGIN_KINDS = (
+    "hardware", "attention", "model", "grammar", "speculative", "kv_transfer", "hicache_storage",
+)  # fmt: skip
 
 
 class HardwarePlatform(ABC):

@@ -156,3 +156,4 @@ class KVSlots:
             raise AssertionError(f"KV leak at idle: {acct}")
         if not self.running and acct["locked"] != acct["pinned"]:
             raise AssertionError(f"cache nodes still locked at idle beyond pins: {acct}")
+        self.cache.check_tiers()

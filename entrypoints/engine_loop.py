@@ -185,7 +185,8 @@ class EngineLoop:
         elif isinstance(msg, ipc.StateRequest):
             self._reply(self._state(msg.call_id))
         elif isinstance(msg, ipc.FlushCacheRequest):
-            self._reply(ipc.FlushCacheReply(msg.call_id, core.flush_cache()))
+            ok = core.clear_cache_storage() if msg.storage else core.flush_cache()
+            self._reply(ipc.FlushCacheReply(msg.call_id, ok))
         elif isinstance(msg, ipc.ProfileRequest):
             self._reply(self._profile(msg))
         elif isinstance(msg, ipc.OpenSessionRequest | ipc.CloseSessionRequest):

@@ -64,6 +64,7 @@ class CancelRoomRequest(msgspec.Struct, tag="cancel_room"):
 
 class FlushCacheRequest(msgspec.Struct, tag="flush_cache"):
     call_id: int
+    storage: bool = False  # clear the hierarchical cache's storage tier instead
 
 
 class StateRequest(msgspec.Struct, tag="state"):
@@ -266,6 +267,8 @@ class EngineState(msgspec.Struct, tag="state_reply", kw_only=True):
     preemptions: int = 0
     # core/sessions.py: SessionTable.describe()
     sessions: dict[str, int] = msgspec.field(default_factory=dict)
+    # the hierarchical cache's counts per tier (HiCacheStats + host pool); None when it is off
+    hicache: dict[str, int] | None = None
 
 
 class ProfileReply(msgspec.Struct, tag="profile_reply", kw_only=True):

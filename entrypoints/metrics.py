@@ -235,10 +235,34 @@ class _EngineMetrics:
         "pinned_tokens": ("session_pinned_tokens", "KV tokens the open sessions keep pinned."),
         "demoted_pins": ("session_demoted_pins", "Session pins dropped to stay within the bound."),
     }
+    # Ours (SGLang counts cached tokens per source per request; here
+    # sglang:cached_tokens{cache_source="device"} counts them all): the hierarchical cache's
+    # counts per tier (tier_stats() key -> counter name, help).
+    HICACHE_COUNTS = {
+        "device_hit_tokens": (
+            "radixserve_hicache_device_hit_tokens", "Prefix tokens matched on the device"
+        ),
+        "host_hit_tokens": (
+            "radixserve_hicache_host_hit_tokens", "Prefix tokens loaded back from host memory"
+        ),
+        "storage_hit_tokens": (
+            "radixserve_hicache_storage_hit_tokens", "Prefix tokens loaded back from storage"
+        ),
+        "demoted_tokens": (
+            "radixserve_hicache_demoted_tokens", "Tokens evicted from the device to the host"
+        ),
+        "host_evicted_tokens": (
+            "radixserve_hicache_host_evicted_tokens", "Tokens evicted from the host pool"
+        ),
+        "storage_errors": (
+            "radixserve_hicache_storage_errors", "Storage backend calls that failed"
+        ),
+    }  # fmt: skip
 
     def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
         self.registry = registry
         self.labels = labels
+        self.hicache: dict[str, _GrowingCounter] | None = None
         self.gauges = {name: self._gauge(name, doc) for name, doc in self.GAUGES.items()}
         self.retractions = _GrowingCounter(
             Counter(
@@ -289,6 +313,18 @@ class _EngineMetrics:
             gauge.set(state.sessions.get(key, 0))
         if state.speculative is not None:
             self._update_spec(state.speculative)
+        if state.hicache is not None:
+            if self.hicache is None:
+                self.hicache = {
+                    key: _GrowingCounter(
+                        Counter(name, doc, list(self.labels), registry=self.registry).labels(
+                            **self.labels
+                        )
+                    )
+                    for key, (name, doc) in self.HICACHE_COUNTS.items()
+                }
+            for key, counter in self.hicache.items():
+                counter.advance(int(state.hicache.get(key, 0)))
 
     def _update_spec(self, stats: dict[str, Any]) -> None:
         if self.spec is None:

@@ -363,8 +363,10 @@ class TokenizerManager:
         reply: ipc.SessionReply = await self.client.call(make)
         return reply
 
-    async def flush_cache(self) -> bool:
-        reply = await self.client.call(ipc.FlushCacheRequest)
+    async def flush_cache(self, storage: bool = False) -> bool:
+        """Flush the cached prefixes (device and host tiers), or with ``storage`` the
+        hierarchical cache's storage tier; False while requests run (or without that tier)."""
+        reply = await self.client.call(lambda call_id: ipc.FlushCacheRequest(call_id, storage))
         return bool(reply.ok)
 
     async def update_weights(self, model_path: str) -> ipc.UpdateWeightsReply:
