@@ -63,8 +63,9 @@ class PriorityPolicy:
             req.arrival_step = self.step
 
     def admitted(self, req: Req) -> None:
-        """``req`` was admitted; count it under its priority the first time."""
-        if req.num_retractions == 0:
+        """``req`` was admitted; count it under its priority the first time (with priority
+        scheduling on: without it every request has the same rank)."""
+        if self.enabled and req.num_retractions == 0:
             stats = self._stats(req.priority)
             stats.admitted += 1
             stats.queue_seconds += time.perf_counter() - req.arrival_time

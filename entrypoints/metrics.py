@@ -273,16 +273,11 @@ class _EngineMetrics:
             ).labels(**labels)
         )
         self.spec: dict[str, Any] | None = None  # made on the first state with speculation on
-        # ours: per priority value (core/priority.py) and the sessions' pins (core/sessions.py)
-        by_priority = [*labels, "priority"]
-        self.priority = {
-            key: Gauge(OURS + name, doc, by_priority, registry=registry)
-            for key, (name, doc) in self.PRIORITY_COUNTS.items()
-        }
-        self.session_gauges = {
-            key: Gauge(OURS + name, doc, list(labels), registry=registry).labels(**labels)
-            for key, (name, doc) in self.SESSION_GAUGES.items()
-        }
+        # ours, made on the first state that has them (a server without priorities or
+        # sessions exports SGLang's names only): per priority value (core/priority.py) and the
+        # sessions' pins (core/sessions.py)
+        self.priority: dict[str, Any] | None = None
+        self.session_gauges: dict[str, Any] | None = None
 
     def _gauge(self, name: str, doc: str) -> Any:
         gauge = Gauge(PREFIX + name, doc, list(self.labels), registry=self.registry)
@@ -306,11 +301,8 @@ class _EngineMetrics:
         for name, value in values.items():
             self.gauges[name].set(value)
         self.retractions.advance(state.retractions)
-        for priority, counts in state.priorities.items():
-            for key, gauge in self.priority.items():
-                gauge.labels(**self.labels, priority=priority).set(counts[key])
-        for key, gauge in self.session_gauges.items():
-            gauge.set(state.sessions.get(key, 0))
+        self._update_priorities(state.priorities)
+        self._update_sessions(state.sessions)
         if state.speculative is not None:
             self._update_spec(state.speculative)
         if state.hicache is not None:
@@ -325,6 +317,28 @@ class _EngineMetrics:
                 }
             for key, counter in self.hicache.items():
                 counter.advance(int(state.hicache.get(key, 0)))
+
+    def _update_priorities(self, priorities: dict[str, dict[str, float]]) -> None:
+        if priorities and self.priority is None:
+            by_priority = [*self.labels, "priority"]
+            self.priority = {
+                key: Gauge(OURS + name, doc, by_priority, registry=self.registry)
+                for key, (name, doc) in self.PRIORITY_COUNTS.items()
+            }
+        for priority, counts in priorities.items():
+            for key, gauge in (self.priority or {}).items():
+                gauge.labels(**self.labels, priority=priority).set(counts[key])
+
+    def _update_sessions(self, sessions: dict[str, int]) -> None:
+        if self.session_gauges is None and sessions.get("open_sessions"):
+            self.session_gauges = {
+                key: Gauge(OURS + name, doc, list(self.labels), registry=self.registry).labels(
+                    **self.labels
+                )
+                for key, (name, doc) in self.SESSION_GAUGES.items()
+            }
+        for key, gauge in (self.session_gauges or {}).items():
+            gauge.set(sessions.get(key, 0))
 
     def _update_spec(self, stats: dict[str, Any]) -> None:
         if self.spec is None:
