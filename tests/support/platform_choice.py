@@ -9,13 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 CPU = "hardware=cpu"
-#: server flags that choose the CPU platform
-CPU_FLAGS = ["--plugin", CPU]
+#: server flags that choose the CPU platform, in float32 (a GGUF model's default on the CPU is
+#: the fast mode, whose outputs are not transformers' float32 ones; a later --dtype wins)
+CPU_FLAGS = ["--plugin", CPU, "--dtype", "float32"]
 
 
 def on_cpu(settings: dict[str, Any]) -> dict[str, Any]:
     """Engine/EngineConfig keyword settings with the CPU platform chosen, unless they choose a
-    hardware platform themselves."""
+    hardware platform themselves, and float32, unless they choose a dtype or a quantization."""
     plugins = settings.get("plugins", ())
     if isinstance(plugins, dict):
         plugins = [f"{kind}={name}" for kind, name in plugins.items()]
@@ -24,4 +25,5 @@ def on_cpu(settings: dict[str, Any]) -> dict[str, Any]:
     plugins = list(plugins)
     if not any(p.split("=", 1)[0].strip() == "hardware" for p in plugins):
         plugins.append(CPU)
-    return {**settings, "plugins": tuple(plugins)}
+    pinned = {} if "dtype" in settings or "quantization" in settings else {"dtype": "float32"}
+    return {**settings, **pinned, "plugins": tuple(plugins)}
