@@ -11,7 +11,7 @@ float32``), float32 transformers and llama.cpp on the same GGUF file (issue 58).
 
 llama.cpp runs in its own venv (``peers/llama``, see bench/cpu_peers.py) as a child process.
 
-    .venv/bin/python bench/cpu_quality.py --json-out bench/results/cpu-quality.json
+    .venv/bin/python bench/experiments/cpu_quality.py --json-out bench/results/cpu-quality.json
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [
     "What is the capital of France?",
     "Write a Python function that reverses a string.",
