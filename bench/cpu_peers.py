@@ -447,7 +447,8 @@ def report(args: argparse.Namespace, spec: dict[str, Any], rounds: list[dict[str
         itl = (f"{c32['itl_p50_ms']:.0f}/{c32['itl_p99_ms']:.0f}" if c32.get("itl_p50_ms")
                else "-")  # fmt: skip
         a = agree.get(peer)
-        agr = f"{a['identical']}/{a['compared']} / {a['mean_common_prefix']:.1f}" if a else "ref"
+        agr = f"{a['identical']}/{a['compared']} / {a['mean_common_prefix']:.1f}" if a else "-"
+        agr = "ref" if peer == "hf" else agr
         cells = [f"{scen[s]['median']:.1f}" if s in scen else "-"
                  for s in ("b1", "b32", "http_b1", "http_c32")]  # fmt: skip
         print(f"{peer:10} {cells[0]:>8} {cells[1]:>8} {cells[2]:>8} {cells[3]:>9} {itl:>16}  {agr}")
