@@ -448,10 +448,7 @@ def _greedy(model_dir: Path, **settings: Any) -> tuple[list[dict[str, Any]], Any
     params = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in GREEDY_BUDGETS]
     # At most 8 requests decode at once, so the draft length stays k (FULL_DRAFT_BATCH).
     with Engine(
-        str(model_dir),
-        max_running_requests=8,
-        random_seed=0,
-        **on_cpu({"dtype": "float32", **settings}),
+        str(model_dir), dtype="float32", max_running_requests=8, random_seed=0, **on_cpu(settings)
     ) as engine:
         out = engine.generate(input_ids=GREEDY_PROMPTS, sampling_params=params)
         return out, engine.core.spec_stats()

@@ -16,7 +16,8 @@ CPU_FLAGS = ["--plugin", CPU, "--dtype", "float32"]
 
 def on_cpu(settings: dict[str, Any]) -> dict[str, Any]:
     """Engine/EngineConfig keyword settings with the CPU platform chosen, unless they choose a
-    hardware platform themselves, and float32, unless they choose a dtype or a quantization."""
+    hardware platform themselves. (No dtype is added: callers pass one beside these settings;
+    the suite's RADIXSERVE_CPU_MODE=exact, tests/conftest.py, keeps a GGUF model in float32.)"""
     plugins = settings.get("plugins", ())
     if isinstance(plugins, dict):
         plugins = [f"{kind}={name}" for kind, name in plugins.items()]
@@ -25,5 +26,4 @@ def on_cpu(settings: dict[str, Any]) -> dict[str, Any]:
     plugins = list(plugins)
     if not any(p.split("=", 1)[0].strip() == "hardware" for p in plugins):
         plugins.append(CPU)
-    pinned = {} if "dtype" in settings or "quantization" in settings else {"dtype": "float32"}
-    return {**settings, **pinned, "plugins": tuple(plugins)}
+    return {**settings, "plugins": tuple(plugins)}
