@@ -38,6 +38,8 @@ from radixserve.plugins.attention import torch_native
 from radixserve.plugins.attention import triton as triton_attention
 from radixserve.plugins.grammar import none as grammar_none
 from radixserve.plugins.hardware import cpu, cuda
+from radixserve.plugins.hicache_storage import file as hicache_file
+from radixserve.plugins.hicache_storage import none as hicache_none
 from radixserve.plugins.kv_transfer import none as kv_none
 from radixserve.plugins.models import gemma2, llama, moe, qwen2, qwen3
 from radixserve.plugins.speculative import none as spec_none
@@ -176,7 +178,7 @@ class StepStats:
 def bench_host(stats: StepStats) -> PluginHost:
     # Only the plugins this benchmark needs, imported directly: no install, no entry points.
     mods = [cpu, cuda, torch_native, triton_attention, flashinfer_attention, grammar_none]
-    mods += [spec_none, kv_none]
+    mods += [spec_none, kv_none, hicache_none, hicache_file]
     mods += [llama, qwen2, qwen3, gemma2, moe]
     plugins = [(m.__name__.rsplit(".", 2)[-2] + "_" + m.__name__.rsplit(".", 1)[-1], m)
                for m in mods]  # fmt: skip

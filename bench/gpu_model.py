@@ -25,6 +25,13 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192,
         rope_theta=100000.0, tie_word_embeddings=True,
     ),
+    # bench/hicache.py on a 2-core CPU: heavy enough that recomputing a prefix costs more than
+    # copying its KV back, light enough to run the multi-turn workload in minutes
+    "cpu-small": dict(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=8192, max_position_embeddings=8192,
+        rope_theta=10000.0, tie_word_embeddings=True,
+    ),
     "tiny": dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096,

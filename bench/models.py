@@ -56,6 +56,7 @@ from radixserve.plugins.attention import torch_native
 from radixserve.plugins.attention import triton as triton_attention
 from radixserve.plugins.grammar import none as grammar_none
 from radixserve.plugins.hardware import cpu, cuda
+from radixserve.plugins.hicache_storage import none as hicache_none
 from radixserve.plugins.kv_transfer import none as kv_none
 from radixserve.plugins.models.moe import Qwen3MoeForCausalLM
 from radixserve.plugins.models.qwen3 import Qwen3ForCausalLM
@@ -167,7 +168,8 @@ class FilledModels:
 
 
 def bench_host(models: FilledModels, stats: StepStats) -> PluginHost:
-    mods = [cpu, cuda, torch_native, triton_attention, grammar_none, spec_none, kv_none]
+    mods = [cpu, cuda, torch_native, triton_attention, grammar_none, spec_none, kv_none,
+            hicache_none]
     plugins = [(m.__name__.rsplit(".", 2)[-2] + "_" + m.__name__.rsplit(".", 1)[-1], m)
                for m in mods]  # fmt: skip
     extra = [*plugins, ("bench_filled_models", models), ("bench_stats", stats)]

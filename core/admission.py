@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from radixserve.core.kv_slots import KVSlots
 from radixserve.core.logprobs import first_scored_position
+from radixserve.core.priority import PriorityPolicy
 from radixserve.core.request import Req, ReqState, token_slice
 from radixserve.core.schedule_policy import order_waiting
 from radixserve.core.step_plan import SchedulerStats
@@ -23,6 +24,7 @@ class Admission(KVSlots):
     paused: bool
     blocked: Req | None
     stats: SchedulerStats
+    priority: PriorityPolicy
     new_token_ratio: float
     _rng: random.Random
     _held_steps: int
@@ -73,9 +75,12 @@ class Admission(KVSlots):
             r for r in self.running if r.state == ReqState.PREFILL and r.pooling is None
         ]
         ordered = order_waiting(self.config.schedule_policy, list(self.waiting), peek, self._rng)  # type: ignore[arg-type]
+        ordered = self.priority.order(ordered)
         for req in ordered:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
+            if not all(s.admissible(req) for s in self.strategies):
+                continue  # e.g. its LoRA adapter finds no free slot
             if self._shares_running_prefill(req, peek):
                 self.stats.deferred_admissions += 1
                 continue
@@ -84,6 +89,7 @@ class Admission(KVSlots):
                 self.blocked = req
                 break
             self.waiting.remove(req)
+            self.priority.admitted(req)
             admitted.append((req, chunk))
             budget -= chunk
         return admitted
@@ -137,6 +143,17 @@ class Admission(KVSlots):
         if req.pooling is None:
             self._prefilling.append(req)
         return chunk
+
+    def would_fit(self, req: Req) -> bool:
+        """Whether waiting ``req`` could be admitted now: the running limit, and its uncached
+        prompt with its share of future tokens beside the running requests' reserve."""
+        if len(self.running) >= self.config.max_running_requests:
+            return False
+        cached = self.cache.peek_prefix(req.fill_ids()[: _match_limit(req)], req.extra_key)[0]
+        reserved = sum(self._reserve_of(r) for r in self.running)
+        room = self.allocator.available() + self.cache.evictable_size - reserved
+        need = req.seq_len - cached + self.new_token_ratio * self._remaining_new_tokens(req)
+        return need <= room
 
     def _fits_with_reserve(self, req: Req, uncached: int) -> bool:
         """Whether ``req``'s uncached prompt and its share of future tokens fit beside what the

@@ -44,6 +44,9 @@ class ForwardBatch:
     # ``final_hidden`` (embedding requests pool them; see core/pooling.py).
     hidden_rows: torch.Tensor | None = None
     final_hidden: torch.Tensor | None = None
+    # Pipeline parallelism: the residual stream [T, hidden] the previous stage sent (a later
+    # stage's model starts from it instead of embedding ``input_ids``).
+    stage_input: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

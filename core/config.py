@@ -1,4 +1,5 @@
-"""Configuration: the model's shape (ModelConfig) and the engine's settings (EngineConfig).
+"""Configuration: the engine's settings (EngineConfig); the model's shape (ModelConfig) is in
+``model_config.py`` and re-exported here.
 
 Each EngineConfig field carries its ``--help`` text in ``metadata["help"]``; the CLI builds its
 flags from these fields so there is one source of truth.
@@ -6,10 +7,8 @@ flags from these fields so there is one source of truth.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
 from typing import Any
 
 from radixserve.core import config_checks
@@ -22,64 +21,7 @@ from radixserve.core.config_checks import (  # noqa: F401 - re-exported: they li
     SCHEDULE_POLICIES,
     ConfigError,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    """What the core needs of a model's ``config.json``; the raw dict travels along."""
-
-    architecture: str
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_context: int
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
-    raw: dict[str, Any]
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"model directory '{model_dir}' has no config.json")
-        try:
-            raw = json.loads(path.read_text())
-        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-            raise ConfigError(f"{path} is not a valid JSON file: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path} must hold a JSON object, got {type(raw).__name__}")
-        return cls.from_dict(raw)
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        archs = raw.get("architectures") or []
-        if not archs:
-            raise ConfigError("config.json names no 'architectures'")
-        try:
-            hidden = int(raw["hidden_size"])
-            heads = int(raw["num_attention_heads"])
-            layers = int(raw["num_hidden_layers"])
-            vocab = int(raw["vocab_size"])
-        except KeyError as e:
-            raise ConfigError(f"config.json lacks required field {e}") from e
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        return cls(
-            architecture=archs[0],
-            hidden_size=hidden,
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            vocab_size=vocab,
-            max_context=int(raw.get("max_position_embeddings") or 2048),
-            eos_token_ids=eos_ids,
-            bos_token_id=raw.get("bos_token_id"),
-            raw=raw,
-        )
+from radixserve.core.model_config import ModelConfig  # noqa: F401 - re-exported: it lived here
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
@@ -162,13 +104,90 @@ class EngineConfig:
         "How much KV admission keeps for running requests' future tokens (1.0: an estimate "
         "that adapts to retractions; larger: fewer retractions; 0: none kept)",
     )
+    enable_priority_scheduling: bool = _opt(
+        False,
+        "Admit waiting requests by their 'priority' (larger first), retracting running requests "
+        "of a lower priority when a higher one does not fit; a request gains one level per "
+        "--priority-aging-steps steps waited, so none waits forever",
+    )
+    schedule_low_priority_values_first: bool = _opt(
+        False, "With --enable-priority-scheduling: smaller 'priority' values run first"
+    )
+    priority_aging_steps: int = _opt(
+        100, "Engine steps a request waits (or runs) per priority level it gains (aging)"
+    )
+    session_pin_ratio: float = _opt(
+        0.5,
+        "Most share of the KV pool that open sessions (/open_session) keep pinned; past it "
+        "the oldest session's pin is dropped first",
+    )
     disable_radix_cache: bool = _opt(False, "Turn the radix prefix cache off")
+    enable_hierarchical_cache: bool = _opt(
+        False,
+        "HiCache (docs/hicache.md): prefixes evicted from the device KV pool move to a host "
+        "pool (and from there to --hicache-storage-backend) instead of being dropped, and are "
+        "loaded back when a prompt matches them",
+    )
+    hicache_ratio: float = _opt(2.0, "Host KV pool size as a multiple of the device pool's")
+    hicache_size: float | None = _opt(None, "Host KV pool size in GB (overrides --hicache-ratio)")
+    hicache_write_policy: str = _opt(
+        "write_through",
+        "When device KV is copied to the host pool: write_through (as soon as it is cached), "
+        "write_through_selective (once a prefix is hit again; cold ones are dropped on "
+        "eviction), write_back (only when evicted from the device)",
+    )
+    hicache_io_backend: str = _opt(
+        "direct",
+        "How KV moves between device and host: direct (indexed copies on the compute stream) "
+        "or kernel (CUDA only: a copy stream beside the compute stream)",
+    )
+    hicache_mem_layout: str = _opt(
+        "layer_first",
+        "Host pool layout: layer_first (one buffer per layer, as the device pool) or "
+        "page_first (a token's KV of every layer together; storage pages copy in one piece)",
+    )
+    hicache_storage_backend: str | None = _opt(
+        None,
+        "Third tier behind the host pool: file, mooncake or nixl (alias of --plugin "
+        "hicache_storage=NAME; default: none)",
+    )
+    hicache_storage_backend_extra_config: str | None = _opt(
+        None,
+        'The storage backend\'s settings as JSON, e.g. {"dir": "/var/cache/radixserve"} for file',
+    )
     random_seed: int = _opt(0, "Seed of the engine's random generator")
     tp_size: int = _opt(
         1,
         "Tensor parallelism: ranks that split every layer (attention heads, MLP, vocabulary), "
         "one engine process and one device each (GPUs 0..N-1, or N CPU processes over gloo); "
         "rank 0 schedules and broadcasts each step",
+    )
+    pp_size: int = _opt(
+        1,
+        "Pipeline parallelism: stages that split the decoder's layers into contiguous runs "
+        "(embedding on the first, final norm and LM head on the last), one engine process per "
+        "stage and tensor-parallel rank (tp_size x pp_size ranks); each step's requests go "
+        "through the stages as up to pp_size micro-batches in flight at once",
+    )
+    nnodes: int = _opt(
+        1,
+        "Multi-node tensor parallelism: hosts the --tp-size ranks are spread over (tp_size / "
+        "nnodes each); start one `radixserve serve` per node with the same flags and its "
+        "--node-rank",
+    )
+    node_rank: int = _opt(
+        0, "This launch's node (0: serves HTTP and schedules; others follow, no HTTP server)"
+    )
+    dist_init_addr: str | None = _opt(
+        None,
+        "host:port of node 0 where the nodes meet (torch.distributed's TCP store; the node "
+        "watch listens on port + 1); needed with --nnodes > 1",
+    )
+    ep_size: int = _opt(
+        1,
+        "Expert parallelism for MoE models: the experts are spread over this many ranks "
+        "(expert e on rank e // (experts / ep_size)) and tokens reach them through all-to-all; "
+        "must equal --tp-size (attention is tensor-parallel over the same ranks)",
     )
     cuda_graph_max_bs: int | None = _opt(
         None,
@@ -327,6 +346,22 @@ class EngineConfig:
         "asked for; past it the request ends with an error and its slots are freed",
     )
 
+    enable_lora: bool = _opt(False, "Serve LoRA adapters (docs/lora.md)")
+    lora_paths: tuple[str, ...] = _opt(
+        (), "LoRA adapters loaded at start: NAME=PATH or a PEFT directory PATH (named by its "
+        "basename); several after one flag", metavar="NAME=PATH", nargs="+",
+    )  # fmt: skip
+    max_loras_per_batch: int = _opt(8, "Adapter slots on the device (adapters in one step)")
+    max_lora_rank: int = _opt(64, "Highest adapter rank (the slots' size)")
+    lora_target_modules: tuple[str, ...] = _opt(
+        (), "Projections adapters may adapt (default: all of q_proj k_proj v_proj o_proj "
+        "gate_proj up_proj down_proj)", metavar="MODULE", nargs="+",
+    )  # fmt: skip
+    lora_backend: str | None = _opt(
+        None, "LoRA kernels: torch (a loop over the step's adapters) or triton (default: "
+        "triton on CUDA, torch elsewhere)",
+    )  # fmt: skip
+
     def __post_init__(self) -> None:
         config_checks.check_disaggregation(self)
         if self.disaggregation_mode != "null":
@@ -338,9 +373,15 @@ class EngineConfig:
             self._merge_plugin_alias(
                 "speculative", "speculative_algorithm", self.speculative_algorithm.lower()
             )
+        if self.hicache_storage_backend is not None:
+            backend = self.hicache_storage_backend.lower()
+            self._merge_plugin_alias("hicache_storage", "hicache_storage_backend", backend)
         config_checks.check_speculative(self)
+        config_checks.check_hicache(self)
         config_checks.check_limits(self)
         config_checks.check_choices(self)
+        config_checks.check_nodes(self)
+        config_checks.check_lora(self)
 
     def _merge_grammar_backend(self, name: str) -> None:
         self._merge_plugin_alias("grammar", "grammar_backend", name)

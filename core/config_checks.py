@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 # NOTE: ``cfg`` is an EngineConfig (core/config.py), typed Any here: config.py imports this
@@ -36,6 +37,9 @@ def check_limits(cfg: EngineConfig) -> None:
         raise ConfigError(f"watchdog_timeout must be > 0 seconds, got {cfg.watchdog_timeout}")
     if cfg.tp_size < 1:
         raise ConfigError(f"tp_size must be >= 1, got {cfg.tp_size}")
+    if cfg.pp_size < 1:
+        raise ConfigError(f"pp_size must be >= 1, got {cfg.pp_size}")
+    check_pipeline(cfg)
     if cfg.cpu_threads is not None and cfg.cpu_threads < 1:
         raise ConfigError(f"cpu_threads must be >= 1, got {cfg.cpu_threads}")
     if cfg.cuda_graph_max_prefill_tokens < 0:
@@ -76,6 +80,10 @@ def check_choices(cfg: EngineConfig) -> None:
         raise ConfigError(
             f"schedule_conservativeness must be >= 0, got {cfg.schedule_conservativeness}"
         )
+    if not 0.0 <= cfg.session_pin_ratio <= 1.0:
+        raise ConfigError(f"session_pin_ratio must be in [0, 1], got {cfg.session_pin_ratio}")
+    if cfg.priority_aging_steps < 1:
+        raise ConfigError(f"priority_aging_steps must be >= 1, got {cfg.priority_aging_steps}")
     if cfg.schedule_policy not in SCHEDULE_POLICIES:
         raise ConfigError(
             f"unknown schedule policy '{cfg.schedule_policy}'; "
@@ -97,6 +105,31 @@ def check_choices(cfg: EngineConfig) -> None:
         )
     if cfg.mem_fraction_static is not None and not 0.0 < cfg.mem_fraction_static <= 1.0:
         raise ConfigError(f"mem_fraction_static must be in (0, 1], got {cfg.mem_fraction_static}")
+
+
+def check_nodes(cfg: EngineConfig) -> None:
+    """Multi-node launch and expert parallelism (docs/parallelism.md)."""
+    if cfg.nnodes < 1 or not 0 <= cfg.node_rank < cfg.nnodes:
+        raise ConfigError(
+            f"need nnodes >= 1 and 0 <= node_rank < nnodes, got {cfg.nnodes} and {cfg.node_rank}"
+        )
+    if cfg.tp_size % cfg.nnodes:
+        raise ConfigError(
+            f"tp_size={cfg.tp_size} does not divide over nnodes={cfg.nnodes}: each node runs "
+            "tp_size / nnodes ranks"
+        )
+    if cfg.nnodes > 1:
+        host, _, port = (cfg.dist_init_addr or "").rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) < 65535:
+            raise ConfigError(
+                f"nnodes={cfg.nnodes} needs dist_init_addr host:port (node 0's address, a free "
+                f"port and the next one), got {cfg.dist_init_addr!r}"
+            )
+    if cfg.ep_size not in (1, cfg.tp_size):
+        raise ConfigError(
+            f"ep_size={cfg.ep_size} must be 1 or equal tp_size={cfg.tp_size}: the experts are "
+            "spread over the tensor-parallel ranks (give --tp-size and --ep-size the same N)"
+        )
 
 
 def check_disaggregation(cfg: EngineConfig) -> None:
@@ -151,3 +184,97 @@ def check_speculative(cfg: EngineConfig) -> None:
             f"speculative_simulate_accept_len must be in [1, {cfg.num_draft_tokens + 1}] "
             f"(draft tokens + 1), got {acc}"
         )
+
+
+def check_pipeline(cfg: EngineConfig) -> None:
+    """What pipeline parallelism does not run with, refused in one line each."""
+    if cfg.pp_size == 1:
+        return
+    refused = {
+        "speculative decoding": cfg.speculative_algorithm is not None,
+        f"disaggregation_mode={cfg.disaggregation_mode}": cfg.disaggregation_mode != "null",
+        f"--quantization {cfg.quantization}": cfg.quantization is not None,
+        "--enable-torch-compile": cfg.enable_torch_compile,
+        f"--nnodes {cfg.nnodes}": cfg.nnodes > 1,
+        f"--ep-size {cfg.ep_size}": cfg.ep_size > 1,
+    }
+    for what, on in refused.items():
+        if on:
+            raise ConfigError(f"{what} does not run with pp_size={cfg.pp_size} yet")
+
+
+#: the projections LoRA adapters may adapt (PEFT's module names)
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_BACKENDS = ("torch", "triton")
+
+
+def check_lora(cfg: EngineConfig) -> None:
+    """The LoRA flags; an empty --lora-target-modules becomes every module (the config is
+    frozen: resolved here only)."""
+    targets = tuple(cfg.lora_target_modules) or LORA_MODULES
+    object.__setattr__(cfg, "lora_target_modules", targets)
+    object.__setattr__(cfg, "lora_paths", tuple(cfg.lora_paths))
+    unknown = [t for t in targets if t not in LORA_MODULES]
+    if unknown:
+        raise ConfigError(
+            f"--lora-target-modules '{unknown[0]}' is unknown; choose from "
+            f"{', '.join(LORA_MODULES)}"
+        )
+    if cfg.max_loras_per_batch < 1 or cfg.max_lora_rank < 1:
+        raise ConfigError(
+            "--max-loras-per-batch and --max-lora-rank must be >= 1, got "
+            f"{cfg.max_loras_per_batch} and {cfg.max_lora_rank}"
+        )
+    if cfg.lora_backend is not None and cfg.lora_backend not in LORA_BACKENDS:
+        raise ConfigError(
+            f"--lora-backend '{cfg.lora_backend}' is unknown; choose {' or '.join(LORA_BACKENDS)}"
+        )
+    if cfg.lora_paths:  # as SGLang: adapters at start turn LoRA on
+        object.__setattr__(cfg, "enable_lora", True)
+
+
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+HICACHE_IO_BACKENDS = ("direct", "kernel")
+HICACHE_MEM_LAYOUTS = ("layer_first", "page_first")
+
+
+def check_hicache(cfg: EngineConfig) -> None:
+    """The hierarchical cache's settings, and the combinations it does not serve."""
+    for name, value, choices in (
+        ("hicache_write_policy", cfg.hicache_write_policy, HICACHE_WRITE_POLICIES),
+        ("hicache_io_backend", cfg.hicache_io_backend, HICACHE_IO_BACKENDS),
+        ("hicache_mem_layout", cfg.hicache_mem_layout, HICACHE_MEM_LAYOUTS),
+    ):
+        if value not in choices:
+            raise ConfigError(f"unknown {name} '{value}'; choose one of {', '.join(choices)}")
+    if not cfg.hicache_ratio > 0:
+        raise ConfigError(f"hicache_ratio must be > 0, got {cfg.hicache_ratio}")
+    if cfg.hicache_size is not None and not cfg.hicache_size > 0:
+        raise ConfigError(f"hicache_size must be > 0 GB, got {cfg.hicache_size}")
+    extra = cfg.hicache_storage_backend_extra_config
+    if extra is not None:
+        try:
+            parsed = json.loads(extra)
+        except ValueError as e:
+            raise ConfigError(f"hicache_storage_backend_extra_config is not JSON: {e}") from None
+        if not isinstance(parsed, dict):
+            raise ConfigError("hicache_storage_backend_extra_config must be a JSON object")
+    if not cfg.enable_hierarchical_cache:
+        return
+    refused = {
+        "--disable-radix-cache": cfg.disable_radix_cache,
+        "speculative decoding": any(
+            p.replace(" ", "").startswith("speculative=") and not p.endswith("none")
+            for p in cfg.plugins
+        ),
+        "--disaggregation-mode prefill|decode": cfg.disaggregation_mode != "null",
+        "--tp-size > 1": cfg.tp_size > 1,
+        "--pp-size > 1": cfg.pp_size > 1,
+        "--enable-lora": cfg.enable_lora,
+    }
+    for flag, on in refused.items():
+        if on:
+            raise ConfigError(
+                f"--enable-hierarchical-cache does not work with {flag} yet "
+                "(docs/hicache.md lists what it serves); drop one of them"
+            )

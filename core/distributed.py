@@ -20,23 +20,26 @@ import logging
 import os
 import sys
 import threading
+import urllib.parse
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.config import ConfigError, EngineConfig, ModelConfig
-from radixserve.core.interfaces import CausalLM, HardwarePlatform, ShardedModel
+from radixserve.core.interfaces import AttentionBackend, CausalLM, HardwarePlatform, ShardedModel
 from radixserve.core.memory import KVPool, ReqToTokenPool
 from radixserve.core.parallel import (
     SINGLE,
     FastAllReduce,
     TensorParallel,
     local_model_config,
+    pipeline_stage,
     shard_weights,
 )
+from radixserve.core.pp_step import PipelineStep, gather_stats, model_dtype
 from radixserve.core.tp_step import StepBroadcaster, follow_steps, release_step
 
 logger = logging.getLogger(__name__)
@@ -58,28 +61,58 @@ class Rendezvous:
     size: int
     #: seconds a collective of a step may wait for the other ranks (then it fails, not hangs)
     timeout_s: float = 300.0
+    #: pipeline stages; rank = stage * (size // pp_size) + tensor-parallel rank
+    pp_size: int = 1
 
 
 class Ranks:
-    """This engine process's rank among the engine's ranks, as its model runner uses it."""
+    """This engine process's rank among the engine's ranks, as its model runner uses it.
 
-    def __init__(self, group: TensorParallel = SINGLE, threads_before: int = 0) -> None:
+    ``group`` is this rank's tensor-parallel group (what the model plugin is given); ``world``
+    holds every rank of the engine (rank 0 broadcasts each step over it). Without pipeline
+    parallelism they are one group; with it (``core/pp_step.py``) ``group`` is this stage's
+    ranks and says which stage it is (``group.stage``, set by ``local_config``)."""
+
+    def __init__(
+        self,
+        group: TensorParallel = SINGLE,
+        threads_before: int = 0,
+        world: TensorParallel | None = None,
+        pp_size: int = 1,
+    ) -> None:
         self.group = group  # what the model plugin is given
+        self.world = group if world is None else world
+        self.pp_size = pp_size
         self._threads_before = threads_before  # torch threads before the platform bound a rank
         self.broadcaster: StepBroadcaster | None = None  # rank 0 of several, once leading
-        self._open = group.size > 1
+        self.pipeline: PipelineStep | None = None  # this stage's step, with pipeline stages
+        #: each rank's pipeline stats (rank 0, gathered at close; see PipelineStep.stats)
+        self.pipeline_stats: list[dict[str, float]] = []
+        self._open = self.world.size > 1
 
     @property
     def size(self) -> int:
-        return self.group.size
+        """All the engine's ranks (tp_size x pp_size)."""
+        return self.world.size
+
+    def _sizes(self) -> str:
+        if self.pp_size == 1:
+            return f"tp_size={self.size}"
+        return f"tp_size={self.group.size} x pp_size={self.pp_size}"
 
     def check_reload(self) -> None:
         """Refuse loading new weights into a running model of more than one rank."""
         if self.size > 1:
-            raise ConfigError(f"loading new weights is not supported with tp_size={self.size} yet")
+            raise ConfigError(f"loading new weights is not supported with {self._sizes()} yet")
 
     def local_config(self, config: ModelConfig) -> ModelConfig:
-        """``config`` with this rank's head counts (what the KV pool and attention see)."""
+        """``config`` with this rank's head counts and, with pipeline stages, its stage's
+        layers (what the KV pool and attention see); places this rank's stage first."""
+        self._model_config = config
+        if self.pp_size > 1 and self.group.stage is None:
+            self.group.stage = pipeline_stage(
+                config.num_layers, self.world.rank // self.group.size, self.pp_size
+            )
         return local_model_config(config, self.group)
 
     def share(self, nbytes: int) -> int:
@@ -88,7 +121,7 @@ class Ranks:
 
     def agree_min(self, value: int) -> int:
         """The smallest ``value`` any rank has (e.g. the KV pool size every rank can hold)."""
-        return self.group.agree_min(value)
+        return self.world.agree_min(value)
 
     def build_model(
         self,
@@ -104,9 +137,20 @@ class Ranks:
         if not _takes_group(factory):
             raise ConfigError(
                 f"model plugin '{name}' takes no group argument, so it cannot run with "
-                f"tp_size={self.size} (docs/plugins.md: tensor parallelism)"
+                f"{self._sizes()} (docs/plugins.md: tensor parallelism)"
             )
-        return factory(config, *args, group=self.group)
+        model = factory(config, *args, group=self.group)
+        if self.group.stage is not None and getattr(model, "stage", None) != self.group.stage:
+            raise ConfigError(
+                f"model plugin '{name}' does not build pipeline stages (its model has no "
+                f"'stage' of the group's), so it cannot run with pp_size={self.pp_size}"
+            )
+        if self.group.ep_size > 1 and not getattr(model, "expert_parallel", False):
+            raise ConfigError(
+                f"ep_size={self.group.ep_size}: model plugin '{name}' has no experts to spread "
+                "(--ep-size is for MoE models: Qwen3-MoE, Mixtral); use --tp-size alone"
+            )
+        return model
 
     def shard(
         self,
@@ -116,28 +160,55 @@ class Ranks:
         config: ModelConfig,
     ) -> Iterable[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors, cut to this rank's shard by the model's ``tp_plan``."""
-        if self.size == 1:
+        if self.group.size == 1:  # (pipeline stages skip other stages' tensors themselves)
             return weights
         plan = model.tp_plan if isinstance(model, ShardedModel) else None
         if plan is None:
             raise ConfigError(
                 f"model plugin '{name}' declares no tp_plan, so it cannot run with "
-                f"tp_size={self.size} (docs/plugins.md: tensor parallelism)"
+                f"{self._sizes()} (docs/plugins.md: tensor parallelism)"
             )
         return shard_weights(weights, plan, config, self.group)
+
+    def step_executor(
+        self,
+        platform: HardwarePlatform,
+        model: CausalLM,
+        attention: AttentionBackend,
+        kv_pool: KVPool,
+        req_to_token: ReqToTokenPool,
+        config: EngineConfig,
+    ) -> Step:
+        """The platform's step executor; with pipeline stages its eager one (no captured
+        graphs: a stage's output is the residual stream) run micro-batch by micro-batch
+        between the stages (``core/pp_step.py``)."""
+        if self.pp_size == 1:
+            return platform.step_executor(model, attention, kv_pool, req_to_token, config)
+        eager = replace(config, disable_cuda_graph=True, enable_torch_compile=False)
+        run = platform.step_executor(model, attention, kv_pool, req_to_token, eager)
+        stage = self.group.stage
+        assert stage is not None
+        self.pipeline = PipelineStep(
+            run, stage, self.world.rank, self.group.size, self._model_config, model_dtype(model),
+            platform.device, platform.synchronize if platform.asynchronous else None,
+        )  # fmt: skip
+        return self.pipeline
 
     def lead(self, step: Step, req_to_token: ReqToTokenPool, device: str) -> Step:
         """The step executor rank 0 runs: ``step`` after broadcasting its inputs to the other
         ranks. Other ranks, and a single one, run ``step`` as it is."""
-        if self.size == 1 or not self.group.leader:
+        if self.size == 1 or not self.world.leader:
             return step
-        self.broadcaster = StepBroadcaster(self.group, req_to_token, device, step)
+        self.broadcaster = StepBroadcaster(self.world, req_to_token, device, step)
         return self.broadcaster
 
     def follow(self, req_to_token: ReqToTokenPool, kv_pool: KVPool, device: str, step: Step) -> int:
         """A rank other than 0: run each step rank 0 broadcasts until it says stop; the number
         of steps run."""
-        return follow_steps(self.group, req_to_token, kv_pool, device, step)
+        steps = follow_steps(self.world, req_to_token, kv_pool, device, step)
+        if self.pipeline is not None:
+            gather_stats(self.world, self.pipeline)
+        return steps
 
     def close(self, step: Any = None) -> None:
         """Stop the other ranks' step loops (rank 0), let ``step`` free what it captured (CUDA
@@ -153,6 +224,8 @@ class Ranks:
         try:
             if self.broadcaster is not None:
                 self.broadcaster.stop()
+                if self.pipeline is not None:
+                    self.pipeline_stats = gather_stats(self.world, self.pipeline)
         except RuntimeError as e:  # a rank already gone: nothing is left to stop there
             logger.warning("could not stop the other tensor-parallel ranks: %s", e)
         finally:
@@ -176,14 +249,17 @@ def _takes_group(factory: Callable[..., Any]) -> bool:
 def join(platform: HardwarePlatform, config: EngineConfig, rendezvous: Rendezvous | None) -> Ranks:
     """Join the group ``rendezvous`` names (``config.tp_size`` ranks), on the device of its
     rank, through the platform's backend; its fast all-reduce is used where it has one on every
-    rank and ``config.disable_custom_all_reduce`` is off. With one rank nothing happens."""
-    size = config.tp_size
+    rank and ``config.disable_custom_all_reduce`` is off. With one rank nothing happens.
+
+    With ``config.pp_size`` stages there are ``tp_size x pp_size`` ranks: rank = stage *
+    tp_size + tensor-parallel rank; each stage's ranks form its own tensor-parallel group."""
+    size = config.tp_size * config.pp_size
     if size == 1:
         return Ranks()
     if rendezvous is None or rendezvous.size != size:
         raise ConfigError(
-            f"tp_size={size} needs one engine process per rank started together "
-            "(the server and radixserve.Engine start them)"
+            f"tp_size={config.tp_size} x pp_size={config.pp_size} needs one engine process "
+            "per rank started together (the server and radixserve.Engine start them)"
         )
     if _stuck():
         raise ConfigError(
@@ -193,12 +269,14 @@ def join(platform: HardwarePlatform, config: EngineConfig, rendezvous: Rendezvou
     dist = torch.distributed
     if dist.is_initialized():
         raise ConfigError("this process already runs a tensor-parallel engine; shut it down")
-    if sys.platform == "linux":
+    if sys.platform == "linux" and _on_loopback(rendezvous.init_method):
         # The ranks of one engine share a host and meet on loopback; without this, gloo binds
         # to whatever the hostname resolves to, which fails in containers without one.
+        # (Nodes meeting at another address use the interface that reaches it.)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     threads_before = torch.get_num_threads()
-    platform.bind_rank(rendezvous.rank, size)
+    per_node = size // config.nnodes  # a rank binds the device (and cores) of its own node
+    platform.bind_rank(rendezvous.rank % per_node, per_node)
     backend = platform.distributed_backend()
     timeout = datetime.timedelta(seconds=rendezvous.timeout_s)
     dist.init_process_group(
@@ -210,17 +288,56 @@ def join(platform: HardwarePlatform, config: EngineConfig, rendezvous: Rendezvou
         # ranks wait in it for the next step while the server idles; a dead rank is noticed by
         # the parent process (its sentinel), not by this timeout.
         cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=30))
-        fast = _agreed_fast_all_reduce(platform, dist.group.WORLD, size, cpu_group,
-                                       not config.disable_custom_all_reduce)  # fmt: skip
+        # (the platform's fast all-reduce is peer-to-peer within one host)
+        wanted = not config.disable_custom_all_reduce and config.nnodes == 1
+        if config.pp_size > 1:
+            world = TensorParallel(rendezvous.rank, size, dist.group.WORLD, cpu_group)
+            return pipeline_ranks(world, config, threads_before)
+        fast = _agreed_fast_all_reduce(platform, dist.group.WORLD, size, cpu_group, wanted)
     except BaseException:
         torch.set_num_threads(threads_before)  # no Ranks will close the group: do it here
         teardown()
         raise
     group = TensorParallel(rendezvous.rank, size, dist.group.WORLD, cpu_group, fast)
+    group.ep_size = config.ep_size
     logger.info("tensor-parallel rank %d of %d on %s (%s%s)", rendezvous.rank, size,
                 platform.device, backend,
                 f", small all-reduces: {type(fast).__name__}" if fast else "")  # fmt: skip
     return Ranks(group, threads_before)
+
+
+def pipeline_ranks(world: TensorParallel, config: EngineConfig, threads_before: int) -> Ranks:
+    """This rank's Ranks with ``config.pp_size`` pipeline stages, once every rank joined
+    ``world``: its stage's tensor-parallel group beside the world's."""
+    stage_group = stage_groups(world.rank, config.tp_size, config.pp_size)
+    logger.info("engine rank %d of %d: pipeline stage %d of %d, tensor-parallel rank %d of %d",
+                world.rank, world.size, world.rank // config.tp_size, config.pp_size,
+                stage_group.rank, config.tp_size)  # fmt: skip
+    return Ranks(stage_group, threads_before, world, config.pp_size)
+
+
+def stage_groups(rank: int, tp_size: int, pp_size: int) -> TensorParallel:
+    """This rank's stage's tensor-parallel group (every rank creates every stage's groups, in
+    the same order, as torch.distributed requires). No platform fast all-reduce here yet."""
+    dist = torch.distributed
+    mine = None
+    for stage in range(pp_size):
+        members = [stage * tp_size + t for t in range(tp_size)]
+        group = dist.new_group(ranks=members)
+        cpu = dist.new_group(ranks=members, backend="gloo", timeout=datetime.timedelta(days=30))
+        if rank in members:
+            mine = TensorParallel(rank - members[0], tp_size, group, cpu)
+    assert mine is not None
+    return mine
+
+
+def _on_loopback(init_method: str) -> bool:
+    """A file store (one host), or a TCP store on a loopback address."""
+    url = urllib.parse.urlsplit(init_method)
+    if url.scheme == "file":
+        return True
+    host = url.hostname or ""
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _agreed_fast_all_reduce(

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from radixserve.core.cache_setup import build_cache
 from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.core.distributed import Rendezvous
 from radixserve.core.engine_views import EngineViews
@@ -22,9 +23,9 @@ from radixserve.core.grammar_queue import GrammarQueue
 from radixserve.core.interfaces import StepStrategy
 from radixserve.core.model_runner import LaunchedStep, ModelRunner
 from radixserve.core.plugins import PluginHost
-from radixserve.core.radix_cache import NoPrefixCache, RadixCache
 from radixserve.core.request import InvalidRequest, Req
 from radixserve.core.scheduler import Scheduler, SchedulerConfig, new_token_ratios
+from radixserve.core.sessions import SessionTable
 from radixserve.core.step_plan import RetractionNeeded, StepPlan
 from radixserve.core.stop import StopChecker
 from radixserve.core.strategies import build_all
@@ -64,8 +65,7 @@ class EngineCore(EngineViews):
         mc = self.runner.model_config
         self.eos_token_ids = tuple(mc.eos_token_ids) or _eos_from_tokenizer(self.tokenizer)
         self.max_context = self.runner.max_context
-        cache_cls = NoPrefixCache if config.disable_radix_cache else RadixCache
-        self.cache = cache_cls(self.runner.allocator, self.runner.req_to_token)
+        self.cache = build_cache(self.runner, config, host, str(model_dir))
         self.grammars = self._grammar_queue(host)
         self.runner.grammar_masker = GrammarMasker(
             lambda: self.grammars.backend, settings.max_running_requests, mc.vocab_size
@@ -83,8 +83,11 @@ class EngineCore(EngineViews):
         self._last_result_at = 0.0  # when the previous step's result came (timing per kind)
         self._changed_outside_step: list[Req] = []
         self.scheduler = self._scheduler()
-        # The step strategies (core/strategies.py), called at the loop's fixed points.
-        self.strategies = build_all(self, host, model_dir)
+        # The step strategies (core/strategies.py), called at the loop's fixed points; the
+        # sessions that keep their KV pinned between turns (core/sessions.py) are one.
+        size = self.runner.allocator.size
+        self.sessions = SessionTable(self.cache, size, config.session_pin_ratio)
+        self.strategies = build_all(self, host, model_dir) + [self.sessions]
         self.scheduler.strategies = self.runner.strategies = self.strategies
         info = {
             "model_path": str(model_dir),
@@ -108,6 +111,9 @@ class EngineCore(EngineViews):
                 schedule_policy=config.schedule_policy,
                 max_context=self.max_context,
                 random_seed=config.random_seed,
+                enable_priority_scheduling=config.enable_priority_scheduling,
+                schedule_low_priority_values_first=config.schedule_low_priority_values_first,
+                priority_aging_steps=config.priority_aging_steps,
                 **new_token_ratios(config.schedule_conservativeness),
             ),
             self.runner.allocator,
@@ -145,6 +151,8 @@ class EngineCore(EngineViews):
         a strategy may hold it instead (e.g. until its KV arrived)."""
         compiling = req.sampling.grammar is not None
         try:
+            for strategy in self.strategies:
+                strategy.prepare(req)
             self.validate(req)
             held = [s.admit(req, compiling) for s in self.strategies]
         except InvalidRequest as e:
@@ -312,7 +320,7 @@ class EngineCore(EngineViews):
             if self.scheduler.abort(req.rid, message) is not None:
                 req.failed = message
                 changed.append(req)
-        self.cache.evict(1 << 62)
+        self.cache.flush()
         return changed
 
     def _end_failed(self, batch: StepPlan) -> list[Req]:
@@ -403,17 +411,29 @@ class EngineCore(EngineViews):
         except Exception as e:  # noqa: BLE001 - any failure leaves the old weights; it is reported
             logger.warning("weights from %s not loaded: %s", model_path, e)
             return False, f"weights not loaded, the old ones still serve: {e}"
-        self.cache.evict(1 << 62)
+        self.sessions.unpin_all()  # their KV came from the old weights
+        self.cache.flush()
+        self.cache.clear_storage()  # its pages hold the old weights' KV
         logger.info("loaded weights from %s", model_path)
         return True, f"loaded weights from '{model_path}'"
 
     def flush_cache(self) -> bool:
-        """Drop every cached prefix; only allowed while no request runs."""
+        """Drop every cached prefix (device and host tiers); only allowed while no request
+        runs."""
         self._sync()
         if self.scheduler.has_work():
             return False
-        self.cache.evict(1 << 62)
+        self.sessions.unpin_all()  # sessions stay open; their next turn computes again
+        self.cache.flush()
         return True
+
+    def clear_cache_storage(self) -> bool:
+        """Drop the pages of the hierarchical cache's storage tier; only allowed while no
+        request runs, and False where there is no such tier."""
+        self._sync()
+        if self.scheduler.has_work():
+            return False
+        return self.cache.clear_storage()
 
 
 def _eos_from_tokenizer(tokenizer: Tokenizer) -> tuple[int, ...]:

@@ -93,12 +93,16 @@ class EngineViews:
         return self.scheduler.kv_accounting()
 
     def scheduler_counters(self) -> dict[str, Any]:
-        """The scheduler's counters since start: cache_hit_rate, retractions, steps and
-        steps_by_kind (each kind's counts as JSON)."""
+        """The scheduler's counters since start: cache_hit_rate, retractions (preemptions:
+        those for a higher priority), per-priority counts, steps and steps_by_kind (each
+        kind's counts as JSON)."""
         stats = self.scheduler.stats
         return {
             "cache_hit_rate": stats.cache_hit_rate,
+            "hicache": self.scheduler.cache.tier_stats(),
             "retractions": stats.retractions,
+            "preemptions": stats.preemptions,
+            "priorities": self.scheduler.priority.to_json(),
             "steps": stats.steps,
             "steps_by_kind": {k: v.to_json() for k, v in stats.by_kind.items()},
         }

@@ -67,6 +67,13 @@ def register_kv_connectors(register: Any) -> None:
     ``--disaggregation-mode prefill|decode``."""
 
 
+@hookspec
+def register_hicache_storage_backends(register: Any) -> None:
+    """Register HiCache storage backends (``core.hicache_storage.HiCacheStorage`` factories,
+    called with the ``--hicache-storage-backend-extra-config`` dict) for the third tier of
+    ``--enable-hierarchical-cache``; ``none`` is the default (no third tier)."""
+
+
 @hookspec(firstresult=True)
 def select_hardware_platform(available: list[str]) -> str | None:
     """Choose the hardware platform among the available names; first non-None answer wins.

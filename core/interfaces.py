@@ -43,7 +43,9 @@ if TYPE_CHECKING:
 #: Runs one model step: ForwardBatch -> logits (see ``HardwarePlatform.step_executor``).
 StepExecutor = Callable[["ForwardBatch"], "torch.Tensor"]
 
-PLUGIN_KINDS = ("hardware", "attention", "model", "grammar", "speculative", "kv_transfer")
+PLUGIN_KINDS = (
+    "hardware", "attention", "model", "grammar", "speculative", "kv_transfer", "hicache_storage",
+)  # fmt: skip
 
 
 class HardwarePlatform(ABC):
@@ -102,8 +104,9 @@ class HardwarePlatform(ABC):
         return "gloo"
 
     def bind_rank(self, rank: int, size: int) -> None:  # noqa: B027 - optional hook
-        """Tensor parallelism: this process is rank ``rank`` of ``size`` and drives that rank's
-        device (e.g. ``cuda:{rank}``); set ``device`` to it. Called once, before anything is
+        """Tensor parallelism: this process is rank ``rank`` of the ``size`` ranks of its node
+        (all of them on one node) and drives that rank's device (e.g. ``cuda:{rank}``); set
+        ``device`` to it. Called once, before anything is
         allocated. The default does nothing (every rank uses ``device`` as it is)."""
 
     def fast_all_reduce(self, group: Any, size: int) -> Any:
@@ -364,6 +367,10 @@ class StepStrategy:
 
     # -- the request lifecycle (engine core) --------------------------------------------------
 
+    def prepare(self, req: Any) -> None:
+        """A request arrives, before validation: the strategy may rewrite its prompt (a
+        session puts its context first, core/sessions.py). Raise InvalidRequest to refuse."""
+
     def admit(self, req: Any, compiling: bool) -> bool:
         """A validated request arrives (``compiling``: its grammar compiles first, and it
         comes back through ``admit_compiled``). Raise InvalidRequest to refuse it; return True
@@ -375,6 +382,11 @@ class StepStrategy:
         """``req``'s grammar compiled. None: admit it as usual (jump-forward, then the
         scheduler); False: the strategy took it; True: it ended instead (finished)."""
         return None
+
+    def admissible(self, req: Any) -> bool:
+        """Whether waiting ``req`` may start running now (e.g. its LoRA adapter got a slot);
+        False: it waits and admission goes on with the next request."""
+        return True
 
     def refused(self, req: Any, message: str) -> None:
         """This server refused ``req`` (validation, ``admit``) with ``message``; tell a peer
@@ -462,6 +474,10 @@ class StepStrategy:
 
     def on_release(self, scheduler: Any, req: Any) -> None:
         """``req``'s slots are about to be given back (they still hold its KV)."""
+
+    def pinned_tokens(self) -> int:
+        """Cached tokens the strategy keeps locked while no request runs (session pins)."""
+        return 0
 
     # -- the model runner -------------------------------------------------------------------
 

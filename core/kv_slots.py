@@ -143,14 +143,17 @@ class KVSlots:
             "size": self.allocator.size,
             "free": free,
             "evictable": evictable,
-            "locked": locked,
+            "locked": locked,  # by running requests and by pins (``pinned``)
+            "pinned": sum(s.pinned_tokens() for s in self.strategies),
             "in_use": self.allocator.size - free - evictable - locked,
         }
 
     def check_no_leak(self) -> None:
-        """At idle every slot is free or held by the cache; raise AssertionError otherwise."""
+        """At idle every slot is free or held by the cache, and only pins (open sessions)
+        lock cache nodes; raise AssertionError otherwise."""
         acct = self.kv_accounting()
         if not self.running and acct["in_use"] != 0:
             raise AssertionError(f"KV leak at idle: {acct}")
-        if not self.running and acct["locked"] != 0:
-            raise AssertionError(f"cache nodes still locked at idle: {acct}")
+        if not self.running and acct["locked"] != acct["pinned"]:
+            raise AssertionError(f"cache nodes still locked at idle beyond pins: {acct}")
+        self.cache.check_tiers()

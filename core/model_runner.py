@@ -114,7 +114,7 @@ class ModelRunner:
         # model and its KV) is set aside before the KV pool is sized; they refuse settings
         # they cannot run with, several ranks among them (core/strategies.py).
         self.reservation = strategies.reserve(
-            host, dict(self.plugins.names), config, self.dtype, self.ranks.size
+            host, dict(self.plugins.names), config, self.dtype, self.ranks.size, mc
         )
         config, self.settings = config.with_platform_defaults(
             hardware, self.platform.engine_defaults(mc, weight_bytes), usage
@@ -156,7 +156,7 @@ class ModelRunner:
         self.scratch_rows = self.req_to_token.reserve(self.reservation.node_rows)
         mc, local = self.model_config, self.local_config
         self.kv_pool = KVPool(
-            self.kv_size, mc.num_layers, local.num_kv_heads, mc.head_dim, self.kv_dtype,
+            self.kv_size, local.num_layers, local.num_kv_heads, mc.head_dim, self.kv_dtype,
             self.device, page_size=config.page_size, compute_dtype=self.dtype,
         )  # fmt: skip
 
@@ -184,10 +184,12 @@ class ModelRunner:
         self.model.load_weights(self.ranks.shard(weights, self.model, model_reg.name, mc))
         if config.quantization is not None:
             self.platform.quantize_model(self.model, config.quantization)
+        # e.g. LoRA's wrapped projections, before the platform captures any graph
+        self.lora_weights = strategies.prepare_model(self.model, config, self.device)
         self.platform.prepare_model(self.model, config)
         # The platform decides how a step runs (eagerly here; e.g. CUDA graphs for decodes).
-        self.step = self.platform.step_executor(
-            self.model, self.attention, self.kv_pool, self.req_to_token, config
+        self.step = self.ranks.step_executor(
+            self.platform, self.model, self.attention, self.kv_pool, self.req_to_token, config
         )
         self.step = self.ranks.lead(self.step, self.req_to_token, self.device)
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -84,12 +84,18 @@ class TensorParallel:
         group: Any = None,
         cpu_group: Any = None,
         fast_all_reduce: FastAllReduce | None = None,
+        stage: PipelineStage | None = None,
     ) -> None:
         self.rank = rank
         self.size = size
+        #: this rank's pipeline stage (its run of layers), None without pipeline parallelism
+        self.stage = stage
         self.group = group  # the device backend's group (nccl on CUDA, gloo on CPU)
         self.cpu_group = cpu_group  # gloo, for host-side step metadata
         self.fast_all_reduce = fast_all_reduce  # tried first; the backend's otherwise
+        #: ranks a MoE's experts are spread over (1, or ``size``: --ep-size); with 1 each
+        #: expert's intermediate features are cut like a dense MLP's
+        self.ep_size = 1
 
     @property
     def fast_all_reduce(self) -> FastAllReduce | None:
@@ -132,6 +138,13 @@ class TensorParallel:
         _all_gather(out, x.contiguous(), self.group)
         return out.view(self.size, rows, n).permute(1, 0, 2).reshape(rows, self.size * n)
 
+    def all_to_all(self, x: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
+        """Rows of ``x``, ``send[r]`` of them to rank r in rank order, exchanged for
+        ``receive[r]`` rows from each rank r (expert-parallel dispatch and combine)."""
+        out = x.new_empty((sum(receive), *x.shape[1:]))
+        torch.distributed.all_to_all_single(out, x.contiguous(), receive, send, group=self.group)
+        return out
+
     def agree_min(self, value: int) -> int:
         """The smallest ``value`` any rank has (e.g. the KV pool size every rank can hold)."""
         if self.size == 1:
@@ -149,6 +162,37 @@ def _all_gather(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
 
 #: the group of an engine of one rank: every collective is the identity
 SINGLE = TensorParallel()
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineStage:
+    """One pipeline stage: which contiguous run of the decoder's layers it holds (global
+    layer ids ``layers.start`` .. ``layers.stop - 1``). The first stage also embeds the
+    tokens, the last one applies the final norm and the LM head."""
+
+    rank: int
+    size: int
+    layers: Span
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.rank == self.size - 1
+
+
+def pipeline_stage(num_layers: int, rank: int, size: int) -> PipelineStage:
+    """Stage ``rank`` of ``size``: contiguous runs of layers differing by at most one, the
+    larger ones on the later stages (stage 0 also schedules, samples and embeds)."""
+    if num_layers < size:
+        raise ConfigError(
+            f"pp_size={size} needs at least one decoder layer per stage; the model has "
+            f"{num_layers}: a pp_size of at most {num_layers} works"
+        )
+    start, stop = num_layers * rank // size, num_layers * (rank + 1) // size
+    return PipelineStage(rank, size, Span(start, stop - start))
 
 
 # ---- how a model splits ----------------------------------------------------------------------
@@ -217,7 +261,9 @@ def vocab_shard(vocab_size: int, tp: TensorParallel) -> tuple[Span, int]:
 
 def local_model_config(config: ModelConfig, tp: TensorParallel) -> ModelConfig:
     """``config`` with this rank's head counts: what the attention backend and the KV pool
-    see (each rank's pool holds only its KV heads)."""
+    see (each rank's pool holds only its KV heads, and only its pipeline stage's layers)."""
+    if tp.stage is not None:
+        config = replace(config, num_layers=tp.stage.layers.size)
     if tp.size == 1:
         return config
     split = split_heads(config.num_heads, config.num_kv_heads, tp)

@@ -29,6 +29,7 @@ _REGISTER_HOOKS = {
     "grammar": "register_grammar_backends",
     "speculative": "register_speculative_algorithms",
     "kv_transfer": "register_kv_connectors",
+    "hicache_storage": "register_hicache_storage_backends",
 }
 
 

@@ -63,6 +63,8 @@ def _common_prefix_len(a: list[int], b: list[int]) -> int:
 class RadixCache:
     """The shared prefix cache. ``extra_key`` (cache salt, LoRA id) keeps namespaces disjoint."""
 
+    node_type: type[TreeNode] = TreeNode  # a subclass's nodes may carry more (core/hicache.py)
+
     def __init__(self, allocator: TokenAllocator, req_to_token: ReqToTokenPool) -> None:
         self.allocator = allocator
         self.req_to_token = req_to_token
@@ -78,7 +80,7 @@ class RadixCache:
     def _root(self, extra_key: str | None) -> TreeNode:
         root = self._roots.get(extra_key)
         if root is None:
-            root = TreeNode([], _EMPTY, None)
+            root = self.node_type([], _EMPTY, None)
             root.lock_ref = 1  # the root is never evicted
             self._roots[extra_key] = root
         return root
@@ -209,6 +211,22 @@ class RadixCache:
                 heapq.heappush(leaves, parent)
         return freed
 
+    def flush(self) -> None:
+        """Drop every cached prefix no running request holds (their KV is not trusted, or
+        asked to go)."""
+        self.evict(1 << 62)
+
+    def clear_storage(self) -> bool:
+        """Drop what a storage tier holds (False: there is none)."""
+        return False
+
+    def check_tiers(self) -> None:
+        """Raise AssertionError when a tier behind the device pool leaks (none here)."""
+
+    def tier_stats(self) -> dict[str, int] | None:
+        """Hits and moves per tier (None: one tier only)."""
+        return None
+
     def _all_nodes(self) -> list[TreeNode]:
         nodes: list[TreeNode] = []
         stack = [c for root in self._roots.values() for c in root.children.values()]
@@ -291,6 +309,18 @@ class NoPrefixCache:
 
     def evict(self, num_tokens: int) -> int:
         return 0
+
+    def flush(self) -> None:
+        pass
+
+    def clear_storage(self) -> bool:
+        return False
+
+    def check_tiers(self) -> None:
+        pass
+
+    def tier_stats(self) -> dict[str, int] | None:
+        return None
 
     def total_size(self) -> int:
         return 0

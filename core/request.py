@@ -316,6 +316,8 @@ class Req:
         self.input_ids = input_ids
         self.sampling = sampling
         self.extra_key = extra_key
+        self.lora_name: str | None = None  # the LoRA adapter asked for (None: the base model)
+        self.lora: Any = None  # its core.lora.LoRAAdapter, once admitted
         self.output_ids: list[int] = []
         self.state = ReqState.WAITING
         self.finish_reason: FinishReason | None = None
@@ -344,6 +346,14 @@ class Req:
         self.asked_max_new_tokens: int | None = None
         # Why the engine failed this request (the server answers 500), once it has.
         self.failed: str | None = None
+        # Priority scheduling (core/priority.py): larger runs first unless configured the
+        # other way; the scheduler step it first arrived at (-1: not yet queued).
+        self.priority = 0
+        self.arrival_step = -1
+        # core.sessions.SessionParams: the session this request continues, or None; the
+        # tokens of the session's context put before the client's prompt.
+        self.session_params: Any = None
+        self.context_tokens = 0
         # timing
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None

@@ -20,6 +20,7 @@ from radixserve.core.admission import Admission
 from radixserve.core.grammar import GrammarStepper
 from radixserve.core.interfaces import StepStrategy
 from radixserve.core.memory import ReqToTokenPool, TokenAllocator
+from radixserve.core.priority import PriorityPolicy
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
 from radixserve.core.request import FinishReason, Req, ReqState
 from radixserve.core.schedule_policy import prefill_budget
@@ -67,6 +68,12 @@ class Scheduler(StepCommit, Admission):
         # never fit (``end_unschedulable`` ends it, not another one).
         self.blocked: Req | None = None
         self.stats = SchedulerStats()
+        # the waiting queue's rank order, retraction for rank, victims (core/priority.py)
+        self.priority = PriorityPolicy(
+            config.enable_priority_scheduling,
+            config.schedule_low_priority_values_first,
+            config.priority_aging_steps,
+        )
         self._rng = random.Random(config.random_seed)
         self.trace_steps = False
         self.new_token_ratio = config.init_new_token_ratio
@@ -85,6 +92,7 @@ class Scheduler(StepCommit, Admission):
     # -- queue -----------------------------------------------------------------------------
 
     def add_request(self, req: Req) -> None:
+        self.priority.arrived(req)
         self.waiting.append(req)
 
     def add_running(self, req: Req) -> None:
@@ -139,6 +147,8 @@ class Scheduler(StepCommit, Admission):
         the newest is retracted (or, alone, ended with a reason), so a step never comes back
         empty while requests run."""
         self.blocked = None
+        self._scheduled = {}
+        self.priority.preempt(self, allow_retract)  # room for a higher rank that waits
         if not self.config.mixed_chunk:
             alone = self._schedule_prefill_alone()
             if alone is not None:
@@ -243,7 +253,7 @@ class Scheduler(StepCommit, Admission):
     def _unstall(self) -> None:
         """Free KV for the stalled prefills: retract the newest running request, or end the
         only one, which the pool cannot hold even with the cache evicted."""
-        victim = max(self.running, key=lambda r: r.arrival_time)
+        victim = self.priority.victim(self.running)
         if len(self.running) > 1:
             self._retract(victim)
             return
@@ -266,8 +276,9 @@ class Scheduler(StepCommit, Admission):
                 return decodes
             if not allow_retract:
                 raise RetractionNeeded
-            # The newest running request goes, mid-prefill ones included: their KV counts too.
-            victim = max(self.running, key=lambda r: r.arrival_time)
+            # The newest running request (of the lowest rank) goes, mid-prefill ones included:
+            # their KV counts too.
+            victim = self.priority.victim(self.running)
             if victim in decodes:
                 decodes.remove(victim)
             if len(self.running) > 1:
@@ -280,13 +291,20 @@ class Scheduler(StepCommit, Admission):
 
     def _retract(self, req: Req) -> None:
         logger.debug("retracting %s under KV pressure", req.rid)
+        self.retract(req)
+        self._retracted_this_step = True
+        self.new_token_ratio = self._ratio_after_retraction()
+
+    def retract(self, req: Req, preempted: bool = False) -> None:
+        """Give back running ``req``'s KV and queue it again (its tokens are recomputed);
+        ``preempted``: for a waiting request of a higher rank (core/priority.py), before the
+        step is planned, so admission still runs in this step."""
         self._release(req)
         req.state = ReqState.WAITING
         req.num_retractions += 1
         self.stats.retractions += 1
+        self.stats.preemptions += preempted
         self.waiting.appendleft(req)
-        self._retracted_this_step = True
-        self.new_token_ratio = self._ratio_after_retraction()
 
     def _ratio_after_retraction(self) -> float:
         """The share of their remaining budgets that running requests have shown to use: what

@@ -29,10 +29,15 @@ def algorithm_for(
     memory (a draft model and its KV) is set aside: (algorithm, weight bytes, KV bytes per
     slot). EngineCore sets it up later (``build``)."""
     name = names["speculative"]
-    if tp_size > 1 and name != "none":
+    # Under tensor parallelism the drafts come from rank 0 alone: n-gram chains need no draft
+    # model (a draft model replicated or sharded on every rank is not done yet), and a tree's
+    # attention mask is rank 0's attention backend's only.
+    chains = name == "ngram" and config.speculative_eagle_topk == 1
+    if tp_size > 1 and name != "none" and not chains:
         raise ConfigError(
-            f"speculative decoding ({name}) does not run with tp_size={tp_size} yet; drop one "
-            "of them"
+            f"speculative decoding ({name}, speculative_eagle_topk="
+            f"{config.speculative_eagle_topk}) does not run with tp_size={tp_size} yet (only "
+            "ngram chains do); drop one of them"
         )
     algorithm = host.registries["speculative"].get(name).factory()
     weights, kv = algorithm.memory_needs(config, host, dtype)
@@ -92,6 +97,8 @@ def _device_loop(core: Any, sp: Speculator) -> SpecLoop | None:
     device (FlashInfer plans on the host: no loop)."""
     config, runner = core.config, core.runner
     if config.disable_speculative_loop or sp.tree_nodes or sp.simulate_accept_len is not None:
+        return None
+    if runner.ranks.size > 1:  # it runs the model past the step executor rank 0 broadcasts
         return None
     asynchronous = runner.platform.asynchronous
     if not (asynchronous or config.enable_speculative_loop):

@@ -47,6 +47,12 @@ class SchedulerConfig:
     # Requests whose uncached prompt shares at least this many tokens with one being prefilled
     # wait for that prefill to reach the cache instead of computing the same KV again.
     shared_prefill_min_tokens: int = 32
+    # core/priority.py: the waiting queue in priority order, lower ranks retracted for a
+    # higher one that waits; larger values first unless low_values_first; aging: one level
+    # per this many steps waited
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_aging_steps: int = 100
 
 
 #: What a strategy adds to a decode entry: tokens the step runs after the entry's last token
@@ -110,6 +116,7 @@ class SchedulerStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     retractions: int = 0
+    preemptions: int = 0  # of the retractions, those for a higher priority (core/priority.py)
     deferred_admissions: int = 0  # times a request waited for a shared prefill (per step)
     gathering_steps: int = 0  # steps whose admission waited for more arrivals (gather)
     step_trace: list[tuple[int, int]] = field(default_factory=list)  # (decodes, prefill tokens)

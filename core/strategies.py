@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from radixserve.core import disaggregation, spec_setup, spec_tree
+from radixserve.core import disaggregation, lora_strategy, spec_setup, spec_tree
 from radixserve.core.config import ConfigError
 
 if TYPE_CHECKING:
@@ -30,11 +30,19 @@ class Reservation:
 
 
 def reserve(
-    host: PluginHost, names: dict[str, str], config: Any, dtype: torch.dtype, tp_size: int
+    host: PluginHost,
+    names: dict[str, str],
+    config: Any,
+    dtype: torch.dtype,
+    tp_size: int,
+    model: Any = None,
 ) -> Reservation:
     """Build what must exist before the KV pool is sized; refuse settings a strategy cannot
-    run with (ConfigError)."""
+    run with (ConfigError). ``model``: the ModelConfig (LoRA's slots are sized by it)."""
+    lora_strategy.check_combination(config, tp_size)
     algorithm, weights, kv = spec_setup.algorithm_for(host, names, config, dtype, tp_size)
+    if model is not None:
+        weights += lora_strategy.slot_bytes(config, model, dtype.itemsize)
     mode = config.disaggregation_mode
     if tp_size > 1 and mode != "null":
         raise ConfigError(
@@ -48,5 +56,23 @@ def reserve(
 def build_all(core: Any, host: PluginHost, model_dir: Path) -> list[StepStrategy]:
     """The enabled strategies of ``core`` (an EngineCore: typed Any, as importing it would
     make a cycle), in the order the loop calls them."""
-    found = [spec_setup.build(core, host, model_dir), disaggregation.build(core, host)]
+    found = [
+        spec_setup.build(core, host, model_dir),
+        disaggregation.build(core, host),
+        lora_strategy.build(core),
+    ]
     return [s for s in found if s is not None]  # type: ignore[misc]
+
+
+def prepare_model(model: Any, config: Any, device: str) -> Any:
+    """Wrap what the strategies need of the model, before the platform captures any graph
+    of it: LoRA's projections, through the model's ``attach_lora`` (the decoders':
+    plugins/models/lora_layers.py). Returns that, or None."""
+    if not config.enable_lora:
+        return None
+    attach = getattr(model, "attach_lora", None)
+    if attach is None:
+        raise ConfigError(
+            f"--enable-lora: the model {type(model).__name__} does not support LoRA adapters"
+        )
+    return attach(config, device)

@@ -24,6 +24,7 @@ from typing import Any
 from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.core.distributed import teardown as teardown_parallel
 from radixserve.core.engine_core import EngineCore
+from radixserve.core.lora_strategy import check_request_adapter
 from radixserve.core.plugins import PluginHost, default_host
 from radixserve.core.request import FinishReason, InvalidRequest, Req, SamplingParams
 from radixserve.core.stop import streamable_text
@@ -116,19 +117,24 @@ class Engine:
         logprob_start_len: int | None = None,
         return_text_in_logprobs: bool = False,
         stream: bool = False,
+        lora_path: str | list[str | None] | None = None,
     ) -> Any:
         """One prompt -> one dict (a list when n > 1); a list of prompts -> a list in order
         (prompt-major, then choice). ``sampling_params`` is one dict for every prompt or a list
-        of one per prompt."""
+        of one per prompt; ``lora_path`` likewise names a loaded LoRA adapter (None: the base
+        model)."""
         self._check_running()
         batch = self._prompts(prompt, input_ids)
         single = not isinstance(prompt, list) and not (input_ids and isinstance(input_ids[0], list))
         per_prompt = per_item(sampling_params, len(batch), "sampling_params")
+        adapters = per_item(lora_path, len(batch), "lora_path")
         reqs: list[Req] = []
-        for ids, raw in zip(batch, per_prompt, strict=True):
+        for ids, raw, adapter in zip(batch, per_prompt, adapters, strict=True):
             params = _params(raw, return_logprob, top_logprobs_num)
+            check_request_adapter(self.core, adapter)
             for i in range(params.n):
                 req = self._make_req(ids, choice_params(params, i))
+                req.lora_name = adapter
                 if return_logprob:
                     # SGLang: without a start, a prefill-only request scores its whole prompt.
                     start = logprob_start_len
@@ -152,6 +158,13 @@ class Engine:
         return self.generate(
             input_ids=self.tokenizer.encode_chat(messages), sampling_params=sampling_params, **kw
         )
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """Load a PEFT adapter under ``lora_name`` (between steps); SGLang's reply fields."""
+        return self._transport.call(ipc.LoadLoraRequest(next(self._ids), lora_name, lora_path))
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        return self._transport.call(ipc.UnloadLoraRequest(next(self._ids), lora_name))
 
     def abort(self, rid: str) -> None:
         self._inbox.put(ipc.AbortRequest(rid))
@@ -181,10 +194,15 @@ class Engine:
         """With tp_size > 1, spawn ranks 1..N-1 (this process is rank 0). They build their
         plugins from the installed entry points: a ``host`` given to Engine is not theirs."""
         self._rendezvous = None
-        size = self.config.tp_size
+        size, pp = self.config.tp_size * self.config.pp_size, self.config.pp_size
+        if self.config.nnodes > 1:
+            raise ConfigError(
+                f"nnodes={self.config.nnodes}: a multi-node engine runs through `radixserve "
+                "serve`, one launch per node; the offline Engine runs on one node"
+            )
         if size == 1:
             return []
-        ranks = tp_workers.rendezvous(size, self.config.watchdog_timeout)
+        ranks = tp_workers.rendezvous(size, self.config.watchdog_timeout, pp)
         self._rendezvous = ranks[0]
         workers = tp_workers.start_workers(dataclasses.asdict(self.config), ranks[1:])
         try:  # a rank dead at start-up (an unguarded main module) fails now, not at the timeout
@@ -335,8 +353,8 @@ class QueueTransport(Transport):
             self.inbox.put(req)
         return box
 
-    def call(self, msg: ipc.FlushCacheRequest) -> bool:
-        answer: queue.Queue[bool] = queue.Queue()
+    def call(self, msg: Any) -> Any:
+        answer: queue.Queue[Any] = queue.Queue()
         with self._lock:
             self.engine._check_running()
             self._calls[msg.call_id] = answer
@@ -383,6 +401,8 @@ class QueueTransport(Transport):
     def reply(self, msg: ipc.EngineOutbound) -> None:
         if isinstance(msg, ipc.FlushCacheReply):
             self._calls.pop(msg.call_id).put(msg.ok)
+        elif isinstance(msg, ipc.LoraReply):
+            self._calls.pop(msg.call_id).put(lora_reply_json(msg))
 
     def close(self, error: Exception | None, handling: Inbound | None) -> None:
         """Requests still running or queued end with an abort naming why, a flush waiting for
@@ -415,9 +435,17 @@ class QueueTransport(Transport):
             self.deliver(item)
         elif isinstance(item, ipc.FlushCacheRequest):
             self._calls.pop(item.call_id).put(False)
+        elif isinstance(item, ipc.LoadLoraRequest | ipc.UnloadLoraRequest):
+            self._calls.pop(item.call_id).put({"success": False, "error_message": message})
 
 
 _FINISHED = object()
+
+
+def lora_reply_json(msg: ipc.LoraReply) -> dict[str, Any]:
+    """A LoRA call's reply as SGLang's /load_lora_adapter answers it."""
+    return {"success": msg.success, "error_message": msg.error_message,
+            "loaded_adapters": msg.loaded_adapters}  # fmt: skip
 
 
 def _params(

@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from radixserve.entrypoints import ipc, tp_workers
+from radixserve.entrypoints import ipc, multinode, tp_workers
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,10 @@ MAX_DRAINED = 256
 # process) never imports torch or the model code to start it.
 ENGINE_ENTRY = "radixserve.entrypoints.engine_process:run_engine"
 # Replies to ``call``, matched to their caller by call_id.
-_REPLIES = (ipc.EngineState, ipc.FlushCacheReply, ipc.ProfileReply, ipc.UpdateWeightsReply)
+_REPLIES = (
+    ipc.EngineState, ipc.FlushCacheReply, ipc.ProfileReply, ipc.UpdateWeightsReply, ipc.LoraReply,
+    ipc.SessionReply,
+)  # fmt: skip
 
 
 class EngineDied(RuntimeError):
@@ -53,7 +56,8 @@ class EngineClient:
         self.pull.setsockopt(zmq.RCVHWM, 0)
         self.pull.bind(f"ipc://{self.ipc_dir}/engine_out")
         self.process: BaseProcess | None = None
-        self.workers: list[BaseProcess] = []  # tensor-parallel ranks 1..N-1
+        self.workers: list[BaseProcess] = []  # tensor-parallel ranks 1..N-1 (of this node)
+        self.nodes: multinode.NodeWatch | None = None  # node 0 of several: the other nodes
         self.dead: str | None = None
         self.on_step: Callable[[ipc.StepOutput], None] = lambda _: None
         self.on_death: Callable[[str], None] = lambda _: None
@@ -65,24 +69,26 @@ class EngineClient:
         from radixserve.entrypoints.process_exit import run_then_exit
 
         ctx = multiprocessing.get_context("spawn")
-        size = int(settings.get("tp_size") or 1)
-        ranks = (  # (with one rank, none: torch.distributed is not imported here)
-            tp_workers.rendezvous(size, float(settings.get("watchdog_timeout") or 300))
-            if size > 1
-            else []
-        )
+        size, pp = tp_workers.world_size(settings), int(settings.get("pp_size") or 1)
+        if multinode.nodes(settings) > 1:  # this node's ranks; the others follow elsewhere
+            self.nodes = multinode.NodeWatch(settings)
+            ranks = multinode.rendezvous(settings)
+        else:  # (with one rank, none: torch.distributed is not imported here)
+            timeout = float(settings.get("watchdog_timeout") or 300)
+            ranks = tp_workers.rendezvous(size, timeout, pp) if size > 1 else []
         self.process = ctx.Process(
             target=run_then_exit,  # no interpreter teardown after the engine stopped
             args=(
                 ENGINE_ENTRY, settings,
                 f"ipc://{self.ipc_dir}/engine_in", f"ipc://{self.ipc_dir}/engine_out",
-                ranks[0] if size > 1 else None,
+                ranks[0] if ranks else None,
             ),
             name="radixserve-engine",
             daemon=True,
         )  # fmt: skip
         self.process.start()
-        if size > 1:
+        self.process._radixserve_label = tp_workers.rank_label(0, size, pp)  # type: ignore[attr-defined]
+        if len(ranks) > 1:
             self.workers = tp_workers.start_workers(settings, ranks[1:])
 
     def _ranks(self) -> list[tuple[int, BaseProcess]]:
@@ -112,6 +118,10 @@ class EngineClient:
         self._task = loop.create_task(self._receive_loop())
         if self.workers:  # one rank's death ends the engine now, not at the next poll
             tp_workers.watch(self._ranks(), lambda why: loop.call_soon_threadsafe(self._die, why))
+        if self.nodes is not None:  # so does another node's
+            self.nodes.on_death = lambda why: loop.call_soon_threadsafe(self._die, why)
+            if self.nodes.dead is not None:
+                self._die(self.nodes.dead)
 
     def send(self, message: Any) -> None:
         self.send_encoded(ipc.encode(message))
@@ -164,7 +174,10 @@ class EngineClient:
                 fut.set_result(msg)
         elif isinstance(msg, ipc.EngineFailed):
             # rank 0 fails when another rank died under it: name the cause
-            self._die(tp_workers.first_dead(self._ranks()[1:]) or msg.message)
+            why = tp_workers.first_dead(self._ranks()[1:])
+            if why is None and self.nodes is not None:  # one of another node's, maybe
+                why = self.nodes.word(multinode.WORD_WAIT_S)
+            self._die(why or msg.message)
 
     def check_alive(self) -> str | None:
         """Notice a vanished engine now (health probes must not wait for the receive loop's
@@ -184,9 +197,13 @@ class EngineClient:
         self.on_death(reason)
 
     def _alive(self) -> bool:
+        if self.nodes is not None and self.nodes.dead is not None:
+            return False
         return self.process is not None and all(p.is_alive() for _, p in self._ranks())
 
     def _why_dead(self) -> str:
+        if self.nodes is not None and self.nodes.dead is not None:
+            return self.nodes.dead
         if not self.workers:
             code = None if self.process is None else self.process.exitcode
             return f"the engine process exited with code {code}"
@@ -198,7 +215,11 @@ class EngineClient:
             self._task.cancel()
         proc = self.process
         tp_workers.stop_watching([p for _, p in self._ranks()])  # exits are expected now
-        if self.dead is not None and self.workers:
+        if self.nodes is not None:  # and so are the other nodes' (rank 0 stops them)
+            if self.dead is None:
+                self.nodes.announce_stop()
+            self.nodes.stopping = True
+        if self.dead is not None and (self.workers or self.nodes is not None):
             # a rank died: the others may wait in a collective for it; end them now
             tp_workers.end_all([p for _, p in self._ranks()], 0.0)
         if proc is not None and proc.is_alive():
@@ -216,6 +237,8 @@ class EngineClient:
                 proc.join()
         if self.workers:  # rank 0 stopped them on its way out; any left are ended
             tp_workers.end_all(self.workers, timeout)
+        if self.nodes is not None:
+            self.nodes.close()
         self.push.close(linger=0)
         self.pull.close(linger=0)
         self.ctx.term()

@@ -15,7 +15,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any, TypeAlias
 
+from radixserve.core.config import ConfigError
 from radixserve.core.engine_core import EngineCore
+from radixserve.core.lora_strategy import lora_of
 from radixserve.core.request import FinishReason, InvalidRequest, Req
 from radixserve.entrypoints import ipc
 from radixserve.entrypoints.gc_timer import GcTimer
@@ -150,7 +152,7 @@ class EngineLoop:
                 req.failed = message
                 ended.append(req)
         kv = self.core.kv_accounting()
-        if kv["in_use"] or kv["locked"]:
+        if kv["in_use"] or kv["locked"] != kv["pinned"]:
             raise RuntimeError(f"cannot recover from a failed step ({error!r}): KV held {kv}")
         if not ended:  # nothing to blame: a step that fails again and again is a broken engine
             self.failed_steps += 1
@@ -183,11 +185,16 @@ class EngineLoop:
         elif isinstance(msg, ipc.StateRequest):
             self._reply(self._state(msg.call_id))
         elif isinstance(msg, ipc.FlushCacheRequest):
-            self._reply(ipc.FlushCacheReply(msg.call_id, core.flush_cache()))
+            ok = core.clear_cache_storage() if msg.storage else core.flush_cache()
+            self._reply(ipc.FlushCacheReply(msg.call_id, ok))
         elif isinstance(msg, ipc.ProfileRequest):
             self._reply(self._profile(msg))
+        elif isinstance(msg, ipc.OpenSessionRequest | ipc.CloseSessionRequest):
+            self._reply(self._session(msg))
         elif isinstance(msg, ipc.UpdateWeightsRequest):
             self._queue_weight_update(msg)
+        elif isinstance(msg, ipc.LoadLoraRequest | ipc.UnloadLoraRequest):
+            self._reply(lora_call(core, msg))
         elif isinstance(msg, ipc.ShutdownRequest):
             if self.profiler.active:
                 self.profiler.stop()  # the trace so far is written, not lost
@@ -255,6 +262,17 @@ class EngineLoop:
         except (OSError, ValueError) as e:  # writing the trace failed; the profile has ended
             return reply(call_id=msg.call_id, ok=False, message=f"cannot write the trace: {e}")
 
+    def _session(self, msg: ipc.OpenSessionRequest | ipc.CloseSessionRequest) -> ipc.SessionReply:
+        sessions = self.core.sessions
+        try:
+            if isinstance(msg, ipc.OpenSessionRequest):
+                sid = sessions.open_session(msg.capacity, msg.session_id, msg.ttl)
+                return ipc.SessionReply(call_id=msg.call_id, ok=True, session_id=sid)
+            sessions.close_session(msg.session_id)
+            return ipc.SessionReply(call_id=msg.call_id, ok=True, session_id=msg.session_id)
+        except InvalidRequest as e:
+            return ipc.SessionReply(call_id=msg.call_id, ok=False, message=str(e))
+
     def _profile_step(self) -> None:
         """Count a profiled step; the last of ``num_steps`` writes the trace."""
         try:
@@ -274,6 +292,7 @@ class EngineLoop:
             gen_throughput=self.gen_rate.per_second(),
             num_grammar_queue=core.num_grammar_queue,
             gc=self.gc_timer.to_json() if self.gc_timer is not None else {},
+            sessions=core.sessions.describe(),
             **counters,
         )
 
@@ -284,4 +303,26 @@ def request_of(msg: ipc.GenerateRequest) -> Req:
     req.logprob_start_len = msg.logprob_start_len
     req.pooling, req.label_token_ids = msg.pooling, msg.label_token_ids
     req.bootstrap = msg.bootstrap
+    req.lora_name = msg.lora_name
+    req.priority, req.session_params = msg.priority, msg.session
     return req
+
+
+def lora_call(core: EngineCore, msg: ipc.LoadLoraRequest | ipc.UnloadLoraRequest) -> ipc.LoraReply:
+    """Load or unload an adapter between steps (core/lora_strategy.py)."""
+    lora = lora_of(core)
+    if lora is None:
+        return ipc.LoraReply(
+            call_id=msg.call_id, success=False,
+            error_message="LoRA is off; start the server with --enable-lora",
+        )  # fmt: skip
+    try:
+        if isinstance(msg, ipc.LoadLoraRequest):
+            lora.load(msg.lora_name, msg.lora_path)
+        else:
+            lora.unload(msg.lora_name)
+    except ConfigError as e:
+        return ipc.LoraReply(
+            call_id=msg.call_id, success=False, error_message=str(e), loaded_adapters=lora.names()
+        )
+    return ipc.LoraReply(call_id=msg.call_id, success=True, loaded_adapters=lora.names())

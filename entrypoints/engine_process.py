@@ -26,6 +26,7 @@ import zmq
 from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.core.distributed import Rendezvous
 from radixserve.core.engine_core import EngineCore
+from radixserve.core.lora_strategy import lora_of
 from radixserve.core.plugins import PluginError, PluginHost, default_host
 from radixserve.core.request import FinishReason, Req, SamplingParams
 from radixserve.entrypoints import ipc
@@ -120,6 +121,7 @@ def _ready(core: EngineCore) -> ipc.EngineReady:
         settings=core.settings_summary(),
         speculative=core.spec_stats(),
         disaggregation_mode=core.config.disaggregation_mode,
+        lora_adapters=lora.names() if (lora := lora_of(core)) is not None else None,
     )
 
 

@@ -2,9 +2,10 @@
 front of the app.
 
 Every error leaves the server as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx
-or 5xx status; pydantic validation failures become a readable 400, not a 422 dump. An exception
-no handler knows is a JSON 500 too (GuardMiddleware), and the connection stays usable for the
-client's next request.
+or 5xx status (the Anthropic Messages routes answer in Anthropic's shape instead,
+``{"type": "error", "error": {"type", "message"}}``); pydantic validation failures become a
+readable 400, not a 422 dump. An exception no handler knows is a JSON 500 too
+(GuardMiddleware), and the connection stays usable for the client's next request.
 """
 
 from __future__ import annotations
@@ -63,10 +64,44 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code or status}}
 
 
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+#: Routes that answer errors in Anthropic's shape (the Messages API) rather than OpenAI's.
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error object: ``{"type": "error", "error": {"type", "message"}}``."""
+    kind = _ANTHROPIC_TYPES.get(status) or (
+        "invalid_request_error" if status < 500 else "api_error"
+    )
+    message = message.encode("utf-8", "backslashreplace").decode()
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _shaped(
+    path: str, status: int, message: str, param: str | None = None, code: str | int | None = None
+) -> dict[str, Any]:
+    """The error body in the shape the route at ``path`` answers with."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return anthropic_error_body(status, message)
+    return error_body(status, message, param, code)
+
+
 def error_response(
-    status: int, message: str, param: str | None = None, code: str | None = None
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    path: str = "",
 ) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
+    return JSONResponse(_shaped(path, status, message, param, code), status_code=status)
 
 
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -89,38 +124,40 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _describe_validation(exc)
-        return error_response(400, message, param)
+        return error_response(400, message, param, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404:
             message = "no such route; see /v1/models, /generate and /get_server_info"
-        return error_response(exc.status_code, message)
+        return error_response(exc.status_code, message, path=request.url.path)
 
     @app.exception_handler(ApiError)
-    async def _api(_: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+    async def _api(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.code, request.url.path)
 
     @app.exception_handler(InvalidRequest)
-    async def _invalid(_: Request, exc: InvalidRequest) -> JSONResponse:
-        return error_response(400, str(exc), exc.param)
+    async def _invalid(request: Request, exc: InvalidRequest) -> JSONResponse:
+        return error_response(400, str(exc), exc.param, path=request.url.path)
 
     @app.exception_handler(EngineDied)
-    async def _dead(_: Request, exc: EngineDied) -> JSONResponse:
-        return error_response(503, f"the engine is not running: {exc}")
+    async def _dead(request: Request, exc: EngineDied) -> JSONResponse:
+        message = f"the engine is not running: {exc}"
+        return error_response(503, message, path=request.url.path)
 
     @app.exception_handler(Overloaded)
-    async def _overloaded(_: Request, exc: Overloaded) -> JSONResponse:
-        response = error_response(503, str(exc), code="overloaded")
+    async def _overloaded(request: Request, exc: Overloaded) -> JSONResponse:
+        response = error_response(503, str(exc), code="overloaded", path=request.url.path)
         response.headers["Retry-After"] = str(exc.retry_after)
         return response
 
     @app.exception_handler(ClientGone)
-    async def _gone(_: Request, exc: ClientGone) -> JSONResponse:
-        return error_response(499, "the client disconnected; the request was aborted")
+    async def _gone(request: Request, exc: ClientGone) -> JSONResponse:
+        message = "the client disconnected; the request was aborted"
+        return error_response(499, message, path=request.url.path)
 
 
 class GuardMiddleware:
@@ -155,6 +192,8 @@ class GuardMiddleware:
         """(status, message) where the caller may not use this path, else None."""
         path = scope["path"]
         got = headers.get(b"authorization", b"")
+        if not got and b"x-api-key" in headers:  # Anthropic's clients send the key so
+            got = b"Bearer " + headers[b"x-api-key"]
         if path in self.admin_paths:
             if self.admin_expected is not None:
                 if hmac.compare_digest(got, self.admin_expected):
@@ -182,18 +221,18 @@ class GuardMiddleware:
         size = sum(len(k) + len(v) + 4 for k, v in raw_headers)
         if size > self.max_header:
             msg = f"the request headers ({size} bytes) exceed the limit of {self.max_header} bytes"
-            await _send(send, 431, error_body(431, msg))
+            await _send(send, 431, _shaped(scope["path"], 431, msg))
             return
         headers = dict(raw_headers)
         refused = self._refusal(scope, headers)
         if refused is not None:
             status, msg = refused
             code = "invalid_api_key" if status == 401 else "admin_route"
-            await _send(send, status, error_body(status, msg, code=code))
+            await _send(send, status, _shaped(scope["path"], status, msg, code=code))
             return
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
-            await _send(send, 413, self._too_large())
+            await _send(send, 413, self._too_large(scope["path"]))
             return
         received = 0
 
@@ -204,7 +243,7 @@ class GuardMiddleware:
                 received += len(message.get("body", b""))
                 if received > self.max_body:
                     # Raised inside the app, whose handler turns it into the error object.
-                    raise StarletteHTTPException(413, self._too_large()["error"]["message"])
+                    raise StarletteHTTPException(413, self._too_large_message())
             return message
 
         started = False
@@ -223,10 +262,13 @@ class GuardMiddleware:
                 raise  # a response half sent: only closing the connection can end it
             logger.exception("unhandled error on %s %s", scope.get("method"), scope["path"])
             msg = f"internal server error ({type(e).__name__}); the request was not completed"
-            await _send(send, 500, error_body(500, msg))
+            await _send(send, 500, _shaped(scope["path"], 500, msg))
 
-    def _too_large(self) -> dict[str, Any]:
-        return error_body(413, f"the request body exceeds the limit of {self.max_body} bytes")
+    def _too_large_message(self) -> str:
+        return f"the request body exceeds the limit of {self.max_body} bytes"
+
+    def _too_large(self, path: str) -> dict[str, Any]:
+        return _shaped(path, 413, self._too_large_message())
 
 
 def _is_loopback(client: Any) -> bool:

@@ -1,6 +1,7 @@
-"""The FastAPI app, assembled from its route groups: OpenAI (routes_openai), SGLang's native
-/generate and tokenizing (routes_native), embeddings and scores, read-only server info and
-health (routes_info), and the admin routes that change the server's state (routes_admin).
+"""The FastAPI app, assembled from its route groups: OpenAI (routes_openai), the Anthropic
+Messages and OpenAI Responses APIs (routes_agents), SGLang's native /generate and tokenizing
+(routes_native), embeddings and scores, read-only server info and health (routes_info), and
+the admin routes that change the server's state (routes_admin).
 
 GuardMiddleware checks the API keys in front of every route: /health and /metrics are public,
 admin routes need --admin-api-key or a loopback client, the rest need --api-key when one is set.
@@ -18,9 +19,11 @@ from radixserve.entrypoints.http_json import read_json, refuse_deep_json
 from radixserve.entrypoints.metrics import ServerMetrics
 from radixserve.entrypoints.profiling import ProfileDir
 from radixserve.entrypoints.routes_admin import ADMIN_PATHS, add_admin_routes
+from radixserve.entrypoints.routes_agents import add_agent_routes
 from radixserve.entrypoints.routes_info import add_info_routes, add_metrics_route
 from radixserve.entrypoints.routes_native import add_native_routes
 from radixserve.entrypoints.routes_openai import add_openai_routes
+from radixserve.entrypoints.routes_sessions import add_session_routes
 from radixserve.entrypoints.server_args import ServerArgs
 from radixserve.entrypoints.serving_chat import ChatServing
 from radixserve.entrypoints.serving_completions import CompletionServing
@@ -59,8 +62,10 @@ def create_app(
         reasoning_parser=args.reasoning_parser,
     )
     add_openai_routes(app, tm, chat, CompletionServing(tm, name, aliases, strict))
+    add_agent_routes(app, chat)
     native = NativeServing(tm, incremental=args.incremental_streaming_output)
     add_native_routes(app, tm, native, chat)
+    add_session_routes(app, tm)
     hidden_size = ModelConfig.from_dir(tm.info.model_dir).hidden_size
     embedding = EmbeddingServing(tm, name, aliases, strict, args.embedding_pooling, hidden_size)
     add_embedding_routes(app, embedding, read_json)

@@ -17,6 +17,7 @@ import msgspec
 
 from radixserve.core.disaggregation import Bootstrap
 from radixserve.core.request import FinishReason, SamplingParams
+from radixserve.core.sessions import SessionParams
 
 # -- server -> engine ------------------------------------------------------------------------
 
@@ -28,6 +29,7 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
     input_ids: list[int]
     sampling: SamplingParams
     extra_key: str | None = None
+    lora_name: str | None = None  # a loaded LoRA adapter (None: the base model)
     logprob_start_len: int = -1  # >= 0: also score prompt tokens from this position
     # prefill-only requests (max_new_tokens 0; core/pooling.py): an embedding pooled "last"
     # or "mean", or the logprobs of these tokens after the prompt
@@ -35,6 +37,8 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
     label_token_ids: list[int] | None = None
     # prefill/decode disaggregation: the room and the prefill's bootstrap server
     bootstrap: Bootstrap | None = None
+    priority: int = 0  # core/priority.py
+    session: SessionParams | None = None  # core/sessions.py
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):
@@ -60,6 +64,7 @@ class CancelRoomRequest(msgspec.Struct, tag="cancel_room"):
 
 class FlushCacheRequest(msgspec.Struct, tag="flush_cache"):
     call_id: int
+    storage: bool = False  # clear the hierarchical cache's storage tier instead
 
 
 class StateRequest(msgspec.Struct, tag="state"):
@@ -72,6 +77,35 @@ class UpdateWeightsRequest(msgspec.Struct, tag="update_weights", kw_only=True):
 
     call_id: int
     model_path: str
+
+
+class LoadLoraRequest(msgspec.Struct, tag="load_lora"):
+    """Load the PEFT adapter at ``lora_path`` as ``lora_name`` (between steps)."""
+
+    call_id: int
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraRequest(msgspec.Struct, tag="unload_lora"):
+    """Forget ``lora_name``: new requests may not name it; running ones finish with it."""
+
+    call_id: int
+    lora_name: str
+
+
+class OpenSessionRequest(msgspec.Struct, tag="open_session", kw_only=True):
+    """Open a session (core/sessions.py); the reply is a SessionReply."""
+
+    call_id: int
+    capacity: int | None = None
+    session_id: str | None = None
+    ttl: float | None = None
+
+
+class CloseSessionRequest(msgspec.Struct, tag="close_session", kw_only=True):
+    call_id: int
+    session_id: str
 
 
 class ShutdownRequest(msgspec.Struct, tag="shutdown"):
@@ -104,6 +138,10 @@ EngineInbound = Union[  # noqa: UP007 - msgspec needs a runtime union object
     ProfileRequest,
     UpdateWeightsRequest,
     CancelRoomRequest,
+    LoadLoraRequest,
+    UnloadLoraRequest,
+    OpenSessionRequest,
+    CloseSessionRequest,
 ]
 
 # -- engine -> server ------------------------------------------------------------------------
@@ -125,6 +163,9 @@ class ReqExtras(msgspec.Struct, kw_only=True, omit_defaults=True):
     # cumulative counts, sent when they change (-1: unchanged): prompt tokens matched in the
     # cache; speculation's verify steps with a draft and the draft tokens accepted over them
     cached_tokens: int = -1
+    # tokens a session put before the client's prompt (core/sessions.py); with cached_tokens
+    # and the finish
+    context_tokens: int = 0
     spec_verify_ct: int = -1
     spec_accepted_tokens: int = -1
     # prefill-only results, with the finish
@@ -164,6 +205,7 @@ class EngineReady(msgspec.Struct, tag="ready", kw_only=True):
     # EngineCore.spec_stats() at start (its settings, zero counts); None: speculation is off
     speculative: dict[str, Any] | None = None
     disaggregation_mode: str = "null"  # "prefill" or "decode": bootstrap fields are honoured
+    lora_adapters: dict[str, str] | None = None  # LoRA adapters loaded (name -> path); None: off
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):
@@ -177,11 +219,30 @@ class FlushCacheReply(msgspec.Struct, tag="flush_cache_reply"):
     ok: bool
 
 
+class SessionReply(msgspec.Struct, tag="session_reply", kw_only=True):
+    """``ok`` False: refused, ``message`` says why (the server answers 400)."""
+
+    call_id: int
+    ok: bool
+    session_id: str = ""
+    message: str = ""
+
+
 class UpdateWeightsReply(msgspec.Struct, tag="update_weights_reply", kw_only=True):
     call_id: int
     success: bool
     message: str
     num_paused_requests: int  # requests held back (waiting) while the weights loaded
+
+
+class LoraReply(msgspec.Struct, tag="lora_reply", kw_only=True):
+    """A LoRA load or unload: ``success`` False with the reason in ``error_message``;
+    ``loaded_adapters``: name -> path after the call (SGLang's reply fields)."""
+
+    call_id: int
+    success: bool
+    error_message: str = ""
+    loaded_adapters: dict[str, str] = {}
 
 
 class EngineState(msgspec.Struct, tag="state_reply", kw_only=True):
@@ -201,6 +262,13 @@ class EngineState(msgspec.Struct, tag="state_reply", kw_only=True):
     steps_by_kind: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
     # the engine process's garbage collections: per generation, count and seconds (GcTimer)
     gc: dict[str, list[Any]] = msgspec.field(default_factory=dict)
+    # core/priority.py: per priority value, PriorityStats.to_json(); preemptions in all
+    priorities: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
+    preemptions: int = 0
+    # core/sessions.py: SessionTable.describe()
+    sessions: dict[str, int] = msgspec.field(default_factory=dict)
+    # the hierarchical cache's counts per tier (HiCacheStats + host pool); None when it is off
+    hicache: dict[str, int] | None = None
 
 
 class ProfileReply(msgspec.Struct, tag="profile_reply", kw_only=True):
@@ -221,6 +289,8 @@ EngineOutbound = Union[  # noqa: UP007 - msgspec needs a runtime union object
     EngineState,
     ProfileReply,
     UpdateWeightsReply,
+    LoraReply,
+    SessionReply,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -45,6 +45,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     # SIGTERM ends the server like Ctrl-C does: uvicorn drains, then the engine is stopped.
     signal.signal(signal.SIGTERM, _raise_system_exit)
+    if args.engine.node_rank > 0:  # another node's ranks: they follow node 0's server
+        from radixserve.entrypoints import multinode
+
+        try:
+            return multinode.follow(dataclasses.asdict(args.engine))
+        except (KeyboardInterrupt, SystemExit):
+            return 1
     try:
         return asyncio.run(serve(args, chat_template))
     except KeyboardInterrupt:

@@ -29,6 +29,7 @@ from radixserve.entrypoints import ipc
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 PREFIX = "sglang:"
+OURS = "radixserve_"  # metrics SGLang does not have
 ENGINE_TYPE = "unified"  # SGLang's value without prefill/decode disaggregation
 TOKENIZER_LABELS = ("model_name", "engine_type")
 SCHEDULER_LABELS = ("model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank")
@@ -218,9 +219,50 @@ class _EngineMetrics:
         "accepted_tokens": ("radixserve_spec_accepted_tokens", "Draft tokens accepted"),
     }
 
+    PRIORITY_COUNTS = {
+        "admitted": ("priority_admitted_requests", "Requests admitted, per priority value."),
+        "queue_seconds": (
+            "priority_queue_seconds",
+            "Seconds admitted requests waited from arrival to admission, summed per priority.",
+        ),
+        "preempted": (
+            "priority_preempted_requests",
+            "Retractions for a request of a higher priority, per priority of the retracted.",
+        ),
+    }
+    SESSION_GAUGES = {
+        "open_sessions": ("open_sessions", "Sessions open (/open_session)."),
+        "pinned_tokens": ("session_pinned_tokens", "KV tokens the open sessions keep pinned."),
+        "demoted_pins": ("session_demoted_pins", "Session pins dropped to stay within the bound."),
+    }
+    # Ours (SGLang counts cached tokens per source per request; here
+    # sglang:cached_tokens{cache_source="device"} counts them all): the hierarchical cache's
+    # counts per tier (tier_stats() key -> counter name, help).
+    HICACHE_COUNTS = {
+        "device_hit_tokens": (
+            "radixserve_hicache_device_hit_tokens", "Prefix tokens matched on the device"
+        ),
+        "host_hit_tokens": (
+            "radixserve_hicache_host_hit_tokens", "Prefix tokens loaded back from host memory"
+        ),
+        "storage_hit_tokens": (
+            "radixserve_hicache_storage_hit_tokens", "Prefix tokens loaded back from storage"
+        ),
+        "demoted_tokens": (
+            "radixserve_hicache_demoted_tokens", "Tokens evicted from the device to the host"
+        ),
+        "host_evicted_tokens": (
+            "radixserve_hicache_host_evicted_tokens", "Tokens evicted from the host pool"
+        ),
+        "storage_errors": (
+            "radixserve_hicache_storage_errors", "Storage backend calls that failed"
+        ),
+    }  # fmt: skip
+
     def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
         self.registry = registry
         self.labels = labels
+        self.hicache: dict[str, _GrowingCounter] | None = None
         self.gauges = {name: self._gauge(name, doc) for name, doc in self.GAUGES.items()}
         self.retractions = _GrowingCounter(
             Counter(
@@ -231,6 +273,16 @@ class _EngineMetrics:
             ).labels(**labels)
         )
         self.spec: dict[str, Any] | None = None  # made on the first state with speculation on
+        # ours: per priority value (core/priority.py) and the sessions' pins (core/sessions.py)
+        by_priority = [*labels, "priority"]
+        self.priority = {
+            key: Gauge(OURS + name, doc, by_priority, registry=registry)
+            for key, (name, doc) in self.PRIORITY_COUNTS.items()
+        }
+        self.session_gauges = {
+            key: Gauge(OURS + name, doc, list(labels), registry=registry).labels(**labels)
+            for key, (name, doc) in self.SESSION_GAUGES.items()
+        }
 
     def _gauge(self, name: str, doc: str) -> Any:
         gauge = Gauge(PREFIX + name, doc, list(self.labels), registry=self.registry)
@@ -254,8 +306,25 @@ class _EngineMetrics:
         for name, value in values.items():
             self.gauges[name].set(value)
         self.retractions.advance(state.retractions)
+        for priority, counts in state.priorities.items():
+            for key, gauge in self.priority.items():
+                gauge.labels(**self.labels, priority=priority).set(counts[key])
+        for key, gauge in self.session_gauges.items():
+            gauge.set(state.sessions.get(key, 0))
         if state.speculative is not None:
             self._update_spec(state.speculative)
+        if state.hicache is not None:
+            if self.hicache is None:
+                self.hicache = {
+                    key: _GrowingCounter(
+                        Counter(name, doc, list(self.labels), registry=self.registry).labels(
+                            **self.labels
+                        )
+                    )
+                    for key, (name, doc) in self.HICACHE_COUNTS.items()
+                }
+            for key, counter in self.hicache.items():
+                counter.advance(int(state.hicache.get(key, 0)))
 
     def _update_spec(self, stats: dict[str, Any]) -> None:
         if self.spec is None:

@@ -118,6 +118,10 @@ class SamplingRequest(BaseModel):
     bootstrap_host: str | list[str | None] | None = None
     bootstrap_port: int | list[int | None] | None = None
     bootstrap_room: int | list[int] | None = None
+    # Agent traffic (core/priority.py, core/sessions.py): the request's priority, and the
+    # open session that keeps this conversation's KV pinned ({"id": ...}).
+    priority: int | None = None
+    session_params: dict[str, Any] | None = None
     # Constrained decoding (SGLang extensions); chat also takes response_format and tools.
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None

@@ -14,24 +14,36 @@ from radixserve.core.request import InvalidRequest
 from radixserve.entrypoints.http_errors import error_response
 from radixserve.entrypoints.http_json import read_object
 from radixserve.entrypoints.profiling import ProfileDir, start_profile, stop_profile
+from radixserve.entrypoints.serving_lora import LORA_PATHS, add_lora_routes
 from radixserve.entrypoints.serving_weights import add_weight_routes
 from radixserve.entrypoints.tokenizer_manager import TokenizerManager
 
 GET_POST = ["GET", "POST"]
 ADMIN_PATHS = frozenset(
-    {"/flush_cache", "/abort_request", "/update_weights_from_disk", "/start_profile",
-     "/stop_profile"}
+    {"/flush_cache", "/clear_hicache_storage_backend", "/abort_request",
+     "/update_weights_from_disk", "/start_profile", "/stop_profile"} | LORA_PATHS
 )  # fmt: skip
 
 
 def add_admin_routes(app: FastAPI, tm: TokenizerManager, profile_dir: ProfileDir) -> None:
     add_weight_routes(app, tm)
+    add_lora_routes(app, tm)
 
     @app.api_route("/flush_cache", methods=GET_POST)
     async def flush_cache() -> Any:
         if not await tm.flush_cache():
             return error_response(400, "cache not flushed: requests are running; retry when idle")
         return {"success": True, "message": "cache flushed"}
+
+    @app.api_route("/clear_hicache_storage_backend", methods=GET_POST)
+    async def clear_hicache_storage_backend() -> Any:
+        if not await tm.flush_cache(storage=True):
+            return error_response(
+                400,
+                "storage not cleared: requests are running, or no --hicache-storage-backend "
+                "is set (or it failed; see the server log)",
+            )
+        return {"success": True, "message": "hierarchical cache storage cleared"}
 
     @app.post("/abort_request")
     async def abort_request(raw: Request) -> Any:

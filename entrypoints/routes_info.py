@@ -106,7 +106,12 @@ async def _server_info(tm: TokenizerManager, args: ServerArgs, gc: GcTimer) -> d
         "num_waiting_reqs": state.num_waiting,
         "kv": state.kv,
         "cache_hit_rate": state.cache_hit_rate,
+        # --enable-hierarchical-cache: tokens hit and moved per tier (None: off)
+        "hicache": state.hicache,
         "num_retractions": state.retractions,
+        "num_preemptions": state.preemptions,  # retractions for a higher priority
+        "priorities": state.priorities,  # per priority: admitted, queue_seconds, preempted
+        "sessions": state.sessions,  # open sessions, pinned tokens, pin limit, demoted pins
         "num_steps": state.steps,
         # steps by kind (decode-only, mixed, prefill-only): count, decodes, prefill tokens,
         # wall seconds; where a server's step time goes

@@ -60,8 +60,9 @@ class ServerArgs:
     port: int = _opt(30000, "Port to listen on")
     api_key: str | None = _opt(
         None,
-        "Require 'Authorization: Bearer KEY' on every route but /health and /metrics (also "
-        f"from ${API_KEY_ENV} or --api-key-file, which keep it out of `ps`)",
+        "Require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY') on every route "
+        f"but /health and /metrics (also from ${API_KEY_ENV} or --api-key-file, which keep it "
+        "out of `ps`)",
     )
     api_key_file: str | None = _opt(None, "Read --api-key from this file (its first line)")
     admin_api_key: str | None = _opt(
@@ -212,6 +213,8 @@ def add_dataclass_flags(
             kw["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
         elif base is tuple:
             kw.update(action="append", metavar=f.metadata.get("metavar", "KIND=NAME"))
+            if f.metadata.get("nargs"):  # --flag A B ... (several after one flag, as SGLang)
+                kw.update(action="extend", nargs=f.metadata["nargs"])
             default = argparse.SUPPRESS if suppress else None
         else:
             kw["type"] = base
@@ -254,6 +257,8 @@ def parse_server_args(argv: Sequence[str] | None = None) -> ServerArgs:
     engine_values = {f.name: values.pop(f.name) for f in dataclasses.fields(EngineConfig)}
     engine_values["plugins"] = tuple(engine_values["plugins"] or ())
     engine_values["plugin_allow"] = tuple(engine_values["plugin_allow"] or ())
+    for name in ("lora_paths", "lora_target_modules"):
+        engine_values[name] = tuple(engine_values[name] or ())
     if engine_values["model_path"] == DEFAULT_MODEL_NAME:
         engine_values["model_path"] = None  # the hub id of the default model: use the bundled copy
     try:

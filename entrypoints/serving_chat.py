@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -41,6 +41,12 @@ from radixserve.entrypoints.tool_calls import ToolPlan, plan_tools
 from radixserve.entrypoints.tool_parsers import get_tool_parser
 
 
+class ChatRun(NamedTuple):
+    model: str  # the served name, which the response reports
+    reqs: list[ServerReq]  # the n choices, queued
+    output: ChatOutput  # how their text becomes reasoning, content and tool calls
+
+
 class ChatServing(OpenAIServing):
     def __init__(
         self,
@@ -55,7 +61,15 @@ class ChatServing(OpenAIServing):
         self.tool_parser = get_tool_parser(tool_call_parser)
         self.reasoning_parser = reasoning_parser
 
-    async def create(self, body: ChatCompletionRequest, raw: Request) -> Any:
+    async def start(
+        self, body: ChatCompletionRequest, budget_field: str | None = None, bound: bool = False
+    ) -> ChatRun:
+        """Check and queue a chat request: its n requests and how their output is read.
+        /v1/messages and /v1/responses translate their bodies into chat requests and start
+        them here too: ``budget_field`` is what their API calls the output budget (for
+        errors); ``bound``: the budget is only an upper bound (Anthropic's required
+        max_tokens, which clients set high), so past the context the answer ends there
+        ("length") instead of being refused."""
         model = self.check_model(body.model)
         plan = plan_tools(body, self.tool_parser)
         output = ChatOutput(plan, self.reasoning_parser, body)
@@ -65,13 +79,19 @@ class ChatServing(OpenAIServing):
         grammar = chat_grammar(body, plan)
         ids = await self.prompt_ids(body, plan)
         max_tokens, field = self.output_budget(body)
+        field = budget_field or field
         top_n = body.top_logprobs or 0
         if top_n and not body.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         params, max_field = self.sampling(
             body, [len(ids)], max_tokens, field, body.logprobs, top_n, grammar
         )
-        reqs = self.submit_all([ids], params, body.n, max_field, body=body)
+        if bound:
+            max_field = None
+        return ChatRun(model, self.submit_all([ids], params, body.n, max_field, body=body), output)
+
+    async def create(self, body: ChatCompletionRequest, raw: Request) -> Any:
+        model, reqs, output = await self.start(body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             stream = self._stream(body, reqs, rid, model, output)

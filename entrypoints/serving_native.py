@@ -29,6 +29,7 @@ from radixserve.entrypoints.output import (
     top_logprob_triples,
 )
 from radixserve.entrypoints.serving_openai import error_event, raise_if_failed
+from radixserve.entrypoints.session_fields import RouteExtras, route_extras
 from radixserve.entrypoints.spec_meta import spec_meta_info
 from radixserve.entrypoints.streaming import SSE_DONE, follow, json_response, sse
 from radixserve.entrypoints.tokenizer_manager import ServerReq, TokenizerManager
@@ -96,14 +97,20 @@ class NativeServing:
         for ids, p, raw_p in zip(prompts, params, raw_params, strict=True):
             explicit = isinstance(raw_p, dict) and raw_p.get("max_new_tokens") is not None
             self.tm.check(ids, p, "max_new_tokens" if explicit else None)
+        loras = _per_item(body.get("lora_path"), count, "lora_path")
+        for name in loras:
+            if name is not None and not isinstance(name, str):
+                raise InvalidRequest("lora_path must be an adapter name or a list of them")
+            self.tm.check_lora(name)
         rids = _rids(body.get("rid"), count)
+        route = route_extras(body.get("priority"), body.get("session_params"), append=True)
         boots = expand_bootstrap(
             body.get("bootstrap_host"),
             body.get("bootstrap_port"),
             body.get("bootstrap_room"),
             [p.n for p in params],
         )
-        reqs, req_options = self._submit(prompts, params, options, rids, boots)
+        reqs, req_options = self._submit(prompts, params, options, rids, boots, loras, route)
         return stream, batch or len(reqs) > 1, reqs, req_options
 
     async def _prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
@@ -138,21 +145,30 @@ class NativeServing:
         options: list[LogprobOptions],
         rids: list[str | None],
         boots: list[Bootstrap | None],
+        loras: list[str | None],
+        route: RouteExtras,
     ) -> tuple[list[ServerReq], list[LogprobOptions]]:
         self.tm.admit(sum(p.n for p in params))
         event = asyncio.Event()
         reqs: list[ServerReq] = []
         req_options: list[LogprobOptions] = []
         try:
-            for ids, p, o, rid in zip(prompts, params, options, rids, strict=True):
+            for ids, p, o, rid, lora in zip(prompts, params, options, rids, loras, strict=True):
                 for i in range(p.n):
                     choice_rid = rid if rid is None or p.n == 1 else f"{rid}-{i}"
                     start = _resolved_start(o, p)
                     boot = boots[len(reqs)]
                     reqs.append(
                         self.tm.submit(
-                            ids, choice_params(p, i), event, choice_rid, start, bootstrap=boot
-                        )
+                            ids,
+                            choice_params(p, i),
+                            event,
+                            choice_rid,
+                            start,
+                            bootstrap=boot,
+                            lora_name=lora,
+                            route=route,
+                        )  # fmt: skip
                     )
                     req_options.append(o)
         except Exception:
@@ -182,7 +198,7 @@ class NativeServing:
         meta: dict[str, Any] = {
             "id": r.rid,
             "finish_reason": r.finish.to_json() if r.finish is not None else None,
-            "prompt_tokens": len(r.prompt_ids),
+            "prompt_tokens": len(r.prompt_ids) + r.context_tokens,
             "completion_tokens": len(r.output_ids),
             "cached_tokens": r.cached_tokens,
         }

@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from radixserve.core.disaggregation import Bootstrap
-from radixserve.core.request import GRAMMAR_FIELDS, SamplingParams
+from radixserve.core.request import GRAMMAR_FIELDS, InvalidRequest, SamplingParams
 from radixserve.entrypoints.bootstrap import expand_bootstrap
 from radixserve.entrypoints.fanout import choice_params
 from radixserve.entrypoints.http_errors import ApiError, error_body
@@ -20,6 +20,7 @@ from radixserve.entrypoints.openai_protocol import (
     StreamOptions,
     UsageInfo,
 )
+from radixserve.entrypoints.session_fields import route_extras
 from radixserve.entrypoints.streaming import SSE_DONE, Update, follow, sse, usage_counts
 from radixserve.entrypoints.tokenizer_manager import ServerReq, TokenizerManager
 
@@ -46,6 +47,8 @@ class OpenAIServing:
             return self.model_name
         if not model.isprintable():  # NUL, control characters, lone surrogates: never a name
             raise ApiError(400, f"the model name {model!r:.100} is not printable", param="model")
+        if self.adapter_of(model) is not None:
+            return self.model_name
         if self.strict:
             raise ApiError(
                 404,
@@ -54,7 +57,7 @@ class OpenAIServing:
                 code="model_not_found",
             )
         _, _, adapter = model.partition(":")
-        if adapter.strip():  # SGLang reads "base:adapter" as a LoRA request
+        if adapter.strip() and self.tm.lora_adapters is None:  # SGLang: "base:adapter" is LoRA
             raise ApiError(
                 400,
                 f"the model '{model}' names the LoRA adapter '{adapter.strip()}', but this "
@@ -62,6 +65,25 @@ class OpenAIServing:
                 param="model",
             )
         return self.model_name
+
+    def adapter_of(self, model: str | None) -> str | None:
+        """The LoRA adapter ``model`` names as "base:adapter" (SGLang's form) where LoRA is on;
+        an adapter that is not loaded is a 400 naming it."""
+        if model is None or self.tm.lora_adapters is None:
+            return None
+        base, sep, adapter = model.partition(":")
+        if not sep or not adapter.strip():
+            return None
+        if self.strict and base not in self.accepted:
+            raise ApiError(
+                404, f"the model '{base}' does not exist; this server serves "
+                f"'{self.model_name}'", param="model", code="model_not_found",
+            )  # fmt: skip
+        try:
+            self.tm.check_lora(adapter.strip())
+        except InvalidRequest as e:
+            raise ApiError(400, str(e), param="model") from None
+        return adapter.strip()
 
     def sampling(
         self,
@@ -137,10 +159,13 @@ class OpenAIServing:
             self.tm.check(ids, params, max_field)
         self.tm.admit(len(prompts) * n)
         boots: list[Bootstrap | None] = [None] * (len(prompts) * n)
+        route = None
         if body is not None:
+            route = route_extras(body.priority, body.session_params, append=False)
             boots = expand_bootstrap(
                 body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, [n] * len(prompts)
             )
+        lora = self.adapter_of(body.model) if body is not None else None
         event = asyncio.Event()
         reqs: list[ServerReq] = []
         try:
@@ -150,8 +175,15 @@ class OpenAIServing:
                     boot = boots[len(reqs)]
                     reqs.append(
                         self.tm.submit(
-                            ids, params_i, event, None, logprob_start_len, bootstrap=boot
-                        )
+                            ids,
+                            params_i,
+                            event,
+                            None,
+                            logprob_start_len,
+                            bootstrap=boot,
+                            lora_name=lora,
+                            route=route,
+                        )  # fmt: skip
                     )
         except Exception:
             for r in reqs:

@@ -80,6 +80,9 @@ def _extras(req: Req, sent: list[int], text: str, error_status: int) -> ipc.ReqE
         extras.text_start = len(text)
     if req.cached_tokens != sent[_CACHED]:
         extras.cached_tokens = sent[_CACHED] = req.cached_tokens
+        extras.context_tokens = req.context_tokens
+    if req.finished:
+        extras.context_tokens = req.context_tokens
     if req.spec_verify_ct != sent[_VERIFY] or req.spec_accepted_tokens != sent[_ACCEPTED]:
         extras.spec_verify_ct = sent[_VERIFY] = req.spec_verify_ct
         extras.spec_accepted_tokens = sent[_ACCEPTED] = req.spec_accepted_tokens

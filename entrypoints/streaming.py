@@ -22,6 +22,14 @@ def sse(payload: BaseModel | dict[str, Any]) -> bytes:
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
+def sse_event(payload: dict[str, Any]) -> bytes:
+    """An SSE event named by its payload's ``type`` (as /v1/messages and /v1/responses send
+    them: ``event: message_start``, then the data)."""
+    return (
+        b"event: " + payload["type"].encode() + b"\ndata: " + msgspec.json.encode(payload) + b"\n\n"
+    )
+
+
 @dataclass(slots=True)
 class Update:
     """New output of one request since its previous update."""

@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixserve.core.disaggregation import Bootstrap
 from radixserve.core.request import FinishReason, InvalidRequest, SamplingParams
@@ -25,6 +25,9 @@ from radixserve.entrypoints.admission import Limits
 from radixserve.entrypoints.engine_client import EngineClient, EngineDied
 from radixserve.entrypoints.metrics import ServerMetrics
 from radixserve.entrypoints.spec_meta import num_draft_tokens
+
+if TYPE_CHECKING:
+    from radixserve.entrypoints.session_fields import RouteExtras
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +69,7 @@ class ServerReq:
 
     __slots__ = (
         "rid", "prompt_ids", "sampling", "event", "output_ids", "text", "logprobs",
-        "top_logprobs", "cached_tokens", "finish", "error_status", "created",
+        "top_logprobs", "cached_tokens", "context_tokens", "finish", "error_status", "created",
         "logprob_start_len", "input_logprobs", "input_top_logprobs",
         "first_token_time", "last_token_time", "finish_time", "timer", "spec_verify_ct",
         "spec_accepted_tokens", "streaming", "embedding", "label_logprobs",
@@ -87,6 +90,7 @@ class ServerReq:
         self.input_logprobs: list[float] = []
         self.input_top_logprobs: list[list[tuple[float, int]]] = []
         self.cached_tokens = 0
+        self.context_tokens = 0  # a session's context the engine put before prompt_ids
         self.spec_verify_ct = 0  # speculation so far (spec_meta.py)
         self.spec_accepted_tokens = 0
         # prefill-only results (serving_embedding.py, serving_score.py)
@@ -132,6 +136,8 @@ class TokenizerManager:
         self.limits = limits or Limits()
         self.draining = False  # set on SIGTERM: new requests get 503
         self.info = info
+        # the LoRA adapters requests may name (None: LoRA is off); follows load/unload replies
+        self.lora_adapters = None if info.lora_adapters is None else dict(info.lora_adapters)
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.reqs: dict[str, ServerReq] = {}
@@ -254,6 +260,8 @@ class TokenizerManager:
         pooling: str | None = None,
         label_token_ids: list[int] | None = None,
         bootstrap: Bootstrap | None = None,
+        lora_name: str | None = None,
+        route: RouteExtras | None = None,
     ) -> ServerReq:
         """Queue a checked request in the engine. It counts as live (in ``reqs``, against the
         admission limit) only once the engine has it: a request that fails before that leaves
@@ -279,7 +287,10 @@ class TokenizerManager:
             pooling=pooling,
             label_token_ids=label_token_ids,
             bootstrap=bootstrap,
+            lora_name=lora_name,
         )
+        if route is not None:
+            message.priority, message.session = route.priority, route.session
         try:
             data = ipc.encode(message)
         except ipc.EncodeError as e:
@@ -347,8 +358,15 @@ class TokenizerManager:
                         self.abort(r.rid)
                 raise ClientGone()
 
-    async def flush_cache(self) -> bool:
-        reply = await self.client.call(ipc.FlushCacheRequest)
+    async def session_call(self, make: Any) -> ipc.SessionReply:
+        """Open or close a session in the engine (``make(call_id)`` builds the request)."""
+        reply: ipc.SessionReply = await self.client.call(make)
+        return reply
+
+    async def flush_cache(self, storage: bool = False) -> bool:
+        """Flush the cached prefixes (device and host tiers), or with ``storage`` the
+        hierarchical cache's storage tier; False while requests run (or without that tier)."""
+        reply = await self.client.call(lambda call_id: ipc.FlushCacheRequest(call_id, storage))
         return bool(reply.ok)
 
     async def update_weights(self, model_path: str) -> ipc.UpdateWeightsReply:
@@ -359,6 +377,27 @@ class TokenizerManager:
                 lambda call_id: ipc.UpdateWeightsRequest(call_id=call_id, model_path=model_path),
                 timeout=WEIGHT_UPDATE_TIMEOUT_S,
             )
+
+    def check_lora(self, name: str | None) -> None:
+        """InvalidRequest (400) naming ``name`` unless that LoRA adapter is loaded."""
+        if name is None:
+            return
+        if self.lora_adapters is None:
+            raise InvalidRequest(
+                f"the request names the LoRA adapter '{name}', but this server serves no "
+                "adapters (start it with --enable-lora)"
+            )
+        if name not in self.lora_adapters:
+            loaded = ", ".join(sorted(self.lora_adapters)) or "none"
+            raise InvalidRequest(f"unknown LoRA adapter '{name}' (loaded: {loaded})")
+
+    async def lora_call(self, make: Callable[[int], Any]) -> ipc.LoraReply:
+        """Load or unload an adapter in the engine (between steps); the names this process
+        checks requests against follow the reply."""
+        reply: ipc.LoraReply = await self.client.call(make)
+        if self.lora_adapters is not None and (reply.success or reply.loaded_adapters):
+            self.lora_adapters = dict(reply.loaded_adapters)
+        return reply
 
     async def engine_state(self) -> ipc.EngineState:
         return await self.client.call(ipc.StateRequest)
@@ -404,6 +443,8 @@ class TokenizerManager:
             r.input_top_logprobs = x.input_top_logprobs or []
         if x.cached_tokens >= 0:
             r.cached_tokens = x.cached_tokens
+        if x.context_tokens:
+            r.context_tokens = x.context_tokens
         if x.spec_verify_ct >= 0:
             r.spec_verify_ct, r.spec_accepted_tokens = x.spec_verify_ct, x.spec_accepted_tokens
         if x.embedding is not None:
@@ -429,7 +470,7 @@ class TokenizerManager:
                 aborted=reason.type == "abort",
                 streaming=r.streaming,
                 structured=r.sampling.grammar is not None,
-                prompt_tokens=len(r.prompt_ids),
+                prompt_tokens=len(r.prompt_ids) + r.context_tokens,
                 output_tokens=len(r.output_ids),
                 cached_tokens=r.cached_tokens,
                 spec_verify_ct=r.spec_verify_ct,

@@ -34,7 +34,21 @@ logger = logging.getLogger(__name__)
 ORPHANED_EXIT_CODE = 75
 
 
-def rendezvous(size: int, timeout_s: float) -> list[Rendezvous]:
+def world_size(settings: dict[str, Any]) -> int:
+    """The engine's ranks for EngineConfig fields ``settings``: tp_size x pp_size."""
+    return int(settings.get("tp_size") or 1) * int(settings.get("pp_size") or 1)
+
+
+def rank_label(rank: int, size: int, pp_size: int) -> str:
+    """How a rank is named where it ended: its tensor-parallel rank, and with pipeline stages
+    also its engine rank and stage (rank = stage * tp_size + tensor-parallel rank)."""
+    if pp_size == 1:
+        return f"tensor-parallel rank {rank}"
+    stage, tp_rank = divmod(rank, size // pp_size)
+    return f"engine rank {rank} (pipeline stage {stage}, tensor-parallel rank {tp_rank})"
+
+
+def rendezvous(size: int, timeout_s: float, pp_size: int = 1) -> list[Rendezvous]:
     """One Rendezvous per rank, meeting through a file store in a private (0700) directory:
     no TCP key-value store listens on the host for anyone to write into. (gloo's and NCCL's own
     connections between the ranks stay on loopback.)"""
@@ -43,7 +57,7 @@ def rendezvous(size: int, timeout_s: float) -> list[Rendezvous]:
     directory = tempfile.mkdtemp(prefix="radixserve-tp-")
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
     init = f"file://{directory}/store"
-    return [Rendezvous(init, r, size, timeout_s) for r in range(size)]
+    return [Rendezvous(init, r, size, timeout_s, pp_size) for r in range(size)]
 
 
 #: Why a spawned rank that died before reaching ``run_worker`` most likely did (describe_exit).
@@ -69,6 +83,7 @@ def start_workers(settings: dict[str, Any], ranks: Sequence[Rendezvous]) -> list
         )  # fmt: skip
         proc.start()
         tell.close()  # the rank holds the only writer: its death reads as end of file
+        proc._radixserve_label = rank_label(rdv.rank, rdv.size, rdv.pp_size)  # type: ignore[attr-defined]
         proc._radixserve_started = started  # type: ignore[attr-defined]
         procs.append(proc)
     return procs
@@ -192,7 +207,8 @@ def describe_exit(rank: int, proc: BaseProcess) -> str:
         how = f"exited with code {code}"
     if code is not None and _started(proc) is False:
         how += f" {UNGUARDED_MAIN_HINT}"
-    return f"tensor-parallel rank {rank} (pid {proc.pid}) {how}"
+    label = getattr(proc, "_radixserve_label", None) or f"tensor-parallel rank {rank}"
+    return f"{label} (pid {proc.pid}) {how}"
 
 
 def first_dead(procs: Sequence[tuple[int, BaseProcess]]) -> str | None:

@@ -64,10 +64,13 @@ def gen(
     choices_method: ChoicesMethod | str | None = None,
     regex: str | None = None,
     json_schema: Any = None,
+    lora_path: str | None = None,
 ) -> ir.Expr:
     """Generate text into variable ``name``. Unset options take the run() defaults, then the
     server's. With ``choices`` this is select(). ``regex`` / ``json_schema`` (a JSON string,
-    dict or pydantic model) constrain the output on backends with a grammar engine."""
+    dict or pydantic model) constrain the output on backends with a grammar engine.
+    ``lora_path`` names a LoRA adapter the server has loaded (``run(lora_path=...)`` sets it
+    for every gen() of the program)."""
     if choices is not None:
         return select(name, choices, temperature or 0.0, choices_method)
     options = SamplingOptions(
@@ -89,6 +92,7 @@ def gen(
         logprob_start_len=logprob_start_len,
         top_logprobs_num=top_logprobs_num,
         return_text_in_logprobs=return_text_in_logprobs,
+        lora_path=lora_path,
     )
     return ir.Gen(name, options)
 

@@ -22,6 +22,8 @@ LOGPROB_FIELDS = (
     "top_logprobs_num",
     "return_text_in_logprobs",
 )
+# ... and all request-level fields: those, and the LoRA adapter the request runs with
+REQUEST_FIELDS = (*LOGPROB_FIELDS, "lora_path")
 
 
 @dataclass(slots=True)
@@ -44,6 +46,7 @@ class SamplingOptions:
     logprob_start_len: int | None = None
     top_logprobs_num: int | None = None
     return_text_in_logprobs: bool | None = None
+    lora_path: str | None = None  # a LoRA adapter loaded in the server (None: the base model)
 
     def __post_init__(self) -> None:
         if self.json_schema is not None and not isinstance(self.json_schema, str):
@@ -81,7 +84,7 @@ class SamplingOptions:
 
     def native(self) -> dict[str, Any]:
         """SGLang's ``sampling_params`` object: the fields that are set."""
-        skip = (*LOGPROB_FIELDS, "dtype")
+        skip = (*REQUEST_FIELDS, "dtype")
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
@@ -91,8 +94,8 @@ class SamplingOptions:
         return out
 
     def logprob_request(self) -> dict[str, Any]:
-        """The request-level logprob fields that are set."""
-        return {k: v for k in LOGPROB_FIELDS if (v := getattr(self, k)) is not None}
+        """The request-level fields that are set (logprobs, the LoRA adapter)."""
+        return {k: v for k in REQUEST_FIELDS if (v := getattr(self, k)) is not None}
 
 
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingOptions) if f.name != "dtype")

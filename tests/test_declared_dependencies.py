@@ -35,6 +35,7 @@ MODULE_EXTRAS = {
     "plugins/models/fused_moe.py": "gpu",
     "plugins/hardware/allreduce_norm.py": "gpu",
     "plugins/hardware/gemv.py": "gpu",
+    "plugins/models/lora_triton.py": "gpu",
     "plugins/attention/flashinfer/": "flashinfer",
 }
 # Import name -> distribution where the two differ, for packages that may not be installed.

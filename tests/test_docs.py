@@ -152,7 +152,8 @@ def test_readme_layout_table_lists_the_tree() -> None:
 def test_bench_holds_the_benchmarks_and_the_page_names_each() -> None:
     files = [p for p in (ROOT / "bench").rglob("*") if p.is_file() and "experiments" not in p.parts]
     files = [p for p in files if "__pycache__" not in p.parts and "results" not in p.parts]
-    assert len(files) < 20, sorted(str(p.relative_to(ROOT)) for p in files)
+    # one script per capability and its helpers; one-off studies go to bench/experiments/
+    assert len(files) < 26, sorted(str(p.relative_to(ROOT)) for p in files)
     page = (DOCS / "benchmarks.md").read_text()
     scripts = [p for p in files if p.suffix in (".py", ".sh")]
     missing = [p.name for p in scripts if f"bench/{p.name}" not in page]

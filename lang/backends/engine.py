@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from radixserve.lang.backends.base import BackendError
 from radixserve.lang.backends.native import Body, NativeBackend
 from radixserve.lang.chat_template import get_chat_template, template_for_model
-from radixserve.lang.sampling import LOGPROB_FIELDS
+from radixserve.lang.sampling import REQUEST_FIELDS
 
 if TYPE_CHECKING:
     from radixserve.entrypoints.engine import Engine
@@ -70,7 +70,7 @@ class EngineBackend(NativeBackend):
             for k, v in (body.get("sampling_params") or {}).items()
             if k not in _DROPPED_PARAMS
         }
-        extra = {k: body[k] for k in LOGPROB_FIELDS if body.get(k) is not None}
+        extra = {k: body[k] for k in REQUEST_FIELDS if body.get(k) is not None}
         try:
             out = self.engine.generate(
                 body.get("text"), params, input_ids=body.get("input_ids"), stream=stream, **extra

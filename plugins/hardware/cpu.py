@@ -30,6 +30,7 @@ class CpuPlatform(HardwarePlatform):
             "grammar": "xgrammar" if importlib.util.find_spec("xgrammar") else "none",
             "speculative": "none",
             "kv_transfer": "none",
+            "hicache_storage": "none",
         }
 
     def engine_defaults(self, model: ModelConfig, weight_bytes: int) -> dict[str, Any]:

@@ -183,6 +183,8 @@ def pack_linears(model: nn.Module) -> int:
     """Give the decoder layers' linears and the LM head packed copies of their weights.
     Returns the layers packed."""
     packed = sum(pack_module_linears(layer) for layer in model.layers)  # type: ignore[union-attr]
+    if not getattr(model, "computes_logits", True):  # a pipeline stage before the last
+        return packed
     lm_head = getattr(model, "lm_head", None)
     weight = lm_head.weight if lm_head is not None else model.embed_tokens.weight
     model.head = PackedHead(weight.data)

@@ -246,6 +246,8 @@ class DecoderLayer(nn.Module):
         raw = config.raw
         self.config = config
         self.layer_id = layer_id
+        #: this layer's index in the KV pool (its index within a pipeline stage's layers)
+        self.kv_layer = layer_id
         self.attention = attention
         # Tensor parallelism: this rank's query heads and the KV heads they read.
         self.tp = tp = group
@@ -374,7 +376,7 @@ class DecoderLayer(nn.Module):
             qk = rope.apply(qk, batch.positions)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
-        out = self.attention.forward(q, k, v, self.layer_id, batch, **options)
+        out = self.attention.forward(q, k, v, self.kv_layer, batch, **options)
         # mlp_input's add + RMSNorm all-reduces it (a quantized o_proj reduces its own)
         part = self.product(self.o_proj, out)
         if self.defer_o_reduce and isinstance(self.o_proj, RowParallelLinear):
@@ -438,15 +440,28 @@ class DecoderForCausalLM(nn.Module, CausalLM):
         rope_inv_freq(config)  # an unsupported rope_scaling stops here, before any allocation
         norm_cls = self.layer_cls.norm_cls
         self.tp = tp = group
+        # Pipeline parallelism: this stage's run of layers; the embedding where it is read
+        # (the first stage; the last too when the LM head is tied to it), the final norm and
+        # the LM head on the last stage.
+        self.stage = stage = tp.stage
+        first, last = stage is None or stage.first, stage is None or stage.last
+        self.first_layer, n_layers = (0, config.num_layers) if stage is None else stage.layers
+        self.computes_logits = last
         with torch.device("meta"):
-            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+            if first or (last and self.tie_word_embeddings):
+                self.embed_tokens = VocabParallelEmbedding(
+                    config.vocab_size, config.hidden_size, tp
+                )
             self.layers = nn.ModuleList(
-                self.layer_cls(config, i, attention, tp) for i in range(config.num_layers)
+                self.layer_cls(config, self.first_layer + i, attention, tp) for i in range(n_layers)
             )
-            self.norm = norm_cls(config.hidden_size, float(raw.get("rms_norm_eps", 1e-6)))
-            if not self.tie_word_embeddings:
+            if last:
+                self.norm = norm_cls(config.hidden_size, float(raw.get("rms_norm_eps", 1e-6)))
+            if last and not self.tie_word_embeddings:
                 shard = vocab_shard(config.vocab_size, tp)[1]
                 self.lm_head = nn.Linear(config.hidden_size, shard, bias=False)
+        for i, layer in enumerate(self.layers):
+            layer.kv_layer = i
         # NOTE: cast on the meta device first: allocating in float32 and casting after would
         # need twice a bfloat16 model's memory at start-up (the KV pool already holds the rest).
         check_attention_options(attention, [layer.attn_options for layer in self.layers])
@@ -504,11 +519,20 @@ class DecoderForCausalLM(nn.Module, CausalLM):
             return f"{prefix}down_proj.{kind}", None, None
         return name, None, None
 
+    def attach_lora(self, config: Any, device: str) -> Any:
+        """Wrap the projections for LoRA adapters (core/lora.py's AdapterWeights)."""
+        from radixserve.plugins.models.lora_layers import attach_lora
+
+        return attach_lora(self, config, device)
+
     # ---- the fixed part ----
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        h, residual = self.embed(batch.input_ids), None
+        if batch.stage_input is None:
+            h, residual = self.embed(batch.input_ids), None
+        else:  # a later pipeline stage: the residual stream as the stage before left it
+            h, residual = batch.stage_input, None
         self.rope.new_step()
         capture = batch.capture_hidden_layers
         if capture:
@@ -519,6 +543,8 @@ class DecoderForCausalLM(nn.Module, CausalLM):
                 h = reduced(h, self.tp)
                 batch.hidden_states[i] = h + residual  # type: ignore[index]
         h = reduced(h, self.tp)
+        if not self.computes_logits:  # the next stage goes on from the residual stream
+            return h if residual is None else h + residual
         if batch.hidden_rows is not None:
             batch.final_hidden = self._final_norm(h, residual, batch.hidden_rows)
         return self.logits(self._final_norm(h, residual, batch.logits_indices))
@@ -535,8 +561,8 @@ class DecoderForCausalLM(nn.Module, CausalLM):
         filled: dict[str, int] = {}  # parameter -> elements written
         seen: set[Target] = set()
         for hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
-            target = self.weight_target(name)
+            name = self.stage_name(hf_name.removeprefix("model."))
+            target = None if name is None else self.weight_target(name)
             if target is None:
                 continue
             pname, expert, offset = target
@@ -560,6 +586,20 @@ class DecoderForCausalLM(nn.Module, CausalLM):
         missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
         if missing:
             raise ValueError(f"checkpoint lacks weights: {', '.join(sorted(missing)[:5])} ...")
+
+    def stage_name(self, name: str) -> str | None:
+        """A checkpoint name (without ``model.``) as this pipeline stage's parameters name it
+        (its layers counted from 0), or None for a tensor another stage holds."""
+        if self.stage is None:
+            return name
+        m = _LAYER.match(name)
+        if m is None:
+            owned = {p.split(".", 1)[0] for p, _ in self.named_parameters()}
+            return name if name.split(".", 1)[0] in owned else None
+        local = int(m.group(1)) - self.first_layer
+        if not 0 <= local < len(self.layers):
+            return None
+        return f"layers.{local}.{name[m.end() :]}"
 
 
 def reduced(h: Any, tp: Any) -> torch.Tensor:

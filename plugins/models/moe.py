@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.core.config import ModelConfig
+from radixserve.core.config import ConfigError, ModelConfig
 from radixserve.core.hookspecs import hookimpl
 from radixserve.core.interfaces import AttentionBackend
-from radixserve.core.parallel import SINGLE, TensorParallel
+from radixserve.core.parallel import SINGLE, TensorParallel, split_range
 from radixserve.plugins.models.decoder import (
     DecoderForCausalLM,
     DecoderLayer,
@@ -42,18 +42,37 @@ from radixserve.plugins.models.decoder import (
     activation,
     required,
 )
+from radixserve.plugins.models.parallel_layers import DECODER_TP_PLAN
 
 
 class SparseMoE(nn.Module):
     def __init__(
-        self, hidden: int, inter: int, num_experts: int, top_k: int, renormalize: bool, act: str
-    ) -> None:
+        self, hidden: int, inter: int, num_experts: int, top_k: int, renormalize: bool, act: str,
+        tp: TensorParallel = SINGLE,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.tp = tp
+        #: this rank's experts: all of them, or under expert parallelism a contiguous run
+        self.expert_parallel = tp.size > 1 and tp.ep_size > 1
+        local = num_experts
+        if self.expert_parallel:
+            if num_experts % tp.size:
+                raise ConfigError(
+                    f"ep_size={tp.size} does not divide the model's {num_experts} experts; "
+                    "choose an ep_size that does"
+                )
+            local = num_experts // tp.size
+        else:  # tensor parallelism cuts each expert's intermediate features (or nothing)
+            inter = split_range(inter, tp).size
+        self.local_experts, self.first_expert = (
+            local,
+            (tp.rank * local if local < num_experts else 0),
+        )
         self.intermediate_size = inter
         self.gate = nn.Linear(hidden, num_experts, bias=False)
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.w13 = nn.Parameter(torch.empty(local, 2 * inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(local, hidden, inter))
         self.act = activation(act)
         self.act_name = act
         #: ``fused_moe`` where the fused path runs (set by the model on its device), else None
@@ -72,22 +91,36 @@ class SparseMoE(nn.Module):
         return F.linear(self.act(gate) * up, self.w2[e])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if self.expert_parallel and not capturing:
+            return self.tp.all_reduce(expert_parallel(self, x))
         weights, ids = self.route(x)
+        out = self.experts(x, weights, ids, capturing)
+        return self.tp.all_reduce(out) if self.tp.size > 1 else out
+
+    def experts(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, capturing: bool
+    ) -> torch.Tensor:
+        """This rank's experts' share of the weighted sum (the whole of it with one rank):
+        experts outside this rank's run (ids counted from ``first_expert``) add nothing."""
         if self.kernels is not None and self.act_name in ("silu", "swish"):
+            if self.local_experts < self.num_experts:  # expert parallelism, in a CUDA graph
+                ids, weights = self._local_ids(ids, weights)
             return self.kernels.fused_experts(x, self.w13, self.w2, weights, ids)
         out = torch.zeros_like(x)
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        first, local = self.first_expert, self.local_experts
+        if capturing:
             dense = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
             dense.scatter_(1, ids, weights)
-            for e in range(self.num_experts):
-                out += self.expert(e, x) * dense[:, e : e + 1]
+            for e in range(local):
+                out += self.expert(e, x) * dense[:, first + e : first + e + 1]
             return out
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        tokens = order // self.top_k
-        start = 0
-        for e, n in enumerate(counts):
+        tokens = order // ids.shape[1]
+        start = sum(counts[:first])
+        for e, n in enumerate(counts[first : first + local]):
             if not n:
                 continue
             picked = order[start : start + n]
@@ -96,6 +129,61 @@ class SparseMoE(nn.Module):
             y = self.expert(e, x[rows]) * weights.flatten()[picked, None]
             out.index_add_(0, rows, y)
         return out
+
+    def _local_ids(
+        self, ids: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ids counted from this rank's first expert; other ranks' experts point at
+        expert 0 with weight 0 (fixed shapes, for a CUDA graph)."""
+        local = ids - self.first_expert
+        mine = (local >= 0) & (local < self.local_experts)
+        return local.masked_fill(~mine, 0), weights.masked_fill(~mine, 0.0)
+
+
+def expert_parallel(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """The MoE block under expert parallelism, before its all-reduce. ``x`` [T, H] is the same
+    on every rank (attention is tensor-parallel): each rank routes its contiguous share of the
+    tokens, sends each (token, expert) pair's row to the rank holding the expert (all-to-all,
+    pairs in expert order), runs its experts on what it received, sends the outputs back (the
+    reverse all-to-all) and sums them, weighted, in expert order. The result is [T, H] with
+    only this rank's tokens filled; the all-reduce after it makes every token whole."""
+    tp, top_k = moe.tp, moe.top_k
+    span = split_range(x.shape[0], tp)
+    mine = x[span.start : span.stop]
+    weights, ids = moe.route(mine)
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    experts = flat[order]
+    owner = experts // moe.local_experts
+    send = torch.bincount(owner, minlength=tp.size)
+    receive = tp.all_to_all(send, [1] * tp.size, [1] * tp.size)
+    send_n, receive_n = send.tolist(), receive.tolist()
+    rows = tp.all_to_all(mine[order // top_k], send_n, receive_n)
+    local_ids = tp.all_to_all(experts - owner * moe.local_experts, send_n, receive_n)
+    done = _run_received(moe, rows, local_ids)
+    back = tp.all_to_all(done, receive_n, send_n)
+    out = torch.zeros_like(x)
+    out[span.start : span.stop].index_add_(0, order // top_k, back * weights.flatten()[order, None])
+    return out
+
+
+def _run_received(moe: SparseMoE, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+    """Each received row through its (local) expert, unweighted."""
+    if not rows.shape[0]:
+        return rows
+    if moe.kernels is not None and moe.act_name in ("silu", "swish"):
+        ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
+        return moe.kernels.fused_experts(rows, moe.w13, moe.w2, ones, local_ids[:, None])
+    out = torch.empty_like(rows)
+    counts = torch.bincount(local_ids, minlength=moe.local_experts).tolist()
+    start = 0  # the rows from each rank come in expert order, but not across ranks
+    order = torch.argsort(local_ids, stable=True)
+    for e, n in enumerate(counts):
+        if n:
+            picked = order[start : start + n]
+            out[picked] = moe.expert(e, rows[picked])
+            start += n
+    return out
 
 
 class MoELayer(DecoderLayer):
@@ -116,7 +204,7 @@ class MoELayer(DecoderLayer):
             return
         experts, top_k, inter, renorm = self.moe_settings(raw)
         act = raw.get("hidden_act") or "silu"
-        self.moe = SparseMoE(config.hidden_size, inter, experts, top_k, renorm, act)
+        self.moe = SparseMoE(config.hidden_size, inter, experts, top_k, renorm, act, self.tp)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.moe is None:
@@ -179,8 +267,27 @@ _EXPERT_LEAVES = {
 }  # fmt: skip
 
 
+#: under tensor parallelism without expert parallelism: each expert's intermediate features
+#: are cut like a dense MLP's (under expert parallelism whole experts load on their rank)
+EXPERT_TP_PLAN: dict[str, str] = {
+    "layers.*.experts.*.gate_proj.weight": "column",
+    "layers.*.experts.*.up_proj.weight": "column",
+    "layers.*.experts.*.down_proj.weight": "row",
+    "layers.*.block_sparse_moe.experts.*.w1.weight": "column",
+    "layers.*.block_sparse_moe.experts.*.w3.weight": "column",
+    "layers.*.block_sparse_moe.experts.*.w2.weight": "row",
+}
+
+
 class MoEForCausalLM(DecoderForCausalLM):
-    tp_plan = None  # experts are not sharded yet: --tp-size > 1 is refused for MoE models
+    #: its experts spread over the ranks with --ep-size (core/distributed.py asks)
+    expert_parallel = True
+
+    @property
+    def tp_plan(self) -> dict[str, str]:  # type: ignore[override]
+        if self.tp.ep_size > 1:
+            return dict(DECODER_TP_PLAN)
+        return {**EXPERT_TP_PLAN, **DECODER_TP_PLAN}
 
     def __init__(
         self,
@@ -203,10 +310,19 @@ class MoEForCausalLM(DecoderForCausalLM):
             if leaf not in _EXPERT_LEAVES:
                 return name, None, None  # reported as unexpected
             param, half = _EXPERT_LEAVES[leaf]
-            moe = self.layers[layer].moe
+            moe: SparseMoE | None = getattr(self.layers[layer], "moe", None)
+            if moe is not None:
+                e -= moe.first_expert
+                if not 0 <= e < moe.local_experts:
+                    return None  # another rank's expert (expert parallelism)
             offset = None if half is None or moe is None else half * moe.intermediate_size
             return f"layers.{layer}.moe.{param}", e, offset
         m = _STACKED.match(name)
+        if m and self.tp.size > 1:
+            raise ValueError(
+                f"stacked expert tensors ('{name}') are not sharded yet: with tp_size > 1 "
+                "use a checkpoint with per-expert tensors"
+            )
         if m:
             param = "w13" if m.group(2) == "gate_up_proj" else "w2"
             return f"layers.{m.group(1)}.moe.{param}", None, None

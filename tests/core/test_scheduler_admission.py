@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from platform_choice import CPU, on_cpu
-from scheduler_checks import check_accounting, greedy, tokens
+from scheduler_checks import greedy, run_to_idle, tokens
 
 from radixserve import Engine
 from radixserve.core.config import EngineConfig
@@ -22,15 +22,6 @@ def make_core(model_dir: Path, **settings: object) -> EngineCore:
     core = EngineCore(model_dir, EngineConfig(**on_cpu(settings)), default_host())
     core.scheduler.trace_steps = True
     return core
-
-
-def run_to_idle(core: EngineCore) -> None:
-    for _ in range(5000):
-        if not core.has_work():
-            return
-        core.step()
-        check_accounting(core)
-    raise AssertionError("no progress")
 
 
 def tree_snapshot(cache: RadixCache) -> list[tuple[tuple[int, ...], int, int]]:

@@ -320,7 +320,7 @@ def test_check_no_leak_names_slots_and_locks_left_at_idle(tokenizer: Tokenizer) 
     sched = make(tokenizer, pool=32)
     sched.check_no_leak()
     assert sched.kv_accounting() == {
-        "size": 32, "free": 32, "evictable": 0, "locked": 0, "in_use": 0
+        "size": 32, "free": 32, "evictable": 0, "locked": 0, "pinned": 0, "in_use": 0
     }  # fmt: skip
     stolen = sched.allocator.alloc(3)
     assert stolen is not None

@@ -50,7 +50,7 @@ class FakeCore:
         return [req.rid for req in self.running]
 
     def kv_accounting(self) -> dict[str, int]:
-        return {"in_use": 0, "locked": 0}
+        return {"in_use": 0, "locked": 0, "pinned": 0}
 
     def close_transfers(self) -> None:
         pass

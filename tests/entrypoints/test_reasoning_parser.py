@@ -10,6 +10,7 @@ import random
 import re
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 from server_process import TINY_API_KEY, TINY_MODEL_NAME, RunningServer
@@ -197,3 +198,49 @@ def test_http_response_format_is_content_not_reasoning(client: openai.OpenAI, st
         message = answer.choices[0].message
         content, reasoning = message.content or "", message.reasoning_content or ""
     assert reasoning == "" and isinstance(json.loads(content)["ok"], bool), (content, reasoning)
+
+
+# -- the agent APIs: reasoning as a thinking block (/v1/messages) or a reasoning item
+# (/v1/responses), whole and streamed ----------------------------------------------------------
+
+
+def test_http_messages_thinking_block(parser_server: RunningServer) -> None:
+    client = anthropic.Anthropic(
+        base_url=parser_server.url, api_key=TINY_API_KEY, timeout=120, max_retries=0
+    )
+    kw: dict[str, Any] = {
+        "model": TINY_MODEL_NAME, "max_tokens": 200,
+        "messages": [{"role": "user", "content": "What is 2+2?"}],
+        "extra_body": {"temperature": 0, "regex": re.escape(OUTPUT)},
+    }  # fmt: skip
+    whole = client.messages.create(**kw)
+    blocks = [
+        (b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in whole.content
+    ]
+    assert blocks == [("thinking", "2+2 is 4."), ("text", "The answer is 4.")]
+    with client.messages.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    thinking = "".join(
+        e.delta.thinking
+        for e in events
+        if e.type == "content_block_delta" and e.delta.type == "thinking_delta"
+    )
+    assert thinking == "2+2 is 4." and [b.type for b in final.content] == ["thinking", "text"]
+    assert final.content[1].text == "The answer is 4."
+
+
+def test_http_responses_reasoning_item(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = {
+        "model": TINY_MODEL_NAME, "input": "What is 2+2?", "max_output_tokens": 200,
+        "temperature": 0, "extra_body": {"regex": re.escape(OUTPUT)},
+    }  # fmt: skip
+    whole = client.responses.create(**kw)
+    assert [o.type for o in whole.output] == ["reasoning", "message"]
+    assert (
+        whole.output[0].content[0].text == "2+2 is 4." and whole.output_text == "The answer is 4."
+    )
+    events = list(client.responses.create(**kw, stream=True))
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert (reasoning, text) == ("2+2 is 4.", "The answer is 4.")

@@ -107,16 +107,18 @@ def test_engine_tp2_equals_tp1(model_dir: Path, reference: list[list[int]]) -> N
 
 
 def test_a_start_refused_after_joining_leaves_no_group_behind(tiny3_dir: Path) -> None:
-    """Speculation is refused with TP once the group is up: the failed engine leaves the group
-    and gives the process its torch threads back (a rank took its share), so this process can
-    go on and start another engine."""
+    """Speculation with draft trees is refused with TP once the group is up: the failed engine
+    leaves the group and gives the process its torch threads back (a rank took its share), so
+    this process can go on and start another engine."""
     import torch
 
     from radixserve.core.config import ConfigError
 
     threads = torch.get_num_threads()
-    settings = on_cpu({**SETTINGS, "tp_size": 2, "speculative_algorithm": "ngram"})
-    with pytest.raises(ConfigError, match=r"speculative decoding \(ngram\) does not run with"):
+    settings = on_cpu({**SETTINGS, "tp_size": 2, "speculative_algorithm": "ngram",
+                       "speculative_eagle_topk": 2})  # fmt: skip
+    refused = r"speculative decoding \(ngram, speculative_eagle_topk=2\) does not run with"
+    with pytest.raises(ConfigError, match=refused):
         Engine(str(tiny3_dir), **settings)
     assert not torch.distributed.is_initialized()
     assert torch.get_num_threads() == threads

@@ -33,3 +33,13 @@ def check_accounting(core: EngineCore) -> None:
     if not sched.running:
         sched.check_no_leak()
         assert acct["locked"] == 0
+
+
+def run_to_idle(core: EngineCore) -> None:
+    """Step ``core`` until it has no work, checking the accounting between steps."""
+    for _ in range(5000):
+        if not core.has_work():
+            return
+        core.step()
+        check_accounting(core)
+    raise AssertionError("no progress")

@@ -1,0 +1,1 @@
+"""HiCache storage backends (the third tier of ``--enable-hierarchical-cache``)."""
