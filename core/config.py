@@ -43,7 +43,12 @@ class EngineConfig:
         "default: every installed one)",
         metavar="NAME",
     )
-    dtype: str = _opt("auto", "Weight and KV dtype: auto, float32, bfloat16, float16")
+    dtype: str = _opt(
+        "auto",
+        "Weight and KV dtype: auto, float32, bfloat16, float16. On the CPU, a GGUF model with "
+        "no --dtype or --quantization runs the fast mode (its 4-bit blocks, float16 KV, "
+        "compiled decode; docs/cpu_modes.md); --dtype float32 gives transformers' outputs",
+    )
     kv_cache_dtype: str = _opt(
         "auto",
         "KV cache dtype: auto (the model's dtype), float32, bfloat16 or float16. A 16-bit cache "
@@ -57,7 +62,7 @@ class EngineConfig:
         "with bfloat16 activations; or w8a8_int8 (int8 weights and int8 activations "
         "quantized per step, on fbgemm); or gguf (GGUF's Q4_1 blocks, multiplied as llama.cpp "
         "does: activations in 8-bit blocks of 32; radixserve's CPU kernels). Default: none "
-        "(the weights as loaded)",
+        "(the weights as loaded), except gguf in the CPU fast mode (see --dtype)",
     )
     context_length: int | None = _opt(None, "Maximum tokens per request (prompt + output)")
     max_running_requests: int | None = _opt(

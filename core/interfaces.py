@@ -130,6 +130,13 @@ class HardwarePlatform(ABC):
         the engine ran (an offline Engine's process goes on, e.g. with its own thread count).
         Default: nothing."""
 
+    def resolve_config(self, config: EngineConfig, model_dir: str) -> EngineConfig:
+        """``config`` with what the user left to this device chosen for the model in
+        ``model_dir`` (e.g. the CPU's fast mode for a GGUF file: its block formats, a 16-bit
+        KV cache, compiled decode steps). Called once, before anything is built; the engine
+        runs with what it returns. Default: the config as given."""
+        return config
+
     def prepare_model(self, model: CausalLM, config: EngineConfig) -> None:  # noqa: B027
         """Ready the loaded (and quantized) ``model`` for this device's kernels, e.g. repack
         its weights. Called once, after the weights are loaded. A module that keeps a copy

@@ -99,6 +99,7 @@ class ModelRunner:
         self.device = self.platform.device
         self.platform.seed_everything(config.random_seed)
         self.model_config = mc = ModelConfig.from_dir(model_dir)
+        config = self.platform.resolve_config(config, str(model_dir))
         model_reg = self._choose_plugins(host, hardware, selections)
         self.dtype = (
             self.platform.default_dtype() if config.dtype == "auto" else _DTYPES[config.dtype]

@@ -12,6 +12,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
+# A GGUF model's CPU default is the fast mode (plugins/hardware/cpu_fast.py: 4-bit blocks, a
+# float16 KV cache, compiled decode steps). The suite compares outputs with transformers' in
+# float32 and must not pay inductor's compile: every engine it starts, in this process or a
+# spawned server, runs the exact mode unless a test asks for the fast one
+# (tests/plugins/hardware/test_cpu_fast.py).
+os.environ.setdefault("RADIXSERVE_CPU_MODE", "exact")
+
 
 def _pin_to_this_workers_cores() -> None:
     """Under pytest-xdist, each worker (and every engine or server it starts, which inherit

@@ -61,6 +61,12 @@ class CpuPlatform(HardwarePlatform):
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return max(int(total * mem_fraction) - weight_bytes, 0)
 
+    def resolve_config(self, config: EngineConfig, model_dir: str) -> EngineConfig:
+        # A GGUF model with no --dtype/--quantization: the fast mode (cpu_fast.py)
+        from radixserve.plugins.hardware.cpu_fast import fast_mode
+
+        return fast_mode(config, model_dir)
+
     def prepare_model(self, model: CausalLM, config: EngineConfig) -> None:
         # float32 linears multiply by packed copies of their weights (cpu_linear.py)
         from radixserve.plugins.hardware.cpu_linear import (

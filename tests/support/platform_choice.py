@@ -9,13 +9,15 @@ from __future__ import annotations
 from typing import Any
 
 CPU = "hardware=cpu"
-#: server flags that choose the CPU platform
-CPU_FLAGS = ["--plugin", CPU]
+#: server flags that choose the CPU platform, in float32 (a GGUF model's default on the CPU is
+#: the fast mode, whose outputs are not transformers' float32 ones; a later --dtype wins)
+CPU_FLAGS = ["--plugin", CPU, "--dtype", "float32"]
 
 
 def on_cpu(settings: dict[str, Any]) -> dict[str, Any]:
     """Engine/EngineConfig keyword settings with the CPU platform chosen, unless they choose a
-    hardware platform themselves."""
+    hardware platform themselves. (No dtype is added: callers pass one beside these settings;
+    the suite's RADIXSERVE_CPU_MODE=exact, tests/conftest.py, keeps a GGUF model in float32.)"""
     plugins = settings.get("plugins", ())
     if isinstance(plugins, dict):
         plugins = [f"{kind}={name}" for kind, name in plugins.items()]

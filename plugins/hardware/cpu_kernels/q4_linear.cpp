@@ -24,6 +24,13 @@
 #if defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
 #define RADIXSERVE_Q4_AVX2 1
+// AVX-512 VNNI (with 256-bit forms): one u8 x s8 multiply-add into int32 lanes (vpdpbusd) where
+// AVX2 needs two (vpmaddubsw, vpmaddwd). The library is built with -march=native for the CPU it
+// runs on (cpu_kernels/__init__.py keys it by the CPU), so the host's best form is chosen per
+// machine; both give the same exact integer sums.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define RADIXSERVE_Q4_VNNI 1
+#endif
 #endif
 
 namespace {
@@ -108,8 +115,12 @@ inline void accumulate(const Block& w, const QuantRow& x, int64_t i, __m256& acc
   const __m128 scales = _mm_mul_ps(w.dm, xs);  // [d * dx, m * dx * sum(qx), 0, 0]
   offset = _mm_add_ps(offset, scales);
   const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes + i * kBlock));
+#ifdef RADIXSERVE_Q4_VNNI
+  const __m256i prod = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w.q, qx);
+#else
   // u8 (0..15) x s8 pairs summed to s16: at most 2 * 15 * 127, no saturation
   const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(w.q, qx), _mm256_set1_epi16(1));
+#endif
   acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(scales), _mm256_cvtepi32_ps(prod), acc);
 }
 
