@@ -32,7 +32,10 @@ _DEFAULTS: dict[str, Any] = {
 
 class MooncakeStorage(HiCacheStorage):
     def __init__(self, extra_config: dict[str, Any]) -> None:
-        from mooncake.store import MooncakeDistributedStore
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:  # the registry said why; say it again, with the cause
+            raise RuntimeError(f"hicache_storage 'mooncake' cannot load Mooncake: {e}") from e
 
         cfg = {**_DEFAULTS, **extra_config}
         self.store = MooncakeDistributedStore()

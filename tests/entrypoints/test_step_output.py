@@ -18,7 +18,7 @@ from radixserve.entrypoints.tokenizer_manager import ServerReq, TokenizerManager
 
 def manager() -> TokenizerManager:
     client = types.SimpleNamespace(on_step=None, on_death=None, dead=None)
-    ready = types.SimpleNamespace(vocab_size=100, speculative=None)
+    ready = types.SimpleNamespace(vocab_size=100, speculative=None, lora_adapters=None)
     return TokenizerManager(client, ready, tokenizer=None)  # type: ignore[arg-type]
 
 
