@@ -46,8 +46,8 @@ class EngineConfig:
     dtype: str = _opt(
         "auto",
         "Weight and KV dtype: auto, float32, bfloat16, float16. On the CPU, a GGUF model with "
-        "no --dtype or --quantization runs the fast mode (its 4-bit blocks, float16 KV, "
-        "compiled decode; docs/cpu_modes.md); --dtype float32 gives transformers' outputs",
+        "no --dtype or --quantization runs the fast mode (its 4-bit blocks, float16 KV; "
+        "docs/cpu_modes.md); --dtype float32 gives transformers' outputs",
     )
     kv_cache_dtype: str = _opt(
         "auto",
