@@ -43,6 +43,14 @@ class EngineViews:
         """The resolved runtime settings, as the start-up banner and /server_info show them."""
         return self.runner.settings.describe()
 
+    def numerics(self) -> str:
+        """What the engine computes with, as resolved (the CPU's fast mode among the choices),
+        e.g. "gguf weights, float16 KV, eager decode"."""
+        weights = self.config.quantization or str(self.runner.dtype).removeprefix("torch.")
+        kv = str(self.runner.kv_dtype).removeprefix("torch.")
+        steps = "compiled decode" if self.config.enable_torch_compile else "eager decode"
+        return f"{weights} weights, {kv} KV, {steps}"
+
     def plugin_names(self) -> dict[str, str]:
         """Plugin kind -> the name of the plugin chosen for it."""
         return dict(self.runner.plugins.names)

@@ -122,6 +122,7 @@ def _ready(core: EngineCore) -> ipc.EngineReady:
         speculative=core.spec_stats(),
         disaggregation_mode=core.config.disaggregation_mode,
         lora_adapters=lora.names() if (lora := lora_of(core)) is not None else None,
+        numerics=core.numerics(),
     )
 
 

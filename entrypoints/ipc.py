@@ -206,6 +206,8 @@ class EngineReady(msgspec.Struct, tag="ready", kw_only=True):
     speculative: dict[str, Any] | None = None
     disaggregation_mode: str = "null"  # "prefill" or "decode": bootstrap fields are honoured
     lora_adapters: dict[str, str] | None = None  # LoRA adapters loaded (name -> path); None: off
+    # the numerics it runs: weights, KV cache, decode steps (the start-up banner names them)
+    numerics: str = ""
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):

@@ -154,7 +154,7 @@ async def _announce(server: uvicorn.Server, args: ServerArgs, info: EngineReady)
     plugins = " ".join(f"{k}={v}" for k, v in info.plugins.items())
     print(
         f"radixserve: model {args.model_name} | plugins {plugins} | "
-        f"KV pool {info.kv_size} tokens | context {info.max_context}",
+        f"KV pool {info.kv_size} tokens | context {info.max_context} | {info.numerics}",
         flush=True,
     )
     settings = ", ".join(f"{k}={v['value']} ({v['from']})" for k, v in info.settings.items())

@@ -47,6 +47,9 @@ def test_a_script_waiting_for_sglangs_ready_line_is_served(
         assert reply.json()["meta_info"]["completion_tokens"] == 3
         # radixserve's own line is still there, just before
         assert lines[-2] == f"radixserve ready at http://127.0.0.1:{port}"
+        # the banner names the numerics the engine resolved (an HF directory: exact float32)
+        banner = next(line for line in lines if line.startswith("radixserve: model "))
+        assert banner.endswith("| float32 weights, float32 KV, eager decode"), banner
     finally:
         guard.cancel()
         proc.terminate()
