@@ -24,6 +24,7 @@ from __future__ import annotations
 import heapq
 import logging
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -132,7 +133,8 @@ class HiRadixCache(RadixCache):
     def match_prefix(self, key: list[int], extra_key: str | None = None) -> MatchResult:
         if self.page_size > 1:
             key = key[: self._aligned(len(key))]
-        path, rest = self._walk(key, extra_key)
+        walked, rest = self._walk(key, extra_key)
+        path = cast(list[HiTreeNode], walked)  # this tree's nodes are all HiTreeNodes
         fetched_now = False
         if self.storage is not None and len(rest) >= self.page_size:
             fetched = self._fetch_storage(key, len(key) - len(rest), path, extra_key)
@@ -156,25 +158,6 @@ class HiRadixCache(RadixCache):
         values = [n.value for n in on_device if n.value is not None]
         last = on_device[-1] if on_device else self._root(extra_key)
         return MatchResult(torch.cat(values) if values else _EMPTY, last)
-
-    def _walk(self, key: list[int], extra_key: str | None) -> tuple[list[HiTreeNode], list[int]]:
-        """The nodes ``key`` matches, splitting the last one where the match ends inside it;
-        what of ``key`` is left."""
-        node = self._root(extra_key)
-        now = next(self._clock)
-        node.last_access = now
-        path: list[HiTreeNode] = []
-        while key:
-            child = node.children.get(self._child_key(key))
-            if child is None:
-                break
-            n = self._aligned(_common_prefix_len(child.key, key))
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = now
-            path.append(child)  # type: ignore[arg-type]
-            node, key = child, key[n:]
-        return path, key
 
     def _hit(self, nodes: list[HiTreeNode]) -> None:
         """write_through_selective: a device node hit a second time gets its host copy."""

@@ -14,6 +14,7 @@ import hashlib
 import logging
 from abc import ABC, abstractmethod
 from array import array
+from typing import Any
 
 import torch
 
@@ -78,26 +79,22 @@ class GuardedStorage:
                 self.name, what, error, self.errors,
             )  # fmt: skip
 
-    def exists(self, key: str) -> bool:
+    def _guarded(self, what: str, *args: Any) -> bool:
+        """``backend.<what>(*args)`` as a bool; False when it raises."""
         try:
-            return bool(self.backend.exists(key))
+            return bool(getattr(self.backend, what)(*args))
         except Exception as e:  # noqa: BLE001 - a failing tier degrades to recompute
-            self._failed("exists", e)
+            self._failed(what, e)
             return False
+
+    def exists(self, key: str) -> bool:
+        return self._guarded("exists", key)
 
     def get(self, key: str, out: torch.Tensor) -> bool:
-        try:
-            return bool(self.backend.get(key, out))
-        except Exception as e:  # noqa: BLE001 - a failing tier degrades to recompute
-            self._failed("get", e)
-            return False
+        return self._guarded("get", key, out)
 
     def set(self, key: str, value: torch.Tensor) -> bool:
-        try:
-            return bool(self.backend.set(key, value))
-        except Exception as e:  # noqa: BLE001 - a failing tier degrades to recompute
-            self._failed("set", e)
-            return False
+        return self._guarded("set", key, value)
 
     def clear(self) -> bool:
         try:

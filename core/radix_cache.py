@@ -96,12 +96,19 @@ class RadixCache:
     def match_prefix(self, key: list[int], extra_key: str | None = None) -> MatchResult:
         """Longest cached prefix of ``key`` in whole pages: its KV slots and the deepest node
         matched."""
-        node = self._root(extra_key)
-        values: list[torch.Tensor] = []
-        now = next(self._clock)
-        node.last_access = now
         if self.page_size > 1:
             key = key[: self._aligned(len(key))]
+        path, _ = self._walk(key, extra_key)
+        kv = torch.cat([n.value for n in path]) if path else _EMPTY
+        return MatchResult(kv, path[-1] if path else self._root(extra_key))
+
+    def _walk(self, key: list[int], extra_key: str | None) -> tuple[list[TreeNode], list[int]]:
+        """The nodes ``key`` matches in whole pages, splitting the last one where the match
+        ends inside it (an LRU refresh of each); what of ``key`` is left."""
+        node = self._root(extra_key)
+        now = next(self._clock)
+        node.last_access = now
+        path: list[TreeNode] = []
         while key:
             child = node.children.get(self._child_key(key))
             if child is None:
@@ -111,10 +118,9 @@ class RadixCache:
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
-            values.append(child.value)
+            path.append(child)
             node, key = child, key[n:]
-        kv = torch.cat(values) if values else _EMPTY
-        return MatchResult(kv, node)
+        return path, key
 
     def peek_prefix(self, key: list[int], extra_key: str | None = None) -> tuple[int, TreeNode]:
         """How many leading tokens of ``key`` are cached (whole pages), and the node the match
