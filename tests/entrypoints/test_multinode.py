@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,13 @@ import httpx
 import psutil
 import pytest
 from platform_choice import CPU_FLAGS, on_cpu
-from server_process import RunningServer, free_port, start_server, stop_server
+from server_process import (
+    RunningServer,
+    free_port,
+    start_server,
+    stop_server,
+    stream_in_background,
+)
 from tiny_models import make_tiny_llama_dir
 
 from radixserve import Engine
@@ -116,22 +121,8 @@ def test_killing_node_1_ends_both_nodes(two_nodes: TwoNodes) -> None:
     follower = psutil.Process(two_nodes.follower.pid)
     ranks = [c for c in follower.children() if "spawn_main" in " ".join(c.cmdline())]
     assert len(ranks) == 1, [c.cmdline() for c in follower.children()]
-    started = threading.Event()
-
-    def generate() -> None:  # long enough to be in flight whatever the machine's speed
-        body = {"text": PROMPTS[0], "stream": True,
-                "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}  # fmt: skip
-        try:
-            with httpx.stream("POST", two_nodes.leader.url + "/generate", json=body,
-                              timeout=HANG_GUARD_S) as r:  # fmt: skip
-                for _ in r.iter_lines():
-                    started.set()
-        except httpx.HTTPError:
-            pass
-        started.set()
-
-    client = threading.Thread(target=generate, daemon=True)
-    client.start()
+    # long enough to be in flight whatever the machine's speed
+    client, _, started = stream_in_background(two_nodes.leader.url, PROMPTS[0], 2000, HANG_GUARD_S)
     assert started.wait(HANG_GUARD_S)
     killed = time.monotonic()
     ranks[0].send_signal(signal.SIGKILL)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +23,7 @@ import httpx
 import psutil
 import pytest
 from platform_choice import CPU_FLAGS, on_cpu
-from server_process import RunningServer, start_server, stop_server
+from server_process import RunningServer, start_server, stop_server, stream_in_background
 from tiny_models import make_tiny_llama_dir, make_tiny_model_dir
 
 from radixserve import Engine
@@ -179,20 +178,6 @@ def _ranks(server: RunningServer) -> list[psutil.Process]:
     return sorted(ranks, key=lambda p: p.create_time())
 
 
-def _stream_until_killed(server: RunningServer, stream: list[str], first: threading.Event) -> None:
-    body = {"text": PROMPTS[0], "stream": True,
-            "sampling_params": {"max_new_tokens": 1900, "ignore_eos": True}}  # fmt: skip
-    try:
-        with httpx.stream("POST", server.url + "/generate", json=body,
-                          timeout=HANG_GUARD_S) as r:  # fmt: skip
-            for line in r.iter_lines():
-                stream.append(line)
-                first.set()
-    except httpx.HTTPError as e:
-        stream.append(f"{type(e).__name__}: {e}")
-    first.set()
-
-
 @pytest.mark.slow
 def test_killing_a_stage_ends_the_server(servers: Servers) -> None:
     """tp2 x pp2: rank 3 is the last stage's tensor-parallel rank 1."""
@@ -200,12 +185,7 @@ def test_killing_a_stage_ends_the_server(servers: Servers) -> None:
     del servers.running["tp2xpp2"]  # it will not exit 0
     ranks = _ranks(server)
     assert len(ranks) == 4, [p.cmdline() for p in ranks]
-    stream: list[str] = []
-    first_chunk = threading.Event()
-    client = threading.Thread(
-        target=_stream_until_killed, args=(server, stream, first_chunk), daemon=True
-    )
-    client.start()
+    client, stream, first_chunk = stream_in_background(server.url, PROMPTS[0], 1900, HANG_GUARD_S)
     assert first_chunk.wait(HANG_GUARD_S)
     killed = time.monotonic()
     ranks[3].send_signal(signal.SIGKILL)  # in the middle of the request

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +21,7 @@ import httpx
 import psutil
 import pytest
 from platform_choice import CPU_FLAGS, on_cpu
-from server_process import RunningServer, start_server, stop_server
+from server_process import RunningServer, start_server, stop_server, stream_in_background
 from tiny_models import make_tiny_llama_dir
 
 from radixserve import Engine
@@ -175,24 +174,10 @@ def test_killing_one_rank_ends_the_server(tiny3_dir: Path, tp2_servers: TP2Serve
     del tp2_servers.running[tiny3_dir]  # it will not exit 0
     ranks = _ranks(tp_server)
     assert len(ranks) == 2, [p.cmdline() for p in ranks]
-    stream: list[str] = []
-    first_chunk = threading.Event()
-
-    def generate() -> None:  # long enough to be in flight whatever the machine's speed
-        body = {"text": PROMPTS[0], "stream": True,
-                "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}  # fmt: skip
-        try:
-            with httpx.stream("POST", tp_server.url + "/generate", json=body,
-                              timeout=HANG_GUARD_S) as r:  # fmt: skip
-                for line in r.iter_lines():
-                    stream.append(line)
-                    first_chunk.set()
-        except httpx.HTTPError as e:
-            stream.append(f"{type(e).__name__}: {e}")
-        first_chunk.set()
-
-    client = threading.Thread(target=generate, daemon=True)
-    client.start()
+    # long enough to be in flight whatever the machine's speed
+    client, stream, first_chunk = stream_in_background(
+        tp_server.url, PROMPTS[0], 2000, HANG_GUARD_S
+    )
     assert first_chunk.wait(HANG_GUARD_S)
     killed = time.monotonic()
     ranks[1].send_signal(signal.SIGKILL)

@@ -7,10 +7,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 from platform_choice import CPU_FLAGS
 
 READY_LINE = "radixserve ready at "
@@ -125,3 +127,29 @@ def stop_server(server: RunningServer, timeout: float = 30.0) -> int | None:
             proc.kill()
             proc.wait(timeout)
     return proc.returncode
+
+
+def stream_in_background(
+    url: str, text: str, max_new_tokens: int, timeout: float
+) -> tuple[threading.Thread, list[str], threading.Event]:
+    """Stream ``/generate`` of ``text`` (EOS ignored) from a daemon thread: the thread, the
+    lines received, and an event set at the first line and when the stream ends (an HTTP error
+    is appended as a line). For tests that kill a server part while a request is in flight."""
+    lines: list[str] = []
+    started = threading.Event()
+
+    def generate() -> None:
+        params = {"max_new_tokens": max_new_tokens, "ignore_eos": True}
+        body = {"text": text, "stream": True, "sampling_params": params}
+        try:
+            with httpx.stream("POST", url + "/generate", json=body, timeout=timeout) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    started.set()
+        except httpx.HTTPError as e:
+            lines.append(f"{type(e).__name__}: {e}")
+        started.set()
+
+    client = threading.Thread(target=generate, daemon=True)
+    client.start()
+    return client, lines, started
