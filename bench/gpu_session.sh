@@ -4,6 +4,7 @@
 # serving stack; bench/install_wheels.py: none over the image's torch stack), run the GPU
 # tests at real sizes, then the benchmarks given as arguments, e.g.
 #   sh bench/gpu_session.sh tests "llama3-8b" "smollm2 --skip-big"
+#   sh bench/gpu_session.sh suite          # the whole tests/, parallel workers sharing the GPU
 #   sh bench/gpu_session.sh tp              # on nvidia-h200-x2: bench/tp.py
 #   sh bench/gpu_session.sh "py bench/offline.py --help"   # any bench script
 #   sh bench/gpu_session.sh moe-tests models  # issue 20: fused MoE tests, bench/models.py
@@ -51,6 +52,14 @@ while [ $# -gt 0 ]; do
         if [ "$runs" -gt 1 ]; then name=spec-model-$runs; fi
         python3 bench/speculative.py model --device cuda --json-out "$OUT/$name.json" \
             ${job#spec-model} 2>&1 | grep -v "it/s\]" | tail -40
+        continue
+    fi
+    if [ "${job%% *}" = suite ]; then  # "suite [pytest args]": the whole tests/ on this machine
+        # Parallel workers share the card (tests/support/gpu_share); SUITE_SECONDS bounds the
+        # run so that its log comes back within the call's limit.
+        PYTHONPATH="$PWD/tests/support/gpu_share:$PYTHONPATH" timeout -s INT "${SUITE_SECONDS:-480}" \
+            python3 -m pytest -q -p no:cacheprovider -n "${SUITE_WORKERS:-12}" --dist loadfile \
+            --timeout 300 -rfEs ${job#suite} tests 2>&1 | tee "$OUT/suite.log" | tail -70
         continue
     fi
     if [ "$job" = tests ]; then
