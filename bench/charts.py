@@ -1,7 +1,8 @@
 """Draw the charts of the benchmarks page from the recorded figures.
 
-Reads ``bench/figures.json`` (the current figures, copied from recorded runs) and writes one SVG
-per chart to ``docs/assets/benchmarks/NAME.svg``. Needs matplotlib (``pip install matplotlib``).
+Reads ``docs/assets/benchmarks/figures.json`` (the current figures, copied from recorded runs)
+and writes one SVG per chart to ``docs/assets/benchmarks/NAME.svg``. Needs matplotlib
+(``pip install matplotlib``).
 
     python bench/charts.py
     python bench/charts.py --figures other.json --out-dir /tmp/charts
@@ -44,7 +45,8 @@ def draw(chart: dict[str, Any], out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--figures", type=Path, default=ROOT / "bench" / "figures.json")
+    assets = ROOT / "docs" / "assets" / "benchmarks"
+    parser.add_argument("--figures", type=Path, default=assets / "figures.json")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "assets" / "benchmarks")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -348,7 +348,7 @@ def run_hf(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict[str, A
 
 
 def tune_decode_phase() -> dict[str, Any]:
-    from gpu_kernels import tune_decode
+    from experiments.gpu_kernels import tune_decode  # bench/ is first on sys.path
 
     best, rows = tune_decode()  # leaves the best settings in place for our engine
     print(f"  decode launch settings: {best}", flush=True)

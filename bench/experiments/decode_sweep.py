@@ -2,8 +2,8 @@
 """Decode-attention launch sweep at batch 64 with the engine's slot layout (issue 18): the KV
 pool as bench/gpu.py's 64 x (1,024 + 256) workload leaves it at page size 1, each request's
 prompt in consecutive slots and its decoded tokens one slot per step, interleaved with the
-other requests' (bench/gpu_kernels.py sweeps random slots instead, which no engine run has).
-Times the Triton split-K kernel (plugins/attention/triton/decode_kernel.py) for split counts
+other requests' (bench/experiments/gpu_kernels.py sweeps random slots instead, which no engine run
+has). Times the Triton split-K kernel (plugins/attention/triton/decode_kernel.py) for split counts
 and launch settings at three context lengths of the run, at Llama-3.1-8B heads (32 q / 8 KV,
 dim 128, bf16), as LAYERS launches replayed in a CUDA graph (a single
 launch timed with events also times Triton's host-side launch, tens of us: the first run of
@@ -12,7 +12,7 @@ this script did that); each setting is checked against the current one before it
     python bench/decode_sweep.py --json-out decode-sweep.json
 
 The best row's settings go to the engine as RADIXSERVE_TRITON_DECODE="block_n=..,splits=..",
-e.g. through bench/gpu_env_ab.py; ``--best-out FILE`` writes that string (empty when the
+e.g. through bench/experiments/gpu_env_ab.py; ``--best-out FILE`` writes that string (empty when the
 current settings are the best).
 """
 

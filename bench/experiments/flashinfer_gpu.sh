@@ -26,7 +26,7 @@ phase() {  # phase NAME SECONDS COMMAND...: run one phase, say how it went (log:
 }
 setup() {  # once per machine: a second run (on another GPU) finds it done
     [ -f /tmp/fi/.done ] && return 0
-    python3 bench/install_wheels.py .whl /tmp/site >/dev/null &&
+    python3 tools/install_wheels.py .whl /tmp/site >/dev/null &&
         python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/fi .whl-fi/*.whl &&
         python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 &&
         mkdir -p /tmp/fiws && if [ -f .fi-cache/fi-cache.tar.gz ]; then

@@ -23,9 +23,9 @@ HTTP and engine processes (bench/serve_cprofile.py); each process's busiest func
 printed and the pstats files kept beside the JSON (``profile/``).
 
 Device command (one call, in the repo root, carrying ``.whl``: the wheels the GPU image lacks;
-bench/install_wheels.py installs only those, so none shadows the image's torch stack):
+tools/install_wheels.py installs only those, so none shadows the image's torch stack):
 
-    python3 bench/install_wheels.py .whl /tmp/site && export PYTHONPATH=/tmp/site \
+    python3 tools/install_wheels.py .whl /tmp/site && export PYTHONPATH=/tmp/site \
 PYTHONUNBUFFERED=1 && python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . \
 >/dev/null 2>&1; set -o pipefail; python3 bench/gpu_serving.py --json-out $OUT/serving.json \
 2>&1 | tee $OUT/serving.log

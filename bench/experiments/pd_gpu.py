@@ -27,7 +27,7 @@ first), so that UCX's cuda_ipc may map the peer GPU's memory.
 
 Device command (nvidia-h200-x2; carries ``.whl`` and ``.whl-pd``, the stripped nixl-cu13 wheel):
 
-    python3 bench/install_wheels.py .whl /tmp/site && python3 bench/install_wheels.py .whl-pd \
+    python3 tools/install_wheels.py .whl /tmp/site && python3 tools/install_wheels.py .whl-pd \
 /tmp/site && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 && python3 -m pip install -q \
 --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1; timeout 480 python3 \
 bench/pd_gpu.py --workdir /tmp/models --json-out $OUT/pd.json 2>&1 | tee $OUT/pd.log | tail -60

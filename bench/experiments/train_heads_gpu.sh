@@ -13,7 +13,7 @@ GGUF=/tmp/heads/smol.gguf
 mkdir -p "$OUT" /tmp/heads/parts "$WORK"
 export PYTHONUNBUFFERED=1
 if [ ! -f /tmp/heads/.setup ]; then
-    python3 bench/install_wheels.py .whl /tmp/site >/dev/null &&
+    python3 tools/install_wheels.py .whl /tmp/site >/dev/null &&
         python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 &&
         touch /tmp/heads/.setup || echo "set-up failed"
 fi

@@ -31,8 +31,8 @@ def set_blas_library() -> None:
     At 64 rows on the 8B shape, cuBLASLt reads down_proj's weights at 0.90 of the copy
     bandwidth against 0.72 through torch's default path (31.3 against 39.1 us) and gate_up's at
     0.97 against 0.93; qkv and o are the same (bench/decode_gemms.py, H200). In the engine
-    (bench/gpu_env_ab.py, one machine, two rounds each): 64 x (1,024 + 256) at 4,761 / 4,728
-    tok/s against 4,643 / 4,649, decode steps 7.07 against 7.27 ms; 512 x (1,024 + 1,024)
+    (bench/experiments/gpu_env_ab.py, one machine, two rounds each): 64 x (1,024 + 256) at 4,761 /
+    4,728 tok/s against 4,643 / 4,649, decode steps 7.07 against 7.27 ms; 512 x (1,024 + 1,024)
     unchanged within noise (bench/HISTORY.md, 2026-12-03). The setting is torch's, for the
     whole process. ROCm builds keep torch's choice unless the variable names one."""
     blas = os.environ.get("RADIXSERVE_CUDA_BLAS") or (

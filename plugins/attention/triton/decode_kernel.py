@@ -23,11 +23,11 @@ from radixserve.plugins.attention.triton.attend import LOG2E, attend_blocks, lau
 MAX_SPLITS = 16
 #: the most splits the last program merges in the partial kernel's launch (more: a second kernel)
 MERGE_IN_LAUNCH_SPLITS = 4
-#: Launch settings on a GPU, chosen with bench/gpu_kernels.py on an H200 (KV-bandwidth sweep).
+#: Launch settings on a GPU, chosen with bench/experiments/gpu_kernels.py on an H200 (KV sweep).
 #: bench/decode_sweep.py (the engine's slot layout, CUDA graphs, 2026-12-03) timed 3 splits and
 #: 2 stages 9% faster at batch 64 x 1,040-1,270 (252 against 276 us over its three lengths),
-#: but the engine A-B (bench/gpu_env_ab.py, RADIXSERVE_TRITON_DECODE) showed no gain: decode
-#: steps 7.25 ms both ways, tok/s within the rounds' spread; so these stay. Neither did the
+#: but the engine A-B (bench/experiments/gpu_env_ab.py, RADIXSERVE_TRITON_DECODE) showed no gain:
+#: decode steps 7.25 ms both ways, tok/s within the rounds' spread; so these stay. Neither did the
 #: KV heads' launch order, evict-first K/V loads nor an L2 prefetch of o_proj's weight from
 #: this launch gain in the engine (2026-12-04, commit ee868b7, bench/HISTORY.md).
 #: ``splits`` > 0 fixes the number of splits (0: from ``programs_per_sm``, see num_decode_splits).

@@ -1,23 +1,23 @@
 #!/bin/sh
 # One call on the lent GPU machine (see docs/benchmarks.md): make this checkout importable as
 # `radixserve`, install the wheels carried in .whl/ that the device image lacks (gguf, the
-# serving stack; bench/install_wheels.py: none over the image's torch stack), run the GPU
+# serving stack; tools/install_wheels.py: none over the image's torch stack), run the GPU
 # tests at real sizes, then the benchmarks given as arguments, e.g.
-#   sh bench/gpu_session.sh tests "llama3-8b" "smollm2 --skip-big"
-#   sh bench/gpu_session.sh suite          # the whole tests/, parallel workers sharing the GPU
-#   sh bench/gpu_session.sh tp              # on nvidia-h200-x2: bench/tp.py
-#   sh bench/gpu_session.sh "py bench/offline.py --help"   # any bench script
-#   sh bench/gpu_session.sh moe-tests models  # issue 20: fused MoE tests, bench/models.py
-#   sh bench/gpu_session.sh "spec --batches 1 8 --accept 3.5 2.5" spec-tests spec-profile
-#   sh bench/gpu_session.sh stash .gp/part00      # then at once, in the next call (issue 15):
-#   sh bench/gpu_session.sh stash .gp/part01 join SHA256 spec-equiv "spec-model --algorithm EAGLE3"
+#   sh tools/gpu_session.sh tests "llama3-8b" "smollm2 --skip-big"
+#   sh tools/gpu_session.sh suite          # the whole tests/, parallel workers sharing the GPU
+#   sh tools/gpu_session.sh tp              # on nvidia-h200-x2: bench/tp.py
+#   sh tools/gpu_session.sh "py bench/offline.py --help"   # any bench script
+#   sh tools/gpu_session.sh moe-tests models  # issue 20: fused MoE tests, bench/models.py
+#   sh tools/gpu_session.sh "spec --batches 1 8 --accept 3.5 2.5" spec-tests spec-profile
+#   sh tools/gpu_session.sh stash .gp/part00      # then at once, in the next call (issue 15):
+#   sh tools/gpu_session.sh stash .gp/part01 join SHA256 spec-equiv "spec-model --algorithm EAGLE3"
 # Results go to $OUT (gpu-<shape>.json, tp.json, models.json, spec.json, spec-profile.txt,
 # tests.log, moe-tests.log, spec-tests.log, spec-loop-tests.log, spec-loop-profile.txt,
 # spec-loop-churn.txt).
 set -e
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/pkg
-python3 bench/install_wheels.py .whl /tmp/site
+python3 tools/install_wheels.py .whl /tmp/site
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 # An editable install registers the built-in plugins' entry points and the `radixserve` script.
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 \

@@ -3,7 +3,7 @@
 goes first on PYTHONPATH; used on the lent GPU machine, whose image has torch, triton and
 transformers but not our serving stack:
 
-    python3 bench/install_wheels.py .whl /tmp/site && export PYTHONPATH=/tmp/site
+    python3 tools/install_wheels.py .whl /tmp/site && export PYTHONPATH=/tmp/site
 
 A wheel is installed only where no distribution of its name is installed, or where the installed
 one is too old for a requirement of a wheel being installed (then it is named, with the

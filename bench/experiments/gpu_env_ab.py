@@ -5,8 +5,9 @@ the changes measured here, so the two settings alternate on one machine. Each ro
 fresh engine per value, warms it up at the workload's shapes and times it (overlap on); the
 decode-only steps' median comes from the ``step_finished`` stats.
 
-    python bench/gpu_env_ab.py --env RADIXSERVE_ROPE_IN_ATTENTION --values 1 0 --rounds 2
-    python bench/gpu_env_ab.py --env=--chunked-prefill-size --values 8192 65536
+    python bench/experiments/gpu_env_ab.py --env RADIXSERVE_ROPE_IN_ATTENTION --values 1 0 \
+        --rounds 2
+    python bench/experiments/gpu_env_ab.py --env=--chunked-prefill-size --values 8192 65536
 
 An ``--env`` that starts with ``--`` names one of the tuning flags instead (bench/gpu.py's
 ``add_tuning_flags``), set to each value in turn.

@@ -3,7 +3,7 @@
 kernel for a few launch settings, at Llama-3.1-8B heads (32 q / 8 KV, dim 128, bf16) and
 serving-sized batches; each setting is checked against the first one before it is timed.
 
-    python bench/gpu_kernels.py            # prints the table; gpu.py --tune-decode applies the best
+    python bench/experiments/gpu_kernels.py   # the table; gpu.py --tune-decode applies the best
 """
 
 from __future__ import annotations
