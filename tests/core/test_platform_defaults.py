@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from platform_choice import on_cpu  # tests/support
 
 from radixserve import Engine
 from radixserve.core.config import CORE_DEFAULTS, ConfigError, EngineConfig, ModelConfig
@@ -92,14 +93,14 @@ def test_speculation_stops_above_two_decodes_on_the_cpu(tiny_llama_dir: Path) ->
     cost most there); a flag overrides it, and the core's default is 32."""
     from radixserve.core.speculative import Speculator
 
-    with Engine(str(tiny_llama_dir), speculative_algorithm="NGRAM") as eng:
+    with Engine(str(tiny_llama_dir), **on_cpu({"speculative_algorithm": "NGRAM"})) as eng:
         entry = eng.core.runner.settings.describe()["speculative_disable_batch_size"]
         assert entry == {"value": 2, "from": "cpu default"}
         speculator = speculator_of(eng.core)
         assert isinstance(speculator, Speculator)
         assert speculator.draft_length(2) > 0 and speculator.draft_length(3) == 0
     flagged = {"speculative_algorithm": "NGRAM", "speculative_disable_batch_size": 16}
-    with Engine(str(tiny_llama_dir), **flagged) as eng:
+    with Engine(str(tiny_llama_dir), **on_cpu(flagged)) as eng:
         assert speculator_of(eng.core) is not None and speculator_of(eng.core).draft_length(16) > 0
     assert CORE_DEFAULTS["speculative_disable_batch_size"] == 32
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 from types import SimpleNamespace
 from typing import Any
 
@@ -69,7 +70,11 @@ def test_entry_points_fill_all_six_kinds_with_the_builtins() -> None:
         registry = host.registries[kind]
         found = {r.name: r.plugin for r in registry.entries()}
         assert expected.items() <= found.items(), kind
-        assert set(expected) <= set(registry.available_names()), kind
+        # the transfer plugins report themselves unavailable where their library is not
+        # installed (the dev extra installs both; a GPU machine's image may not)
+        missing = {n for n in ("mooncake", "nixl") if importlib.util.find_spec(n) is None}
+        needed = set(expected) - (missing if kind == "kv_transfer" else set())
+        assert needed <= set(registry.available_names()), kind
 
 
 def test_fake_plugin_adds_an_attention_backend_without_entry_points() -> None:

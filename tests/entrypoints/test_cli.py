@@ -79,7 +79,8 @@ def test_plugin_that_fails_to_import_is_one_error_line(tmp_path: Path) -> None:
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 0.1\n")
     (dist / "entry_points.txt").write_text("[radixserve]\nbroken = broken_plugin_mod\n")
     (tmp_path / "broken_plugin_mod.py").write_text("raise ImportError('needs libfoo.so')\n")
-    proc = run_cli("plugins", env={"PYTHONPATH": str(tmp_path)})
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    proc = run_cli("plugins", env={"PYTHONPATH": path})
     assert_one_error_line(
         proc, "plugin 'broken' (broken_plugin_mod) failed to import: needs libfoo.so"
     )

@@ -80,7 +80,9 @@ def _straddling_stop(head: str, tail: str) -> str | None:
 def test_streamed_text_is_never_taken_back_at_a_stop_string(tiny_llama_dir: Path) -> None:
     stepper = Stepper()
     host = PluginHost(extra_plugins=[("stepper", stepper)])
-    settings: dict[str, Any] = {"max_total_tokens": 4096, "plugins": ["model=SteppedLlama"]}
+    # the CPU platform: a CUDA graph would replay steps without the gate's Python forward
+    plugins = ["model=SteppedLlama", "hardware=cpu"]
+    settings: dict[str, Any] = {"max_total_tokens": 4096, "plugins": plugins}
     with Engine(str(tiny_llama_dir), host=host, **settings) as engine:
         plain = [c["text"] for c in _stepped(engine, stepper, {"max_new_tokens": 24, **GREEDY})]
         k = next(k for k in range(len(plain) - 1) if _straddling_stop(plain[k], plain[k + 1]))

@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 import httpx
+from platform_choice import CPU_FLAGS
 from server_process import free_port
 
 # Word for word what SGLang prints (scripts grep for it): not imported from the server.
@@ -23,7 +24,7 @@ def test_a_script_waiting_for_sglangs_ready_line_is_served(
 ) -> None:
     port = free_port()
     cmd = [sys.executable, "-m", "radixserve.launch_server", "--host", "127.0.0.1",
-           "--port", str(port), "--model-path", str(tiny_llama_dir)]  # fmt: skip
+           "--port", str(port), "--model-path", str(tiny_llama_dir), *CPU_FLAGS]  # fmt: skip
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},

@@ -60,9 +60,13 @@ def _sources(dest: Path) -> Path:
 
 
 def _dependency_site(dest: Path) -> Path:
-    """Links to every package of this environment's site-packages but radixserve's own."""
+    """Links to every package of this environment's site-packages but radixserve's own, and of
+    the folders on PYTHONPATH first (where a machine keeps packages beside its image's)."""
     dest.mkdir()
-    for base in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+    folders = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    on_path = [p for p in folders if p and Path(p).is_dir()]
+    paths = sysconfig.get_paths()
+    for base in dict.fromkeys([*on_path, paths["purelib"], paths["platlib"]]):
         for entry in Path(base).iterdir():
             if entry.name.startswith(OURS) or entry.name == "__pycache__":
                 continue

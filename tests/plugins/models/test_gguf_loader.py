@@ -247,12 +247,17 @@ def test_tiny_sentencepiece_model_roundtrips(tmp_path: pathlib.Path) -> None:
         assert [tokenizer.id_to_token(i) for i in ids] == ["<s>", *pieces], text
         decoded = text.replace("<s>", "").replace("</s>", "").removeprefix(" ")
         assert tokenizer.decode(ids) == decoded, text
+    if transformers.__version__ != PINNED_TRANSFORMERS:
+        return  # older converters differ (one added no BOS): the pieces above are the claim
     reference = transformers.AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
     for text in TINY_SENTENCEPIECE_CASES:
         ids = tokenizer.encode(text).ids
         assert ids == reference.encode(text), text
         assert tokenizer.decode(ids) == reference.decode(ids, skip_special_tokens=True), text
 
+
+#: the version the dev extra pins (pyproject.toml), whose GGUF converter these cases match
+PINNED_TRANSFORMERS = "5.25.0"
 
 #: text -> its pieces after the BOS (add_bos_token from the file), by the tiny vocabulary of
 #: _write_tiny_gguf: a dummy-prefix "\u2581", byte fallback for what the vocabulary lacks, the

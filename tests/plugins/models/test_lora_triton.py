@@ -47,7 +47,9 @@ def test_engine_on_the_triton_backend_equals_the_torch_backend(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
     """The hooks, the slot buffer and the kernels together: one batch of an adapter and the
-    base model gives the torch backend's tokens (interpreted on the CPU: a short run)."""
+    base model gives the torch backend's tokens (interpreted on the CPU: a short run; on a GPU
+    the triton backend runs in CUDA graphs, the torch one, which a graph would not replay,
+    without)."""
     from lora_adapters import make_adapter
 
     from radixserve.entrypoints.engine import Engine
@@ -56,8 +58,10 @@ def test_engine_on_the_triton_backend_equals_the_torch_backend(
     params = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
     outs = {}
     for backend in ("torch", "triton"):
+        graphs_off = DEVICE == "cuda" and backend == "torch"
         with Engine(str(tiny_llama_dir), lora_paths=[f"a={adapter}"], lora_backend=backend,
-                    max_total_tokens=4096, plugins={"hardware": "cpu"}) as engine:  # fmt: skip
+                    max_total_tokens=4096, plugins={"hardware": DEVICE}, dtype="float32",
+                    disable_cuda_graph=graphs_off) as engine:  # fmt: skip
             out = engine.generate(input_ids=[[5, 6, 7, 8, 9]] * 2, sampling_params=params,
                                   lora_path=["a", None])  # fmt: skip
             outs[backend] = [o["output_ids"] for o in out]

@@ -192,7 +192,7 @@ def test_reload_refuses_any_config_field_that_shaped_the_model(tmp_path: Path) -
     runner.reload_weights(free)
     state = _hf_state(b)
     torch.testing.assert_close(
-        runner.model.embed_tokens.weight, state["model.embed_tokens.weight"], atol=0, rtol=0
+        runner.model.embed_tokens.weight.cpu(), state["model.embed_tokens.weight"], atol=0, rtol=0
     )
 
 

@@ -20,14 +20,20 @@ TARGET = "radixserve.plugins.hardware.cuda"
 SHARES = int(os.environ.get("RADIXSERVE_TEST_GPU_SHARE", "16"))
 
 
-def _kv_cache_bytes(self, weight_bytes: int, mem_fraction: float) -> int:  # type: ignore[no-untyped-def]
-    """This engine's share of the card, less what other processes already hold (and 2 GiB
-    for its activations and graphs)."""
-    import torch
+def _shared(original):  # type: ignore[no-untyped-def]
+    def kv_cache_bytes(self, weight_bytes: int, mem_fraction: float) -> int:  # type: ignore[no-untyped-def]
+        """This engine's share of the card, less what other processes already hold (and 2 GiB
+        for its activations and graphs). A test that replaced torch's memory query (a unit
+        test of the sizing itself) gets the platform's own answer."""
+        import torch
 
-    free, total = torch.cuda.mem_get_info(self.device)
-    share = int(total * mem_fraction / SHARES) - weight_bytes
-    return max(min(share, free - weight_bytes - (2 << 30)), 0)
+        if getattr(torch.cuda.mem_get_info, "__module__", "").startswith("test"):
+            return original(self, weight_bytes, mem_fraction)
+        free, total = torch.cuda.mem_get_info(self.device)
+        share = int(total * mem_fraction / SHARES) - weight_bytes
+        return max(min(share, free - weight_bytes - (2 << 30)), 0)
+
+    return kv_cache_bytes
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -43,7 +49,8 @@ class _Finder(importlib.abc.MetaPathFinder):
 
         def exec_module(module):  # type: ignore[no-untyped-def]
             original(module)
-            module.CudaPlatform.kv_cache_bytes = _kv_cache_bytes
+            platform = module.CudaPlatform
+            platform.kv_cache_bytes = _shared(platform.kv_cache_bytes)
 
         spec.loader.exec_module = exec_module
         return spec
