@@ -25,8 +25,10 @@ class CpuPlatform(HardwarePlatform):
         return torch.float32
 
     def default_plugins(self) -> dict[str, str]:
+        # deterministic mode: torch_native's fixed-split attention (cpu_paged has none)
+        paged = _cpu_paged_reason() is None and not self._deterministic
         return {
-            "attention": "cpu_paged" if _cpu_paged_reason() is None else "torch_native",
+            "attention": "cpu_paged" if paged else "torch_native",
             "grammar": "xgrammar" if importlib.util.find_spec("xgrammar") else "none",
             "speculative": "none",
             "kv_transfer": "none",
@@ -65,6 +67,7 @@ class CpuPlatform(HardwarePlatform):
         # A GGUF model with no --dtype/--quantization: the fast mode (cpu_fast.py)
         from radixserve.plugins.hardware.cpu_fast import fast_mode
 
+        self._deterministic = config.enable_deterministic_inference
         return fast_mode(config, model_dir)
 
     def prepare_model(self, model: CausalLM, config: EngineConfig) -> None:
@@ -91,6 +94,8 @@ class CpuPlatform(HardwarePlatform):
 
         if config.enable_torch_compile or default_packing() is None:
             return
+        if config.enable_deterministic_inference:  # rejection sampling reads its probabilities
+            return
         logger.debug("packed %d linear layers of the draft head", pack_module_linears(head))
 
     def quantize_model(self, model: CausalLM, method: str) -> None:
@@ -116,6 +121,7 @@ class CpuPlatform(HardwarePlatform):
         return self._compiled
 
     _compiled: Any = None  # the compiled step executor, when --enable-torch-compile
+    _deterministic = False  # --enable-deterministic-inference (resolve_config)
     _threads: int | None = None  # --cpu-threads
 
     def seed_everything(self, seed: int) -> None:

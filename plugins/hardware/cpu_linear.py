@@ -153,6 +153,8 @@ def packed_linears_unavailable(model: nn.Module, config: EngineConfig) -> str | 
     """Why the model's linears stay on MKL here, or None when they can be packed."""
     if config.enable_torch_compile:
         return "--enable-torch-compile compiles the linears itself"
+    if config.enable_deterministic_inference:
+        return "deterministic inference multiplies in fixed row blocks (invariant_ops.py)"
     if config.quantization is not None:
         return "the linears are quantized"
     if config.tp_size != 1:
