@@ -90,11 +90,16 @@ class CpuPlatform(HardwarePlatform):
         # A draft head's linears packed as the target's (cpu_linear.py): at one row MKL's
         # matrix-vector product is the slower one. SmolLM2's EAGLE-3 head is small (a 4,096-
         # token draft vocabulary): no gain showed through the noise of an A-B (BENCHMARKS).
-        from radixserve.plugins.hardware.cpu_linear import default_packing, pack_module_linears
+        from radixserve.plugins.hardware.cpu_linear import (
+            default_packing,
+            is_batch_invariant,
+            pack_module_linears,
+        )
 
         if config.enable_torch_compile or default_packing() is None:
             return
-        if config.enable_deterministic_inference:  # rejection sampling reads its probabilities
+        # deterministic: rejection sampling reads the draft's probabilities
+        if config.enable_deterministic_inference and not is_batch_invariant(default_packing()):
             return
         logger.debug("packed %d linear layers of the draft head", pack_module_linears(head))
 

@@ -521,12 +521,14 @@ class DecoderForCausalLM(nn.Module, CausalLM):
 
     def set_batch_invariant(self) -> None:
         """--enable-deterministic-inference (core/deterministic.py): every linear and the LM
-        head in fixed row blocks (invariant_ops.py), no one-row Triton GEMV (another kernel
-        than the blocks'). RMSNorm, RoPE and SiLU-mul are per-row already (eager, the CPU's
+        head in fixed row blocks (invariant_ops.py) unless its kernel is batch-invariant
+        already (the CPU's AVX2 panels), no one-row Triton GEMV (another kernel than the
+        blocks'). RMSNorm, RoPE and SiLU-mul are per-row already (eager, the CPU's
         C++ kernels, the Triton ones: one program a row)."""
         from radixserve.plugins.models.invariant_ops import (
             BlockHead,
             block_linears,
+            keeps_rows_apart,
             row_block_for,
         )
 
@@ -539,7 +541,7 @@ class DecoderForCausalLM(nn.Module, CausalLM):
         for layer in self.layers:
             layer.gemv_cfg = None
             block_linears(layer, block)
-        if self.computes_logits and self.head is None:
+        if self.computes_logits and (self.head is None or not keeps_rows_apart(self.head)):
             weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
             self.head = BlockHead(weight.data, block)
 

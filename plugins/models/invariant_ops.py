@@ -68,12 +68,20 @@ class BlockHead(nn.Module):
         return block_linear(h, self.weight, None, self.row_block)
 
 
+def keeps_rows_apart(module: nn.Module) -> bool:
+    """Whether ``module``'s kernel is batch-invariant already: it (or its ``packing``)
+    declares ``batch_invariant`` (the CPU's AVX2 panel linears, plugins/hardware/cpu_linear.py)."""
+    packing = getattr(module, "packing", module)
+    return isinstance(module, BlockLinear) or bool(getattr(packing, "batch_invariant", False))
+
+
 def block_linears(module: nn.Module, row_block: int) -> int:
     """Swap ``module``'s ``nn.Linear`` layers (row-parallel ones of one rank included) for
-    ``BlockLinear`` in place. Returns the layers swapped."""
+    ``BlockLinear`` in place, except those whose kernel is batch-invariant already. Returns
+    the layers swapped."""
     swapped = 0
     for child in module.modules():
-        if isinstance(child, nn.Linear) and not isinstance(child, BlockLinear):
+        if isinstance(child, nn.Linear) and not keeps_rows_apart(child):
             child.__class__ = BlockLinear
             child.row_block = row_block  # type: ignore[attr-defined]
             swapped += 1

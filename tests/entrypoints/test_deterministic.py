@@ -57,11 +57,13 @@ def _ids(results: Any) -> list[list[int]]:
     return [r["output_ids"] for r in results]
 
 
-def _every_case(model: Path, deterministic: bool) -> dict[str, list[list[int]]]:
+def _every_case(
+    model: Path, deterministic: bool, dtype: str = "bfloat16"
+) -> dict[str, list[list[int]]]:
     """The 64 prompts' greedy outputs in each case, torch_native attention throughout."""
     prompts = _prompts()
     kw: dict[str, Any] = dict(
-        dtype="bfloat16", max_total_tokens=16384, max_running_requests=N,
+        dtype=dtype, max_total_tokens=16384, max_running_requests=N,
         plugins=("attention=torch_native",), enable_deterministic_inference=deterministic,
     )  # fmt: skip
     out: dict[str, list[list[int]]] = {}
@@ -90,8 +92,11 @@ def _differing(cases: dict[str, list[list[int]]]) -> dict[str, int]:
     }
 
 
-def test_greedy_ids_identical_in_every_case(close_logits_dir: Path) -> None:
-    cases = _every_case(close_logits_dir, deterministic=True)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_greedy_ids_identical_in_every_case(close_logits_dir: Path, dtype: str) -> None:
+    """float32 too: its linears stay on the AVX2 panels where they run (batch-invariant by
+    construction), else on fixed row blocks."""
+    cases = _every_case(close_logits_dir, deterministic=True, dtype=dtype)
     assert all(len(ids) == N and all(len(x) == 8 for x in ids) for ids in cases.values())
     assert _differing(cases) == dict.fromkeys(cases, 0)
 

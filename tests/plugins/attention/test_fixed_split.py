@@ -96,3 +96,21 @@ def test_block_linear_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> Non
     torch.testing.assert_close(
         block_linear(x, w, None, 8).float(), F.linear(x, w).float(), atol=0.5, rtol=2e-2
     )
+
+
+def test_cpu_panel_linears_are_batch_invariant() -> None:
+    """The AVX2 panel kernel deterministic mode keeps for float32 (it declares
+    ``batch_invariant``): a row's product is the same in batches of any size and offset."""
+    from radixserve.plugins.hardware.cpu_linear import PanelPacking, default_packing
+
+    if not isinstance(default_packing(), PanelPacking):
+        pytest.skip("radixserve's AVX2 kernels do not run here")
+    packing = PanelPacking()
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(1000, 576, generator=g), torch.randn(300, 576, generator=g)
+    packed = packing.pack(w)
+    full = packing(x, packed, 1000, None)
+    for n in (1, 5, 6, 7, 64, 299):
+        for offset in (0, 1):
+            rows = x[offset : offset + n].contiguous()
+            assert torch.equal(packing(rows, packed, 1000, None), full[offset : offset + n])
