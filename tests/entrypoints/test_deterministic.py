@@ -165,3 +165,15 @@ def test_eagle3_accepts_exactly_what_plain_decoding_emits(smollm2_dir: Path) -> 
 def test_what_cannot_be_made_invariant_is_refused(flags: dict[str, Any], reason: str) -> None:
     with pytest.raises(ConfigError, match=reason):
         EngineConfig(enable_deterministic_inference=True, **flags)
+
+
+def test_an_attention_backend_without_the_mode_is_refused(tiny_llama_dir: Path) -> None:
+    from radixserve.plugins.hardware.cpu import _cpu_paged_reason
+
+    if _cpu_paged_reason() is not None:
+        pytest.skip(f"cpu_paged does not run here: {_cpu_paged_reason()}")
+    with pytest.raises(ConfigError, match="cpu_paged attention backend has no batch-invariant"):
+        Engine(
+            str(tiny_llama_dir), plugins=("hardware=cpu", "attention=cpu_paged"),
+            dtype="float32", enable_deterministic_inference=True, max_total_tokens=1024,
+        )  # fmt: skip
