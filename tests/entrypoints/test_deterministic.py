@@ -141,6 +141,10 @@ def test_eagle3_accepts_exactly_what_plain_decoding_emits(smollm2_dir: Path) -> 
         plugins=("hardware=cpu",),
     )  # fmt: skip
     with Engine(str(smollm2_dir), **kw) as engine:
+        assert (
+            engine.core.numerics() == "bfloat16 weights, bfloat16 KV, eager decode, deterministic"
+        )
+        assert engine.core.runner.plugins.names["attention"] == "torch_native"  # the CPU's choice
         prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": f"Write about {t}."}])
                    for t in topics]  # fmt: skip
         plain = _ids(engine.generate(input_ids=prompts, sampling_params=params))
