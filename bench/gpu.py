@@ -12,6 +12,7 @@ time, prefill included, EOS ignored.
     python bench/gpu.py --json-out $OUT/gpu.json
     python bench/gpu.py --attention triton,flashinfer  # each backend's rows, then their ratios
     python bench/gpu.py --shape tiny --hardware cpu --attention torch_native --small  # smoke test
+    python bench/gpu.py --deterministic ab --skip-hf --skip-big  # deterministic mode off, then on
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--small", action="store_true", help="tiny workloads (smoke test)")
     p.add_argument("--workdir", default=None, help="where the model directory is written")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--deterministic", choices=("off", "on", "ab"), default="off",
+                   help="--enable-deterministic-inference; ab: our workloads without it, then "
+                        "with it, and their ratios")  # fmt: skip
+    p.add_argument("--dtype", default=None, help="engine dtype (default: the platform's)")
     return p.parse_args()
 
 
@@ -213,6 +218,8 @@ def tuned_engine(
         context_length=context, chunked_prefill_size=args.chunked_prefill_size,
         cuda_graph_max_bs=running, disable_cuda_graph=args.disable_cuda_graph,
         disable_overlap_schedule=args.disable_overlap_schedule, page_size=args.page_size,
+        enable_deterministic_inference=getattr(args, "deterministic", "off") == "on",
+        **({"dtype": args.dtype} if getattr(args, "dtype", None) else {}),
     )  # fmt: skip
 
 
@@ -394,6 +401,11 @@ def main() -> None:
         phase(res, "hf", lambda: run_hf(model_dir, args, vocab), out)
     if args.tune_decode:
         phase(res, "tune", tune_decode_phase, out)
+    if args.deterministic == "ab":
+        deterministic_ab(model_dir, args, vocab, res)
+        if out:
+            write_json(out, res)
+        return
     names = args.attention.split(",")
     graphs_off = args.disable_cuda_graph
     for name in names:  # several: each backend's numbers under res["attention"][name]
@@ -419,6 +431,28 @@ def main() -> None:
         compare_attention(res["attention"], names)
     if out:
         write_json(out, res)
+
+
+def deterministic_ab(
+    model_dir: Path, args: argparse.Namespace, vocab: int, res: dict[str, Any]
+) -> None:
+    """Our workloads without --enable-deterministic-inference, then with it (one engine each,
+    same prompts); the cost is the ratio of the rates (issue: at most 1.3x slower on a GPU)."""
+    by_mode: dict[str, dict[str, Any]] = res.setdefault("deterministic", {})
+    for mode in ("off", "on"):
+        args.deterministic = mode
+        mine = by_mode.setdefault(mode, {})
+        run = lambda mine=mine: run_ours(model_dir, args, vocab, mine, res) or {}  # noqa: E731
+        phase(mine, f"ours_{mode}", run, args.json_out)
+    args.deterministic = "ab"
+    rows = []
+    for key in ("b1_tok_s", "tput_tok_s", "big_tok_s"):
+        off, on = by_mode["off"].get(key), by_mode["on"].get(key)
+        slower = off / on if off and on else None
+        res[f"deterministic_{key}_slowdown"] = slower
+        rows.append([key, off, on, slower])
+    print(f"\nshape={args.shape} hardware={args.hardware} attention={args.attention}")
+    print(format_table(["measure", "off", "deterministic", "off / deterministic"], rows))
 
 
 def compare_attention(by_name: dict[str, dict[str, Any]], names: list[str]) -> None:

@@ -156,6 +156,12 @@ class EngineConfig:
         'The storage backend\'s settings as JSON, e.g. {"dir": "/var/cache/radixserve"} for file',
     )
     random_seed: int = _opt(0, "Seed of the engine's random generator")
+    enable_deterministic_inference: bool = _opt(
+        False,
+        "The same tokens for a request whatever shares its batch, its prefix cache hits, its "
+        "prefill chunks and speculation: batch-invariant linears, RMSNorm and attention (a "
+        "fixed KV split), unseeded sampling seeded by --random-seed (docs/deterministic.md)",
+    )
     tp_size: int = _opt(
         1,
         "Tensor parallelism: ranks that split every layer (attention heads, MLP, vocabulary), "
@@ -382,6 +388,7 @@ class EngineConfig:
         config_checks.check_choices(self)
         config_checks.check_nodes(self)
         config_checks.check_lora(self)
+        config_checks.check_deterministic(self)
 
     def _merge_grammar_backend(self, name: str) -> None:
         self._merge_plugin_alias("grammar", "grammar_backend", name)

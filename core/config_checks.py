@@ -278,3 +278,26 @@ def check_hicache(cfg: EngineConfig) -> None:
                 f"--enable-hierarchical-cache does not work with {flag} yet "
                 "(docs/hicache.md lists what it serves); drop one of them"
             )
+
+
+def check_deterministic(cfg: EngineConfig) -> None:
+    """What --enable-deterministic-inference cannot make batch-invariant, refused in one line
+    each (docs/deterministic.md)."""
+    if not cfg.enable_deterministic_inference:
+        return
+    refused = {
+        f"--tp-size {cfg.tp_size}": (cfg.tp_size > 1, "an all-reduce's order depends on its size"),
+        f"--pp-size {cfg.pp_size}": (cfg.pp_size > 1, "not built for pipeline stages yet"),
+        f"--quantization {cfg.quantization}": (
+            cfg.quantization is not None,
+            "the quantized kernels choose their tiling by row count",
+        ),
+        "--enable-lora": (cfg.enable_lora, "the adapter kernels group rows by adapter"),
+        "--enable-torch-compile": (
+            cfg.enable_torch_compile,
+            "inductor generates different kernels per batch size",
+        ),
+    }
+    for flag, (on, why) in refused.items():
+        if on:
+            raise ConfigError(f"--enable-deterministic-inference does not run with {flag}: {why}")

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from radixserve.core import deterministic
 from radixserve.core.cache_setup import build_cache
 from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.core.distributed import Rendezvous
@@ -139,7 +140,10 @@ class EngineCore(EngineViews):
         """Raise InvalidRequest when ``req`` can never be served (core/validation.py); cut its
         output budget to what the KV pool holds beside its prompt."""
         usable = self.runner.allocator.size  # whole pages only
-        limits = ServingLimits(self.runner.model_config.vocab_size, self.max_context, usable)
+        limits = ServingLimits(
+            self.runner.model_config.vocab_size, self.max_context, usable,
+            deterministic.default_seed(self.config),
+        )  # fmt: skip
         check_request(
             req.input_ids, req.sampling, limits,
             pooling=req.pooling, label_token_ids=req.label_token_ids,

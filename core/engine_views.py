@@ -49,7 +49,8 @@ class EngineViews:
         weights = self.config.quantization or str(self.runner.dtype).removeprefix("torch.")
         kv = str(self.runner.kv_dtype).removeprefix("torch.")
         steps = "compiled decode" if self.config.enable_torch_compile else "eager decode"
-        return f"{weights} weights, {kv} KV, {steps}"
+        mode = ", deterministic" if self.config.enable_deterministic_inference else ""
+        return f"{weights} weights, {kv} KV, {steps}{mode}"
 
     def plugin_names(self) -> dict[str, str]:
         """Plugin kind -> the name of the plugin chosen for it."""

@@ -55,6 +55,16 @@ class KeepsWeightCopies(Protocol):
     def weights_reloaded(self) -> None: ...
 
 
+@runtime_checkable
+class BatchInvariant(Protocol):
+    """An attention backend or a model that can compute each row independently of what else
+    shares its step (--enable-deterministic-inference, core/deterministic.py): a row's result
+    then depends on its own inputs only, not on the batch's size, the prefix cache or the
+    prefill chunking. ``set_batch_invariant()`` switches it once, before the first step."""
+
+    def set_batch_invariant(self) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class StepCapabilities:
     """What the step executor offers (``KeepsHiddenLayers``, ``UniformRows``), read once."""

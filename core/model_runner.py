@@ -18,6 +18,7 @@ from radixserve.core import strategies
 from radixserve.core.batch import ForwardBatch, to_device
 from radixserve.core.checkpoint import check_checkpoint
 from radixserve.core.config import ConfigError, EngineConfig, ModelConfig, PlatformSettings
+from radixserve.core.deterministic import make_batch_invariant
 from radixserve.core.distributed import Ranks, Rendezvous, join
 from radixserve.core.grammar import GrammarMasker
 from radixserve.core.interfaces import (
@@ -166,6 +167,7 @@ class ModelRunner:
         self.attention: AttentionBackend = attn_factory(
             self.kv_pool, self.local_config, self.device
         )
+        make_batch_invariant(self.attention, f"the {name} attention backend", config)
         if self.kv_dtype != self.dtype and not self.attention.reads_other_kv_dtype:
             model_dtype = str(self.dtype).removeprefix("torch.")
             raise ConfigError(
@@ -187,6 +189,7 @@ class ModelRunner:
         # e.g. LoRA's wrapped projections, before the platform captures any graph
         self.lora_weights = strategies.prepare_model(self.model, config, self.device)
         self.platform.prepare_model(self.model, config)
+        make_batch_invariant(self.model, f"model plugin '{model_reg.name}'", config)
         # The platform decides how a step runs (eagerly here; e.g. CUDA graphs for decodes).
         self.step = self.ranks.step_executor(
             self.platform, self.model, self.attention, self.kv_pool, self.req_to_token, config

@@ -17,6 +17,8 @@ class ServingLimits(NamedTuple):
     vocab_size: int
     max_context: int  # tokens: prompt and output together
     kv_tokens: int  # token slots in the KV pool
+    #: the seed of requests that give none (--enable-deterministic-inference); None: unseeded
+    default_seed: int | None = None
 
 
 def check_request(
@@ -40,6 +42,8 @@ def check_request(
             f"this model's context length of {limits.max_context} tokens"
         )
     params.validate(vocab)
+    if params.seed is None and limits.default_seed is not None:
+        params.seed = limits.default_seed
     if pooling is not None and pooling not in POOLING_METHODS:
         raise InvalidRequest(f"pooling must be one of {POOLING_METHODS}, got {pooling!r}")
     if label_token_ids is not None and (

@@ -32,6 +32,7 @@ from radixserve.core.config import ModelConfig
 from radixserve.core.hookspecs import hookimpl
 from radixserve.core.interfaces import AttentionBackend
 from radixserve.core.memory import KVPool
+from radixserve.plugins.attention import fixed_split
 
 #: Keys (decodes x longest sequence) up to which a CPU decode attention runs on one thread.
 #: Measured on 2 AVX2 cores with SmolLM2's 3 KV heads of 64: at 1,000 keys one thread took
@@ -68,8 +69,23 @@ class TorchNativeAttention(AttentionBackend):
         self._decode_windowed: dict[int, torch.Tensor] = {}
         self._extends: list[_Extend] = []
         self._one_thread = _OneThread()  # small decode attentions run on one thread
+        #: --enable-deterministic-inference: the step's rows for fixed_split.attend
+        self._invariant = False
+        self._rows: fixed_split.RowTable | None = None
+
+    def set_batch_invariant(self) -> None:
+        """Every row (decode, extend, verify) through ``fixed_split.attend``: a fixed KV
+        split, so a row's result does not depend on its step (core/deterministic.py)."""
+        self._invariant = True
 
     def prepare(self, batch: ForwardBatch) -> None:
+        if self._invariant:
+            rows = batch.req_pool_indices.tolist()
+            self._rows = fixed_split.row_table(
+                list(zip(rows, batch.extend_lens, batch.seq_lens, strict=True)),
+                batch.req_to_token, self.device,
+            )  # fmt: skip
+            return
         nd = batch.num_decode
         rows = batch.req_pool_indices
         self._decode_slots = self._decode_mask = self._decode_lens = self._decode_run = None
@@ -152,6 +168,12 @@ class TorchNativeAttention(AttentionBackend):
         scale: float | None = None,
     ) -> torch.Tensor:
         scale = self.scale if scale is None else scale
+        if self._rows is not None:
+            self.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
+            k_buf, v_buf = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
+            return fixed_split.attend(
+                q, k_buf, v_buf, self._rows, scale, window=sliding_window, softcap=logit_softcap
+            ).flatten(1)
         nd = batch.num_decode
         if nd == batch.batch_size:  # decodes only: the KV store too is a small op
             with self._one_thread:

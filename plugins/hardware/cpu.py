@@ -25,8 +25,10 @@ class CpuPlatform(HardwarePlatform):
         return torch.float32
 
     def default_plugins(self) -> dict[str, str]:
+        # deterministic mode: torch_native's fixed-split attention (cpu_paged has none)
+        paged = _cpu_paged_reason() is None and not self._deterministic
         return {
-            "attention": "cpu_paged" if _cpu_paged_reason() is None else "torch_native",
+            "attention": "cpu_paged" if paged else "torch_native",
             "grammar": "xgrammar" if importlib.util.find_spec("xgrammar") else "none",
             "speculative": "none",
             "kv_transfer": "none",
@@ -65,6 +67,7 @@ class CpuPlatform(HardwarePlatform):
         # A GGUF model with no --dtype/--quantization: the fast mode (cpu_fast.py)
         from radixserve.plugins.hardware.cpu_fast import fast_mode
 
+        self._deterministic = config.enable_deterministic_inference
         return fast_mode(config, model_dir)
 
     def prepare_model(self, model: CausalLM, config: EngineConfig) -> None:
@@ -87,9 +90,16 @@ class CpuPlatform(HardwarePlatform):
         # A draft head's linears packed as the target's (cpu_linear.py): at one row MKL's
         # matrix-vector product is the slower one. SmolLM2's EAGLE-3 head is small (a 4,096-
         # token draft vocabulary): no gain showed through the noise of an A-B (BENCHMARKS).
-        from radixserve.plugins.hardware.cpu_linear import default_packing, pack_module_linears
+        from radixserve.plugins.hardware.cpu_linear import (
+            default_packing,
+            is_batch_invariant,
+            pack_module_linears,
+        )
 
         if config.enable_torch_compile or default_packing() is None:
+            return
+        # deterministic: rejection sampling reads the draft's probabilities
+        if config.enable_deterministic_inference and not is_batch_invariant(default_packing()):
             return
         logger.debug("packed %d linear layers of the draft head", pack_module_linears(head))
 
@@ -116,6 +126,7 @@ class CpuPlatform(HardwarePlatform):
         return self._compiled
 
     _compiled: Any = None  # the compiled step executor, when --enable-torch-compile
+    _deterministic = False  # --enable-deterministic-inference (resolve_config)
     _threads: int | None = None  # --cpu-threads
 
     def seed_everything(self, seed: int) -> None:

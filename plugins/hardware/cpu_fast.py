@@ -87,6 +87,7 @@ def fast_mode(config: EngineConfig, model_dir: str) -> EngineConfig:
         return config
     exact_env = os.environ.get(MODE_ENV, "fast") == "exact"
     chosen = config.dtype != "auto" or config.quantization is not None or config.tp_size != 1
+    chosen = chosen or config.enable_deterministic_inference  # its GGUF kernels are not
     if exact_env or chosen:
         logger.info(
             "CPU exact mode: weights as converted from %s (float32 unless --dtype), as %s "

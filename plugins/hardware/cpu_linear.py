@@ -45,6 +45,9 @@ class PanelPacking:
     """radixserve's AVX2 kernel over [panels, in_features, 16] copies, at every row count."""
 
     name = "radixserve AVX2 panels"
+    #: each output is one FMA chain over K in order, whatever the rows and threads
+    #: (f32_linear.cpp): --enable-deterministic-inference keeps these linears
+    batch_invariant = True
 
     def __init__(self) -> None:
         self._op = cpu_kernels.load().linear_f32_packed.default
@@ -164,7 +167,16 @@ def packed_linears_unavailable(model: nn.Module, config: EngineConfig) -> str | 
         return "only float32 weights are packed"
     if default_packing() is None:
         return "neither radixserve's AVX2 kernels nor oneDNN run here"
+    if config.enable_deterministic_inference and not is_batch_invariant(default_packing()):
+        return "deterministic inference: oneDNN tiles by row count (fixed row blocks instead)"
     return None
+
+
+def is_batch_invariant(module: object) -> bool:
+    """Whether ``module`` (a packing, a packed layer or head) gives a row the same result in
+    any batch (--enable-deterministic-inference keeps it; invariant_ops.py)."""
+    packing = getattr(module, "packing", module)
+    return bool(getattr(packing, "batch_invariant", False))
 
 
 def pack_module_linears(module: nn.Module) -> int:

@@ -519,6 +519,32 @@ class DecoderForCausalLM(nn.Module, CausalLM):
             return f"{prefix}down_proj.{kind}", None, None
         return name, None, None
 
+    def set_batch_invariant(self) -> None:
+        """--enable-deterministic-inference (core/deterministic.py): every linear and the LM
+        head in fixed row blocks (invariant_ops.py) unless its kernel is batch-invariant
+        already (the CPU's AVX2 panels), no one-row Triton GEMV (another kernel than the
+        blocks'). RMSNorm, RoPE and SiLU-mul are per-row already (eager, the CPU's
+        C++ kernels, the Triton ones: one program a row)."""
+        from radixserve.plugins.models.invariant_ops import (
+            BlockHead,
+            block_linears,
+            keeps_rows_apart,
+            row_block_for,
+        )
+
+        if any(type(layer).mlp is not DecoderLayer.mlp for layer in self.layers):
+            raise ConfigError(
+                "--enable-deterministic-inference does not run MoE models: their expert "
+                "kernels group the step's tokens by expert"
+            )
+        block = row_block_for(next(self.parameters()).device)
+        for layer in self.layers:
+            layer.gemv_cfg = None
+            block_linears(layer, block)
+        if self.computes_logits and (self.head is None or not keeps_rows_apart(self.head)):
+            weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+            self.head = BlockHead(weight.data, block)
+
     def attach_lora(self, config: Any, device: str) -> Any:
         """Wrap the projections for LoRA adapters (core/lora.py's AdapterWeights)."""
         from radixserve.plugins.models.lora_layers import attach_lora

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from radixserve.core.batch import ForwardBatch
-from radixserve.core.config import ModelConfig
+from radixserve.core.config import ConfigError, ModelConfig
 from radixserve.core.memory import KVPool
 from radixserve.plugins.attention.torch_native import TorchNativeAttention
 from radixserve.plugins.hardware import cpu_kernels
@@ -52,6 +52,15 @@ class CpuPagedAttention(TorchNativeAttention):
         self._lens: torch.Tensor | None = None  # [rows] int64: keys each row attends
         self._starts: dict[int, torch.Tensor] = {}  # sliding window -> first key attended
         self._rows_per_token = False  # this step's every new token is one kernel row
+
+    def set_batch_invariant(self) -> None:
+        """Refused (torch_native's would be inherited, and bypassed by this backend's kernels,
+        which take a step's rows as its shape allows)."""
+        raise ConfigError(
+            "--enable-deterministic-inference: the cpu_paged attention backend has no "
+            "batch-invariant mode; use --plugin attention=torch_native (the CPU's default "
+            "in this mode)"
+        )
 
     def prepare(self, batch: ForwardBatch) -> None:
         nd = batch.num_decode

@@ -76,6 +76,18 @@ class TritonAttention(AttentionBackend):
         self.decode_config = decode_config(os.environ.get("RADIXSERVE_TRITON_DECODE"))
         self.extend_config = extend_config(os.environ.get("RADIXSERVE_TRITON_EXTEND"))
         self._meta: StepMeta | None = None
+        self._invariant = False  # set_batch_invariant
+
+    def set_batch_invariant(self) -> None:
+        """--enable-deterministic-inference (core/deterministic.py): every row (decode,
+        verify, prefill) through the extend kernel, whose loop reads keys in blocks of
+        ``block_n`` positions from position 0 and merges them in order, one row's blocks the
+        same whatever else the launch holds; the unmasked pass off (its split point depends on
+        the query block). The split-K decode kernel is not used: its split count follows the
+        batch size. Decode, verify and prefill graphs still capture (a decode row is an extend
+        of one token)."""
+        self._invariant = True
+        self.extend_config = {**self.extend_config, "split_mask": False}
 
     def bind_table(self, pool: ReqToTokenPool) -> int:
         """Take the pool's device mirror (current as of now); return its padding row."""
@@ -127,6 +139,8 @@ class TritonAttention(AttentionBackend):
         self._meta = self._step_meta(0, meta, max_ext_len)
 
     def _step_meta(self, nd: int, dev: torch.Tensor, max_ext_len: int) -> StepMeta:
+        if self._invariant and nd:  # decode rows as extends of one token (set_batch_invariant)
+            nd, max_ext_len = 0, max(max_ext_len, 1)
         splits = num_decode_splits(nd, self.num_kv_heads, self.num_sms, self.decode_config)
         shape = (nd, self.num_heads, splits)
         counters = None
@@ -182,6 +196,7 @@ class TritonAttention(AttentionBackend):
             extend_attention(
                 q, k_buf, v_buf, out, table, meta.req_rows[nd:], meta.seq_lens[nd:],
                 meta.ext_lens[nd:], meta.q_starts[nd:], meta.max_ext_len, scale,
-                page_size=self.page_size, config=self.extend_config, **options,
+                page_size=self.page_size, config=self.extend_config,
+                split_mask=False if self._invariant else None, **options,
             )  # fmt: skip
         return out.flatten(1)

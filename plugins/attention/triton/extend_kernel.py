@@ -148,6 +148,7 @@ def extend_attention(
     sliding_window: int = 0,
     logit_softcap: float = 0.0,
     config: dict[str, int] | None = None,
+    split_mask: bool | None = None,
 ) -> None:
     """q, out: [T, H, D] (all new tokens of the step); request r's new tokens are rows
     ``q_starts[r] : q_starts[r] + ext_lens[r]``; req_rows, seq_lens, ext_lens, q_starts: [R]
@@ -155,7 +156,7 @@ def extend_attention(
     the table's positions [k * P, (k + 1) * P) must map to consecutive slots (one page).
     ``sliding_window`` W > 0: a token at position p sees keys p - W + 1 .. p only;
     ``logit_softcap`` c > 0: scores s -> c tanh(s / c). ``config``: GPU launch settings
-    (default GPU_CONFIG)."""
+    (default GPU_CONFIG); ``split_mask`` overrides its (and the CPU's) unmasked pass."""
     num_reqs = req_rows.shape[0]
     _, num_heads, head_dim = q.shape
     group = num_heads // k_buf.shape[1]
@@ -176,6 +177,7 @@ def extend_attention(
         BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size,
         UPCAST=on_cpu, PRECISION="ieee" if precise else "tf32",
         SLIDING=sliding_window > 0, SOFTCAP=logit_softcap > 0,
-        HEAVY_FIRST=bool(cfg["heavy_first"]), SPLIT_MASK=bool(cfg["split_mask"]),
+        HEAVY_FIRST=bool(cfg["heavy_first"]),
+        SPLIT_MASK=bool(cfg["split_mask"] if split_mask is None else split_mask),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip

@@ -1,0 +1,88 @@
+"""Batch-invariant linears for --enable-deterministic-inference (core/deterministic.py).
+
+A GEMM library picks its kernel, tiling and split of the reduction by the shape it is given,
+so one row's result can change with the number of rows beside it (MKL's matrix-vector product
+at one row against oneDNN's GEMM at 8, cuBLAS's split-K at small batches). Here every product
+runs on blocks of exactly ``row_block`` rows (the last block zero-padded): each call has the
+same shape whatever the step holds, so a row's result depends only on the row. Rows of a
+block never mix (a GEMM reduces along the features only) and every row of a block goes through
+the same inner kernel (``tests/plugins/test_deterministic.py`` checks both on this machine).
+
+Cost: a step of n rows pays ceil(n / row_block) calls of row_block rows; a one-row decode pays
+a ``row_block``-row product (measured in docs/benchmarks.md's deterministic section).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: rows per product on the CPU and on GPUs (a GPU's GEMM costs the same at 1 and 64 rows)
+CPU_ROW_BLOCK = 8
+GPU_ROW_BLOCK = 64
+
+
+def row_block_for(device: torch.device | str) -> int:
+    return CPU_ROW_BLOCK if torch.device(device).type == "cpu" else GPU_ROW_BLOCK
+
+
+def block_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_block: int
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` computed ``row_block`` rows at a time (x: [..., in])."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    n = x2.shape[0]
+    pad = -n % row_block
+    if pad:
+        x2 = F.pad(x2, (0, 0, 0, pad))
+    parts = [F.linear(x2[i : i + row_block], weight, bias) for i in range(0, n + pad, row_block)]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out[:n].view(*lead, weight.shape[0])
+
+
+class BlockLinear(nn.Linear):
+    """An ``nn.Linear`` (its class swapped in place: same parameters and state dict) whose
+    product runs in fixed row blocks."""
+
+    row_block: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return block_linear(x, self.weight, self.bias, self.row_block)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel layer's share before its all-reduce (one rank: the product)."""
+        return block_linear(x, self.weight, None, self.row_block)
+
+
+class BlockHead(nn.Module):
+    """The LM head (``model.head``) over ``weight`` in fixed row blocks."""
+
+    def __init__(self, weight: torch.Tensor, row_block: int) -> None:
+        super().__init__()
+        self.weight = weight
+        self.row_block = row_block
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return block_linear(h, self.weight, None, self.row_block)
+
+
+def keeps_rows_apart(module: nn.Module) -> bool:
+    """Whether ``module``'s kernel is batch-invariant already: it (or its ``packing``)
+    declares ``batch_invariant`` (the CPU's AVX2 panel linears, plugins/hardware/cpu_linear.py)."""
+    packing = getattr(module, "packing", module)
+    return isinstance(module, BlockLinear) or bool(getattr(packing, "batch_invariant", False))
+
+
+def block_linears(module: nn.Module, row_block: int) -> int:
+    """Swap ``module``'s ``nn.Linear`` layers (row-parallel ones of one rank included) for
+    ``BlockLinear`` in place, except those whose kernel is batch-invariant already. Returns
+    the layers swapped."""
+    swapped = 0
+    for child in module.modules():
+        if isinstance(child, nn.Linear) and not keeps_rows_apart(child):
+            child.__class__ = BlockLinear
+            child.row_block = row_block  # type: ignore[attr-defined]
+            swapped += 1
+    return swapped
