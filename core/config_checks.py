@@ -20,7 +20,7 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # the hardware platform runs them (quantize_model)
-QUANTIZATIONS = ("int8wo", "int4wo", "w8a8_int8", "gguf")
+QUANTIZATIONS = ("int8wo", "int4wo", "w8a8_int8", "gguf", "fp8")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 
