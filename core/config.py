@@ -51,9 +51,11 @@ class EngineConfig:
     )
     kv_cache_dtype: str = _opt(
         "auto",
-        "KV cache dtype: auto (the model's dtype), float32, bfloat16 or float16. A 16-bit cache "
-        "beside float32 weights halves the KV memory and the bytes decode attention reads "
-        "(the torch_native and cpu_paged attention backends)",
+        "KV cache dtype: auto (the model's dtype), float32, bfloat16, float16 or fp8_e4m3. A "
+        "16-bit cache beside float32 weights halves the KV memory and the bytes decode "
+        "attention reads (the torch_native and cpu_paged attention backends); fp8_e4m3 halves "
+        "a bfloat16 cache (triton and torch_native; a scale per layer: the checkpoint's "
+        "k_scale/v_scale, else 1.0)",
     )
     quantization: str | None = _opt(
         None,

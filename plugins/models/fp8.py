@@ -33,6 +33,7 @@ gives the model the dequantized weight (so an FP8 checkpoint also loads on any p
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -289,11 +290,12 @@ def block_fp8_matmul(
 @dataclass
 class Fp8Originals:
     """An FP8 checkpoint's codes and scales, by the model parameter each went into:
-    {parameter name: [(row offset, codes, scales)]}, and the KV cache's scales by layer."""
+    {parameter name: [(row offset, codes, scales)]}, and the KV cache's scales by checkpoint
+    layer: {layer: [k_scale, v_scale]}."""
 
     scheme: Fp8Scheme
     pieces: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
-    kv_scales: dict[int, float] = field(default_factory=dict)
+    kv_scales: dict[int, list[float]] = field(default_factory=dict)
 
 
 def dequantizing(
@@ -335,15 +337,37 @@ def dequantizing(
                 originals.pieces.setdefault(where[0], []).append((where[2] or 0, q, s))
     if codes:
         raise ValueError(f"FP8 weight '{next(iter(codes))}' has no weight_scale in the checkpoint")
+    set_kv_scales(model, originals.kv_scales)
 
 
 def _keep_kv_scale(originals: Fp8Originals, name: str, t: torch.Tensor) -> None:
-    import re
-
     m = re.search(r"layers\.(\d+)\.", name)
-    if m is not None:
-        layer = int(m.group(1))
-        originals.kv_scales[layer] = max(originals.kv_scales.get(layer, 0.0), float(t.max()))
+    if m is None:
+        return
+    scales = originals.kv_scales.setdefault(int(m.group(1)), [1.0, 1.0])
+    value = float(t.float().max())
+    if name.endswith(".k_scale"):
+        scales[0] = value
+    elif name.endswith(".v_scale"):
+        scales[1] = value
+    else:  # kv_scale: one for both
+        scales[:] = [value, value]
+
+
+def set_kv_scales(model: nn.Module, kv_scales: dict[int, list[float]]) -> None:
+    """Give the model's KV pool the checkpoint's scales (used by an FP8 cache,
+    --kv-cache-dtype fp8_e4m3), by this pipeline stage's layer indices."""
+    layers = getattr(model, "layers", None)
+    first = getattr(model, "first_layer", 0)
+    if not kv_scales or not layers:
+        return
+    pool = getattr(layers[0].attention, "kv_pool", None)
+    if pool is None or not hasattr(pool, "set_scales"):
+        return
+    for layer, (k_scale, v_scale) in kv_scales.items():
+        local = layer - first
+        if 0 <= local < len(layers):
+            pool.set_scales(layers[local].kv_layer, k_scale, v_scale)
 
 
 def _from_pieces(

@@ -191,7 +191,8 @@ def test_fp8_checkpoint_loads_and_keeps_its_codes(
     model = runner.model
     # loaded dequantized: the bf16 model holds q * s (bf16 weights: the CPU packs no linears)
     originals = model.fp8_originals
-    assert originals.kv_scales == {0: 0.5} or originals.kv_scales == {0: 2.0}
+    assert originals.kv_scales == {0: [0.5, 2.0]}
+    assert runner.kv_pool.k_scales[0] == 0.5 and runner.kv_pool.v_scales == [2.0, 1.0]
     (_, q0, s0) = min(originals.pieces["layers.0.qkv_proj.weight"], key=lambda p: p[0])
     block = (32, 32) if form == "block" else (128, 128)
     q_rows = q0.shape[0]
