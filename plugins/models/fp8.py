@@ -416,14 +416,16 @@ def quantize_model(model: nn.Module) -> int:
         for name, child in list(layer.named_modules()):
             if type(child) not in (nn.Linear, RowParallelLinear):
                 continue
+            parent_name, _, leaf = name.rpartition(".")
+            parent = layer.get_submodule(parent_name) if parent_name else layer
+            if hasattr(parent, "quantize_fp8"):  # a MoE block's router stays in 16 bits
+                continue
             full = names[id(child)]
             new = None
             if originals is not None and f"{full}.weight" in originals.pieces:
                 new = _from_pieces(child, originals.pieces[f"{full}.weight"], originals.scheme)
             if new is None:
                 new = Fp8Linear.from_linear(child)
-            parent_name, _, leaf = name.rpartition(".")
-            parent = layer.get_submodule(parent_name) if parent_name else layer
             setattr(parent, leaf, new)
             replaced += 1
         moe = getattr(layer, "moe", None)
