@@ -183,10 +183,33 @@ def reference_matmul(
     return xd @ dequantize(q, scale, block).t()
 
 
+def quantize_activations(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows`` (``group`` None: scales [rows]) or ``quantize_groups`` (scales
+    [rows, ceil(in / group)]) in one Triton launch where Triton runs (the torch ops are five
+    launches, which a batch-1 decode step would pay on every projection)."""
+    if not use_triton(x.device):
+        return quantize_rows(x) if group is None else quantize_groups(x, group)
+    from radixserve.plugins.models import fp8_kernels
+
+    rows, k = x.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    size = k if group is None else group
+    groups = -(-k // size)
+    q = torch.empty((rows, k), dtype=FP8, device=x.device)
+    s = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
+    if rows:
+        fp8_kernels.quantize_groups_kernel[(rows, groups)](
+            x, q, s, k, x.stride(0), q.stride(0), s.stride(0),
+            GROUP=size, BLOCK=min(1024, 1 << (size - 1).bit_length()),
+            EXACT=x.device.type == "cpu",
+        )  # fmt: skip
+    return q, (s.view(rows) if group is None else s)
+
+
 def scaled_mm(x: torch.Tensor, q: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
     """x [rows, in] (bf16) @ (q * row_scale[:, None]).T on the tensor cores: activations rounded
     per token, cuBLASLt's FP8 GEMM with row-wise scales on both sides, bfloat16 out."""
-    xq, xs = quantize_rows(x)
+    xq, xs = quantize_activations(x, None)
     return torch._scaled_mm(
         xq, q.t(), scale_a=xs[:, None], scale_b=row_scale[None, :], out_dtype=torch.bfloat16
     )
@@ -270,7 +293,7 @@ def block_fp8_matmul(
     its activation and weight scales. ``tiles``: (BLOCK_M, BLOCK_N), else chosen from M."""
     from radixserve.plugins.models import fp8_kernels
 
-    xq, xs = quantize_groups(x, block[1])
+    xq, xs = quantize_activations(x, block[1])
     m, k = xq.shape
     n = q.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)

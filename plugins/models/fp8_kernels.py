@@ -55,3 +55,47 @@ def block_fp8_gemm(
         b_ptrs += BLOCK_K
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _e4m3(y, EXACT: tl.constexpr):
+    """y (float32, within +-448) as FP8 e4m3 codes. EXACT (the interpreter): rounded to e4m3's
+    values first, since the interpreter's own cast mis-rounds where the rounding carries into
+    the exponent and below 2^-6 (as in plugins/attention/triton/store_kernel.py)."""
+    if EXACT:
+        bits = y.to(tl.int32, bitcast=True)  # normal range: 3 mantissa bits, ties to even
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+        t = tl.abs(y) * 512.0  # subnormals: multiples of 2^-9
+        r = tl.floor(t + 0.5)
+        r = tl.where((r - t == 0.5) & (r % 2 != 0), r - 1.0, r)
+        r = tl.where(y.to(tl.int32, bitcast=True) < 0, -r, r) / 512.0  # -0.0 too
+        y = tl.where(tl.abs(y) < 0.015625, r, bits.to(tl.float32, bitcast=True))
+    return y.to(tl.float8e4nv)
+
+
+@triton.jit
+def quantize_groups_kernel(
+    x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr, EXACT: tl.constexpr,
+):  # fmt: skip
+    """One program per row and group of GROUP inputs (GROUP = K: one scale per row): the
+    group's largest magnitude / 448 as its scale, the values divided by it as FP8 codes. Two
+    passes over the group (its max, then the codes) of BLOCK values each."""
+    row = tl.program_id(0)
+    g = tl.program_id(1)
+    start = g * GROUP
+    offs = tl.arange(0, BLOCK)
+    top = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, GROUP, BLOCK):
+        cols = start + k0 + offs
+        ok = (cols < K) & (k0 + offs < GROUP)
+        x = tl.load(x_ptr + row * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
+        top = tl.maximum(top, tl.abs(x))
+    scale = tl.maximum(tl.max(top, 0) / 448.0, 1e-12)
+    tl.store(s_ptr + row * stride_sm + g, scale)
+    for k0 in range(0, GROUP, BLOCK):
+        cols = start + k0 + offs
+        ok = (cols < K) & (k0 + offs < GROUP)
+        x = tl.load(x_ptr + row * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
+        y = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+        tl.store(q_ptr + row * stride_qm + cols, _e4m3(y, EXACT), mask=ok)

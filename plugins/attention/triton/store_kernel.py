@@ -49,7 +49,7 @@ def _narrowed(x, inv_scale, EXACT: tl.constexpr):
         t = tl.abs(y) * 512.0  # subnormals: multiples of 2^-9
         r = tl.floor(t + 0.5)
         r = tl.where((r - t == 0.5) & (r % 2 != 0), r - 1.0, r)
-        r = tl.where(y < 0, -r, r) / 512.0
+        r = tl.where(y.to(tl.int32, bitcast=True) < 0, -r, r) / 512.0  # -0.0 too
         y = tl.where(tl.abs(y) < 0.015625, r, bits.to(tl.float32, bitcast=True))
     return y
 

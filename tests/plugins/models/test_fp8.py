@@ -259,3 +259,16 @@ def test_checkpoint_schemes() -> None:
     ct["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 4
     with pytest.raises(ConfigError, match="float-quantized 8-bit"):
         fp8.checkpoint_scheme(ct)
+
+
+@pytest.mark.parametrize("group", [None, 128])
+def test_the_activation_kernel_rounds_as_torch_does(group: int | None) -> None:
+    """One launch per product (Triton) for the per-token or per-group activation scales: the
+    same codes and scales as the torch ops, ragged widths and zero rows included."""
+    torch.manual_seed(3)
+    x = torch.randn(5, 300, device=DEVICE) * torch.tensor([1.0, 1e-3, 30.0, 0.0, 1.0])[:, None]
+    x[4, :7] = 1e-4  # subnormal codes
+    q, s = fp8.quantize_activations(x, group)
+    want_q, want_s = fp8.quantize_rows(x) if group is None else fp8.quantize_groups(x, group)
+    torch.testing.assert_close(s, want_s, rtol=1e-6, atol=0)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
