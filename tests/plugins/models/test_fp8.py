@@ -272,3 +272,19 @@ def test_the_activation_kernel_rounds_as_torch_does(group: int | None) -> None:
     want_q, want_s = fp8.quantize_rows(x) if group is None else fp8.quantize_groups(x, group)
     torch.testing.assert_close(s, want_s, rtol=1e-6, atol=0)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+def test_the_cuda_platform_serves_an_fp8_checkpoint_as_fp8(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """Its config choice alone (no device needed): an FP8 checkpoint with no --quantization
+    runs as ``fp8``; a bf16 one is left alone; the CPU's methods stay refused on CUDA."""
+    from radixserve.plugins.hardware.cuda import CudaPlatform
+
+    platform = CudaPlatform.__new__(CudaPlatform)  # no device: __init__ would bind one
+    write_fp8_checkpoint(tiny_llama_dir, tmp_path / "fp8", "block")
+    chosen = platform.resolve_config(EngineConfig(), str(tmp_path / "fp8"))
+    assert chosen.quantization == ("fp8" if torch.version.hip is None else None)
+    assert platform.resolve_config(EngineConfig(), str(tiny_llama_dir)).quantization is None
+    with pytest.raises(ConfigError, match="--quantization int8wo is not supported on the cuda"):
+        platform.quantize_model(None, "int8wo")  # type: ignore[arg-type]
