@@ -17,7 +17,9 @@ Activations are quantized per step (dynamic): one scale per token for ``tensor``
 weights, one per token and 128 input features for ``block`` ones. The products:
 
 - per-row scales on CUDA: ``torch._scaled_mm`` (cuBLASLt's FP8 GEMM on the tensor cores) with
-  row-wise scales on both sides, bfloat16 out;
+  row-wise scales on both sides, bfloat16 out; a one-row step (batch-1 decode) instead reads
+  the codes with ``fp8_gemv``, a Triton matrix-vector product that widens them and leaves the
+  activations unrounded (RADIXSERVE_FP8_GEMV=0: the GEMM there too);
 - block scales: ``block_fp8_matmul`` below, a Triton kernel that multiplies 128-wide slices of
   FP8 codes on the tensor cores and applies both operands' scales to each slice's partial sum;
 - anywhere else (the CPU, which refuses ``--quantization fp8``, and tests): ``reference_matmul``,
@@ -245,6 +247,13 @@ class Fp8Linear(nn.Module):
         self.register_buffer("scale", scale.contiguous())
         self.bias = bias
         self.tp = tp
+        #: the one-row kernel's tiles (None: one-row steps take the general product); per-row
+        #: scales only, and off with RADIXSERVE_FP8_GEMV=0
+        self.gemv_tiles = None
+        if block is None and os.environ.get("RADIXSERVE_FP8_GEMV", "1") != "0":
+            from radixserve.plugins.models.fp8_kernels import gemv_tiles
+
+            self.gemv_tiles = gemv_tiles(self.out_features, self.in_features)
 
     @property
     def kind(self) -> str:
@@ -262,6 +271,8 @@ class Fp8Linear(nn.Module):
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         dev = rows.device
+        if rows.shape[0] == 1 and self.gemv_tiles is not None and use_triton(dev):
+            return fp8_gemv(rows, self.qweight, self.scale, self.gemv_tiles)
         if self.block is not None and use_triton(dev):
             return block_fp8_matmul(rows, self.qweight, self.scale, self.block, rows.dtype)
         if self.block is None and dev.type == "cuda":
@@ -275,6 +286,23 @@ class Fp8Linear(nn.Module):
         if self.tp is not None and self.tp.size > 1:
             out = self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias
+
+
+def fp8_gemv(
+    x: torch.Tensor, q: torch.Tensor, row_scale: torch.Tensor, tiles: tuple[int, int, int]
+) -> torch.Tensor:
+    """x [1, K] @ (q * row_scale[:, None]).T -> [1, N] in x's dtype: a batch-1 decode step's
+    product reads the FP8 codes once, with x unrounded (weight-only at one row)."""
+    from radixserve.plugins.models import fp8_kernels
+
+    n, k = q.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    bn, bk, warps = tiles
+    fp8_kernels.fp8_gemv_kernel[(n // bn,)](
+        x, q, row_scale, y, n, k, q.stride(0), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps
+    )
+    return y
 
 
 # ---- the block-scaled Triton kernel ----

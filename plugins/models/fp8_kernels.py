@@ -99,3 +99,35 @@ def quantize_groups_kernel(
         x = tl.load(x_ptr + row * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
         y = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
         tl.store(q_ptr + row * stride_qm + cols, _e4m3(y, EXACT), mask=ok)
+
+
+@triton.jit
+def fp8_gemv_kernel(
+    X, W, S, Y, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):  # fmt: skip
+    """Y[0, n] = scale[n] * sum_k W[n, k] * X[0, k]: one-row steps (batch-1 decode) read the FP8
+    codes and widen them, with X as it is (no activation rounding); the shape of
+    plugins/hardware/gemv.py's kernel, each program BLOCK_N rows in BLOCK_K-wide strips."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        cols = k + tl.arange(0, BLOCK_K)
+        x = tl.load(X + cols).to(tl.float32)
+        w = tl.load(W + rows[:, None].to(tl.int64) * stride_w + cols[None, :])
+        acc += w.to(tl.float32) * x[None, :]
+    out = tl.sum(acc, 1) * tl.load(S + rows)
+    tl.store(Y + rows, out.to(Y.dtype.element_ty))
+
+
+def gemv_tiles(n: int, k: int) -> tuple[int, int, int] | None:
+    """(BLOCK_N, BLOCK_K, warps) for an [n, k] FP8 weight, or None where no strip divides it.
+    Strips twice as wide as bf16's (plugins/hardware/gemv.py ``pick``): the same bytes a load.
+    Not tuned on a GPU yet."""
+    rows = 16 if n >= 8192 else 4
+    if n % rows:
+        return None
+    for bk in (2048, 1024, 512, 256, 128):
+        if k % bk == 0 and (rows == 4 or bk <= 512):
+            return rows, bk, 4
+    return None

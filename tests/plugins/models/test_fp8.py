@@ -288,3 +288,19 @@ def test_the_cuda_platform_serves_an_fp8_checkpoint_as_fp8(
     assert platform.resolve_config(EngineConfig(), str(tiny_llama_dir)).quantization is None
     with pytest.raises(ConfigError, match="--quantization int8wo is not supported on the cuda"):
         platform.quantize_model(None, "int8wo")  # type: ignore[arg-type]
+
+
+def test_one_row_steps_take_the_fp8_gemv() -> None:
+    """Batch-1 decode: the FP8 codes times the unrounded activations, scaled per row."""
+    torch.manual_seed(4)
+    w = torch.randn(64, 512, device=DEVICE) * 0.05
+    q, s = fp8.quantize_rows(w)
+    layer = fp8.Fp8Linear(q, s)
+    assert layer.gemv_tiles == (4, 512, 4)
+    x = torch.randn(1, 512, device=DEVICE)
+    weight_only = x @ fp8.dequantize(q, s).t()
+    torch.testing.assert_close(layer(x), weight_only, rtol=1e-4, atol=1e-4)
+    # two rows: activations rounded too (the GEMM's numerics)
+    two = layer(torch.cat([x, x]))
+    assert _rel(two[:1], weight_only) > 1e-3
+    assert fp8.Fp8Linear(q[:, :500].contiguous(), s).gemv_tiles is None  # no strip divides K
