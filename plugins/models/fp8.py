@@ -247,6 +247,8 @@ class Fp8Linear(nn.Module):
         self.register_buffer("scale", scale.contiguous())
         self.bias = bias
         self.tp = tp
+        #: cuBLASLt's FP8 GEMM takes widths in sixteens (others take the reference product)
+        self.fits_scaled_mm = self.in_features % 16 == 0 and self.out_features % 16 == 0
         #: the one-row kernel's tiles (None: one-row steps take the general product); per-row
         #: scales only, and off with RADIXSERVE_FP8_GEMV=0
         self.gemv_tiles = None
@@ -275,7 +277,7 @@ class Fp8Linear(nn.Module):
             return fp8_gemv(rows, self.qweight, self.scale, self.gemv_tiles)
         if self.block is not None and use_triton(dev):
             return block_fp8_matmul(rows, self.qweight, self.scale, self.block, rows.dtype)
-        if self.block is None and dev.type == "cuda":
+        if self.block is None and dev.type == "cuda" and self.fits_scaled_mm:
             return scaled_mm(rows.to(torch.bfloat16), self.qweight, self.scale).to(rows.dtype)
         return reference_matmul(rows, self.qweight, self.scale, self.block).to(rows.dtype)
 
