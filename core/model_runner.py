@@ -172,7 +172,8 @@ class ModelRunner:
             raise ConfigError(
                 f"--kv-cache-dtype {config.kv_cache_dtype}: the {name} attention "
                 f"backend reads KV only in the model's dtype ({model_dtype}); choose "
-                "--kv-cache-dtype auto, or the torch_native or cpu_paged backend"
+                "--kv-cache-dtype auto, or the torch_native or cpu_paged backend (fp8_e4m3: "
+                "the triton or torch_native backend)"
             )
 
     def _build_model(self, model_dir: Path, model_reg: Any, config: EngineConfig) -> None:
