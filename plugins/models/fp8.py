@@ -363,6 +363,12 @@ def dequantizing(
     ``target(name)``: the model's (parameter, expert, row offset) for a checkpoint name."""
     scheme = checkpoint_scheme(model.config.raw)
     assert scheme is not None
+    tp = getattr(model, "tp", None)
+    if tp is not None and tp.size > 1:
+        raise ConfigError(
+            "an FP8 checkpoint with tensor parallelism is not supported yet (its scales are not "
+            "sharded); run it with --tp-size 1, or a bf16 checkpoint with --quantization fp8"
+        )
     originals = Fp8Originals(scheme)
     setattr(model, "fp8_originals", originals)  # noqa: B010 - read by quantize_model
     codes: dict[str, torch.Tensor] = {}
