@@ -224,10 +224,10 @@ def use_triton(device: torch.device) -> bool:
 
 
 class Fp8Linear(nn.Module):
-    """A linear layer over FP8 weights (codes ``qweight`` [out, in] and float32 scales:
-    ``row_scale`` [out] for tensor/channel layouts, ``block_scale`` [out / 128, in / 128] for
-    block ones). Activations are quantized per step; the output is in the input's dtype.
-    Row-parallel layers (tensor parallelism) all-reduce their partial outputs as before."""
+    """A linear layer over FP8 weights (codes ``qweight`` [out, in] and float32 ``scale``: [out]
+    for tensor/channel layouts, [ceil(out / 128), ceil(in / 128)] for block ones). Activations
+    are quantized per step; the output is in the input's dtype. Row-parallel layers (tensor
+    parallelism) all-reduce their partial outputs as before."""
 
     def __init__(
         self,
@@ -253,8 +253,6 @@ class Fp8Linear(nn.Module):
         #: scales only, and off with RADIXSERVE_FP8_GEMV=0
         self.gemv_tiles = None
         if block is None and os.environ.get("RADIXSERVE_FP8_GEMV", "1") != "0":
-            from radixserve.plugins.models.fp8_kernels import gemv_tiles
-
             self.gemv_tiles = gemv_tiles(self.out_features, self.in_features)
 
     @property
@@ -288,6 +286,19 @@ class Fp8Linear(nn.Module):
         if self.tp is not None and self.tp.size > 1:
             out = self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias
+
+
+def gemv_tiles(n: int, k: int) -> tuple[int, int, int] | None:
+    """(BLOCK_N, BLOCK_K, warps) of ``fp8_gemv`` for an [n, k] weight, or None where no strip
+    divides it: plugins/hardware/gemv.py's choice (4 rows a program, 16 for tall matrices) in
+    strips twice as wide (the same bytes a load). Not tuned on a GPU yet."""
+    rows = 16 if n >= 8192 else 4
+    if n % rows:
+        return None
+    for bk in (2048, 1024, 512, 256, 128):
+        if k % bk == 0 and (rows == 4 or bk <= 512):
+            return rows, bk, 4
+    return None
 
 
 def fp8_gemv(

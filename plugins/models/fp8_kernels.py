@@ -118,16 +118,3 @@ def fp8_gemv_kernel(
         acc += w.to(tl.float32) * x[None, :]
     out = tl.sum(acc, 1) * tl.load(S + rows)
     tl.store(Y + rows, out.to(Y.dtype.element_ty))
-
-
-def gemv_tiles(n: int, k: int) -> tuple[int, int, int] | None:
-    """(BLOCK_N, BLOCK_K, warps) for an [n, k] FP8 weight, or None where no strip divides it.
-    Strips twice as wide as bf16's (plugins/hardware/gemv.py ``pick``): the same bytes a load.
-    Not tuned on a GPU yet."""
-    rows = 16 if n >= 8192 else 4
-    if n % rows:
-        return None
-    for bk in (2048, 1024, 512, 256, 128):
-        if k % bk == 0 and (rows == 4 or bk <= 512):
-            return rows, bk, 4
-    return None
