@@ -77,6 +77,8 @@ def add_tuning_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--max-running", type=int, default=256)
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
+    p.add_argument("--quantization", default=None, help="e.g. fp8 (FP8 weights, CUDA)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="e.g. fp8_e4m3")
 
 
 def workloads(small: bool) -> dict[str, tuple[int, int, int]]:
@@ -220,7 +222,19 @@ def tuned_engine(
         disable_overlap_schedule=args.disable_overlap_schedule, page_size=args.page_size,
         enable_deterministic_inference=getattr(args, "deterministic", "off") == "on",
         **({"dtype": args.dtype} if getattr(args, "dtype", None) else {}),
+        quantization=getattr(args, "quantization", None),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
     )  # fmt: skip
+
+
+def fp8_read_bytes(c: dict[str, Any], bf16_bytes: int) -> int:
+    """A batch-1 decode step's weight bytes with --quantization fp8: the decoder layers'
+    projections at one byte a weight; the embedding, norms and LM head stay bfloat16."""
+    h, layers = c["hidden_size"], c["num_hidden_layers"]
+    head_dim = c.get("head_dim") or h // c["num_attention_heads"]
+    q_dim, kv_dim = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
+    layer_params = 2 * h * q_dim + 2 * h * kv_dim + 3 * h * c["intermediate_size"]
+    return bf16_bytes - layers * layer_params  # two bytes each -> one
 
 
 def defaults_engine(model_dir: Path) -> Any:
@@ -475,6 +489,9 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
     w = workloads(args.small)
     if r.get("copy_GBps") and r.get("weight_bytes"):
         r["roofline_b1_tok_s"] = r["copy_GBps"] * 1e9 / r["weight_bytes"]
+        if getattr(args, "quantization", None) == "fp8":
+            fp8_bytes = fp8_read_bytes(SHAPES[args.shape], r["weight_bytes"])
+            r["roofline_fp8_b1_tok_s"] = r["copy_GBps"] * 1e9 / fp8_bytes
         for key in ("tput", "big"):
             running = min(args.max_running, w[key][0])
             r[f"bound_{key}_tok_s"] = workload_bound_tok_s(
@@ -486,6 +503,8 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
         ["roofline b1 tok/s (weights / copy bw)", r.get("roofline_b1_tok_s"), None, None],
         [f"ours b1 {w['b1'][1]}/{w['b1'][2]} tok/s", r.get("b1_tok_s"),
          ratio("b1_tok_s", "roofline_b1_tok_s"), ">= 0.75 of roofline"],
+        ["FP8 roofline b1 tok/s (fp8 weights / copy bw)", r.get("roofline_fp8_b1_tok_s"),
+         ratio("b1_tok_s", "roofline_fp8_b1_tok_s"), "ours / FP8 roofline"],
         ["ours b1 median decode step ms", r.get("b1_step_ms_median"), None, None],
         ["ours b1 graph replay ms (GPU only)", r.get("b1_graph_replay_ms"), None, None],
         ["ours b1 without CUDA graphs tok/s", r.get("b1_eager_tok_s"),

@@ -123,7 +123,11 @@ def decode_bytes(c: dict[str, Any]) -> dict[str, int]:
     head = 0 if c["tie_word_embeddings"] else h * vocab
     total = layers * (attention + total_mlp) + h * vocab + head + h
     active = layers * (attention + active_mlp) + h * vocab + h  # the LM head, tied or not
-    return {"weight_bytes": 2 * total, "decode_read_bytes": 2 * active}
+    # --quantization fp8: projections and experts at one byte (router, norms, head at two)
+    router = c["num_experts"] * h if is_moe(c) else 0
+    linear = layers * (2 * h * q + 2 * h * kv + active_mlp - router)
+    return {"weight_bytes": 2 * total, "decode_read_bytes": 2 * active,
+            "decode_read_bytes_fp8": 2 * active - linear}  # fmt: skip
 
 
 def write_model_dir(out: Path, c: dict[str, Any]) -> None:
@@ -303,6 +307,8 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
         runs = workloads(c, args.small)
         if copy and r.get("decode_read_bytes"):
             r["roofline_b1_tok_s"] = copy * 1e9 / r["decode_read_bytes"]
+            if args.quantization == "fp8":
+                r["roofline_fp8_b1_tok_s"] = copy * 1e9 / r["decode_read_bytes_fp8"]
         if copy and tflops and "big" in runs:
             running = min(args.max_running, runs["big"][0])
             r["bound_big_tok_s"] = workload_bound_tok_s(c, runs["big"], running, copy, tflops)
@@ -318,6 +324,8 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
             [f"{name}: ours b1 {i}/{o} tok/s", r.get("b1_tok_s"),
              ratio("b1_tok_s", "roofline_b1_tok_s"), "/ roofline"],
             [f"{name}: ours b1 median decode step ms", r.get("b1_step_ms_median"), None, None],
+            [f"{name}: FP8 roofline b1 tok/s", r.get("roofline_fp8_b1_tok_s"),
+             ratio("b1_tok_s", "roofline_fp8_b1_tok_s"), "/ FP8 roofline"],
         ]  # fmt: skip
         if "big" in runs:
             n, i, o = runs["big"]

@@ -51,9 +51,11 @@ class EngineConfig:
     )
     kv_cache_dtype: str = _opt(
         "auto",
-        "KV cache dtype: auto (the model's dtype), float32, bfloat16 or float16. A 16-bit cache "
-        "beside float32 weights halves the KV memory and the bytes decode attention reads "
-        "(the torch_native and cpu_paged attention backends)",
+        "KV cache dtype: auto (the model's dtype), float32, bfloat16, float16 or fp8_e4m3. A "
+        "16-bit cache beside float32 weights halves the KV memory and the bytes decode "
+        "attention reads (the torch_native and cpu_paged attention backends); fp8_e4m3 halves "
+        "a bfloat16 cache (triton and torch_native; a scale per layer: the checkpoint's "
+        "k_scale/v_scale, else 1.0)",
     )
     quantization: str | None = _opt(
         None,
@@ -61,8 +63,11 @@ class EngineConfig:
         "(4-bit groups of 32 with scale and zero, the layout of GGUF Q4_1), both weight-only "
         "with bfloat16 activations; or w8a8_int8 (int8 weights and int8 activations "
         "quantized per step, on fbgemm); or gguf (GGUF's Q4_1 blocks, multiplied as llama.cpp "
-        "does: activations in 8-bit blocks of 32; radixserve's CPU kernels). Default: none "
-        "(the weights as loaded), except gguf in the CPU fast mode (see --dtype)",
+        "does: activations in 8-bit blocks of 32; radixserve's CPU kernels); those four on the "
+        "CPU. On CUDA: fp8 (FP8 e4m3 weights, the checkpoint's own for an FP8 checkpoint, else "
+        "a scale per row; activations scaled per token; docs/quantization.md). Default: none "
+        "(the weights as loaded), except gguf in the CPU fast mode (see --dtype) and fp8 for "
+        "an FP8 checkpoint on CUDA",
     )
     context_length: int | None = _opt(None, "Maximum tokens per request (prompt + output)")
     max_running_requests: int | None = _opt(

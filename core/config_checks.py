@@ -19,8 +19,10 @@ PAGE_SIZES = tuple(1 << i for i in range(9))  # 1 .. 256
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: the KV cache's: the model's dtypes, or FP8 e4m3 with a scale per layer (triton, torch_native)
+KV_DTYPES = (*DTYPES, "fp8_e4m3")
 # the hardware platform runs them (quantize_model)
-QUANTIZATIONS = ("int8wo", "int4wo", "w8a8_int8", "gguf")
+QUANTIZATIONS = ("int8wo", "int4wo", "w8a8_int8", "gguf", "fp8")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 
@@ -95,9 +97,9 @@ def check_choices(cfg: EngineConfig) -> None:
         )
     if cfg.dtype not in DTYPES:
         raise ConfigError(f"unknown dtype '{cfg.dtype}'; choose one of {', '.join(DTYPES)}")
-    if cfg.kv_cache_dtype not in DTYPES:
+    if cfg.kv_cache_dtype not in KV_DTYPES:
         raise ConfigError(
-            f"unknown kv_cache_dtype '{cfg.kv_cache_dtype}'; choose one of {', '.join(DTYPES)}"
+            f"unknown kv_cache_dtype '{cfg.kv_cache_dtype}'; choose one of {', '.join(KV_DTYPES)}"
         )
     if cfg.quantization is not None and cfg.quantization not in QUANTIZATIONS:
         raise ConfigError(

@@ -269,6 +269,11 @@ class KVPool:
         shape = (size + 1, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        #: an FP8 cache's scales per layer (K ~= stored * k_scale): stores divide by them,
+        #: reads multiply; 1.0 unless the checkpoint gives k_scale/v_scale (set_scales)
+        self.k_scales = [1.0] * num_layers
+        self.v_scales = [1.0] * num_layers
+        self.saturate = dtype.itemsize == 1  # FP8: stores clamp to the format's range
 
     @staticmethod
     def bytes_per_token(
@@ -276,10 +281,27 @@ class KVPool:
     ) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
+    def set_scales(self, layer_id: int, k_scale: float, v_scale: float) -> None:
+        self.k_scales[layer_id], self.v_scales[layer_id] = float(k_scale), float(v_scale)
+
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         k_buf, v_buf = self.k[layer_id], self.v[layer_id]
+        if self.saturate:  # FP8: copied as bytes (torch's CPU index_copy_ takes no FP8)
+            k, v = self._narrowed(layer_id, k, v)
+            k, v = k.to(k_buf.dtype).view(torch.uint8), v.to(v_buf.dtype).view(torch.uint8)
+            k_buf, v_buf = k_buf.view(torch.uint8), v_buf.view(torch.uint8)
         k_buf.index_copy_(0, slots, k.to(k_buf.dtype))  # .to: no copy when the dtypes agree
         v_buf.index_copy_(0, slots, v.to(v_buf.dtype))
+
+    def _narrowed(
+        self, layer_id: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V divided by the layer's scales and clamped to the FP8 range (a cast alone
+        would make NaN of what overflows)."""
+        top = torch.finfo(self.k[layer_id].dtype).max
+        k = (k.float() * (1.0 / self.k_scales[layer_id])).clamp_(-top, top)
+        v = (v.float() * (1.0 / self.v_scales[layer_id])).clamp_(-top, top)
+        return k, v
 
 
 def _same_device(have: torch.device, want: torch.device) -> bool:

@@ -47,6 +47,7 @@ from radixserve.core.weights import (
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_DTYPES = {**_DTYPES, "fp8_e4m3": torch.float8_e4m3fn}
 # A default max_running_requests is lowered to what the KV pool holds at this many tokens each.
 _MIN_TOKENS_PER_RUNNING_REQUEST = 128
 
@@ -106,7 +107,7 @@ class ModelRunner:
             self.platform.default_dtype() if config.dtype == "auto" else _DTYPES[config.dtype]
         )
         self.kv_dtype = (
-            self.dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
+            self.dtype if config.kv_cache_dtype == "auto" else _KV_DTYPES[config.kv_cache_dtype]
         )
         # Each rank holds its heads' share of the weights and of the KV pool.
         self.local_config = self.ranks.local_config(mc)
@@ -173,7 +174,8 @@ class ModelRunner:
             raise ConfigError(
                 f"--kv-cache-dtype {config.kv_cache_dtype}: the {name} attention "
                 f"backend reads KV only in the model's dtype ({model_dtype}); choose "
-                "--kv-cache-dtype auto, or the torch_native or cpu_paged backend"
+                "--kv-cache-dtype auto, or the torch_native or cpu_paged backend (fp8_e4m3: "
+                "the triton or torch_native backend)"
             )
 
     def _build_model(self, model_dir: Path, model_reg: Any, config: EngineConfig) -> None:

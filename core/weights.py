@@ -16,11 +16,18 @@ __all__ = ["count_parameters", "iter_weights", "reload_in_place", "safetensors_f
 
 
 def iter_weights(model_dir: str | Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every tensor, converted to ``dtype``, one at a time."""
+    """Yield (name, tensor) for every tensor, converted to ``dtype``, one at a time. FP8
+    tensors and quantization scales (``*_scale``, ``*_scale_inv``) pass as stored: the model
+    dequantizes or keeps them (plugins/models/fp8.py)."""
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                yield name, f.get_tensor(name).to(dtype)
+                t = f.get_tensor(name)
+                keep = t.dtype in _FP8 or name.endswith(("_scale", "_scale_inv"))
+                yield name, t if keep else t.to(dtype)
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def count_parameters(model_dir: str | Path) -> int:

@@ -8,6 +8,7 @@
 #   sh tools/gpu_session.sh tp              # on nvidia-h200-x2: bench/tp.py
 #   sh tools/gpu_session.sh "py bench/offline.py --help"   # any bench script
 #   sh tools/gpu_session.sh moe-tests models  # issue 20: fused MoE tests, bench/models.py
+#   sh tools/gpu_session.sh fp8-tests         # FP8 weights, FP8 KV, FP8 experts (fp8-tests.log)
 #   sh tools/gpu_session.sh "spec --batches 1 8 --accept 3.5 2.5" spec-tests spec-profile
 #   sh tools/gpu_session.sh stash .gp/part00      # then at once, in the next call (issue 15):
 #   sh tools/gpu_session.sh stash .gp/part01 join SHA256 spec-equiv "spec-model --algorithm EAGLE3"
@@ -73,6 +74,12 @@ while [ $# -gt 0 ]; do
     if [ "$job" = moe-tests ]; then  # the fused MoE kernels compiled, at Qwen3-30B-A3B's shapes
         python3 -m pytest -q -p no:cacheprovider tests/plugins/models/test_fused_moe.py \
             2>&1 | tee "$OUT/moe-tests.log" | tail -15
+        continue
+    fi
+    if [ "$job" = fp8-tests ]; then  # FP8 weights, KV and experts compiled, at real shapes
+        python3 -m pytest -q -p no:cacheprovider tests/plugins/models/test_fp8.py \
+            tests/plugins/attention/test_fp8_kv.py tests/plugins/models/test_fused_moe_decode.py \
+            tests/plugins/models/test_fused_moe.py 2>&1 | tee "$OUT/fp8-tests.log" | tail -20
         continue
     fi
     if [ "${job%% *}" = models ]; then  # "models [flags]": bench/models.py (issue 20's shapes)

@@ -12,6 +12,13 @@ float32``), float32 transformers and llama.cpp on the same GGUF file (issue 58).
 llama.cpp runs in its own venv (``peers/llama``, see bench/cpu_peers.py) as a child process.
 
     .venv/bin/python bench/experiments/cpu_quality.py --json-out bench/results/cpu-quality.json
+
+``--gpu-fp8`` (a CUDA machine): the same measures for FP8 on the GPU, each against bfloat16
+(the default model converted to an HF directory, or ``--model-dir``): ``--quantization fp8``,
+``--kv-cache-dtype fp8_e4m3``, and both; the issue's run is 64 prompts x 64 tokens:
+
+    python bench/experiments/cpu_quality.py --gpu-fp8 --prompts 64 --new-tokens 64 \
+        --json-out $OUT/fp8-quality.json
 """
 
 from __future__ import annotations
@@ -38,6 +45,14 @@ PROMPTS = [
     "Give me a short poem about the sea.",
     "What does a compiler do?",
 ]
+#: what turns the 8 prompts into more (``--prompts`` up to 64)
+VARIANTS = ["", " Answer briefly.", " Explain it to a child.", " Be precise.", " Use a list.",
+            " Start with a summary.", " Give an example.", " Answer in detail."]  # fmt: skip
+
+
+def prompt_texts(n: int) -> list[str]:
+    """n prompts: each of PROMPTS with each of VARIANTS in turn (64 at most)."""
+    return [PROMPTS[i % len(PROMPTS)] + VARIANTS[i // len(PROMPTS)] for i in range(n)]
 
 
 def parse_args() -> argparse.Namespace:
@@ -48,6 +63,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--llama-python", default=str(ROOT / "peers/llama/bin/python"))
     p.add_argument("--json-out", default=None)
+    p.add_argument("--gpu-fp8", action="store_true", help="FP8 against bfloat16 on a CUDA GPU")
+    p.add_argument("--model-dir", default=None, help="--gpu-fp8: an HF model directory")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -74,6 +91,32 @@ def run_ours(spec: dict[str, Any], exact: bool) -> dict[str, Any]:
         )
     logprobs = [e[0] for o in scored for e in o["meta_info"]["input_token_logprobs"][1:]]
     return {"greedy": [o["output_ids"] for o in outs], **_nll(logprobs)}
+
+
+def run_gpu(spec: dict[str, Any], settings: dict[str, str]) -> dict[str, Any]:
+    """Ours on the GPU from the HF directory, bfloat16 with ``settings`` (FP8 ones)."""
+    from radixserve import Engine
+
+    greedy = {"temperature": 0.0, "max_new_tokens": spec["new_tokens"], "ignore_eos": True}
+    with Engine(model_path=spec["hf_dir"], plugins=["hardware=cuda"], dtype="bfloat16",
+                **settings) as engine:  # fmt: skip
+        outs = engine.generate(input_ids=spec["prompts"], sampling_params=greedy)
+        scored = engine.generate(
+            input_ids=spec["windows"],
+            sampling_params={"temperature": 0.0, "max_new_tokens": 1},
+            return_logprob=True,
+            logprob_start_len=0,
+        )
+    logprobs = [e[0] for o in scored for e in o["meta_info"]["input_token_logprobs"][1:]]
+    return {"greedy": [o["output_ids"] for o in outs], **_nll(logprobs)}
+
+
+GPU_RUNS = {
+    "bf16": {},
+    "fp8 weights": {"quantization": "fp8"},
+    "fp8 KV": {"kv_cache_dtype": "fp8_e4m3"},
+    "fp8 weights + fp8 KV": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
+}
 
 
 def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
@@ -130,16 +173,19 @@ def make_spec(args: argparse.Namespace) -> dict[str, Any]:
         default_model_gguf_path,
     )
 
-    gguf = default_model_gguf_path()
-    hf_dir = convert_gguf_to_hf_dir(gguf, progress=True)
+    if args.model_dir:
+        gguf, hf_dir = "", Path(args.model_dir)
+    else:
+        gguf = str(default_model_gguf_path())
+        hf_dir = convert_gguf_to_hf_dir(gguf, progress=True)
     tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
     template = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
-    prompts = [tok.encode(template.format(p)).ids for p in PROMPTS[: args.prompts]]
+    prompts = [tok.encode(template.format(p)).ids for p in prompt_texts(args.prompts)]
     text = "\n\n".join(p.read_text() for p in [ROOT / "README.md", *sorted(ROOT.glob("docs/*.md"))])
     ids = tok.encode(text).ids
     windows = [ids[i : i + args.window] for i in range(0, len(ids), args.window)]
     windows = [w for w in windows if len(w) == args.window][: args.chunks]
-    return {"gguf": str(gguf), "hf_dir": str(hf_dir), "prompts": prompts, "windows": windows,
+    return {"gguf": gguf, "hf_dir": str(hf_dir), "prompts": prompts, "windows": windows,
             "new_tokens": args.new_tokens, "window": args.window}  # fmt: skip
 
 
@@ -165,6 +211,11 @@ def main() -> None:
         return
     spec = make_spec(args)
     results: dict[str, Any] = {}
+    if args.gpu_fp8:
+        for name, settings in GPU_RUNS.items():
+            results[name] = run_gpu(spec, settings)
+        report(results, spec, args)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps(spec))
@@ -189,6 +240,10 @@ def main() -> None:
                 results[name] = json.loads(out.read_text())
     results["ours-exact (--dtype float32)"] = run_ours(spec, exact=True)
     results["ours-default (fast mode)"] = run_ours(spec, exact=False)
+    report(results, spec, args)
+
+
+def report(results: dict[str, Any], spec: dict[str, Any], args: argparse.Namespace) -> None:
     tokens = next(iter(results.values()))["tokens"]
     print(
         f"\nperplexity on {tokens} tokens of the repository's docs "

@@ -55,6 +55,7 @@ class TorchNativeAttention(AttentionBackend):
 
     def __init__(self, kv_pool: KVPool, model_config: ModelConfig, device: str) -> None:
         self.kv_pool = kv_pool
+        self._fp8_kv = getattr(kv_pool, "saturate", False)  # reads multiply by its scales
         self.scale = model_config.head_dim**-0.5
         self.device = device
         self.num_kv_heads = model_config.num_kv_heads
@@ -190,6 +191,8 @@ class TorchNativeAttention(AttentionBackend):
             # [kvh, L, d], widened to the queries' dtype where the cache is kept narrower
             ke = _gather(k_buf, ext.kv_slots).transpose(0, 1).to(qe.dtype)
             ve = _gather(v_buf, ext.kv_slots).transpose(0, 1).to(qe.dtype)
+            if self._fp8_kv:  # an FP8 cache: its values times the layer's scales
+                ke, ve = self._scaled(layer_id, ke, ve)
             if logit_softcap:
                 kvh, n, d = ke.shape[0], qe.shape[1], qe.shape[2]
                 oe = _softcapped_attention(
@@ -215,6 +218,14 @@ class TorchNativeAttention(AttentionBackend):
             out[ext.start : ext.end] = oe.transpose(0, 1)
         return out.flatten(1)
 
+    def _scaled(
+        self, layer_id: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """An FP8 cache's widened K and V times the layer's scales (--kv-cache-dtype
+        fp8_e4m3); the reference the Triton kernels are tested against."""
+        ks, vs = self.kv_pool.k_scales[layer_id], self.kv_pool.v_scales[layer_id]
+        return (k if ks == 1.0 else k * ks), (v if vs == 1.0 else v * vs)
+
     def _decodes(
         self, q: torch.Tensor, layer_id: int, sliding_window: int, logit_softcap: float,
         scale: float,
@@ -231,6 +242,8 @@ class TorchNativeAttention(AttentionBackend):
             kd = _gather(k_buf, self._decode_slots).view(nd, -1, kvh, d).transpose(1, 2)
             vd = _gather(v_buf, self._decode_slots).view(nd, -1, kvh, d).transpose(1, 2)
         kd, vd = kd.to(q.dtype), vd.to(q.dtype)  # a cache kept narrower than the queries
+        if self._fp8_kv:
+            kd, vd = self._scaled(layer_id, kd, vd)
         # [B, H, d] -> [B, kvh, group, d]: HF's GQA maps query head h to KV head h // group
         qd = q.view(nd, kvh, self.group, d)
         mask = self._decode_mask_for(sliding_window) if sliding_window else self._decode_mask
@@ -261,7 +274,11 @@ class _OneThread:
 
 def _gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """buf[slots] for a [slots, heads, d] buffer: rows of a 2-D view, which index_select
-    copies several times faster than the 3-D buffer's (measured on CPU)."""
+    copies several times faster than the 3-D buffer's (measured on CPU). An FP8 buffer's
+    rows go as bytes (torch's CPU index_select takes no FP8)."""
+    if buf.dtype.itemsize == 1 and buf.is_floating_point():
+        rows = buf.view(torch.uint8).view(buf.shape[0], -1).index_select(0, slots)
+        return rows.view(buf.dtype).view(-1, *buf.shape[1:])
     return buf.view(buf.shape[0], -1).index_select(0, slots).view(-1, *buf.shape[1:])
 
 

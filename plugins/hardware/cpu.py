@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from radixserve.core.config import EngineConfig, ModelConfig
+from radixserve.core.config import ConfigError, EngineConfig, ModelConfig
 from radixserve.core.hookspecs import hookimpl
 from radixserve.core.interfaces import CausalLM, HardwarePlatform
 
@@ -68,6 +68,7 @@ class CpuPlatform(HardwarePlatform):
         from radixserve.plugins.hardware.cpu_fast import fast_mode
 
         self._deterministic = config.enable_deterministic_inference
+        refuse_fp8(self.name, config.quantization)
         return fast_mode(config, model_dir)
 
     def prepare_model(self, model: CausalLM, config: EngineConfig) -> None:
@@ -106,6 +107,8 @@ class CpuPlatform(HardwarePlatform):
     def quantize_model(self, model: CausalLM, method: str) -> None:
         # torch's own CPU weight-only kernels (int8 per row, int4 in groups of 32)
         from radixserve.plugins.models.quant import quantize_model
+
+        refuse_fp8(self.name, method)
 
         quantize_model(model, method)  # type: ignore[arg-type]
 
@@ -154,6 +157,16 @@ class CpuPlatform(HardwarePlatform):
                     # inductor's C++ kernels keep the thread count they were generated with
                     # (2 threads run on 1 were 10% slower than eager): compile them again
                     self._compiled.recompile()
+
+
+def refuse_fp8(platform: str, method: str | None) -> None:
+    """The CPU has no FP8 kernels: say so before anything is loaded (an FP8 checkpoint still
+    loads without --quantization, dequantized to the model's dtype)."""
+    if method == "fp8":
+        raise ConfigError(
+            f"--quantization fp8 is not supported on the {platform} platform (FP8 runs on CUDA); "
+            "on the CPU choose int8wo, int4wo, w8a8_int8 or gguf"
+        )
 
 
 def _cpu_paged_reason() -> str | None:

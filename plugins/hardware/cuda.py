@@ -185,6 +185,38 @@ class CudaPlatform(HardwarePlatform):
             clear_workspaces()
         torch.cuda.empty_cache()  # freed blocks stay reserved (not free) until this
 
+    def resolve_config(self, config: Any, model_dir: str) -> Any:
+        """An FP8 checkpoint with no --quantization runs as stored (``fp8``): its codes on the
+        tensor cores, not dequantized to bfloat16."""
+        import dataclasses
+
+        from radixserve.core.model_config import ModelConfig as _Config
+        from radixserve.plugins.models.fp8 import checkpoint_scheme
+
+        if config.quantization is None and not torch.version.hip:
+            raw = _Config.from_dir(model_dir).raw
+            if checkpoint_scheme(raw) is not None:
+                logger.info("an FP8 checkpoint: --quantization fp8")
+                return dataclasses.replace(config, quantization="fp8")
+        return config
+
+    def quantize_model(self, model: Any, method: str) -> None:
+        """``fp8``: FP8 weights on the tensor cores (plugins/models/fp8.py), on NVIDIA GPUs
+        of compute capability 8.9 or more (Ada, Hopper, Blackwell); every other method is
+        the CPU's (refused here)."""
+        if method != "fp8" or torch.version.hip:
+            super().quantize_model(model, method)
+            return
+        major, minor = torch.cuda.get_device_capability(self.device)
+        if (major, minor) < (8, 9):
+            raise ConfigError(
+                f"--quantization fp8 needs FP8 tensor cores (compute capability 8.9 or more); "
+                f"{torch.cuda.get_device_name(self.device)} has {major}.{minor}"
+            )
+        from radixserve.plugins.models.fp8 import quantize_model
+
+        logger.info("fp8: %d linear layers", quantize_model(model))
+
     def prepare_draft_head(self, head: torch.nn.Module, config: Any) -> None:
         """A head that says its norms and RoPE see token-major tensors
         (``supports_fused_ops``: the EAGLE heads) runs them on the target's Triton kernels:

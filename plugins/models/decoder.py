@@ -583,6 +583,12 @@ class DecoderForCausalLM(nn.Module, CausalLM):
         return self.norm.add_forward(h[rows], residual[rows])[0]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        from radixserve.plugins.models import fp8
+
+        if fp8.checkpoint_scheme(self.config.raw) is not None:  # FP8 codes and their scales
+            weights = fp8.dequantizing(
+                self, weights, next(self.parameters()).dtype, self._checkpoint_target
+            )
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}  # parameter -> elements written
         seen: set[Target] = set()
@@ -612,6 +618,10 @@ class DecoderForCausalLM(nn.Module, CausalLM):
         missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
         if missing:
             raise ValueError(f"checkpoint lacks weights: {', '.join(sorted(missing)[:5])} ...")
+
+    def _checkpoint_target(self, hf_name: str) -> Target | None:
+        name = self.stage_name(hf_name.removeprefix("model."))
+        return None if name is None else self.weight_target(name)
 
     def stage_name(self, name: str) -> str | None:
         """A checkpoint name (without ``model.``) as this pipeline stage's parameters name it

@@ -77,6 +77,30 @@ class SparseMoE(nn.Module):
         self.act_name = act
         #: ``fused_moe`` where the fused path runs (set by the model on its device), else None
         self.kernels: ModuleType | None = None
+        #: FP8 experts' scales per output row (w13 [E, 2I], w2 [E, H]); None: 16-bit experts
+        self.fp8_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def quantize_fp8(self) -> None:
+        """FP8 e4m3 experts with a scale per output row (``--quantization fp8``): half the
+        bytes a decode step reads; the fused kernels widen them, the reference dequantizes."""
+        from radixserve.plugins.models.fp8 import quantize_rows
+
+        for name in ("w13", "w2"):
+            w = getattr(self, name).data
+            q, s = quantize_rows(w.reshape(-1, w.shape[-1]))
+            delattr(self, name)
+            self.register_buffer(name, q.view(w.shape))
+            self.register_buffer(f"{name}_scale", s.view(w.shape[:2]))
+        self.fp8_scales = (self.w13_scale, self.w2_scale)
+
+    def _weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ``e``'s (w13, w2) as the reference multiplies them (FP8 ones dequantized)."""
+        if self.fp8_scales is None:
+            return self.w13[e], self.w2[e]
+        s13, s2 = self.fp8_scales
+        dtype = self.gate.weight.dtype
+        w13 = (self.w13[e].float() * s13[e][:, None]).to(dtype)
+        return w13, (self.w2[e].float() * s2[e][:, None]).to(dtype)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(top-k weights [T, k] in x's dtype, expert ids [T, k])."""
@@ -87,8 +111,9 @@ class SparseMoE(nn.Module):
         return weights.to(x.dtype), ids
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.w13[e]).chunk(2, dim=-1)
-        return F.linear(self.act(gate) * up, self.w2[e])
+        w13, w2 = self._weights(e)
+        gate, up = F.linear(x, w13).chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, w2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -106,7 +131,9 @@ class SparseMoE(nn.Module):
         if self.kernels is not None and self.act_name in ("silu", "swish"):
             if self.local_experts < self.num_experts:  # expert parallelism, in a CUDA graph
                 ids, weights = self._local_ids(ids, weights)
-            return self.kernels.fused_experts(x, self.w13, self.w2, weights, ids)
+            return self.kernels.fused_experts(
+                x, self.w13, self.w2, weights, ids, scales=self.fp8_scales
+            )
         out = torch.zeros_like(x)
         first, local = self.first_expert, self.local_experts
         if capturing:
@@ -173,7 +200,9 @@ def _run_received(moe: SparseMoE, rows: torch.Tensor, local_ids: torch.Tensor) -
         return rows
     if moe.kernels is not None and moe.act_name in ("silu", "swish"):
         ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
-        return moe.kernels.fused_experts(rows, moe.w13, moe.w2, ones, local_ids[:, None])
+        return moe.kernels.fused_experts(
+            rows, moe.w13, moe.w2, ones, local_ids[:, None], scales=moe.fp8_scales
+        )
     out = torch.empty_like(rows)
     counts = torch.bincount(local_ids, minlength=moe.local_experts).tolist()
     start = 0  # the rows from each rank come in expert order, but not across ranks

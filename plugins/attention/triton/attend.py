@@ -112,8 +112,7 @@ def attend_more(
             mask=kv_mask,
             other=0.0,
         )
-        if UPCAST:
-            k = k.to(tl.float32)
+        k = k.to(q.dtype)  # float32 under UPCAST; an FP8 cache widened to the queries' dtype
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
         if SOFTCAP:
             qk = softcap_scores(qk, softcap_log2)
@@ -141,8 +140,7 @@ def attend_more(
             mask=kv_mask,
             other=0.0,
         )
-        if UPCAST:
-            v = v.to(tl.float32)
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return m_i, l_i, acc

@@ -58,6 +58,9 @@ class TritonAttention(AttentionBackend):
         self, kv_pool: KVPool, model_config: ModelConfig, device: str, page_size: int | None = None
     ) -> None:
         self.kv_pool = kv_pool
+        # an FP8 cache (--kv-cache-dtype fp8_e4m3): the kernels widen K/V to the queries'
+        # dtype and apply the layer's scales; any other cache must be the model's dtype
+        self.reads_other_kv_dtype = getattr(kv_pool, "saturate", False)
         self.page_size = page_size or getattr(kv_pool, "page_size", 1)
         self.device = torch.device(device)
         self.num_heads = model_config.num_heads
@@ -180,10 +183,14 @@ class TritonAttention(AttentionBackend):
         options = {"sliding_window": sliding_window, "logit_softcap": logit_softcap}
         assert meta is not None and table is not None, "prepare() must run before forward()"
         k_buf, v_buf = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
+        k_scale, v_scale = self._kv_scales(layer_id)
         if rotary is None:
-            store_kv(k, v, k_buf, v_buf, batch.out_cache_loc)
+            store_kv(k, v, k_buf, v_buf, batch.out_cache_loc, k_scale, v_scale)
         else:
-            q = store_kv_rotary(q, k, v, k_buf, v_buf, batch.out_cache_loc, *rotary)
+            q = store_kv_rotary(
+                q, k, v, k_buf, v_buf, batch.out_cache_loc, *rotary, k_scale, v_scale
+            )
+        scale *= k_scale  # an FP8 cache's K scale folds into the scores' (1.0 otherwise)
         out = torch.empty_like(q)
         nd = meta.num_decode
         if nd:
@@ -199,4 +206,13 @@ class TritonAttention(AttentionBackend):
                 page_size=self.page_size, config=self.extend_config,
                 split_mask=False if self._invariant else None, **options,
             )  # fmt: skip
+        if v_scale != 1.0:  # the output is linear in V: scale it once
+            out.mul_(v_scale)
         return out.flatten(1)
+
+    def _kv_scales(self, layer_id: int) -> tuple[float, float]:
+        """An FP8 cache's (k_scale, v_scale) for the layer (stores divide by them, reads
+        multiply); (1.0, 1.0) for any other cache."""
+        if not getattr(self.kv_pool, "saturate", False):
+            return 1.0, 1.0
+        return self.kv_pool.k_scales[layer_id], self.kv_pool.v_scales[layer_id]
