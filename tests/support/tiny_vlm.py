@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from radixserve.tests.support.tiny_models import CORPUS, SPECIAL_TOKENS
+from tiny_models import CORPUS, SPECIAL_TOKENS
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 CHAT_TEMPLATE = (
