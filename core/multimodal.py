@@ -51,6 +51,27 @@ class MultimodalInputs(msgspec.Struct, kw_only=True):
     mrope_delta: int = 0
 
 
+class ImagePrompt(list):  # type: ignore[type-arg]
+    """A prompt's token ids (image spans expanded to pad ids) carrying its images: how a prompt
+    with images travels the server's prompt paths, which take lists of ids."""
+
+    mm: MultimodalInputs
+
+    def __init__(self, ids: list[int], mm: MultimodalInputs) -> None:
+        super().__init__(ids)
+        self.mm = mm
+
+
+def checked_ids(ids: list[int], mm: MultimodalInputs | None) -> list[int]:
+    """``ids`` with the image spans of ``mm`` as 0: what vocabulary checks read."""
+    if mm is None:
+        return ids
+    out = list(ids)
+    for image in mm.images:
+        out[image.offset : image.offset + image.length] = [0] * image.length
+    return out
+
+
 class StepImages(NamedTuple):
     """What the model needs of one step's images (``ForwardBatch.mm``)."""
 
@@ -61,6 +82,8 @@ class StepImages(NamedTuple):
 
 class ImageProcessor(Protocol):
     """A family's tokenizer-side image handling."""
+
+    placeholder: str  # the text standing for one image in a chat message
 
     def expand(
         self, input_ids: list[int], images: list[bytes]

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from radixserve.core.interfaces import StepStrategy
-from radixserve.core.multimodal import EncoderCache, ImageInput, StepImages
+from radixserve.core.multimodal import EncoderCache, ImageInput, StepImages, checked_ids
 
 #: encoder outputs kept by default (bytes)
 DEFAULT_ENCODER_CACHE_BYTES = 256 << 20
@@ -149,10 +149,4 @@ def multimodal_of(core: Any) -> MultimodalStrategy | None:
 
 def text_ids(req: Any) -> list[int]:
     """``req``'s prompt with its image spans' pad ids as 0 (what vocabulary checks read)."""
-    mm = req.mm_inputs
-    if mm is None:
-        return req.input_ids  # type: ignore[no-any-return]
-    ids = list(req.input_ids)
-    for image in mm.images:
-        ids[image.offset : image.offset + image.length] = [0] * image.length
-    return ids
+    return checked_ids(req.input_ids, req.mm_inputs)

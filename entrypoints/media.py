@@ -4,6 +4,7 @@ with ``--allow-remote-media``) http(s) URLs fetched with a size cap and a timeou
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import io
@@ -123,3 +124,47 @@ def check_image(data: bytes, policy: MediaPolicy, index: int) -> None:
             f"image {index} has {width}x{height} pixels; at most {policy.max_pixels} are "
             "allowed (--max-image-pixels)"
         )
+
+
+class ServerImages:
+    """The server's side of a prompt's images: loaded, checked and preprocessed off the event
+    loop (a worker thread), off the engine's step, by the model family's image processor."""
+
+    def __init__(self, model_dir: str, policy: MediaPolicy | None = None) -> None:
+        self.model_dir = model_dir
+        self.policy = policy or MediaPolicy()
+        self._processor: Any = None  # built at the first request with images; False: none
+
+    def processor(self) -> Any:
+        if self._processor is None:
+            from radixserve.core.multimodal import image_processor_for
+            from radixserve.core.plugins import default_host
+
+            self._processor = image_processor_for(default_host(), self.model_dir) or False
+        return self._processor
+
+    @property
+    def placeholder(self) -> str:
+        """The text that stands for one image in a chat message."""
+        proc = self.processor()
+        return "" if proc is False else str(proc.placeholder)
+
+    def refuse_if_text_only(self) -> None:
+        if self.processor() is False:
+            from radixserve.core.model_config import ModelConfig
+            from radixserve.core.multimodal import refuse_images_message
+
+            raise InvalidRequest(refuse_images_message(ModelConfig.from_dir(self.model_dir)))
+
+    async def prompt(self, ids: list[int], refs: Any) -> list[int]:
+        """``ids`` with ``refs``' images expanded (an ``ImagePrompt``); ``ids`` without any."""
+        if refs is None or refs == []:
+            return ids
+        self.refuse_if_text_only()
+        proc = self.processor()
+        from radixserve.core.multimodal import ImagePrompt
+
+        def work() -> list[int]:
+            return ImagePrompt(*proc.expand(ids, load_images(refs, self.policy)))
+
+        return await asyncio.to_thread(work)

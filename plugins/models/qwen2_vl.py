@@ -26,8 +26,12 @@ from radixserve.core.interfaces import AttentionBackend
 from radixserve.core.multimodal import ImageInput, MultimodalInputs, image_hash, pad_id
 from radixserve.core.parallel import SINGLE, TensorParallel
 from radixserve.core.request import InvalidRequest
-from radixserve.plugins.models.decoder import RotaryEmbedding, rope_inv_freq
-from radixserve.plugins.models.qwen2 import Qwen2ForCausalLM
+from radixserve.plugins.models.decoder import (
+    DecoderForCausalLM,
+    DecoderLayer,
+    RotaryEmbedding,
+    rope_inv_freq,
+)
 
 # ---- the vision tower (parameter names as the checkpoint's ``visual.*``) ----
 
@@ -193,7 +197,15 @@ class MRotaryEmbedding(RotaryEmbedding):
 # ---- the model ----
 
 
-class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
+class Qwen2VLLayer(DecoderLayer):
+    def attention_biases(self, raw: dict[str, Any]) -> tuple[bool, bool]:
+        return True, False  # Qwen2's: q/k/v carry a bias, o_proj does not
+
+
+class Qwen2VLForConditionalGeneration(DecoderForCausalLM):
+    """Registered by ``qwen2.py`` (the Qwen2 plugin)."""
+
+    layer_cls = Qwen2VLLayer
     uses_mrope = True
 
     def __init__(self, config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype,
@@ -293,7 +305,8 @@ class Qwen2VLImages:
         self.image_token = int(raw["image_token_id"])
         self.vocab = config.vocab_size
         self.merge = int(raw["vision_config"].get("spatial_merge_size", 2))
-        self.mrope = True
+        #: what stands for one image in a chat message's text (as the family's template has it)
+        self.placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
 
     def expand(
         self, input_ids: list[int], images: list[bytes]

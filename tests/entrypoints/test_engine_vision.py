@@ -6,16 +6,14 @@ text-only models are refused with clear messages."""
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from platform_choice import CPU
-from tiny_vlm import make_tiny_qwen2_vl_dir
+from tiny_vlm import load_reference, make_tiny_qwen2_vl_dir, png, reference_logprobs
 
 from radixserve import Engine
 from radixserve.core.multimodal_strategy import multimodal_of
@@ -24,16 +22,6 @@ from radixserve.core.request import InvalidRequest
 NEW = 6
 GREEDY = {"temperature": 0.0, "max_new_tokens": NEW}
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
-
-
-def png(width: int, height: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    out = io.BytesIO()
-    pixels = (rng.random((height, width, 3)) * 255).astype("uint8")
-    from PIL import Image
-
-    Image.fromarray(pixels).save(out, "PNG")
-    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -51,42 +39,14 @@ def engine(vl_dir: Path) -> Iterator[Engine]:
 
 @pytest.fixture(scope="module")
 def reference(vl_dir: Path) -> Any:
-    from transformers import AutoImageProcessor, Qwen2VLForConditionalGeneration
-
-    model = Qwen2VLForConditionalGeneration.from_pretrained(vl_dir, dtype=torch.float32).eval()
-    return model, AutoImageProcessor.from_pretrained(vl_dir)
-
-
-def hf_logprobs(reference: Any, engine: Engine, prompt: str, images: list[bytes],
-                output: list[int]) -> torch.Tensor:  # fmt: skip
-    """transformers' log-softmax at each output position, the prompt expanded by its
-    processor (the image token repeated per merged patch)."""
-    from PIL import Image
-
-    model, processor = reference
-    tok = engine.tokenizer
-    ids = tok.encode(prompt)
-    image_token = model.config.image_token_id
-    kwargs: dict[str, Any] = {}
-    if images:
-        pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
-        out = processor(images=pil, return_tensors="pt")
-        counts = iter((out["image_grid_thw"].prod(-1) // 4).tolist())
-        ids = [x for t in ids for x in ([t] * next(counts) if t == image_token else [t])]
-        kwargs = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
-    full = torch.tensor([ids + output])
-    kwargs["mm_token_type_ids"] = (full == image_token).int()
-    with torch.no_grad():
-        logits = model(input_ids=full, **kwargs).logits[0]
-    n = len(ids)
-    return torch.log_softmax(logits[n - 1 : n - 1 + len(output)], dim=-1)
+    return load_reference(vl_dir)
 
 
 def check_equal(reference: Any, engine: Engine, prompt: str, images: list[bytes],
                 result: dict[str, Any]) -> None:  # fmt: skip
     output = result["output_ids"]
     assert len(output) == NEW
-    ref = hf_logprobs(reference, engine, prompt, images, output)
+    ref = reference_logprobs(reference, engine.tokenizer.encode(prompt), images, output)
     assert ref.argmax(-1).tolist() == output
     ours = torch.tensor([t[0] for t in result["meta_info"]["output_token_logprobs"]])
     theirs = ref[torch.arange(NEW), torch.tensor(output)]

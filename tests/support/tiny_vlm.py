@@ -84,3 +84,51 @@ def make_tiny_qwen2_vl_dir(out: Path, seed: int = 0, **text: Any) -> Path:
         json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|endoftext|>"})
     )
     return out
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    """A random-noise PNG image."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    out = io.BytesIO()
+    Image.fromarray((rng.random((height, width, 3)) * 255).astype("uint8")).save(out, "PNG")
+    return out.getvalue()
+
+
+def load_reference(model_dir: Path) -> Any:
+    """(transformers' Qwen2-VL model in float32, its image processor)."""
+    import torch
+    from transformers import AutoImageProcessor, Qwen2VLForConditionalGeneration
+
+    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval(), AutoImageProcessor.from_pretrained(model_dir)
+
+
+def reference_logprobs(reference: Any, ids: list[int], images: list[bytes],
+                       output: list[int]) -> Any:  # fmt: skip
+    """transformers' log-softmax at each output position of ``ids`` (one image token per
+    image, expanded here as its processor does) followed by ``output``."""
+    import io
+
+    import torch
+    from PIL import Image
+
+    model, processor = reference
+    image_token = model.config.image_token_id
+    kwargs: dict[str, Any] = {}
+    if images:
+        pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+        out = processor(images=pil, return_tensors="pt")
+        counts = iter((out["image_grid_thw"].prod(-1) // 4).tolist())
+        ids = [x for t in ids for x in ([t] * next(counts) if t == image_token else [t])]
+        kwargs = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+    full = torch.tensor([ids + output])
+    kwargs["mm_token_type_ids"] = (full == image_token).int()
+    with torch.no_grad():
+        logits = model(input_ids=full, **kwargs).logits[0]
+    n = len(ids)
+    return torch.log_softmax(logits[n - 1 : n - 1 + len(output)], dim=-1)
