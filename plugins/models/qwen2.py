@@ -45,5 +45,5 @@ def register_models(register) -> None:  # type: ignore[no-untyped-def]
     register(
         "Qwen2VLForConditionalGeneration",
         build_qwen2_vl,
-        description="Qwen2-VL (images in: vision tower, M-RoPE)",
+        description="Qwen2-VL (vision tower, M-RoPE)",
     )
