@@ -6,6 +6,7 @@ tokens; a repeated image reports cached tokens over its span and is not encoded 
 from __future__ import annotations
 
 import base64
+import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -150,3 +151,26 @@ def test_text_only_model_refuses_image_parts(server: RunningServer) -> None:
             model=TINY_MODEL_NAME, messages=image_message(data_url(png(8, 8, 1)), "?"),  # type: ignore[arg-type]
             max_tokens=2,
         )  # fmt: skip
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed")
+def test_sglang_frontend_image_program(vl_server: RunningServer, tmp_path: Path) -> None:
+    import sglang as sgl
+
+    path = tmp_path / "noise.png"
+    path.write_bytes(png(36, 28, 41))
+
+    @sgl.function
+    def describe(s, image_path):  # type: ignore[no-untyped-def]
+        s += sgl.user(sgl.image(image_path) + "What is it?")
+        s += sgl.assistant(sgl.gen("answer", max_tokens=5, temperature=0))
+
+    backend = sgl.RuntimeEndpoint(vl_server.url, api_key=TINY_API_KEY)
+    state = describe.run(image_path=str(path), backend=backend)
+    answer, text = state["answer"], state.text()
+    assert text.count("<|image_pad|>") == 1
+    prompt = text[: text.rindex(answer)]
+    r = native(vl_server, text=prompt, image_data=data_url(path.read_bytes()),
+               sampling_params={"temperature": 0, "max_new_tokens": 5})  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert answer == r.json()["text"]
