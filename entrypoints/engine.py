@@ -99,6 +99,7 @@ class Engine:
             tp_workers.watch(ranks, self._rank_died)
         self.tokenizer = self.core.tokenizer
         self._image_processor: Any = None  # built at the first request with images
+        self._image_lock = threading.Lock()
         self._transport = QueueTransport(self)
         self._inbox = self._transport.inbox
         self._ids = itertools.count()
@@ -250,8 +251,10 @@ class Engine:
         per_prompt = [image_data] if single else image_data
         if not isinstance(per_prompt, list) or len(per_prompt) != len(batch):
             raise InvalidRequest("image_data must give one entry (or list) per prompt")
-        if self._image_processor is None:
-            self._image_processor = image_processor_for(self.host, str(self.model_dir)) or False
+        with self._image_lock:  # built once, even when several threads submit the first images
+            if self._image_processor is None:
+                found = image_processor_for(self.host, str(self.model_dir))
+                self._image_processor = found or False
         proc = self._image_processor
         out: list[Any] = []
         for ids, refs in zip(batch, per_prompt, strict=True):

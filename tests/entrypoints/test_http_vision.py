@@ -165,7 +165,10 @@ def test_sglang_frontend_image_program(vl_server: RunningServer, tmp_path: Path)
         s += sgl.user(sgl.image(image_path) + "What is it?")
         s += sgl.assistant(sgl.gen("answer", max_tokens=5, temperature=0))
 
-    backend = sgl.RuntimeEndpoint(vl_server.url, api_key=TINY_API_KEY)
+    # the test server is served as "tiny-llama": name the template its model path would pick
+    backend = sgl.RuntimeEndpoint(
+        vl_server.url, api_key=TINY_API_KEY, chat_template_name="qwen2-vl"
+    )
     state = describe.run(image_path=str(path), backend=backend)
     answer, text = state["answer"], state.text()
     assert text.count("<|image_pad|>") == 1
