@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 
+from radixserve.core.config_checks import ConfigError
 from radixserve.core.interfaces import StepStrategy
 from radixserve.core.multimodal import EncoderCache, ImageInput, StepImages, checked_ids
+from radixserve.core.request import InvalidRequest
 
 #: encoder outputs kept by default (bytes)
 DEFAULT_ENCODER_CACHE_BYTES = 256 << 20
@@ -138,6 +140,19 @@ def build(core: Any) -> MultimodalStrategy | None:
     model = runner.model
     if not hasattr(model, "encode_images"):
         return None
+    config = runner.config
+    refused = (
+        ("--tp-size > 1", config.tp_size > 1),
+        ("--pp-size > 1", config.pp_size > 1),
+        ("--speculative-algorithm", config.speculative_algorithm is not None),
+        ("--disaggregation-mode", config.disaggregation_mode != "null"),
+        ("--enable-lora", config.enable_lora),
+    )
+    for flag, on in refused:
+        if on:
+            raise ConfigError(
+                f"a vision-language model ({type(model).__name__}) does not run with {flag} yet"
+            )
     cache_bytes = getattr(runner.config, "mm_encoder_cache_mb", None)
     size = DEFAULT_ENCODER_CACHE_BYTES if cache_bytes is None else int(cache_bytes) << 20
     return MultimodalStrategy(model, runner.device, size)
@@ -148,5 +163,17 @@ def multimodal_of(core: Any) -> MultimodalStrategy | None:
 
 
 def text_ids(req: Any) -> list[int]:
-    """``req``'s prompt with its image spans' pad ids as 0 (what vocabulary checks read)."""
-    return checked_ids(req.input_ids, req.mm_inputs)
+    """``req``'s prompt with its image spans' pad ids as 0 (what vocabulary checks read);
+    InvalidRequest for what a request with images cannot ask yet."""
+    mm = req.mm_inputs
+    if mm is None:
+        return req.input_ids  # type: ignore[no-any-return]
+    end = max(image.offset + image.length for image in mm.images)
+    if 0 <= req.logprob_start_len < end:
+        raise InvalidRequest(
+            f"logprob_start_len={req.logprob_start_len} scores image tokens; prompt "
+            f"logprobs start after the last image (logprob_start_len >= {end})"
+        )
+    if req.session_params is not None:
+        raise InvalidRequest("a request with images cannot continue a session yet")
+    return checked_ids(req.input_ids, mm)

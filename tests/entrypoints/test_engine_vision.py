@@ -103,6 +103,14 @@ def test_bad_images_are_refused(engine: Engine) -> None:
         engine.generate(ONE, GREEDY, image_data=["/nonexistent/cat.png"])
     with pytest.raises(InvalidRequest, match="allow-remote-media"):
         engine.generate(ONE, GREEDY, image_data=["http://127.0.0.1:9/cat.png"])
+    with pytest.raises(InvalidRequest, match="scores image tokens"):
+        engine.generate(ONE, GREEDY, image_data=[png(8, 8, 1)], return_logprob=True,
+                        logprob_start_len=0)  # fmt: skip
+    # prompt logprobs after the image are fine
+    n = engine.generate(ONE, GREEDY, image_data=[png(16, 16, 1)])["meta_info"]["prompt_tokens"]
+    after = engine.generate(ONE, GREEDY, image_data=[png(16, 16, 1)], return_logprob=True,
+                            logprob_start_len=n - 3)  # fmt: skip
+    assert len(after["meta_info"]["input_token_logprobs"]) == 3
 
 
 def test_file_path_and_data_url_inputs(engine: Engine, tmp_path: Path) -> None:
