@@ -111,7 +111,13 @@ def _fetch(url: str, policy: MediaPolicy, index: int) -> bytes:
 
 def check_image(data: bytes, policy: MediaPolicy, index: int) -> None:
     """InvalidRequest when ``data`` is not an image PIL reads, or has too many pixels."""
-    from PIL import Image, UnidentifiedImageError
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError:
+        raise InvalidRequest(
+            "this server cannot read images: pillow is not installed "
+            "(pip install 'radixserve[vision]')"
+        ) from None
 
     try:
         with Image.open(io.BytesIO(data)) as image:

@@ -284,7 +284,12 @@ def build_qwen2_vl(
 
 def decode_image(data: bytes, index: int) -> Any:
     """A PIL image in RGB; InvalidRequest naming the image when its bytes are not one."""
-    from PIL import Image, UnidentifiedImageError
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError:
+        raise InvalidRequest(
+            "images need pillow, which is not installed (pip install 'radixserve[vision]')"
+        ) from None
 
     try:
         image = Image.open(io.BytesIO(data))
@@ -298,7 +303,13 @@ class Qwen2VLImages:
     """Qwen2-VL's tokenizer-side image handling (core/multimodal.py, ``ImageProcessor``)."""
 
     def __init__(self, model_dir: str, config: ModelConfig) -> None:
-        from transformers import AutoImageProcessor
+        try:
+            from transformers import AutoImageProcessor
+        except ImportError:
+            raise ConfigError(
+                "Qwen2-VL's image preprocessing is transformers' own; install it "
+                "(pip install 'radixserve[vision]')"
+            ) from None
 
         self.processor = AutoImageProcessor.from_pretrained(model_dir)
         raw = config.raw
