@@ -13,7 +13,14 @@ from typing import Any
 import pytest
 import torch
 from platform_choice import CPU
-from tiny_vlm import load_reference, make_tiny_qwen2_vl_dir, png, reference_logprobs
+from tiny_vlm import (
+    llava_reference_logprobs,
+    load_reference,
+    make_tiny_llava_dir,
+    make_tiny_qwen2_vl_dir,
+    png,
+    reference_logprobs,
+)
 
 from radixserve import Engine
 from radixserve.core.multimodal_strategy import multimodal_of
@@ -129,3 +136,23 @@ def test_text_only_model_refuses_images(tiny_llama_dir: Path) -> None:
     with Engine(str(tiny_llama_dir), plugins=[CPU], max_total_tokens=1024) as eng:
         with pytest.raises(InvalidRequest, match="LlamaForCausalLM takes text only"):
             eng.generate("Hello", GREEDY, image_data=[png(8, 8, 1)])
+
+
+def test_llava_two_images_batched_with_text_matches_transformers(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    model = make_tiny_llava_dir(tmp_path_factory.mktemp("llava"))
+    prompts = ["Hello <image> the quick <image> brown fox", "def add(a, b): return"]
+    images: list[Any] = [[png(40, 30, 1), png(20, 50, 2)], None]
+    # chunks of 16 tokens: each 16-token image span straddles two chunks
+    with Engine(str(model), plugins=[CPU], dtype="float32", chunked_prefill_size=16,
+                max_total_tokens=2048) as eng:  # fmt: skip
+        results = eng.generate(prompts, GREEDY, image_data=images, return_logprob=True)
+        for prompt, imgs, result in zip(prompts, images, results, strict=True):
+            output = result["output_ids"]
+            ids = eng.tokenizer.encode(prompt)
+            ref = llava_reference_logprobs(model, ids, imgs or [], output)
+            assert ref.argmax(-1).tolist() == output
+            ours = torch.tensor([t[0] for t in result["meta_info"]["output_token_logprobs"]])
+            theirs = ref[torch.arange(NEW), torch.tensor(output)]
+            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)

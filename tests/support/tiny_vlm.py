@@ -132,3 +132,75 @@ def reference_logprobs(reference: Any, ids: list[int], images: list[bytes],
         logits = model(input_ids=full, **kwargs).logits[0]
     n = len(ids)
     return torch.log_softmax(logits[n - 1 : n - 1 + len(output)], dim=-1)
+
+
+def make_tiny_llava_dir(out: Path, seed: int = 0) -> Path:
+    """A LlavaForConditionalGeneration of tiny sizes (CLIP 32x32 images in 8x8 patches: 16
+    image tokens; a Llama decoder), its tokenizer with ``<image>`` and CLIP's image processor
+    (resize and crop to 32x32)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=[*SPECIAL_TOKENS, "<image>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)  # fmt: skip
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(out / "tokenizer.json"))
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                              num_attention_heads=2, image_size=32, patch_size=8,
+                              projection_dim=32, layer_norm_eps=1e-5)  # fmt: skip
+    text = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=512, rms_norm_eps=1e-5, eos_token_id=0,
+                       bos_token_id=None)  # fmt: skip
+    image_token = tok.token_to_id("<image>")
+    config = LlavaConfig(vision_config=vision, text_config=text, image_seq_length=16,
+                         image_token_id=image_token, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+            else:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out, safe_serialization=True)
+    CLIPImageProcessorPil(size={"shortest_edge": 32},
+                          crop_size={"height": 32, "width": 32}).save_pretrained(out)  # fmt: skip
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return out
+
+
+def llava_reference_logprobs(model_dir: Path, ids: list[int], images: list[bytes],
+                             output: list[int]) -> Any:  # fmt: skip
+    """transformers' LLaVA log-softmax at each output position (``<image>`` expanded to its
+    patch count as LlavaProcessor does)."""
+    import io
+
+    import torch
+    from PIL import Image
+    from transformers import AutoImageProcessor, LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    token, count = model.config.image_token_id, model.config.image_seq_length
+    kwargs: dict[str, Any] = {}
+    if images:
+        pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+        processor = AutoImageProcessor.from_pretrained(model_dir)
+        kwargs["pixel_values"] = processor(images=pil, return_tensors="pt")["pixel_values"]
+    ids = [x for t in ids for x in ([t] * count if t == token else [t])]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids + output]), **kwargs).logits[0]
+    n = len(ids)
+    return torch.log_softmax(logits[n - 1 : n - 1 + len(output)], dim=-1)
