@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import msgspec
-import torch
+
+if TYPE_CHECKING:  # torch stays unimported for `radixserve plugins` and --help
+    import torch
 
 #: pad ids live in [vocab, vocab + _PAD_SPAN): never a real token
 _PAD_SPAN = 1 << 30
@@ -38,6 +40,8 @@ class ImageInput(msgspec.Struct, kw_only=True):
     length: int  # tokens in the span
 
     def pixel_tensor(self) -> torch.Tensor:
+        import torch
+
         flat = torch.frombuffer(bytearray(self.pixels), dtype=torch.float32)
         return flat.view(*self.shape)
 
