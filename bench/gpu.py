@@ -13,6 +13,14 @@ time, prefill included, EOS ignored.
     python bench/gpu.py --attention triton,flashinfer  # each backend's rows, then their ratios
     python bench/gpu.py --shape tiny --hardware cpu --attention torch_native --small  # smoke test
     python bench/gpu.py --deterministic ab --skip-hf --skip-big  # deterministic mode off, then on
+
+``--images``: instead, images in (docs/vision.md) on a random-weight Qwen2-VL-7B shape (``--shape
+tiny``: a tiny one): 64 requests of one 448x448 image (256 image tokens) + 128 text tokens ->
+128 output tokens, all submitted at once; images per second and TTFT p50, first with every
+image different, then with every request sending the same image (encoder and prefix cache hits).
+
+    python bench/gpu.py --images --json-out $OUT/vision.json
+    python bench/gpu.py --images --shape tiny --hardware cpu --attention torch_native --small
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from typing import Any
 
 import torch
 from common import format_table, machine_info, write_json
-from gpu_model import SHAPES, write_random_llama
+from gpu_model import SHAPES, VL_SHAPES, write_random_llama, write_random_qwen2_vl
 
 from radixserve import Engine, hookimpl
 from radixserve.core.plugins import PluginHost
@@ -64,6 +72,8 @@ def parse_args() -> argparse.Namespace:
                    help="--enable-deterministic-inference; ab: our workloads without it, then "
                         "with it, and their ratios")  # fmt: skip
     p.add_argument("--dtype", default=None, help="engine dtype (default: the platform's)")
+    p.add_argument("--images", action="store_true",
+                   help="the vision workload (Qwen2-VL-7B shape), not the text ones")  # fmt: skip
     return p.parse_args()
 
 
@@ -398,10 +408,86 @@ def phase(
         write_json(json_out, results)
 
 
+def image_png(size: int, seed: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    gen = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (size, size, 3), generator=gen, dtype=torch.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels.numpy()).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def images_pass(engine: Any, prompts_: list[list[int]], images: list[bytes], new: int) -> dict:
+    """All requests at once, each streamed from its own thread: wall seconds, TTFT p50."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    params = {"temperature": 0.0, "max_new_tokens": new, "ignore_eos": True}
+    start = time.perf_counter()
+
+    def one(i: int) -> float:
+        first = None
+        for _ in engine.generate(input_ids=prompts_[i], sampling_params=params,
+                                 image_data=[images[i]], stream=True):  # fmt: skip
+            first = first or time.perf_counter() - start
+        return first or 0.0
+
+    with ThreadPoolExecutor(len(prompts_)) as pool:
+        ttfts = list(pool.map(one, range(len(prompts_))))
+    wall = time.perf_counter() - start
+    n = len(prompts_)
+    return {"wall_s": wall, "images_per_s": n / wall, "output_tok_s": n * new / wall,
+            "ttft_p50_ms": statistics.median(ttfts) * 1e3}  # fmt: skip
+
+
+def run_images(args: argparse.Namespace, workdir: Path, res: dict[str, Any]) -> dict[str, Any]:
+    """The --images workload (see the module's docstring)."""
+    shape = "tiny" if args.shape == "tiny" else "qwen2-vl-7b"
+    model_dir = workdir / shape
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    res["weight_bytes"] = write_random_qwen2_vl(model_dir, shape, device)
+    n, text, new = (4, 16, 8) if args.small else (64, 128, 128)
+    stats = StepStats()
+    engine = Engine(
+        str(model_dir), host=bench_host(stats),
+        plugins=[f"hardware={args.hardware}", f"attention={args.attention}", "grammar=none"],
+        max_running_requests=n, max_total_tokens=n * (256 + text + new + 8) * 2 + 4096,
+        context_length=1024, chunked_prefill_size=args.chunked_prefill_size,
+        cuda_graph_max_bs=n, disable_cuda_graph=args.disable_cuda_graph,
+        disable_overlap_schedule=args.disable_overlap_schedule, page_size=args.page_size,
+    )  # fmt: skip
+    vocab = VL_SHAPES[shape]["text"]["vocab_size"]
+    rng = random.Random(0)
+    out: dict[str, Any] = {}
+    try:
+        for name, seed in (("warmup", 1000), ("distinct", 0), ("same", None)):
+            ps = [
+                [vocab - 1] + [rng.randrange(3, vocab - 4) for _ in range(text)] for _ in range(n)
+            ]
+            same = image_png(448, 7)
+            imgs = [same if seed is None else image_png(448, seed + i) for i in range(n)]
+            engine.flush_cache()
+            out[name] = images_pass(engine, ps, imgs, new)
+            out[name]["encoder"] = engine.core.scheduler_counters().get("multimodal")
+            print(f"[images {name}] {out[name]}", flush=True)
+    finally:
+        engine.shutdown()
+    out.pop("warmup")
+    return {"images": out}
+
+
 def main() -> None:
     args = parse_args()
     res: dict[str, Any] = {"args": vars(args), "machine": machine_info()}
     out = args.json_out
+    if args.images:
+        workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rs-gpu-bench-"))
+        phase(res, "images", lambda: run_images(args, workdir, res), out)
+        if out:
+            write_json(out, res)
+        return
     if torch.cuda.is_available():
         res["gpu"] = torch.cuda.get_device_name()
         phase(res, "ceilings", ceilings, out)

@@ -100,3 +100,108 @@ def _write_tokenizer(out: Path, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t2", "bos_token": "t1"}))
+
+
+#: Qwen2-VL-7B's shape (language model and vision tower); "tiny" for a CPU smoke test
+VL_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2-vl-7b": dict(
+        text=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                  num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                  max_position_embeddings=32768, rope_theta=1000000.0, mrope=[16, 24, 24]),
+        vision=dict(depth=32, embed_dim=1280, num_heads=16, mlp_ratio=4, patch_size=14),
+    ),
+    "tiny": dict(
+        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                  max_position_embeddings=4096, rope_theta=10000.0, mrope=[2, 3, 3]),
+        vision=dict(depth=2, embed_dim=32, num_heads=2, mlp_ratio=2, patch_size=14),
+    ),
+}  # fmt: skip
+
+
+def write_random_qwen2_vl(out: Path, shape: str, device: str, seed: int = 0) -> int:
+    """A Qwen2VLForConditionalGeneration directory of ``shape`` (VL_SHAPES) with random
+    weights, a word-level tokenizer and Qwen2-VL's image processor settings (patch 14, merge
+    2: a 448x448 image is 256 tokens); the image token is the vocabulary's last id. Returns
+    its weight bytes (bfloat16)."""
+    t, v = VL_SHAPES[shape]["text"], VL_SHAPES[shape]["vision"]
+    h, vocab = t["hidden_size"], t["vocab_size"]
+    text = {k: t[k] for k in t if k != "mrope"} | {
+        "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+        "rope_parameters": {"rope_type": "default", "rope_theta": t["rope_theta"],
+                            "mrope_section": t["mrope"]},
+    }  # fmt: skip
+    vision = {**v, "hidden_size": h, "spatial_merge_size": 2, "temporal_patch_size": 2,
+              "in_channels": 3, "hidden_act": "quick_gelu"}  # fmt: skip
+    config = {"architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl",
+              "torch_dtype": "bfloat16", "text_config": text, "vision_config": vision,
+              "image_token_id": vocab - 1, "video_token_id": vocab - 2,
+              "vision_start_token_id": vocab - 3, "vision_end_token_id": vocab - 4,
+              "tie_word_embeddings": False}  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "patch_size": v["patch_size"],
+        "merge_size": 2, "temporal_patch_size": 2, "do_resize": True, "do_rescale": True,
+        "do_normalize": True, "do_convert_rgb": True, "resample": 3,
+        "rescale_factor": 1 / 255, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280},
+    }))  # fmt: skip
+    _write_tokenizer(out, vocab)
+    c = {**t, "tie_word_embeddings": False}
+    shards: list[dict[str, tuple[int, ...]]] = [
+        {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,),
+         "lm_head.weight": (vocab, h)}
+    ]  # fmt: skip
+    for i in range(t["num_hidden_layers"]):
+        layer = _layer_shapes(c, i)
+        d = h // t["num_attention_heads"]
+        p, kv = f"model.layers.{i}.self_attn.", t["num_key_value_heads"] * d
+        layer |= {p + "q_proj.bias": (h,), p + "k_proj.bias": (kv,), p + "v_proj.bias": (kv,)}
+        shards.append(layer)
+    shards.append(_vision_shapes(v, h))
+    return _write_shards(out, shards, device, seed)
+
+
+def _vision_shapes(v: dict[str, Any], hidden: int) -> dict[str, tuple[int, ...]]:
+    e, p = v["embed_dim"], v["patch_size"]
+    mlp, merged = e * v["mlp_ratio"], e * 4
+    out: dict[str, tuple[int, ...]] = {"visual.patch_embed.proj.weight": (e, 3, 2, p, p)}
+    for i in range(v["depth"]):
+        b = f"visual.blocks.{i}."
+        out |= {b + "norm1.weight": (e,), b + "norm1.bias": (e,), b + "norm2.weight": (e,),
+                b + "norm2.bias": (e,), b + "attn.qkv.weight": (3 * e, e),
+                b + "attn.qkv.bias": (3 * e,), b + "attn.proj.weight": (e, e),
+                b + "attn.proj.bias": (e,), b + "mlp.fc1.weight": (mlp, e),
+                b + "mlp.fc1.bias": (mlp,), b + "mlp.fc2.weight": (e, mlp),
+                b + "mlp.fc2.bias": (e,)}  # fmt: skip
+    out |= {"visual.merger.ln_q.weight": (e,), "visual.merger.ln_q.bias": (e,),
+            "visual.merger.mlp.0.weight": (merged, merged), "visual.merger.mlp.0.bias": (merged,),
+            "visual.merger.mlp.2.weight": (hidden, merged),
+            "visual.merger.mlp.2.bias": (hidden,)}  # fmt: skip
+    return out
+
+
+def _write_shards(out: Path, shards: list[dict[str, tuple[int, ...]]], device: str,
+                  seed: int) -> int:  # fmt: skip
+    """Random bfloat16 tensors (1-D: ones for norm weights, zeros for biases), one
+    safetensors file per shard, and the index. Returns the bytes written."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weight_map, total = {}, 0
+    for n, shard in enumerate(shards):
+        tensors = {}
+        for name, dims in shard.items():
+            if len(dims) == 1:
+                fill = torch.zeros if name.endswith("bias") else torch.ones
+                t = fill(dims, dtype=torch.bfloat16)
+            else:
+                t = torch.randn(dims, generator=gen, device=device, dtype=torch.bfloat16) * 0.02
+            tensors[name] = t.cpu()
+            total += t.numel() * 2
+        fname = f"model-{n:05d}.safetensors"
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, fname))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    return total

@@ -47,6 +47,9 @@ class ForwardBatch:
     # Pipeline parallelism: the residual stream [T, hidden] the previous stage sent (a later
     # stage's model starts from it instead of embedding ``input_ids``).
     stage_input: torch.Tensor | None = None
+    # A vision-language model's step: core.multimodal.StepImages (image rows and embeddings,
+    # M-RoPE positions), set by core/multimodal_strategy.py; None on a text-only step.
+    mm: Any = None
 
     @property
     def batch_size(self) -> int:

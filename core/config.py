@@ -373,6 +373,14 @@ class EngineConfig:
         "triton on CUDA, torch elsewhere)",
     )  # fmt: skip
 
+    # images in (docs/vision.md): what a request may send, and the encoder outputs kept
+    allow_remote_media: bool = _opt(False, "Fetch http(s) image URLs (else data: URLs, paths)")
+    remote_media_timeout: float = _opt(10.0, "Seconds a remote image fetch may take")
+    max_images_per_request: int = _opt(8, "Images one request may send")
+    max_image_bytes: int = _opt(20 << 20, "Bytes of one image (encoded), remote ones included")
+    max_image_pixels: int = _opt(4096 * 4096, "Pixels of one image, before resizing")
+    mm_encoder_cache_mb: int = _opt(256, "MiB of vision-encoder outputs kept by image hash")
+
     def __post_init__(self) -> None:
         config_checks.check_disaggregation(self)
         if self.disaggregation_mode != "null":

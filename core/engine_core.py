@@ -23,6 +23,7 @@ from radixserve.core.grammar import GrammarMasker, GrammarStepper
 from radixserve.core.grammar_queue import GrammarQueue
 from radixserve.core.interfaces import StepStrategy
 from radixserve.core.model_runner import LaunchedStep, ModelRunner
+from radixserve.core.multimodal_strategy import text_ids
 from radixserve.core.plugins import PluginHost
 from radixserve.core.request import InvalidRequest, Req
 from radixserve.core.scheduler import Scheduler, SchedulerConfig, new_token_ratios
@@ -145,7 +146,7 @@ class EngineCore(EngineViews):
             deterministic.default_seed(self.config),
         )  # fmt: skip
         check_request(
-            req.input_ids, req.sampling, limits,
+            text_ids(req), req.sampling, limits,
             pooling=req.pooling, label_token_ids=req.label_token_ids,
         )  # fmt: skip
         req.sampling = fit_output_budget(req.sampling, len(req.input_ids), usable)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from radixserve.core.disaggregation import connector_of, side_of
+from radixserve.core.multimodal_strategy import multimodal_of
 from radixserve.core.spec_strategy import speculator_of
 
 if TYPE_CHECKING:
@@ -109,6 +110,7 @@ class EngineViews:
         return {
             "cache_hit_rate": stats.cache_hit_rate,
             "hicache": self.scheduler.cache.tier_stats(),
+            "multimodal": None if (mm := multimodal_of(self)) is None else mm.stats(),
             "retractions": stats.retractions,
             "preemptions": stats.preemptions,
             "priorities": self.scheduler.priority.to_json(),

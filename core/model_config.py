@@ -41,6 +41,11 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        text = raw.get("text_config")
+        if isinstance(text, dict) and "hidden_size" not in raw:
+            # a vision-language checkpoint (transformers 5): the language model's shape is in
+            # text_config; the top level (architectures, token ids, vision_config) wins
+            raw = {**text, **raw}
         archs = raw.get("architectures") or []
         if not archs:
             raise ConfigError("config.json names no 'architectures'")

@@ -318,6 +318,7 @@ class Req:
         self.extra_key = extra_key
         self.lora_name: str | None = None  # the LoRA adapter asked for (None: the base model)
         self.lora: Any = None  # its core.lora.LoRAAdapter, once admitted
+        self.mm_inputs: Any = None  # core.multimodal.MultimodalInputs: the prompt's images
         self.output_ids: list[int] = []
         self.state = ReqState.WAITING
         self.finish_reason: FinishReason | None = None

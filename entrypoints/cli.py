@@ -20,6 +20,7 @@ import pluggy
 from radixserve import __version__
 from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.core.interfaces import PLUGIN_KINDS
+from radixserve.core.multimodal import accepts_images
 from radixserve.core.plugins import (
     PluginError,
     PluginHost,
@@ -123,7 +124,8 @@ def _run_plugins(args: argparse.Namespace) -> int:
 
 
 def plugin_listing(host: PluginHost) -> dict[str, list[dict[str, Any]]]:
-    """{kind: [{name, status, plugin, reason, description, priority}]} for every kind."""
+    """{kind: [{name, status, plugin, reason, description, priority}]} for every kind; model
+    families add ``images``: whether they accept images (docs/vision.md)."""
     listing: dict[str, list[dict[str, Any]]] = {}
     for kind in PLUGIN_KINDS:
         listing[kind] = []
@@ -139,6 +141,8 @@ def plugin_listing(host: PluginHost) -> dict[str, list[dict[str, Any]]]:
                     "priority": reg.priority,
                 }
             )
+            if kind == "model":
+                listing[kind][-1]["images"] = accepts_images(reg.factory)
     return listing
 
 
@@ -149,6 +153,8 @@ def _table_rows(listing: dict[str, list[dict[str, Any]]]) -> list[tuple[str, ...
             rows.append((kind, "-", "-", "-", "no implementation registered"))
         for e in entries:
             note = e["reason"] if e["reason"] is not None else e["description"]
+            if e.get("images"):
+                note += " [images in]"
             rows.append((kind, e["name"], e["status"], e["plugin"], note))
     return rows
 

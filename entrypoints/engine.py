@@ -25,12 +25,14 @@ from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.core.distributed import teardown as teardown_parallel
 from radixserve.core.engine_core import EngineCore
 from radixserve.core.lora_strategy import check_request_adapter
+from radixserve.core.multimodal import image_processor_for, refuse_images_message
 from radixserve.core.plugins import PluginHost, default_host
 from radixserve.core.request import FinishReason, InvalidRequest, Req, SamplingParams
 from radixserve.core.stop import streamable_text
 from radixserve.entrypoints import ipc, tp_workers
 from radixserve.entrypoints.engine_loop import EngineLoop, Inbound, Transport
 from radixserve.entrypoints.fanout import choice_params, per_item
+from radixserve.entrypoints.media import load_images, policy_of
 from radixserve.entrypoints.output import (
     input_logprob_entries,
     logprob_triples,
@@ -96,6 +98,8 @@ class Engine:
             ranks = [(i + 1, p) for i, p in enumerate(self._workers)]
             tp_workers.watch(ranks, self._rank_died)
         self.tokenizer = self.core.tokenizer
+        self._image_processor: Any = None  # built at the first request with images
+        self._image_lock = threading.Lock()
         self._transport = QueueTransport(self)
         self._inbox = self._transport.inbox
         self._ids = itertools.count()
@@ -118,23 +122,28 @@ class Engine:
         return_text_in_logprobs: bool = False,
         stream: bool = False,
         lora_path: str | list[str | None] | None = None,
+        image_data: Any = None,
     ) -> Any:
         """One prompt -> one dict (a list when n > 1); a list of prompts -> a list in order
         (prompt-major, then choice). ``sampling_params`` is one dict for every prompt or a list
         of one per prompt; ``lora_path`` likewise names a loaded LoRA adapter (None: the base
-        model)."""
+        model); ``image_data`` gives a prompt's images (data: URLs, file paths, base64 text or
+        bytes; a list of such lists for a list of prompts), each standing for one image
+        placeholder of the prompt (docs/vision.md)."""
         self._check_running()
         batch = self._prompts(prompt, input_ids)
         single = not isinstance(prompt, list) and not (input_ids and isinstance(input_ids[0], list))
+        mm = self._images_of(batch, image_data, single)
         per_prompt = per_item(sampling_params, len(batch), "sampling_params")
         adapters = per_item(lora_path, len(batch), "lora_path")
         reqs: list[Req] = []
-        for ids, raw, adapter in zip(batch, per_prompt, adapters, strict=True):
+        for ids, raw, adapter, images in zip(batch, per_prompt, adapters, mm, strict=True):
             params = _params(raw, return_logprob, top_logprobs_num)
             check_request_adapter(self.core, adapter)
             for i in range(params.n):
-                req = self._make_req(ids, choice_params(params, i))
+                req = self._make_req(ids if images is None else images[0], choice_params(params, i))
                 req.lora_name = adapter
+                req.mm_inputs = None if images is None else images[1]
                 if return_logprob:
                     # SGLang: without a start, a prefill-only request scores its whole prompt.
                     start = logprob_start_len
@@ -234,6 +243,28 @@ class Engine:
             ):
                 raise InvalidRequest("input_ids must contain only integer token ids")
         return batch
+
+    def _images_of(self, batch: list[list[int]], image_data: Any, single: bool) -> list[Any]:
+        """Per prompt: None, or (its ids with the image spans expanded, MultimodalInputs)."""
+        if image_data is None:
+            return [None] * len(batch)
+        per_prompt = [image_data] if single else image_data
+        if not isinstance(per_prompt, list) or len(per_prompt) != len(batch):
+            raise InvalidRequest("image_data must give one entry (or list) per prompt")
+        with self._image_lock:  # built once, even when several threads submit the first images
+            if self._image_processor is None:
+                found = image_processor_for(self.host, str(self.model_dir))
+                self._image_processor = found or False
+        proc = self._image_processor
+        out: list[Any] = []
+        for ids, refs in zip(batch, per_prompt, strict=True):
+            if refs is None or refs == []:
+                out.append(None)
+                continue
+            if proc is False:
+                raise InvalidRequest(refuse_images_message(self.core.runner.model_config))
+            out.append(proc.expand(ids, load_images(refs, policy_of(self.config))))
+        return out
 
     def _make_req(self, ids: list[int], params: SamplingParams) -> Req:
         rid = f"{uuid.uuid4().hex[:12]}-{next(self._ids)}"

@@ -304,6 +304,7 @@ def request_of(msg: ipc.GenerateRequest) -> Req:
     req.pooling, req.label_token_ids = msg.pooling, msg.label_token_ids
     req.bootstrap = msg.bootstrap
     req.lora_name = msg.lora_name
+    req.mm_inputs = msg.mm
     req.priority, req.session_params = msg.priority, msg.session
     return req
 

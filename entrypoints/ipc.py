@@ -16,6 +16,7 @@ from typing import Any, Union
 import msgspec
 
 from radixserve.core.disaggregation import Bootstrap
+from radixserve.core.multimodal import MultimodalInputs
 from radixserve.core.request import FinishReason, SamplingParams
 from radixserve.core.sessions import SessionParams
 
@@ -39,6 +40,7 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
     bootstrap: Bootstrap | None = None
     priority: int = 0  # core/priority.py
     session: SessionParams | None = None  # core/sessions.py
+    mm: MultimodalInputs | None = None  # the prompt's images (core/multimodal.py)
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):
@@ -271,6 +273,9 @@ class EngineState(msgspec.Struct, tag="state_reply", kw_only=True):
     sessions: dict[str, int] = msgspec.field(default_factory=dict)
     # the hierarchical cache's counts per tier (HiCacheStats + host pool); None when it is off
     hicache: dict[str, int] | None = None
+    # images in (core/multimodal_strategy.py): images encoded, encoder steps and cache hits;
+    # None for a text-only model
+    multimodal: dict[str, int] | None = None
 
 
 class ProfileReply(msgspec.Struct, tag="profile_reply", kw_only=True):

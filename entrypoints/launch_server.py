@@ -24,6 +24,7 @@ from radixserve.entrypoints.engine_client import EngineClient, EngineDied
 from radixserve.entrypoints.http_protocol import guarded_h11
 from radixserve.entrypoints.http_server import create_app
 from radixserve.entrypoints.ipc import EngineReady
+from radixserve.entrypoints.media import policy_of
 from radixserve.entrypoints.metrics import ServerMetrics
 from radixserve.entrypoints.routes_admin import admin_access
 from radixserve.entrypoints.server_args import ServerArgs, parse_server_args
@@ -88,6 +89,7 @@ async def serve(args: ServerArgs, chat_template: str | None = None) -> int:
         tokenizer = Tokenizer(info.model_dir, chat_template=chat_template)
         metrics = ServerMetrics(args.model_name) if args.enable_metrics else None
         tm = TokenizerManager(client, info, tokenizer, metrics, args.limits(info))
+        tm.images.policy = policy_of(args.engine)
         app = create_app(tm, args, metrics)
         config = uvicorn.Config(
             app,

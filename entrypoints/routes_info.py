@@ -108,6 +108,8 @@ async def _server_info(tm: TokenizerManager, args: ServerArgs, gc: GcTimer) -> d
         "cache_hit_rate": state.cache_hit_rate,
         # --enable-hierarchical-cache: tokens hit and moved per tier (None: off)
         "hicache": state.hicache,
+        # a vision-language model: images encoded, encoder steps, encoder-cache hits (None: off)
+        "multimodal": state.multimodal,
         "num_retractions": state.retractions,
         "num_preemptions": state.preemptions,  # retractions for a higher priority
         "priorities": state.priorities,  # per priority: admitted, queue_seconds, preempted

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from radixserve.entrypoints.chat_output import ChatOutput
 from radixserve.entrypoints.http_errors import ApiError
+from radixserve.entrypoints.media import ServerImages
 from radixserve.entrypoints.openai_protocol import (
     AssistantMessage,
     ChatCompletionChoice,
@@ -124,7 +125,10 @@ class ChatServing(OpenAIServing):
         through the chat template; with continue_final_message, the last (assistant)
         message's text goes on unclosed. /tokenize renders chats with it too."""
         plan = plan or plan_tools(body, self.tool_parser)
-        messages = [_message_dict(i, m) for i, m in enumerate(body.messages)]
+        images: list[Any] = []  # image_url parts, in prompt order
+        messages = [
+            _message_dict(i, m, self.tm.images, images) for i, m in enumerate(body.messages)
+        ]
         extra = _template_kwargs(body)
         if plan.active:
             extra["tools"] = plan.tools
@@ -135,7 +139,7 @@ class ChatServing(OpenAIServing):
         ids = await self.tm.encode_chat_async(plan.prompt_messages(messages, template), **extra)
         if prefill:  # the answer goes on from the client's text (SGLang's way)
             ids += (await self.tm.encode_async([prefill], add_special_tokens=False))[0]
-        return ids
+        return await self.tm.images.prompt(ids, images)
 
     async def _stream(
         self,
@@ -250,16 +254,25 @@ def _final_assistant_text(
     return str(messages[-1]["content"])
 
 
-def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
+def _message_dict(
+    index: int, message: ChatMessage, media: ServerImages, images: list[Any]
+) -> dict[str, Any]:
+    """The message for the chat template; an image_url part becomes the family's image
+    placeholder text, its URL appended to ``images``."""
     content = message.content
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
+            if part.get("type") == "image_url" and isinstance(part.get("image_url"), dict | str):
+                media.refuse_if_text_only()
+                images.append(part["image_url"])
+                texts.append(media.placeholder)
+                continue
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ApiError(
                     400,
                     f"messages[{index}].content[{j}] has type {part.get('type')!r}; "
-                    "only text parts are supported",
+                    "only text and image_url parts are supported",
                     param=f"messages[{index}].content",
                 )
             texts.append(part["text"])

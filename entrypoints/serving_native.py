@@ -76,6 +76,7 @@ class NativeServing:
         """Check the call and queue its requests: (stream, batch, requests, their options)."""
         stream = _flag(body.get("stream"), "stream")
         prompts, batch = await self._prompts(body)
+        prompts = await self._with_images(prompts, batch, body.get("image_data"))
         count = len(prompts)
         raw_params = _per_item(body.get("sampling_params"), count, "sampling_params")
         options = [
@@ -112,6 +113,21 @@ class NativeServing:
         )
         reqs, req_options = self._submit(prompts, params, options, rids, boots, loras, route)
         return stream, batch or len(reqs) > 1, reqs, req_options
+
+    async def _with_images(
+        self, prompts: list[list[int]], batch: bool, image_data: Any
+    ) -> list[list[int]]:
+        """The prompts with their ``image_data`` (SGLang's field: one image or a list for one
+        prompt; one entry per prompt for a batch) expanded (docs/vision.md)."""
+        if image_data is None:
+            return prompts
+        per_prompt = image_data if batch else [image_data]
+        if not isinstance(per_prompt, list) or len(per_prompt) != len(prompts):
+            raise InvalidRequest("image_data must have one entry (an image or a list) per prompt")
+        return [
+            await self.tm.images.prompt(ids, refs)
+            for ids, refs in zip(prompts, per_prompt, strict=True)
+        ]
 
     async def _prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
         text, input_ids = body.get("text"), body.get("input_ids")

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from radixserve.core.disaggregation import Bootstrap
+from radixserve.core.multimodal import checked_ids
 from radixserve.core.request import FinishReason, InvalidRequest, SamplingParams
 from radixserve.core.stop import streamable_text
 from radixserve.core.tokenizer import Tokenizer
@@ -23,6 +24,7 @@ from radixserve.core.validation import ServingLimits, check_request
 from radixserve.entrypoints import ipc
 from radixserve.entrypoints.admission import Limits
 from radixserve.entrypoints.engine_client import EngineClient, EngineDied
+from radixserve.entrypoints.media import ServerImages
 from radixserve.entrypoints.metrics import ServerMetrics
 from radixserve.entrypoints.spec_meta import num_draft_tokens
 
@@ -144,6 +146,7 @@ class TokenizerManager:
         self._token_texts: dict[int, str] = {}
         self._weights_lock = asyncio.Lock()
         self.on_engine_death: Callable[[str], None] | None = None
+        self.images = ServerImages(info.model_dir)  # a prompt's images (entrypoints/media.py)
         client.on_step = self._on_step
         client.on_death = self._on_death
 
@@ -232,8 +235,10 @@ class TokenizerManager:
         """Raise InvalidRequest when the prompt or params can never be served (the engine's own
         check, core/validation.py, then this server's size limits). With ``max_field`` (the
         name the client used) the output budget must fit the context."""
+        mm = getattr(ids, "mm", None)  # a prompt with images: its spans hold pad ids
+        prompt = ids if mm is None else checked_ids(list(ids), mm)
         check_request(
-            ids, params, self.serving_limits, pooling=pooling,
+            prompt, params, self.serving_limits, pooling=pooling,
             label_token_ids=label_token_ids, max_field=max_field,
         )  # fmt: skip
         self.limits.check_params(params)
@@ -281,7 +286,8 @@ class TokenizerManager:
                 logprob_start_len = -1  # prompt logprobs come from the prefill (router merges)
         message = ipc.GenerateRequest(
             rid=rid,
-            input_ids=ids,
+            input_ids=list(ids),
+            mm=getattr(ids, "mm", None),
             sampling=params,
             logprob_start_len=logprob_start_len,
             pooling=pooling,

@@ -107,6 +107,13 @@ def gen_string(name: str | None = None, **kwargs: Any) -> ir.Expr:
     return gen(name, dtype="str", **kwargs)
 
 
+def image(path: str) -> ir.Expr:
+    """An image at this point of the prompt (a file path, a data: URL or base64 text), for a
+    vision-language model: the chat template's image token goes in the text, the image beside
+    it (docs/vision.md)."""
+    return ir.Image(path)
+
+
 def select(
     name: str | None = None,
     choices: list[str] | None = None,

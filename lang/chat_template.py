@@ -16,6 +16,7 @@ class ChatTemplate:
     roles: dict[str, tuple[str, str]]  # role -> (prefix, suffix)
     default_system_prompt: str | None = None
     stop_str: tuple[str, ...] = field(default_factory=tuple)
+    image_token: str = "<image>"  # the text image(path) adds for one image
 
     def prefix_and_suffix(self, role: str) -> tuple[str, str]:
         try:
@@ -45,6 +46,12 @@ TEMPLATES: dict[str, ChatTemplate] = {
             },
         ),
         _chatml("chatml"),
+        ChatTemplate(
+            "qwen2-vl",
+            {r: (f"<|im_start|>{r}\n", "<|im_end|>\n") for r in ("system", "user", "assistant")},
+            stop_str=("<|im_end|>",),
+            image_token="<|vision_start|><|image_pad|><|vision_end|>",
+        ),
         # SmolLM2's own template inserts this system turn when a conversation has none.
         _chatml("smollm2", SMOLLM_SYSTEM),
         ChatTemplate(
@@ -61,6 +68,8 @@ TEMPLATES: dict[str, ChatTemplate] = {
 # (substring of the lower-cased model name, template name), first match wins.
 _BY_NAME = (
     ("smollm", "smollm2"),
+    ("qwen2-vl", "qwen2-vl"),
+    ("qwen2_vl", "qwen2-vl"),
     ("qwen", "chatml"),
     ("chatml", "chatml"),
     ("llama-3", "llama-3-instruct"),
@@ -82,6 +91,8 @@ def template_for_model(model_name: str, jinja_template: str | None = None) -> Ch
         if needle in lowered:
             return TEMPLATES[name]
     if jinja_template:
+        if "<|image_pad|>" in jinja_template:
+            return TEMPLATES["qwen2-vl"]
         if "<|im_start|>" in jinja_template:
             return TEMPLATES["chatml"]
         if "<|start_header_id|>" in jinja_template:

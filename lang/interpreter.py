@@ -39,6 +39,7 @@ class StreamExecutor:
         self.stream = stream
         self.text_ = ""
         self.messages_: list[dict[str, Any]] = []
+        self.images_: list[str] = []  # image(path) arguments, in prompt order
         self.variables: dict[str, Any] = {}
         self.meta_info: dict[str, Any] = {}
         self.cur_role: str | None = None
@@ -118,6 +119,7 @@ class StreamExecutor:
             child = StreamExecutor(self.backend, self.defaults, self.chat_template, self.stream)
             child.text_ = self.text_
             child.messages_ = list(self.messages_)
+            child.images_ = list(self.images_)
             child.variables = dict(self.variables)
             child.meta_info = dict(self.meta_info)
             child._done = set(self._done)
@@ -142,7 +144,8 @@ class StreamExecutor:
 
     def view(self) -> ProgramView:
         role_text = self.text_[self.role_begin_pos :] if self.cur_role else ""
-        return ProgramView(self.text_, list(self.messages_), self.cur_role, role_text)
+        images = tuple(self.images_)
+        return ProgramView(self.text_, list(self.messages_), self.cur_role, role_text, images)
 
     def stream_chunks(self, name: str | None) -> Iterator[str]:
         """New text of the whole program (``name`` None) or of one variable, as it arrives."""
@@ -233,6 +236,9 @@ class StreamExecutor:
             decision = self.backend.select(self.view(), expr.choices, expr.temperature, expr.method)
             self._append(decision.decision)
             self.set_var(expr.name, decision.decision, decision.meta_info)
+        elif isinstance(expr, ir.Image):
+            self.images_.append(expr.path)
+            self._append(self.chat_template.image_token)
         elif isinstance(expr, ir.RoleBegin):
             self._role_begin(expr.role)
         elif isinstance(expr, ir.RoleEnd):

@@ -51,6 +51,14 @@ class Gen(Expr):
 
 
 @dataclass(eq=False)
+class Image(Expr):
+    """An image (a file path, a data: URL or base64 text) at this point of the prompt: the
+    chat template's image token in the text, the image sent beside it."""
+
+    path: str
+
+
+@dataclass(eq=False)
 class Select(Expr):
     """Append the choice the backend scores best; stored under ``name`` (when given)."""
 

@@ -32,6 +32,7 @@ class ProgramView:
     messages: list[dict[str, Any]] = field(default_factory=list)
     role: str | None = None  # the open role block, if any
     role_text: str = ""  # what the open role block holds so far
+    images: tuple[str, ...] = ()  # image(path) arguments so far, in prompt order
 
 
 class Backend(ABC):

@@ -70,7 +70,7 @@ class EngineBackend(NativeBackend):
             for k, v in (body.get("sampling_params") or {}).items()
             if k not in _DROPPED_PARAMS
         }
-        extra = {k: body[k] for k in REQUEST_FIELDS if body.get(k) is not None}
+        extra = {k: body[k] for k in (*REQUEST_FIELDS, "image_data") if body.get(k) is not None}
         try:
             out = self.engine.generate(
                 body.get("text"), params, input_ids=body.get("input_ids"), stream=stream, **extra

@@ -39,13 +39,13 @@ class NativeBackend(Backend):
         self.post({"text": text, "sampling_params": {"max_new_tokens": 0}})
 
     def generate(self, view: ProgramView, options: SamplingOptions) -> tuple[str, dict[str, Any]]:
-        out = self.post(generate_body(view.text, options))
+        out = self.post(generate_body(view.text, options, view.images))
         return _item(out, "text"), out["meta_info"]
 
     def generate_stream(
         self, view: ProgramView, options: SamplingOptions
     ) -> Iterator[tuple[str, dict[str, Any]]]:
-        body = {**generate_body(view.text, options), "stream": True}
+        body = {**generate_body(view.text, options, view.images), "stream": True}
         seen = logprobs_seen = 0
         for event in self.post_stream(body):
             if "error" in event:
@@ -75,7 +75,8 @@ class NativeBackend(Backend):
             raise ValueError("select() needs at least one choice")
         prefix = view.text
         # 1. Count (and cache) the prefix.
-        head = self.post({"text": prefix, "sampling_params": {"max_new_tokens": 0}})
+        images = _image_data(view.images)
+        head = self.post({"text": prefix, "sampling_params": {"max_new_tokens": 0}, **images})
         prompt_tokens = int(head["meta_info"]["prompt_tokens"])
         # 2. Teacher-force every prefix + choice, scoring from one token before the prefix end.
         scored = self.post(
@@ -85,6 +86,7 @@ class NativeBackend(Backend):
                 "return_logprob": True,
                 "return_text_in_logprobs": True,
                 "logprob_start_len": max(prompt_tokens - 2, 0),
+                **({"image_data": [images["image_data"]] * len(choices)} if images else {}),
             }
         )
         if not isinstance(scored, list) or len(scored) != len(choices):
@@ -113,12 +115,18 @@ class NativeBackend(Backend):
         )
 
 
-def generate_body(text: str, options: SamplingOptions) -> Body:
+def generate_body(text: str, options: SamplingOptions, images: tuple[str, ...] = ()) -> Body:
     return {
         "text": text,
         "sampling_params": options.resolved().native(),
         **options.logprob_request(),
+        **_image_data(images),
     }
+
+
+def _image_data(images: tuple[str, ...]) -> Body:
+    """The native ``image_data`` field for a prompt's images (none: no field)."""
+    return {"image_data": list(images)} if images else {}
 
 
 def _item(obj: Any, key: str) -> Any:

@@ -208,6 +208,11 @@ class OpenAI(Backend):
 
 
 def _assistant_turn(view: ProgramView, action: str) -> list[dict[str, Any]]:
+    if view.images:
+        raise BackendError(
+            "image() needs RuntimeEndpoint or EngineBackend (native image_data); the OpenAI "
+            "backend sends text only"
+        )
     if view.role != "assistant" or view.role_text.strip():
         raise BackendError(
             f"a chat model can only {action} at the start of an assistant turn (right after "

@@ -329,8 +329,13 @@ class CudaGraphRunner:
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         bs = batch.batch_size
         wanted = tuple(batch.capture_hidden_layers)
-        if batch.hidden_rows is not None or (wanted and wanted != self.capture_layers):
-            # the graphs keep no such hidden states: run eagerly
+        if (
+            batch.hidden_rows is not None
+            or (wanted and wanted != self.capture_layers)
+            or batch.mm is not None
+        ):
+            # the graphs keep no such hidden states, nor a step's image embeddings or M-RoPE
+            # positions (core/multimodal_strategy.py): run eagerly
             self.attention.prepare(batch)
             return self.model.forward(batch)
         if batch.num_decode == 0 and self.verify_shapes:

@@ -65,3 +65,10 @@ def build_llama(
 def register_models(register) -> None:  # type: ignore[no-untyped-def]
     for arch in ARCHITECTURES:
         register(arch, build_llama, description="Llama family (Llama-2/3, Mistral, SmolLM2)")
+    from radixserve.plugins.models.llava import build_llava
+
+    register(
+        "LlavaForConditionalGeneration",
+        build_llava,
+        description="LLaVA-1.5 style (CLIP vision tower, projector, Llama)",
+    )

@@ -40,3 +40,10 @@ def build_qwen2(
 @hookimpl
 def register_models(register) -> None:  # type: ignore[no-untyped-def]
     register("Qwen2ForCausalLM", build_qwen2, description="Qwen2 / Qwen2.5 (QKV bias)")
+    from radixserve.plugins.models.qwen2_vl import build_qwen2_vl
+
+    register(
+        "Qwen2VLForConditionalGeneration",
+        build_qwen2_vl,
+        description="Qwen2-VL (vision tower, M-RoPE)",
+    )

@@ -72,6 +72,14 @@ def test_plugins_json_groups_entries_by_kind() -> None:
     }
 
 
+def test_plugins_says_which_model_families_accept_images() -> None:
+    listing = cli.plugin_listing(cli.default_host())
+    images = {e["name"]: e["images"] for e in listing["model"]}
+    assert images["Qwen2VLForConditionalGeneration"] is True
+    assert images["LlavaForConditionalGeneration"] is True
+    assert images["LlamaForCausalLM"] is False and images["Qwen2ForCausalLM"] is False
+
+
 def test_plugin_that_fails_to_import_is_one_error_line(tmp_path: Path) -> None:
     # A distribution on PYTHONPATH whose entry point's module raises on import.
     dist = tmp_path / "broken_plugin-0.1.dist-info"
