@@ -15,7 +15,6 @@ from radixserve.core.config import ConfigError
 
 # what a step executor, a model or a module may also offer, declared once (re-exported)
 from radixserve.core.interfaces_capabilities import (  # noqa: F401
-    BatchInvariant,
     KeepsHiddenLayers,
     KeepsWeightCopies,
     ReleasesCapture,
