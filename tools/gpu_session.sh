@@ -18,7 +18,8 @@
 set -e
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/pkg
-python3 tools/install_wheels.py .whl /tmp/site
+# WHEELS_REPLACE=NAME: a carried wheel installed over the image's own (e.g. the pinned transformers)
+[ -d .whl ] && python3 tools/install_wheels.py .whl /tmp/site ${WHEELS_REPLACE:+--replace $WHEELS_REPLACE}
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 # An editable install registers the built-in plugins' entry points and the `radixserve` script.
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 \
@@ -34,6 +35,12 @@ while [ $# -gt 0 ]; do
     shift
     if [ "$job" = stash ]; then  # "stash PART": one carried part of the default model's GGUF
         mkdir -p /tmp/gguf-parts && cp "$1" /tmp/gguf-parts/ && ls -la /tmp/gguf-parts
+        shift
+        continue
+    fi
+    if [ "$job" = wheels ]; then  # "wheels DIR": install wheels carried in an earlier call
+        mkdir -p /tmp/wheels-stash && cp "$1"/*.whl /tmp/wheels-stash/ 2>/dev/null
+        python3 tools/install_wheels.py /tmp/wheels-stash /tmp/site ${WHEELS_REPLACE:+--replace $WHEELS_REPLACE}
         shift
         continue
     fi

@@ -112,9 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("wheel_dir", type=Path)
     p.add_argument("target", type=Path)
     p.add_argument("--dry-run", action="store_true", help="print the decisions only")
+    p.add_argument("--replace", action="append", default=[], metavar="NAME",
+                   help="install this carried wheel over the machine's own, protected or not "
+                        "(e.g. the transformers version the tests pin)")  # fmt: skip
     args = p.parse_args(argv)
     wheels = {w.name: w for w in map(read_wheel, sorted(args.wheel_dir.glob("*.whl")))}
     chosen, warnings = choose(wheels, project_requires())
+    for name in map(canon, args.replace):
+        if name in wheels:
+            chosen[name] = f"replaces the machine's {installed(name)} (--replace)"
     for name, wheel in sorted(wheels.items()):
         why = chosen.get(name)
         have = installed(name)
