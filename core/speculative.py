@@ -390,6 +390,7 @@ class Speculator:
             self.stats.accepted_tokens += a
             req.spec_verify_ct += 1
             req.spec_accepted_tokens += a
+            req.spec_draft_tokens += m
             judged = judge and self.pause_unprofitable and self.adaptive is None
             if judged and self.simulate_accept_len is None:
                 self._judge(req, a + 1, m, batch_size)
