@@ -21,8 +21,8 @@ then none (within a few verifies), one that keeps accepting drafts the maximum, 
 size where a row costs more than any request gains, nobody drafts: the fixed batch-size cut-off
 falls out of the same model. A request that stopped drafting probes (a short draft) after a
 number of steps that doubles while probes keep failing. Where every row of a step must be the
-same length (captured verify graphs, ``uniform``), the step's one length is chosen the same way
-for all its requests together.
+same length (captured verify graphs, ``uniform``), the same model decides per step whether all
+its requests draft the full length (shorter drafts padded) or none: a graph serves one length.
 """
 
 from __future__ import annotations
@@ -200,16 +200,15 @@ class AdaptiveDrafting:
             time += c
 
     def _uniform_length(self, states: Sequence[_Req], batch_size: int) -> int:
-        """One length for every request of the step (each verifies that many rows)."""
+        """One length for every request of the step: the full length or none. A captured
+        verify graph serves one draft length per batch size (plugins/hardware/cuda_graph.py),
+        and a step of any other length runs eagerly (~10x the time on an H200), so the step
+        drafts in full, requests that gain little verifying padding, or not at all."""
         c = self.row_cost(batch_size)
-        rows = max(len(states), 1)
-        best, best_rate = 0, 1.0
-        for k in range(1, self.max_draft + 1):
-            gained = sum(expected_gain(s.p, k) for s in states)
-            rate = (batch_size + gained) / (batch_size * (1.0 + c * rows * k))
-            if rate > best_rate:
-                best, best_rate = k, rate
-        return best
+        k = self.max_draft
+        gained = sum(expected_gain(s.p, k) for s in states)
+        rows = max(len(states), 1) * k
+        return k if batch_size + gained > batch_size * (1.0 + c * rows) else 0
 
     def _probed(self, state: _Req, k: int) -> int:
         """``k``, or a probe's short draft for a request idle long enough."""
