@@ -548,29 +548,39 @@ def all_workloads() -> dict[str, list[Workload]]:
 #: Prompts per workload in the ``heldout_*`` groups, and their most new tokens (those of the
 #: held-out acceptance table in docs/speculative-training.md).
 HELDOUT_PROMPTS, HELDOUT_MAX_NEW = 8, 128
-HELDOUT_GROUPS = ("heldout_chat", "heldout_code", "heldout_summary", "heldout_json")
+HELDOUT_GROUPS = (
+    "heldout_chat", "heldout_code", "heldout_summary", "heldout_json", "heldout_multiturn",
+    "heldout_long",
+)  # fmt: skip
+#: The assistant's first reply in the ``heldout_multiturn`` group (the recipe's data has the
+#: target's own answer there; a benchmark needs no engine to build its prompts).
+FIRST_REPLY = "Happy to help. Here is a short answer; ask me if you want more detail."
 
 
 @functools.cache
 def _heldout_items() -> tuple[dict, ...]:
     from radixserve.tools.draft_data import build_prompts
 
-    # the shipped heads' recipe: --prompt-set large --prompts-per-workload 600, seed 0
-    items = build_prompts(600, seed=0, large=True)
+    # the shipped heads' recipe: --prompt-set large --prompts-per-workload 600, seed 0 (varied
+    # adds the multi-turn and long workloads and leaves the four others' prompts as they are)
+    items = build_prompts(600, seed=0, varied=True)
     return tuple(i for i in items if i["split"] == "heldout")
 
 
 def heldout(workload: str) -> list[Workload]:
     """The first held-out prompts of one of tools/draft_data.py's workloads (chat, code,
-    summary, json): prompts from sources the shipped heads never saw in training, built as
-    their recipe builds them (a user turn only). Code and summary prompts come from this
+    summary, json, multiturn, long): prompts from sources the shipped heads never saw in
+    training, built as their recipe builds them (a user turn; a multi-turn one after a first
+    turn answered with FIRST_REPLY). Code and summary prompts come from this
     machine's Python stdlib and docs, so they differ between machines."""
+    from radixserve.tools.draft_data import messages_of
+
     picked = [i for i in _heldout_items() if i["workload"] == workload][:HELDOUT_PROMPTS]
+    limit = 4 * HELDOUT_MAX_NEW if workload == "long" else HELDOUT_MAX_NEW
     return [
-        Workload(f"heldout_{workload}/{i['key']}", [{"role": "user", "content": i["prompt"]}],
-                 HELDOUT_MAX_NEW)
+        Workload(f"heldout_{workload}/{i['key']}", messages_of(i, FIRST_REPLY), limit)
         for i in picked
-    ]  # fmt: skip
+    ]
 
 
 def workload_group(name: str) -> list[Workload]:

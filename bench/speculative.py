@@ -15,6 +15,7 @@ accepted drafts is drawn around the chosen mean, so the cost of the verify path 
     python bench/speculative.py model --device cuda --model-path X.gguf --algorithm EAGLE3 EAGLE \\
         DFLASH --batches 1 8 32
     python bench/speculative.py cpu --algorithm EAGLE3 --groups json_repeat --rounds 3
+    python bench/speculative.py cpu --algorithm EAGLE3 --adaptive --batches 1 8   (A/B)
     python bench/speculative.py gpu --shape llama3-8b --accept 1.5 2.5 3.5 --batches 1 8 64
     python bench/speculative.py gpu --algorithm EAGLE3 --accept 3.0 --batches 1 8 32 --num-draft 3
 """
@@ -63,6 +64,11 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="speculate up to this batch size (--speculative-disable-batch-size; default: the "
         "platform's cut-off, which is what users get)",
+    )
+    model.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="A/B: each algorithm also runs with --speculative-adaptive (column NAME+adaptive)",
     )
     model.add_argument(
         "--num-steps",
@@ -183,6 +189,11 @@ def run_model(args: argparse.Namespace) -> dict[str, Any]:
         extra["speculative_num_steps"] = args.num_steps
     results["engine_flags"] = extra
     modes = {"off": {}} | {a: {**algorithm_flags(a), **extra} for a in args.algorithm}
+    if args.adaptive:  # the A/B: the same engines with adaptive draft lengths
+        modes |= {
+            f"{a}+adaptive": {**modes[a], "speculative_adaptive": True} for a in args.algorithm
+        }
+    columns = [m for m in modes if m != "off"]
     # rounds[r][mode][group][batch] = (output tokens, seconds, verify steps, accepted drafts)
     rounds: list[dict[str, dict[str, dict[int, tuple[int, float, int, int]]]]] = []
     spawn = multiprocessing.get_context("spawn")
@@ -207,7 +218,7 @@ def run_model(args: argparse.Namespace) -> dict[str, Any]:
                 "off_tok_s_rounds": [round(x, 2) for x in offs],
             }
             row = [name, bs, f"{off:.1f}"]
-            for algorithm in args.algorithm:
+            for algorithm in columns:
                 ons = [_rate(t[algorithm][name][bs]) for t in rounds]
                 ratios = [on / o for on, o in zip(ons, offs, strict=True)]
                 verify = sum(t[algorithm][name][bs][2] for t in rounds)
@@ -228,7 +239,7 @@ def run_model(args: argparse.Namespace) -> dict[str, Any]:
             results["groups"][f"{name}-bs{bs}"] = entry
             rows.append(row)
     head = ["group", "batch", "off tok/s"]
-    for algorithm in args.algorithm:
+    for algorithm in columns:
         ratio_head = "ratio (range)" if args.rounds > 1 else "ratio"
         head += [f"{algorithm} tok/s", ratio_head, "accept len"]
     print(format_table(head, rows))

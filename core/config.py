@@ -311,6 +311,13 @@ class EngineConfig:
         "than a verify step costs (measured against plain decode steps) pauses its drafting "
         "for a while",
     )
+    speculative_adaptive: bool = _opt(
+        False,
+        "Choose each request's draft length (0 to --speculative-num-steps, and a tree's width) "
+        "every step from its recent acceptance and the measured cost of a draft row at the "
+        "current batch size (docs/speculative.md); replaces the pause policy and the fixed "
+        "--speculative-disable-batch-size cut-off",
+    )
     disable_speculative_loop: bool = _opt(
         False,
         "Run every speculative step from the host; by default, where the device runs "

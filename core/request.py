@@ -338,6 +338,7 @@ class Req:
         # spec_accepted_tokens).
         self.spec_verify_ct = 0
         self.spec_accepted_tokens = 0
+        self.spec_draft_tokens = 0  # draft tokens verified for it (the metrics' per group)
         self._init_outputs()
         # Prefill/decode disaggregation: where its KV comes from or goes to
         # (core.disaggregation.Bootstrap); None: the request runs whole here.

@@ -162,7 +162,12 @@ class SpecLoop:
         """Whether none of ``reqs`` is paused: the loop judges its requests as one
         (``_judge``) and pauses them together, and a request the plain path paused holds the
         loop off until its pause ends."""
-        return all(self.speculator.may_draft(r) for r in reqs)
+        sp = self.speculator
+        if sp.adaptive is not None and not sp.adaptive.pays_at(
+            [r.rid for r in reqs], len(reqs), self.cycle.k
+        ):
+            return False
+        return all(sp.may_draft(r) for r in reqs)
 
     def _judge(self, reqs: Sequence[Req], accepted: Sequence[int]) -> None:
         """The policy's verdict after a cycle, on its requests as one. The loop drafts for all
@@ -181,7 +186,7 @@ class SpecLoop:
         pause doubling up to MAX_PAUSE: code edits at batch 4, paused one by one and
         restarted by whichever resumed first, restarted the loop every ~9 steps."""
         sp = self.speculator
-        if not sp.pause_unprofitable or not self._pays(reqs):
+        if not sp.pause_unprofitable or sp.adaptive is not None or not self._pays(reqs):
             return  # (paused already: the cycle in flight at a verdict is not judged again)
         if sp.probe_decode(reqs, len(self.reqs)):
             return
@@ -312,8 +317,14 @@ class SpecLoop:
             reqs = [r for r, _, _ in judged]
             drafts = [m for _, m, _ in judged]
             counts = [a for _, _, a in judged]
-            self.speculator.observe_step(True, len(self.reqs), now - self._last_commit_at)
+            self.speculator.observe_step(
+                True, len(self.reqs), now - self._last_commit_at,
+                draft_rows=len(self.reqs) * self.cycle.k,
+            )  # fmt: skip
             self.speculator.verified(reqs, drafts, counts, len(self.reqs), judge=False)
+            if self.speculator.adaptive is not None:
+                for req, m, a in judged:
+                    self.speculator.adaptive.observed(req.rid, m, a)
             self._judge(reqs, counts)
         self._last_commit_at = now
         return changed

@@ -12,6 +12,7 @@ import torch
 
 from radixserve.core.config import ConfigError
 from radixserve.core.interfaces import SpeculativeAlgorithm, SpeculativeContext
+from radixserve.core.spec_adaptive import AdaptiveDrafting
 from radixserve.core.spec_loop import LOOP_BATCH, DeviceVerify, SpecLoop
 from radixserve.core.spec_strategy import Speculation
 from radixserve.core.speculative import Speculator
@@ -80,6 +81,11 @@ def build(core: Any, host: PluginHost, model_dir: Path) -> Speculation | None:
         config.random_seed,
         pause_unprofitable=not config.speculative_disable_pause,
         tree_nodes=config.tree_nodes,
+        adaptive=(
+            AdaptiveDrafting(config.draft_depth, config.tree_nodes)
+            if config.speculative_adaptive
+            else None
+        ),
     )
     keep = runner.capabilities.keep_hidden_layers
     if algorithm.capture_hidden_layers and keep is not None:

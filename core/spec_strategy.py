@@ -18,7 +18,7 @@ from radixserve.core.request import Req, token_slice
 from radixserve.core.spec_loop import SpecLoop
 from radixserve.core.spec_tree import ancestors, follow, node_depths
 from radixserve.core.spec_verify import verify_drafts
-from radixserve.core.speculative import Speculator, speculating
+from radixserve.core.speculative import Speculator, may_speculate, speculating
 from radixserve.core.step_rows import LogitsPlan, StepRows
 
 if TYPE_CHECKING:
@@ -80,6 +80,7 @@ class Speculation(StepStrategy):
         # in the accept statistics, so their pause runs its course
         self.filler_only: set[str] = set()
         self._drafted_last: frozenset[str] = frozenset()  # requests that drafted last step
+        self._real: dict[str, int] = {}  # this step's draft lengths before any padding
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -100,6 +101,7 @@ class Speculation(StepStrategy):
             "num_draft_tokens": sp.num_draft,
             "disable_batch_size": sp.disable_batch_size,
             "simulated_accept_len": sp.simulate_accept_len,
+            "adaptive": sp.adaptive is not None,
             **sp.stats.to_json(),
         }
 
@@ -169,8 +171,9 @@ class Speculation(StepStrategy):
         catching_up = not drafted <= self._drafted_last
         self._drafted_last = drafted
         if is_reference_step(plan, overlapped, self.overlap):
+            rows = sum(len(d.tokens) for d in plan.extra.values())
             self.speculator.observe_step(
-                bool(plan.extra), len(plan.reqs), seconds, catching_up=catching_up
+                bool(plan.extra), len(plan.reqs), seconds, catching_up=catching_up, draft_rows=rows
             )
 
     # -- the scheduler ---------------------------------------------------------------------
@@ -188,6 +191,7 @@ class Speculation(StepStrategy):
         limits = [n for _, n, _, _ in picked]
         slots = [s for _, _, _, s in picked]
         drafts = self._propose(reqs, limits, [t for _, _, t, _ in picked])
+        self._real.update((r.rid, len(d.tokens)) for r, d in zip(reqs, drafts, strict=True))
         if self.uniform:
             self.filler_only.clear()
             for req, limit in paused:  # they verify filler only: the step keeps one shape
@@ -214,6 +218,7 @@ class Speculation(StepStrategy):
         sp = self.speculator
         picked: list[tuple[Req, int, int, int]] = []
         paused: list[tuple[Req, int]] = []
+        lengths = self._adaptive_lengths(decodes)
         drafting = (
             sum(1 for r in decodes if speculating(r) and sp.may_draft(r)) if sp.tree_nodes else 0
         )
@@ -225,7 +230,7 @@ class Speculation(StepStrategy):
             # the same (what it emits past the budget is cut at commit): one shorter draft
             # made the whole step's verify uneven, and such a step runs eagerly (~20 ms of
             # host time for the default model on an H200, against ~1 ms from a graph).
-            limit = min(k, left - 1)
+            limit = min(k if lengths is None else lengths.get(req.rid, 0), left - 1)
             # wants() first: a paused request's pause counts every step, also one whose last
             # token is still on the device (overlap scheduling)
             wants = sp.wants(req)
@@ -236,11 +241,23 @@ class Speculation(StepStrategy):
                     paused.append((req, limit))
                 continue
             tree = sp.tree_nodes_for(req, drafting)
+            if tree and sp.adaptive is not None:
+                tree = sp.adaptive.tree_nodes_for(req.rid, limit)
             if tree and req.seq_len + tree >= self.max_context:
                 tree = 0
             if _alloc_draft_slots(scheduler, req, max(limit, tree)):
                 picked.append((req, limit, tree, max(limit, tree)))
         return picked, paused
+
+    def _adaptive_lengths(self, decodes: list[Req]) -> dict[str, int] | None:
+        """Adaptive drafting's length for each decode that may draft (None: not adaptive).
+        Requests whose last token is still on the device are planned too, so that their
+        idle steps count towards a probe (core/spec_adaptive.py)."""
+        adaptive = self.speculator.adaptive
+        if adaptive is None:
+            return None
+        rids = [r.rid for r in decodes if may_speculate(r)]
+        return adaptive.plan(rids, len(decodes), self.uniform) if rids else {}
 
     def _propose(self, reqs: list[Req], limits: list[int], nodes: list[int]) -> list[Draft]:
         sp = self.speculator
@@ -278,11 +295,15 @@ class Speculation(StepStrategy):
             if kept < emitted:  # cut by a stop or the token budget (uniform drafts draft
                 gain = min(gain, kept - 1)  # past it): count what was kept
             verified.append((req, gain, kept - 1))
+            if self.speculator.adaptive is not None:  # what it drafted itself, not padding
+                real = min(self._real.pop(req.rid, gain), gain)
+                self.speculator.adaptive.observed(req.rid, real, min(kept - 1, real))
         if verified:
             reqs, drafted, accepted = zip(*verified, strict=True)
             self.speculator.verified(reqs, drafted, accepted, len(plan.reqs))
 
     def released(self, req: Any) -> None:
+        self._real.pop(req.rid, None)
         self.speculator.algorithm.release(req.rid)
         self.speculator.forget(req.rid)
 

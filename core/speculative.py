@@ -18,6 +18,7 @@ from radixserve.core import spec_tree
 from radixserve.core.config import ConfigError
 from radixserve.core.interfaces import Draft, SpeculativeAlgorithm
 from radixserve.core.request import Req, ReqState
+from radixserve.core.spec_adaptive import AdaptiveDrafting
 from radixserve.core.spec_tree import tree_problem
 from radixserve.core.spec_verify import read_pending
 
@@ -101,15 +102,19 @@ class Speculator:
         seed: int = 0,
         pause_unprofitable: bool = True,
         tree_nodes: int = 0,
+        adaptive: AdaptiveDrafting | None = None,
     ) -> None:
         """``num_draft``: a chain's length or a tree's depth; ``tree_nodes``: the nodes of a
-        draft tree (0: chains only)."""
+        draft tree (0: chains only); ``adaptive``: per-request draft lengths from acceptance
+        and measured costs (core/spec_adaptive.py) in place of the pause policy and the fixed
+        batch-size cut-off."""
         if tree_nodes and not algorithm.drafts_trees:
             raise ConfigError(
                 f"speculative plugin '{name}' drafts chains only; speculative_eagle_topk > 1 "
                 "(draft trees) needs eagle or eagle3"
             )
         self.algorithm = algorithm
+        self.adaptive = adaptive
         self.name = name
         self.num_draft = num_draft
         self.tree_nodes = tree_nodes
@@ -178,15 +183,24 @@ class Speculator:
         (``wants`` without counting the step: a request in the prefill or paused does not)."""
         if not _decodes_without_prompt_logprobs(req):
             return False
+        if self.adaptive is not None and not self.adaptive.drafting(req.rid):
+            return False
         payoff = self._payoff.get(req.rid) or self._last_verdict
         return payoff is None or payoff.paused <= 0
 
     def forget(self, rid: str) -> None:
+        if self.adaptive is not None:
+            self.adaptive.forget(rid)
         self._payoff.pop(rid, None)
         self._carry.pop(rid, None)
 
     def observe_step(
-        self, verify: bool, batch_size: int, seconds: float, catching_up: bool = False
+        self,
+        verify: bool,
+        batch_size: int,
+        seconds: float,
+        catching_up: bool = False,
+        draft_rows: int = 0,
     ) -> None:
         """A step with only decodes (or only decodes and verifies, ``verify``) took this long.
         ``catching_up``: a request of this verify step did not draft in the step before (its
@@ -197,6 +211,8 @@ class Speculator:
         drafting every step made 39 (speculation off: 26)."""
         if verify and catching_up:
             return
+        if self.adaptive is not None:
+            self.adaptive.observe_step(batch_size, draft_rows if verify else 0, seconds)
         key = (verify, size_class(batch_size))
         self._step_samples.setdefault(key, deque(maxlen=_STEP_WINDOW)).append(seconds)
 
@@ -288,7 +304,10 @@ class Speculator:
         return True
 
     def draft_length(self, batch_size: int) -> int:
-        """Draft tokens per request for a step of ``batch_size`` decodes (0: do not speculate)."""
+        """Draft tokens per request for a step of ``batch_size`` decodes (0: do not speculate);
+        adaptive, the most a request may draft (the cost model decides who drafts how far)."""
+        if self.adaptive is not None:
+            return self.num_draft
         if batch_size > self.disable_batch_size:
             return 0
         if batch_size <= FULL_DRAFT_BATCH:
@@ -371,7 +390,9 @@ class Speculator:
             self.stats.accepted_tokens += a
             req.spec_verify_ct += 1
             req.spec_accepted_tokens += a
-            if judge and self.pause_unprofitable and self.simulate_accept_len is None:
+            req.spec_draft_tokens += m
+            judged = judge and self.pause_unprofitable and self.adaptive is None
+            if judged and self.simulate_accept_len is None:
                 self._judge(req, a + 1, m, batch_size)
         self.algorithm.verified(reqs, accepted)
 
@@ -432,6 +453,11 @@ def _grammar_prefix(grammar: Any, tokens: list[int]) -> list[int]:
 def speculating(req: Req) -> bool:
     """Whether ``req`` may draft this step: decoding, with its last token on the host."""
     return _decodes_without_prompt_logprobs(req) and not req.num_pending
+
+
+def may_speculate(req: Req) -> bool:
+    """Whether ``req`` may draft once its last token is on the host."""
+    return _decodes_without_prompt_logprobs(req)
 
 
 def _decodes_without_prompt_logprobs(req: Req) -> bool:

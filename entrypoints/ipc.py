@@ -170,6 +170,7 @@ class ReqExtras(msgspec.Struct, kw_only=True, omit_defaults=True):
     context_tokens: int = 0
     spec_verify_ct: int = -1
     spec_accepted_tokens: int = -1
+    spec_draft_tokens: int = -1  # with the finish: draft tokens verified for it
     # prefill-only results, with the finish
     embedding: list[float] | None = None
     label_logprobs: list[float] | None = None

@@ -24,6 +24,7 @@ from prometheus_client import (
 )
 
 from radixserve.entrypoints import ipc
+from radixserve.entrypoints.metrics_spec import SpecGroupMetrics
 
 # The exposition format generate_latest writes, as prometheus_client names it.
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -65,6 +66,7 @@ class ServerMetrics:
         self._register_counters()
         self._register_histograms()
         self.engine = _EngineMetrics(self.registry, self._engine_labels)
+        self.spec_groups: SpecGroupMetrics | None = None  # made at the first speculating finish
 
     def _counter(self, name: str, doc: str, extra: Sequence[str] = ()) -> Counter:
         labels = [*TOKENIZER_LABELS, *extra]
@@ -149,6 +151,7 @@ class ServerMetrics:
         cached_tokens: int,
         spec_verify_ct: int,
         e2e: float,
+        spec: tuple[dict[str, str] | None, int, int] = (None, 0, 0),
         ttft: float | None,
         decode_seconds: float | None,
     ) -> None:
@@ -168,6 +171,9 @@ class ServerMetrics:
             self.cached_tokens.labels(**labels, cache_source="device").inc(cached_tokens)
         if spec_verify_ct > 0:
             self.spec_verify_calls.labels(**labels).inc(spec_verify_ct)
+            if self.spec_groups is None:
+                self.spec_groups = SpecGroupMetrics(self.registry, self._req_labels)
+            self.spec_groups.on_finish(spec[0], spec_verify_ct, spec[1], spec[2])
         self.prompt_len.labels(**labels).observe(prompt_tokens)
         self.uncached_len.labels(**labels).observe(prompt_tokens - cached_tokens)
         self.generation_len.labels(**labels).observe(output_tokens)

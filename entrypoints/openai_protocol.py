@@ -122,6 +122,8 @@ class SamplingRequest(BaseModel):
     # open session that keeps this conversation's KV pinned ({"id": ...}).
     priority: int | None = None
     session_params: dict[str, Any] | None = None
+    # SGLang's custom_labels: {"group": ...} keys the speculative metrics (metrics_spec.py)
+    custom_labels: dict[str, Any] | None = None
     # Constrained decoding (SGLang extensions); chat also takes response_format and tools.
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None

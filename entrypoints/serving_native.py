@@ -104,7 +104,9 @@ class NativeServing:
                 raise InvalidRequest("lora_path must be an adapter name or a list of them")
             self.tm.check_lora(name)
         rids = _rids(body.get("rid"), count)
-        route = route_extras(body.get("priority"), body.get("session_params"), append=True)
+        route = route_extras(
+            body.get("priority"), body.get("session_params"), True, body.get("custom_labels")
+        )
         boots = expand_bootstrap(
             body.get("bootstrap_host"),
             body.get("bootstrap_port"),

@@ -161,7 +161,7 @@ class OpenAIServing:
         boots: list[Bootstrap | None] = [None] * (len(prompts) * n)
         route = None
         if body is not None:
-            route = route_extras(body.priority, body.session_params, append=False)
+            route = route_extras(body.priority, body.session_params, False, body.custom_labels)
             boots = expand_bootstrap(
                 body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, [n] * len(prompts)
             )

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,11 +21,37 @@ class RouteExtras:
 
     priority: int = 0
     session: SessionParams | None = None
+    labels: dict[str, str] | None = None  # SGLang's custom_labels (metrics_spec.py's group)
 
 
-def route_extras(priority: Any, session_params: Any, append: bool) -> RouteExtras:
-    """Check the request's ``priority`` and ``session_params`` (``append``: /generate, whose
-    tokens follow the session's context; else an OpenAI route)."""
+def route_extras(
+    priority: Any, session_params: Any, append: bool, custom_labels: Any = None
+) -> RouteExtras:
+    """Check the request's ``priority``, ``session_params`` (``append``: /generate, whose
+    tokens follow the session's context; else an OpenAI route) and ``custom_labels``."""
+    extras = _route_extras(priority, session_params, append)
+    return dataclasses.replace(extras, labels=_custom_labels(custom_labels))
+
+
+def _custom_labels(value: Any) -> dict[str, str] | None:
+    """SGLang's ``custom_labels``: an object of short strings (at most 8)."""
+    if value is None:
+        return None
+    ok = isinstance(value, dict) and len(value) <= 8
+    ok = ok and all(
+        isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 64
+        for k, v in value.items()
+    )
+    if not ok:
+        raise InvalidRequest(
+            f"custom_labels must be an object of at most 8 strings of at most 64 characters, "
+            f"got {value!r:.100}",
+            "custom_labels",
+        )
+    return dict(value)
+
+
+def _route_extras(priority: Any, session_params: Any, append: bool) -> RouteExtras:
     if priority is None:
         priority = 0
     if not isinstance(priority, int) or isinstance(priority, bool):

@@ -92,6 +92,7 @@ def _extras(req: Req, sent: list[int], text: str, error_status: int) -> ipc.ReqE
             extras.top_logprobs = req.output_top_logprobs[n_sent:]
     if req.finished:
         extras.finish = req.finish_reason
+        extras.spec_draft_tokens = req.spec_draft_tokens
         extras.embedding, extras.label_logprobs = req.embedding, req.label_logprobs
         if req.logprob_start_len >= 0:
             extras.input_logprobs = req.input_token_logprobs

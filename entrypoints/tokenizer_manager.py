@@ -74,7 +74,8 @@ class ServerReq:
         "top_logprobs", "cached_tokens", "context_tokens", "finish", "error_status", "created",
         "logprob_start_len", "input_logprobs", "input_top_logprobs",
         "first_token_time", "last_token_time", "finish_time", "timer", "spec_verify_ct",
-        "spec_accepted_tokens", "streaming", "embedding", "label_logprobs",
+        "spec_accepted_tokens", "streaming", "embedding", "label_logprobs", "spec_draft_tokens",
+        "custom_labels",
     )  # fmt: skip
 
     def __init__(
@@ -95,6 +96,8 @@ class ServerReq:
         self.context_tokens = 0  # a session's context the engine put before prompt_ids
         self.spec_verify_ct = 0  # speculation so far (spec_meta.py)
         self.spec_accepted_tokens = 0
+        self.spec_draft_tokens = 0
+        self.custom_labels: dict[str, str] | None = None  # the client's (metrics groups)
         # prefill-only results (serving_embedding.py, serving_score.py)
         self.embedding: list[float] | None = None
         self.label_logprobs: list[float] | None = None
@@ -303,6 +306,7 @@ class TokenizerManager:
             raise InvalidRequest(f"the request cannot be passed to the engine: {e}") from None
         req = ServerReq(rid, ids, params, event)
         req.logprob_start_len = logprob_start_len
+        req.custom_labels = route.labels if route is not None else None
         self.client.send_encoded(data)
         self.reqs[rid] = req
         timeout = self.limits.request_timeout
@@ -453,6 +457,8 @@ class TokenizerManager:
             r.context_tokens = x.context_tokens
         if x.spec_verify_ct >= 0:
             r.spec_verify_ct, r.spec_accepted_tokens = x.spec_verify_ct, x.spec_accepted_tokens
+        if x.spec_draft_tokens >= 0:
+            r.spec_draft_tokens = x.spec_draft_tokens
         if x.embedding is not None:
             r.embedding = x.embedding
         if x.label_logprobs is not None:
@@ -480,6 +486,7 @@ class TokenizerManager:
                 output_tokens=len(r.output_ids),
                 cached_tokens=r.cached_tokens,
                 spec_verify_ct=r.spec_verify_ct,
+                spec=(r.custom_labels, r.spec_draft_tokens, r.spec_accepted_tokens),
                 e2e=now - r.created,
                 ttft=None if first is None else first - r.created,
                 decode_seconds=None if first is None else now - first,

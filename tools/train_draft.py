@@ -204,9 +204,41 @@ def _shift(t: torch.Tensor, by: int) -> torch.Tensor:
     return torch.cat([torch.zeros_like(t[:, :, :by]), t[:, :, :-by]], dim=2)
 
 
+def _checkpoint_file(args: argparse.Namespace) -> Path:
+    return Path(args.work_dir) / f"train-{args.algorithm}.ckpt.pt"
+
+
+def _load_checkpoint(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The training state saved by an earlier run (``--resume``), or None."""
+    path = _checkpoint_file(args)
+    if not args.resume:
+        return None
+    if not path.is_file():
+        print(f"--resume: no checkpoint at {path}; training from the start", flush=True)
+        return None
+    state = torch.load(path, weights_only=False)
+    print(f"--resume: step {state['step']} of {path}", flush=True)
+    return state
+
+
+def _save_checkpoint(args: argparse.Namespace, step: int, objects: dict[str, Any]) -> None:
+    """The whole training state (head, optimizer, schedule, data order, draft vocabulary)
+    after ``step`` steps, written atomically: a run stopped by its time limit resumes here."""
+    path = _checkpoint_file(args)
+    state = {
+        "step": step,
+        **{k: getattr(v, "state_dict", lambda v=v: v)() for k, v in objects.items()},
+    }
+    torch.save(state, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").replace(path)
+
+
 def train(args: argparse.Namespace, data: dict, mc: ModelConfig, layers: list[int]) -> DraftHead:
     dev = args.device
+    resumed = _load_checkpoint(args)
     draft_ids = choose_draft_vocab(data, args.draft_vocab)
+    if resumed is not None:  # the checkpoint's vocabulary (its head's output rows)
+        draft_ids = resumed["draft_ids"]
     embed = data["embed"][0]
     eagle = args.algorithm == "eagle"
     head: DraftHead
@@ -243,17 +275,33 @@ def train(args: argparse.Namespace, data: dict, mc: ModelConfig, layers: list[in
     )
     rng = random.Random(args.seed)
     order: list[int] = []
-    bar = tqdm(range(steps), desc="train", unit="step")
+    first = 0
+    if resumed is not None:
+        head.load_state_dict(resumed["head"])
+        opt.load_state_dict(resumed["opt"])
+        sched.load_state_dict(resumed["sched"])
+        rng.setstate(resumed["rng"])
+        order, first = list(resumed["order"]), resumed["step"]
+    bar = tqdm(range(first, steps), desc="train", unit="step", initial=first, total=steps)
+
+    def checkpoint(step: int) -> None:
+        _save_checkpoint(args, step, {"head": head, "opt": opt, "sched": sched,
+                                      "rng": rng.getstate(), "order": order,
+                                      "draft_ids": draft_ids})  # fmt: skip
+
     amp = (
         torch.autocast(device_type=torch.device(dev).type, dtype=torch.bfloat16)
         if (args.dtype == "bfloat16")
         else None
     )
     deadline = time.time() + args.max_train_seconds if args.max_train_seconds else math.inf
-    for _ in bar:
-        if time.time() > deadline:
-            print(f"training stopped by --max-train-seconds after {bar.n} steps", flush=True)
+    step = first
+    for step in bar:
+        if time.time() > deadline or (args.run_steps and step >= first + args.run_steps):
+            print(f"training stopped at step {step} of {steps} (resume: --resume)", flush=True)
             break
+        if args.checkpoint_every and step > first and step % args.checkpoint_every == 0:
+            checkpoint(step)
         if len(order) < args.batch:
             order += rng.sample(range(n), n)
         batch, order = order[: args.batch], order[args.batch :]
@@ -272,6 +320,9 @@ def train(args: argparse.Namespace, data: dict, mc: ModelConfig, layers: list[in
         opt.step()
         sched.step()
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc="/".join(f"{a:.2f}" for a in accs))
+    else:
+        step = steps
+    checkpoint(step)
     head.eval()
     return head
 
@@ -348,6 +399,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=float, default=4.0)
     p.add_argument("--steps", type=int, default=0, help="training steps (overrides --epochs)")
     p.add_argument("--max-train-seconds", type=float, default=0, help="stop training after")
+    p.add_argument(
+        "--resume", action="store_true",
+        help="continue training from the work directory's checkpoint (the last run's state, "
+        "saved at its end, at --max-train-seconds and every --checkpoint-every steps; --steps "
+        "is the total over the runs)",
+    )  # fmt: skip
+    p.add_argument(
+        "--run-steps", type=int, default=0,
+        help="train at most this many steps in this run, of the --steps/--epochs total (the "
+        "learning-rate schedule spans the total; go on later with --resume)",
+    )  # fmt: skip
+    p.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--save-dtype", default="bfloat16", choices=sorted(_DTYPES))
     p.add_argument("--eval-prompts", type=int, default=12, help="held-out prompts per workload")
@@ -383,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     work = Path(args.work) if args.work else out.parent / f"{out.name}.work"
     work.mkdir(parents=True, exist_ok=True)
+    args.work_dir = str(work)
     phases = set(args.phases.split(","))
     data_file = work / "data.jsonl"
     started = time.time()

@@ -34,9 +34,11 @@ def test_verify_steps_after_a_pause_or_first_are_marked_catching_up(
 
     observe = Speculator.observe_step
 
-    def recorded(self: Speculator, verify: bool, *args: Any, catching_up: bool = False) -> None:
+    def recorded(
+        self: Speculator, verify: bool, *args: Any, catching_up: bool = False, **kw: Any
+    ) -> None:
         observed.append((verify, catching_up))
-        observe(self, verify, *args, catching_up=catching_up)
+        observe(self, verify, *args, catching_up=catching_up, **kw)
 
     monkeypatch.setattr(Speculator, "wants", scheduled)
     monkeypatch.setattr(Speculator, "propose", fixed)

@@ -184,6 +184,42 @@ def test_metrics_follow_the_engine(spec_server: RunningServer) -> None:
     assert grown == stats["verified_requests"] + meta["spec_verify_ct"]
 
 
+def test_metrics_per_workload_group(spec_server: RunningServer) -> None:
+    """custom_labels' group keys the per-request accept-length histogram and the proposed and
+    accepted draft counts, on /generate and the OpenAI routes alike."""
+    metas = [
+        generate(spec_server, n, custom_labels={"group": "json-x"})["meta_info"] for n in (16, 9)
+    ]
+    body = {"model": TINY_MODEL_NAME, "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "custom_labels": {"group": "chat-x"}}  # fmt: skip
+    assert post(spec_server, "/v1/completions", body).status_code == 200
+
+    def group(name: str, value: str) -> float:
+        return metric(spec_server, name, model_name=TINY_MODEL_NAME, group=value)
+
+    lengths = [
+        (m["spec_verify_ct"] + m["spec_accepted_tokens"]) / m["spec_verify_ct"] for m in metas
+    ]
+    assert group("radixserve_spec_request_accept_length_count", "json-x") == 2
+    assert group("radixserve_spec_request_accept_length_sum", "json-x") == pytest.approx(
+        sum(lengths)
+    )
+    # the test drafter drafts K a verify, min(K, left - 1) in a request's last K verifies:
+    # what was proposed really, against meta_info's spec_draft_token_num (verifies x K)
+    full = sum(m["spec_draft_token_num"] for m in metas)
+    drafted = group("radixserve_spec_request_draft_tokens_total", "json-x")
+    assert full - len(metas) * K * K <= drafted < full
+    accepted = sum(m["spec_accepted_tokens"] for m in metas)
+    assert group("radixserve_spec_request_accepted_tokens_total", "json-x") == accepted
+    assert group("radixserve_spec_request_accept_length_count", "chat-x") == 1
+    assert group("radixserve_spec_request_draft_tokens_total", "chat-x") > 0
+    # a request without a group counts under "default"; a malformed label is refused
+    generate(spec_server, 8)
+    assert group("radixserve_spec_request_accept_length_count", "default") >= 1
+    bad = {"text": PROMPT, "custom_labels": {"group": 3}}
+    assert post(spec_server, "/generate", bad).status_code == 400
+
+
 # -- speculation off -----------------------------------------------------------------------
 
 

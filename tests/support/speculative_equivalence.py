@@ -1,7 +1,8 @@
 """Greedy outputs with speculation on equal speculation off, token for token, on SmolLM2 in
 float32: 200+ requests mixing plain text, stop strings and stop tokens, JSON-schema and regex
 constraints, logit_bias, logprobs, n > 1 and streaming, for each built-in speculative plugin,
-and for eagle3 drafting trees (``eagle3-tree``: constrained requests draft chains there).
+and for eagle3 drafting trees (``eagle3-tree``: constrained requests draft chains there);
+``-adaptive`` runs choose each request's draft length with --speculative-adaptive.
 
 The n-gram plugin drafts from each request's own text (prompts that ask to copy text make it
 accept); the standalone plugin uses SmolLM2 itself as the draft, so nearly every draft is
@@ -35,6 +36,7 @@ from filelock import FileLock
 import radixserve.core.spec_tree as spec_tree
 import radixserve.core.speculative as spec_policy
 from radixserve import Engine
+from radixserve.core.spec_adaptive import AdaptiveDrafting
 
 TOPICS = [
     "the sea", "a red fox", "coffee", "the moon", "a library", "winter", "a bicycle", "bread",
@@ -143,6 +145,10 @@ def _run_all(engine: Engine) -> dict[str, Any]:
     }
 
 
+# Adaptive drafting's row cost in the ``-adaptive`` runs, fixed so that the lengths chosen do
+# not depend on the machine's speed: at 32 requests a step a row must gain ~0.07 tokens, so
+# requests whose drafts miss stop drafting (and probe) while the others draft deep.
+ADAPTIVE_ROW_COST = 0.002
 BATCH = 32  # requests a step with speculation on (speculative_disable_batch_size: all draft)
 REFERENCE_BATCH = 64  # speculation off: fewer, larger steps on the CPU
 # KV tokens: room for 64 running requests several times over (no run retracts; asserted). The
@@ -197,6 +203,9 @@ def speculative_fixture(plugins: list[str]) -> Any:
         if shape == "tree":  # topk 4, depth 4, 8 nodes
             kw.update(speculative_eagle_topk=4, speculative_num_draft_tokens=9)
         with pytest.MonkeyPatch.context() as mp:
+            if shape == "adaptive":  # lengths from acceptance, a fixed row cost (not timed)
+                kw["speculative_adaptive"] = True
+                mp.setattr(AdaptiveDrafting, "row_cost", lambda self, batch: ADAPTIVE_ROW_COST)
             mp.setattr(spec_policy, "FULL_DRAFT_BATCH", BATCH)
             mp.setattr(spec_tree, "TREE_BATCH", BATCH)  # every request drafts a tree
             with _engine(smollm2_dir, **kw) as engine:
