@@ -58,18 +58,24 @@ def block_fp8_gemm(
 
 
 @triton.jit
+def round_e4m3_exact(y):
+    """y (float32, within +-448) rounded to FP8 e4m3's values, ties to even: for Triton's
+    interpreter, whose own cast mis-rounds where the rounding carries into the exponent and
+    below 2^-6 (a GPU's cast is exact)."""
+    bits = y.to(tl.int32, bitcast=True)  # normal range: 3 mantissa bits, ties to even
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+    t = tl.abs(y) * 512.0  # subnormals: multiples of 2^-9
+    r = tl.floor(t + 0.5)
+    r = tl.where((r - t == 0.5) & (r % 2 != 0), r - 1.0, r)
+    r = tl.where(y.to(tl.int32, bitcast=True) < 0, -r, r) / 512.0  # -0.0 too
+    return tl.where(tl.abs(y) < 0.015625, r, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def _e4m3(y, EXACT: tl.constexpr):
-    """y (float32, within +-448) as FP8 e4m3 codes. EXACT (the interpreter): rounded to e4m3's
-    values first, since the interpreter's own cast mis-rounds where the rounding carries into
-    the exponent and below 2^-6 (as in plugins/attention/triton/store_kernel.py)."""
+    """y (float32, within +-448) as FP8 e4m3 codes (EXACT: under the interpreter)."""
     if EXACT:
-        bits = y.to(tl.int32, bitcast=True)  # normal range: 3 mantissa bits, ties to even
-        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
-        t = tl.abs(y) * 512.0  # subnormals: multiples of 2^-9
-        r = tl.floor(t + 0.5)
-        r = tl.where((r - t == 0.5) & (r % 2 != 0), r - 1.0, r)
-        r = tl.where(y.to(tl.int32, bitcast=True) < 0, -r, r) / 512.0  # -0.0 too
-        y = tl.where(tl.abs(y) < 0.015625, r, bits.to(tl.float32, bitcast=True))
+        y = round_e4m3_exact(y)
     return y.to(tl.float8e4nv)
 
 

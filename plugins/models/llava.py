@@ -22,7 +22,7 @@ from radixserve.core.multimodal import ImageInput, MultimodalInputs, image_hash,
 from radixserve.core.parallel import SINGLE, TensorParallel
 from radixserve.core.request import InvalidRequest
 from radixserve.plugins.models.decoder import DecoderForCausalLM, activation
-from radixserve.plugins.models.qwen2_vl import decode_image
+from radixserve.plugins.models.qwen2_vl import MergesImageEmbeddings, decode_image
 
 
 def _act(name: str) -> Any:
@@ -112,7 +112,7 @@ class ClipVision(nn.Module):
         return h
 
 
-class LlavaForConditionalGeneration(DecoderForCausalLM):
+class LlavaForConditionalGeneration(MergesImageEmbeddings, DecoderForCausalLM):
     """The Llama decoder with a CLIP vision tower and projector (images in)."""
 
     def __init__(self, config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype,
@@ -133,14 +133,6 @@ class LlavaForConditionalGeneration(DecoderForCausalLM):
         self.multi_modal_projector = projector.to(device=device, dtype=dtype)
         self.projector_act = activation(raw.get("projector_hidden_act", "gelu"))
         self._mm: Any = None
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids.clamp(max=self.config.vocab_size - 1))
-        mm = self._mm
-        if mm is not None and mm.rows.numel():
-            h = h.clone()
-            h[mm.rows] = mm.embeds.to(h.dtype)
-        return h
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

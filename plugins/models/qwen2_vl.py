@@ -202,7 +202,25 @@ class Qwen2VLLayer(DecoderLayer):
         return True, False  # Qwen2's: q/k/v carry a bias, o_proj does not
 
 
-class Qwen2VLForConditionalGeneration(DecoderForCausalLM):
+class MergesImageEmbeddings:
+    """A decoder whose input embeddings take the encoder's output at the image spans' rows
+    (``_mm``, set for each forward from ``ForwardBatch.mm``); a span's pad ids, which lie past
+    the vocabulary (core/multimodal.py), are clamped into it before the lookup."""
+
+    _mm: Any = None
+    embed_tokens: nn.Embedding
+    config: ModelConfig
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids.clamp(max=self.config.vocab_size - 1))
+        mm = self._mm
+        if mm is not None and mm.rows.numel():
+            h = h.clone()
+            h[mm.rows] = mm.embeds.to(h.dtype)
+        return h
+
+
+class Qwen2VLForConditionalGeneration(MergesImageEmbeddings, DecoderForCausalLM):
     """Registered by ``qwen2.py`` (the Qwen2 plugin)."""
 
     layer_cls = Qwen2VLLayer
@@ -221,14 +239,6 @@ class Qwen2VLForConditionalGeneration(DecoderForCausalLM):
             layer.rope_in_attention = False
         self.visual = VisionTower(raw["vision_config"]).to(device=device, dtype=dtype)
         self._mm: Any = None
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids.clamp(max=self.config.vocab_size - 1))
-        mm = self._mm
-        if mm is not None and mm.rows.numel():
-            h = h.clone()
-            h[mm.rows] = mm.embeds.to(h.dtype)
-        return h
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

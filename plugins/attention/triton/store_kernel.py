@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.plugins.models.fp8_kernels import round_e4m3_exact
+
 FP8_MAX: tl.constexpr = 448.0  # float8_e4m3fn's largest value
 
 
@@ -44,13 +46,7 @@ def _narrowed(x, inv_scale, EXACT: tl.constexpr):
     mis-rounds where the rounding carries into the exponent and below 2^-6."""
     y = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -FP8_MAX), FP8_MAX)
     if EXACT:
-        bits = y.to(tl.int32, bitcast=True)  # normal range: 3 mantissa bits, ties to even
-        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
-        t = tl.abs(y) * 512.0  # subnormals: multiples of 2^-9
-        r = tl.floor(t + 0.5)
-        r = tl.where((r - t == 0.5) & (r % 2 != 0), r - 1.0, r)
-        r = tl.where(y.to(tl.int32, bitcast=True) < 0, -r, r) / 512.0  # -0.0 too
-        y = tl.where(tl.abs(y) < 0.015625, r, bits.to(tl.float32, bitcast=True))
+        y = round_e4m3_exact(y)
     return y
 
 
