@@ -36,6 +36,7 @@ MODULE_EXTRAS = {
     "plugins/hardware/allreduce_norm.py": "gpu",
     "plugins/hardware/gemv.py": "gpu",
     "plugins/models/lora_triton.py": "gpu",
+    "plugins/models/fp8_kernels.py": "gpu",
     "plugins/attention/flashinfer/": "flashinfer",
 }
 # Import name -> distribution where the two differ, for packages that may not be installed.

@@ -665,6 +665,7 @@ class FakeSpeculator:
 
     name = "fake"
     tree_nodes = 0  # chains only
+    adaptive = None  # fixed draft lengths (no --speculative-adaptive)
 
     def __init__(self, k: int, draft: Sequence[int], fail: bool = False) -> None:
         self.k, self.draft, self.fail = k, list(draft), fail

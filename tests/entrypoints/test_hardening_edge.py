@@ -178,7 +178,8 @@ def test_request_the_engine_cannot_receive_is_400_and_holds_no_slot() -> None:
 
     sent: list[bytes] = []
     client = SimpleNamespace(dead=None, send_encoded=sent.append, on_step=None, on_death=None)
-    tm = TokenizerManager(client, SimpleNamespace(lora_adapters=None), SimpleNamespace())  # type: ignore[arg-type]
+    ready = SimpleNamespace(lora_adapters=None, model_dir="")
+    tm = TokenizerManager(client, ready, SimpleNamespace())  # type: ignore[arg-type]
     unencodable = SamplingParams(seed=BEYOND_64_BITS)  # built directly: never validated
     with pytest.raises(InvalidRequest, match="cannot be passed to the engine"):
         tm.submit([5, 6], unencodable, asyncio.Event())

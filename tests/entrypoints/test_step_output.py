@@ -18,7 +18,9 @@ from radixserve.entrypoints.tokenizer_manager import ServerReq, TokenizerManager
 
 def manager() -> TokenizerManager:
     client = types.SimpleNamespace(on_step=None, on_death=None, dead=None)
-    ready = types.SimpleNamespace(vocab_size=100, speculative=None, lora_adapters=None)
+    ready = types.SimpleNamespace(
+        vocab_size=100, speculative=None, lora_adapters=None, model_dir=""
+    )
     return TokenizerManager(client, ready, tokenizer=None)  # type: ignore[arg-type]
 
 

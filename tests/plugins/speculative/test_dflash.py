@@ -89,7 +89,8 @@ def _drafter(
     draft.setup(
         SimpleNamespace(  # type: ignore[arg-type]
             config=SimpleNamespace(
-                speculative_draft_model_path=str(head), enable_torch_compile=False
+                speculative_draft_model_path=str(head), enable_torch_compile=False,
+                enable_deterministic_inference=False,
             ),
             platform=CpuPlatform(),  # the head's linears packed, as in the engine
             host=default_host(), model_config=mc, device="cpu", dtype=torch.float32,

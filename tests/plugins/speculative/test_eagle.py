@@ -71,6 +71,7 @@ def _drafter(
         SimpleNamespace(  # type: ignore[arg-type]
             config=SimpleNamespace(
                 speculative_draft_model_path=str(head), enable_torch_compile=False,
+                enable_deterministic_inference=False,
                 speculative_eagle_topk=1, draft_depth=4,
             ),
             platform=CpuPlatform(),  # the head's linears packed, as in the engine

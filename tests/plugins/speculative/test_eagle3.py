@@ -54,6 +54,7 @@ def _drafter(model_dir: Path, head: Path) -> tuple[Eagle3Draft, ReqToTokenPool, 
         SimpleNamespace(  # type: ignore[arg-type]
             config=SimpleNamespace(
                 speculative_draft_model_path=str(head), enable_torch_compile=False,
+                enable_deterministic_inference=False,
                 speculative_eagle_topk=1, draft_depth=4,
             ),
             platform=CpuPlatform(),  # the head's linears packed, as in the engine
