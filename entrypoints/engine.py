@@ -81,32 +81,31 @@ class Engine:
         self.model_dir = Path(resolved)
         self._error: BaseException | None = None
         self._workers = self._start_tp_ranks()
-        try:
-            self.core = EngineCore(
-                self.model_dir,
-                self.config,
-                self.host,
-                self._rendezvous,
-                usage=("offline Engine", OFFLINE_DEFAULTS),
-            )
-        except BaseException:
+        self._transport = QueueTransport(self)
+        self._inbox = self._transport.inbox
+        self._ids = itertools.count()
+        #: the thread that built the EngineCore; the loop runs on it too (_run_engine_thread)
+        self.built_on: int | None = None
+        self.loop: EngineLoop | None = None
+        built: queue.Queue[EngineCore | BaseException] = queue.Queue()
+        self._thread = threading.Thread(
+            target=self._run_engine_thread, args=(built,), name="radixserve-engine", daemon=True
+        )
+        self._thread.start()
+        core = built.get()
+        if isinstance(core, BaseException):
+            self._thread.join()
             if self._rendezvous is not None:  # not a group this process had before the Engine
                 teardown_parallel()
             tp_workers.end_all(self._workers, 10.0)  # they fail alike, or wait for rank 0
-            raise
+            raise core
+        self.core = core
         if self._workers:
             ranks = [(i + 1, p) for i, p in enumerate(self._workers)]
             tp_workers.watch(ranks, self._rank_died)
         self.tokenizer = self.core.tokenizer
         self._image_processor: Any = None  # built at the first request with images
         self._image_lock = threading.Lock()
-        self._transport = QueueTransport(self)
-        self._inbox = self._transport.inbox
-        self._ids = itertools.count()
-        # the same loop as the server's engine process, over in-process queues
-        self.loop = EngineLoop(self.core, self._transport, isolate_failures=False)
-        self._thread = threading.Thread(target=self.loop.run, name="radixserve-engine", daemon=True)
-        self._thread.start()
 
     # -- public API ------------------------------------------------------------------------
 
@@ -198,6 +197,35 @@ class Engine:
         self.shutdown()
 
     # -- internals -------------------------------------------------------------------------
+
+    def _run_engine_thread(self, built: queue.Queue[Any]) -> None:
+        """The engine thread: build the EngineCore, hand it to ``__init__`` (or the error that
+        stopped it), then run the loop (the server engine process's loop, over in-process
+        queues).
+
+        The build runs here rather than on the caller's thread because torch's CPU kernels
+        parallelize through OpenMP, and libgomp keeps a pool of worker threads per thread that
+        starts parallel work: a build on the caller's thread left a second pool beside the
+        loop's, more OpenMP threads than cores, so libgomp cut its workers' spin-wait to a
+        few hundred cycles and woke them through the kernel for every parallel kernel of
+        every step. At batch 1 (hundreds of small kernels a step) steps took twice as long
+        as the server engine's, which builds and steps on one thread (SmolLM2 Q4_1, 2 cores:
+        15.4 against 7.2 ms a decode step)."""
+        try:
+            core = EngineCore(
+                self.model_dir,
+                self.config,
+                self.host,
+                self._rendezvous,
+                usage=("offline Engine", OFFLINE_DEFAULTS),
+            )
+        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+            built.put(e)
+            return
+        self.loop = loop = EngineLoop(core, self._transport, isolate_failures=False)
+        self.built_on = threading.get_ident()
+        built.put(core)
+        loop.run()
 
     def _start_tp_ranks(self) -> list[Any]:
         """With tp_size > 1, spawn ranks 1..N-1 (this process is rank 0). They build their
