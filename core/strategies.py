@@ -8,7 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from radixserve.core import disaggregation, lora_strategy, spec_setup, spec_tree
+from radixserve.core import (
+    disaggregation,
+    hicache_prefetch,
+    lora_strategy,
+    spec_setup,
+    spec_tree,
+)
 from radixserve.core.config import ConfigError
 
 if TYPE_CHECKING:
@@ -60,6 +66,7 @@ def build_all(core: Any, host: PluginHost, model_dir: Path) -> list[StepStrategy
         spec_setup.build(core, host, model_dir),
         disaggregation.build(core, host),
         lora_strategy.build(core),
+        hicache_prefetch.build(core),
     ]
     return [s for s in found if s is not None]  # type: ignore[misc]
 
