@@ -129,17 +129,19 @@ class HiCachePrefetch(StepStrategy):
                 if entry.read is not None and not entry.read.landed:
                     self.cache.stats.prefetch_cancelled += 1
 
+    def refused(self, req: Any, message: str) -> None:
+        entry = self.queued.get(req.rid)
+        if entry is not None and entry.req is req:  # refused after ``admit`` started a read
+            self._forget(req.rid)
+
+    def ended_unscheduled(self, reqs: list[Any]) -> None:
+        self.ended(reqs)  # their grammar failed to compile while they were queued with us
+
     def close(self) -> None:
         for rid in list(self.queued):
             self._forget(rid)
         if self._worker is not None:
             self._reads.put(None)
-
-    def in_flight(self) -> int:
-        """Storage reads the worker has not finished (cancelled ones included)."""
-        return sum(1 for e in self.queued.values() if e.read and not e.read.done.is_set()) + (
-            self._reads.qsize()
-        )
 
     def _forget(self, rid: str) -> _Queued:
         entry = self.queued.pop(rid)
