@@ -19,11 +19,15 @@ and the share of turns whose greedy outputs are identical between the two runs.
         --json-out $OUT/hicache.json
     # CPU (2 cores), scaled down: a small random-weight shape (bench/gpu_model.py cpu-small)
     python bench/hicache.py --device cpu --small
+    # HiCache on with prefetch while queued (and the file storage tier), the issue's size
+    # on the CPU, one run per system:
+    python bench/hicache.py --device cpu --prefetch --storage --once
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -60,6 +64,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=None, help="default: 16 cuda, 1 cpu")
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--prefetch", action="store_true", help="on: --enable-hicache-prefetch")
+    p.add_argument("--prefetch-policy", default="best_effort")
+    p.add_argument("--storage", action="store_true", help="on: the file storage tier (L3)")
+    p.add_argument("--once", action="store_true", help="off then on, not off on on off")
     p.add_argument("--small", action="store_true", help="a size a 2-core CPU runs in minutes")
     p.add_argument("--workdir", default=None)
     p.add_argument("--json-out", default=None)
@@ -85,9 +93,21 @@ def _engine(model_dir: Path, args: argparse.Namespace, hicache: bool) -> EngineC
         context_length=context, chunked_prefill_size=args.chunked_prefill_size,
         page_size=args.page_size, dtype=args.dtype, enable_hierarchical_cache=hicache,
         hicache_ratio=args.hicache_ratio, hicache_write_policy=args.write_policy,
-        hicache_io_backend=args.io_backend,
+        hicache_io_backend=args.io_backend, **(_prefetch_flags(args) if hicache else {}),
     )  # fmt: skip
     return EngineCore(model_dir, config, bench_host(StepStats()))
+
+
+def _prefetch_flags(args: argparse.Namespace) -> dict[str, Any]:
+    flags: dict[str, Any] = {}
+    if args.prefetch:
+        flags["enable_hicache_prefetch"] = True
+        flags["hicache_storage_prefetch_policy"] = args.prefetch_policy
+    if args.storage:  # a fresh directory per run: no run reads another's pages
+        store = tempfile.mkdtemp(prefix="kv-", dir=args.workdir)
+        flags["hicache_storage_backend"] = "file"
+        flags["hicache_storage_backend_extra_config"] = json.dumps({"dir": store})
+    return flags
 
 
 def run(model_dir: Path, args: argparse.Namespace, vocab: int, hicache: bool) -> dict[str, Any]:
@@ -150,16 +170,17 @@ def run(model_dir: Path, args: argparse.Namespace, vocab: int, hicache: bool) ->
     }
 
 
-def _pool(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """Two runs of one system as one: TTFT percentiles over both runs' turns, throughput over
-    both runs' wall time."""
-    ttft = sorted(a["ttft_s"] + b["ttft_s"])
-    assert a["outputs"] == b["outputs"], "a system's two runs gave different outputs"
+def _pool(a: dict[str, Any], b: dict[str, Any] | None) -> dict[str, Any]:
+    """Two runs of one system as one (or one run, ``--once``): TTFT percentiles over the
+    runs' turns, throughput over their wall time."""
+    runs = [a] if b is None else [a, b]
+    ttft = sorted(t for r in runs for t in r["ttft_s"])
+    assert all(r["outputs"] == a["outputs"] for r in runs), "a system's runs differ"
     return {
         "ttft_p50_s": statistics.median(ttft),
         "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
-        "output_tok_s": (a["output_tokens"] + b["output_tokens"]) / (a["wall_s"] + b["wall_s"]),
-        "wall_s": [a["wall_s"], b["wall_s"]],
+        "output_tok_s": sum(r["output_tokens"] for r in runs) / sum(r["wall_s"] for r in runs),
+        "wall_s": [r["wall_s"] for r in runs],
         **{k: a[k] for k in ("cached_tokens", "steps", "prefill_tokens", "tiers", "outputs")},
     }
 
@@ -167,6 +188,7 @@ def _pool(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     args = parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hicache-bench-"))
+    args.workdir = str(workdir)
     model_dir = workdir / args.shape
     if not (model_dir / "config.json").exists():
         write_random_llama(model_dir, args.shape, "cpu")
@@ -178,8 +200,12 @@ def main() -> None:
     )
     # ABBA: the second engine of a process ran slower than the first on the CPU (either way),
     # so each system runs once first and once second; their runs are pooled.
-    rounds = [run(model_dir, args, vocab, on) for on in (False, True, True, False)]
-    results = {"off": _pool(rounds[0], rounds[3]), "on": _pool(rounds[1], rounds[2])}
+    order = (False, True) if args.once else (False, True, True, False)
+    rounds = [run(model_dir, args, vocab, on) for on in order]
+    if args.once:
+        results = {"off": _pool(rounds[0], None), "on": _pool(rounds[1], None)}
+    else:
+        results = {"off": _pool(rounds[0], rounds[3]), "on": _pool(rounds[1], rounds[2])}
     off, on = results["off"], results["on"]
     same = sum(on["outputs"][r] == o for r, o in off["outputs"].items()) / len(off["outputs"])
     summary = {

@@ -65,12 +65,12 @@ class Admission(KVSlots):
 
         def peek(r: Req) -> tuple[int, object]:
             if r.rid not in peeked:
-                key = r.fill_ids()[: _match_limit(r)]
+                key = r.fill_ids()[: match_limit(r)]
                 peeked[r.rid] = self.cache.peek_prefix(key, r.extra_key)
             return peeked[r.rid]
 
         admitted: list[tuple[Req, int]] = []
-        self._reserved = sum(self._reserve_of(r) for r in self.running)
+        self._reserved = self.kv_reserve()
         self._prefilling = [
             r for r in self.running if r.state == ReqState.PREFILL and r.pooling is None
         ]
@@ -102,7 +102,7 @@ class Admission(KVSlots):
         prefilling = [r for r in self._prefilling if r.extra_key == req.extra_key]
         if not prefilling:
             return False
-        limit = _match_limit(req)
+        limit = match_limit(req)
         cached = peek(req)[0]
         span = min(self.config.shared_prefill_min_tokens, limit - cached)
         span -= span % self.allocator.page_size
@@ -115,7 +115,7 @@ class Admission(KVSlots):
     def _admit_one(self, req: Req, budget: int) -> int:
         fill = req.fill_ids()
         cache = self._cache_of(req)
-        prefix, node = cache.match_prefix(fill[: _match_limit(req)], req.extra_key)
+        prefix, node = cache.match_prefix(fill[: match_limit(req)], req.extra_key)
         chunk = min(len(fill) - len(prefix), budget)
         row = self.req_to_token.alloc()
         if row is None:
@@ -149,11 +149,16 @@ class Admission(KVSlots):
         prompt with its share of future tokens beside the running requests' reserve."""
         if len(self.running) >= self.config.max_running_requests:
             return False
-        cached = self.cache.peek_prefix(req.fill_ids()[: _match_limit(req)], req.extra_key)[0]
-        reserved = sum(self._reserve_of(r) for r in self.running)
+        cached = self.cache.peek_prefix(req.fill_ids()[: match_limit(req)], req.extra_key)[0]
+        reserved = self.kv_reserve()
         room = self.allocator.available() + self.cache.evictable_size - reserved
         need = req.seq_len - cached + self.new_token_ratio * self._remaining_new_tokens(req)
         return need <= room
+
+    def kv_reserve(self) -> float:
+        """KV slots the running requests may still take (unslotted prompts, their share of
+        future tokens): free slots beyond it may hold prefixes for the waiting ones."""
+        return sum(self._reserve_of(r) for r in self.running)
 
     def _fits_with_reserve(self, req: Req, uncached: int) -> bool:
         """Whether ``req``'s uncached prompt and its share of future tokens fit beside what the
@@ -173,7 +178,7 @@ class Admission(KVSlots):
         return max(0, min(left, self.config.max_context - req.seq_len))
 
 
-def _match_limit(req: Req) -> int:
+def match_limit(req: Req) -> int:
     """How many leading tokens may come from the cache: never the last one (its logits are
     needed), and none whose logits input-logprob scoring still needs."""
     if req.pooling is not None:

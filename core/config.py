@@ -164,6 +164,16 @@ class EngineConfig:
         None,
         'The storage backend\'s settings as JSON, e.g. {"dir": "/var/cache/radixserve"} for file',
     )
+    enable_hicache_prefetch: bool = _opt(
+        False,
+        "HiCache: a queued request's prefix in storage or host memory moves toward the device "
+        "while it waits (a background thread reads storage; docs/hicache.md)",
+    )
+    hicache_storage_prefetch_policy: str = _opt(
+        "best_effort",
+        "When a prefetching request may start: best_effort (with what has arrived), "
+        "wait_complete, or timeout (prefetch_timeout_* in the backend's extra config)",
+    )
     random_seed: int = _opt(0, "Seed of the engine's random generator")
     enable_deterministic_inference: bool = _opt(
         False,

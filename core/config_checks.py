@@ -238,6 +238,7 @@ def check_lora(cfg: EngineConfig) -> None:
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_IO_BACKENDS = ("direct", "kernel")
 HICACHE_MEM_LAYOUTS = ("layer_first", "page_first")
+HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
 def check_hicache(cfg: EngineConfig) -> None:
@@ -246,7 +247,9 @@ def check_hicache(cfg: EngineConfig) -> None:
         ("hicache_write_policy", cfg.hicache_write_policy, HICACHE_WRITE_POLICIES),
         ("hicache_io_backend", cfg.hicache_io_backend, HICACHE_IO_BACKENDS),
         ("hicache_mem_layout", cfg.hicache_mem_layout, HICACHE_MEM_LAYOUTS),
-    ):
+        ("hicache_storage_prefetch_policy", cfg.hicache_storage_prefetch_policy,
+         HICACHE_PREFETCH_POLICIES),
+    ):  # fmt: skip
         if value not in choices:
             raise ConfigError(f"unknown {name} '{value}'; choose one of {', '.join(choices)}")
     if not cfg.hicache_ratio > 0:
@@ -262,6 +265,8 @@ def check_hicache(cfg: EngineConfig) -> None:
         if not isinstance(parsed, dict):
             raise ConfigError("hicache_storage_backend_extra_config must be a JSON object")
     if not cfg.enable_hierarchical_cache:
+        if cfg.enable_hicache_prefetch:
+            raise ConfigError("--enable-hicache-prefetch needs --enable-hierarchical-cache")
         return
     refused = {
         "--disable-radix-cache": cfg.disable_radix_cache,

@@ -62,6 +62,10 @@ class HiCacheStats:
     host_evicted_tokens: int = 0
     storage_written_pages: int = 0
     dropped_tokens: int = 0  # evicted from the device without a host copy
+    # prefetch (core/hicache_prefetch.py): storage -> host, host -> device, while queued
+    prefetch_storage_tokens: int = 0
+    prefetch_device_tokens: int = 0
+    prefetch_cancelled: int = 0  # prefetches of requests that ended while queued
 
     def to_json(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -85,6 +89,8 @@ class HiRadixCache(RadixCache):
         self.namespace = namespace
         self.stats = HiCacheStats()
         self._counting = True
+        # False once prefetch reads storage off the engine thread (core/hicache_prefetch.py)
+        self.sync_storage = True
         super().__init__(allocator, req_to_token)
 
     # -- accounting ---------------------------------------------------------------------------
@@ -136,7 +142,7 @@ class HiRadixCache(RadixCache):
         walked, rest = self._walk(key, extra_key)
         path = cast(list[HiTreeNode], walked)  # this tree's nodes are all HiTreeNodes
         fetched_now = False
-        if self.storage is not None and len(rest) >= self.page_size:
+        if self.storage is not None and self.sync_storage and len(rest) >= self.page_size:
             fetched = self._fetch_storage(key, len(key) - len(rest), path, extra_key)
             if fetched is not None:
                 path.append(fetched)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from radixserve.core import (
     disaggregation,
+    hicache_prefetch,
     lora_strategy,
     multimodal_strategy,
     spec_setup,
@@ -67,6 +68,7 @@ def build_all(core: Any, host: PluginHost, model_dir: Path) -> list[StepStrategy
         disaggregation.build(core, host),
         lora_strategy.build(core),
         multimodal_strategy.build(core),
+        hicache_prefetch.build(core),
     ]
     return [s for s in found if s is not None]  # type: ignore[misc]
 

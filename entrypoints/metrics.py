@@ -263,6 +263,18 @@ class _EngineMetrics:
         "storage_errors": (
             "radixserve_hicache_storage_errors", "Storage backend calls that failed"
         ),
+        # --enable-hicache-prefetch (SGLang's name for storage -> host)
+        "prefetch_storage_tokens": (
+            "sglang:prefetched_tokens", "Prompt tokens prefetched from storage while queued"
+        ),
+        "prefetch_device_tokens": (
+            "radixserve_hicache_prefetch_device_tokens",
+            "Prompt tokens loaded from host memory to the device while queued",
+        ),
+        "prefetch_cancelled": (
+            "radixserve_hicache_prefetch_cancelled",
+            "Prefetches dropped because their request ended while queued",
+        ),
     }  # fmt: skip
 
     def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:

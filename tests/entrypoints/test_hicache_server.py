@@ -1,6 +1,7 @@
 """The hierarchical cache through the real server: the file storage tier across a server
-restart (the second server serves the prompt's pages from the files the first one wrote), the
-per-tier counts in /server_info and /metrics, /flush_cache and /clear_hicache_storage_backend."""
+restart (the second server prefetches the prompt's pages from the files the first one wrote
+while the request is queued), the per-tier counts in /server_info and /metrics, /flush_cache
+and /clear_hicache_storage_backend."""
 
 from __future__ import annotations
 
@@ -38,15 +39,19 @@ def test_file_tier_survives_a_restart(tiny_llama_dir: Path, tmp_path: Path) -> N
     finally:
         stop_server(server)
     assert len(list(store.glob("*.kv"))) == 6  # the prompt's whole pages
-    server = start_server(args, tmp_path / "second.log")
+    # the second server prefetches the stored pages while the request is queued
+    prefetch = ["--enable-hicache-prefetch", "--hicache-storage-prefetch-policy", "wait_complete"]
+    server = start_server([*args, *prefetch], tmp_path / "second.log")
     try:
         second = _generate(server.url, prompt)
         assert second["meta_info"]["cached_tokens"] == 96
         assert second["output_ids"] == first["output_ids"]
         info = requests.get(server.url + "/server_info", timeout=30).json()
-        assert info["hicache"]["storage_hit_tokens"] == 96
+        assert info["hicache"]["prefetch_storage_tokens"] == 96
+        assert info["hicache"]["storage_hit_tokens"] == 0  # admission read no storage itself
         metrics = requests.get(server.url + "/metrics", timeout=30).text
         assert "radixserve_hicache_storage_hit_tokens_total" in metrics
+        assert "sglang:prefetched_tokens_total" in metrics
         assert requests.post(server.url + "/flush_cache", timeout=30).status_code == 200
         cleared = requests.post(server.url + "/clear_hicache_storage_backend", timeout=30)
         assert cleared.status_code == 200, cleared.text
