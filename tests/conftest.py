@@ -29,7 +29,8 @@ def _pin_to_this_workers_cores() -> None:
     cores = sorted(os.sched_getaffinity(0))
     if not worker.startswith("gw") or count < 2 or len(cores) < count:
         return
-    os.sched_setaffinity(0, cores[int(worker[2:]) :: count])
+    # a worker xdist starts in place of a crashed one is numbered past the count
+    os.sched_setaffinity(0, cores[int(worker[2:]) % count :: count])
 
 
 _pin_to_this_workers_cores()

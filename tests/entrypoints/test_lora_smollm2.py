@@ -61,7 +61,7 @@ def test_offline_engine_mixed_batch_equals_peft(
     paths = [f"{name}={path}" for name, path in adapters.items()]
     params = {"max_new_tokens": N, "temperature": 0, "ignore_eos": True}
     with Engine(str(smollm2_dir), lora_paths=paths, dtype="float32", plugins={"hardware": "cpu"},
-                max_loras_per_batch=2) as engine:  # fmt: skip
+                max_loras_per_batch=2, max_total_tokens=8192) as engine:  # fmt: skip
         # every prompt under every adapter, in one call: one batch of all three kinds
         runs = [(i, a) for a in ADAPTERS for i in range(len(PROMPTS))]
         out = engine.generate(

@@ -83,7 +83,7 @@ def test_engine_with_no_flags_serves_the_fast_mode(
     smollm2_dir: Path, fast_default: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     params = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
-    with Engine(str(smollm2_dir), plugins=("hardware=cpu",)) as engine:
+    with Engine(str(smollm2_dir), plugins=("hardware=cpu",), max_total_tokens=8192) as engine:
         config = engine.core.config
         assert (config.quantization, config.kv_cache_dtype) == ("gguf", "float16")
         assert not config.enable_torch_compile

@@ -61,6 +61,7 @@ def _run(engine: Engine) -> list[dict[str, Any]]:
 
 
 def _smollm2(path: Path, **kw: Any) -> Engine:
+    kw.setdefault("max_total_tokens", 8192)  # the default pool takes a share of the host memory
     return Engine(str(path), dtype="float32", debug_leak_check=True, **kw)
 
 
