@@ -10,7 +10,9 @@ own rules, from the same code.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import gc
 import itertools
 import logging
 import queue
@@ -49,6 +51,20 @@ logger = logging.getLogger(__name__)
 #: 60.75 at 2 (bench/HISTORY.md, issue 19). vLLM's offline LLM class also batches more per
 #: step than its server by default.
 OFFLINE_DEFAULTS: dict[str, Any] = {"prefill_shrink_after_decodes": 0}
+
+
+def _return_freed_host_memory() -> None:
+    """Hand the C allocator's freed pages back to the system. The model and the KV pool were
+    allocated on the engine thread, in that thread's malloc arena, which glibc does not trim on
+    its own: without this a process kept about a model's size for each Engine it had started
+    and stopped (SmolLM2 in float32, five Engines one after the other: 1.5 GB resident after
+    them, against 310 MB with the trim)."""
+    gc.collect()
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: its allocator's own policy stands
+        return
+    libc.malloc_trim(0)
 
 
 class EngineDeadError(RuntimeError):
@@ -189,6 +205,7 @@ class Engine:
         tp_workers.stop_watching(self._workers)  # their exits are expected from here on
         self.core.shutdown()  # rank 0 tells the other tensor-parallel ranks to stop
         tp_workers.end_all(self._workers, 10.0)
+        _return_freed_host_memory()
 
     def __enter__(self) -> Engine:
         return self
