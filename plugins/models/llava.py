@@ -20,9 +20,8 @@ from radixserve.core.config import ConfigError, ModelConfig
 from radixserve.core.interfaces import AttentionBackend
 from radixserve.core.multimodal import ImageInput, MultimodalInputs, image_hash, pad_id
 from radixserve.core.parallel import SINGLE, TensorParallel
-from radixserve.core.request import InvalidRequest
 from radixserve.plugins.models.decoder import DecoderForCausalLM, activation
-from radixserve.plugins.models.qwen2_vl import MergesImageEmbeddings, decode_image
+from radixserve.plugins.models.qwen2_vl import MergesImageEmbeddings, placed_images
 
 
 def _act(name: str) -> Any:
@@ -202,12 +201,7 @@ class LlavaImages:
     def expand(
         self, input_ids: list[int], images: list[bytes]
     ) -> tuple[list[int], MultimodalInputs]:
-        places = [i for i, t in enumerate(input_ids) if t == self.image_token]
-        if len(places) != len(images):
-            raise InvalidRequest(
-                f"the prompt has {len(places)} image placeholders for {len(images)} images"
-            )
-        decoded = [decode_image(data, i) for i, data in enumerate(images)]
+        places, decoded = placed_images(input_ids, self.image_token, images)
         pixels = self.processor(images=decoded, return_tensors="pt")["pixel_values"].float()
         ids: list[int] = []
         items: list[ImageInput] = []

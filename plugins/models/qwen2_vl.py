@@ -292,6 +292,19 @@ def build_qwen2_vl(
 # ---- the tokenizer side ----
 
 
+def placed_images(
+    input_ids: list[int], image_token: int, images: list[bytes]
+) -> tuple[list[int], list[Any]]:
+    """The positions of a prompt's image placeholders and its images decoded, one per
+    placeholder (a count that differs is the request's error)."""
+    places = [i for i, t in enumerate(input_ids) if t == image_token]
+    if len(places) != len(images):
+        raise InvalidRequest(
+            f"the prompt has {len(places)} image placeholders for {len(images)} images"
+        )
+    return places, [decode_image(data, i) for i, data in enumerate(images)]
+
+
 def decode_image(data: bytes, index: int) -> Any:
     """A PIL image in RGB; InvalidRequest naming the image when its bytes are not one."""
     try:
@@ -332,12 +345,7 @@ class Qwen2VLImages:
     def expand(
         self, input_ids: list[int], images: list[bytes]
     ) -> tuple[list[int], MultimodalInputs]:
-        places = [i for i, t in enumerate(input_ids) if t == self.image_token]
-        if len(places) != len(images):
-            raise InvalidRequest(
-                f"the prompt has {len(places)} image placeholders for {len(images)} images"
-            )
-        decoded = [decode_image(data, i) for i, data in enumerate(images)]
+        places, decoded = placed_images(input_ids, self.image_token, images)
         out = self.processor(images=decoded, return_tensors="pt")
         pixels = out["pixel_values"].float().contiguous()
         grids = [tuple(int(v) for v in g) for g in out["image_grid_thw"].tolist()]
