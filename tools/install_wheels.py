@@ -87,10 +87,18 @@ def project_requires() -> list[str]:
     return list(tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"])
 
 
-def choose(wheels: dict[str, Wheel], project: list[str]) -> tuple[dict[str, str], list[str]]:
+def choose(
+    wheels: dict[str, Wheel], project: list[str], replace: tuple[str, ...] = ()
+) -> tuple[dict[str, str], list[str]]:
     """{name: why} of the wheels to install, and warnings about requirements left unmet: the
-    missing ones, then any carried one that radixserve or an installed wheel needs newer."""
+    missing ones, then any carried one that radixserve or an installed wheel needs newer. A
+    replaced wheel brings its carried requirements with it, protected or not (transformers
+    5.25 needs a newer huggingface-hub and tokenizers than an image built for 5.17)."""
     chosen = {n: "not installed" for n in wheels if installed(n) is None}
+    for name in replace:
+        if name in wheels:
+            chosen[name] = f"replaces the machine's {installed(name)} (--replace)"
+    brings = set(n for n in replace if n in wheels)
     warnings: list[str] = []
     pending = [("radixserve", project)] + [(n, wheels[n].requires) for n in chosen]
     while pending:
@@ -99,9 +107,12 @@ def choose(wheels: dict[str, Wheel], project: list[str]) -> tuple[dict[str, str]
             have = wheels[dep].version if dep in chosen else installed(dep)
             if have is not None and satisfied(req, have):
                 continue
-            if dep in wheels and dep not in chosen and dep not in PROTECTED:
+            free = dep not in PROTECTED or (who in brings and dep not in {"torch", "triton"})
+            if dep in wheels and dep not in chosen and free:
                 chosen[dep] = f"installed {have} is too old: {who} needs {req}"
                 pending.append((dep, wheels[dep].requires))
+                if who in brings:
+                    brings.add(dep)
             else:
                 warnings.append(f"{who} needs {req}; found {have or 'nothing'}")
     return chosen, list(dict.fromkeys(warnings))
@@ -117,10 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(e.g. the transformers version the tests pin)")  # fmt: skip
     args = p.parse_args(argv)
     wheels = {w.name: w for w in map(read_wheel, sorted(args.wheel_dir.glob("*.whl")))}
-    chosen, warnings = choose(wheels, project_requires())
-    for name in map(canon, args.replace):
-        if name in wheels:
-            chosen[name] = f"replaces the machine's {installed(name)} (--replace)"
+    chosen, warnings = choose(wheels, project_requires(), tuple(map(canon, args.replace)))
     for name, wheel in sorted(wheels.items()):
         why = chosen.get(name)
         have = installed(name)
