@@ -29,10 +29,10 @@ from radixserve.core.engine_core import EngineCore
 from radixserve.core.lora_strategy import check_request_adapter
 from radixserve.core.multimodal import image_processor_for, refuse_images_message
 from radixserve.core.plugins import PluginHost, default_host
-from radixserve.core.request import FinishReason, InvalidRequest, Req, SamplingParams
-from radixserve.core.stop import streamable_text
+from radixserve.core.request import InvalidRequest, Req, SamplingParams
 from radixserve.entrypoints import ipc, tp_workers
-from radixserve.entrypoints.engine_loop import EngineLoop, Inbound, Transport
+from radixserve.entrypoints.engine_loop import EngineLoop
+from radixserve.entrypoints.engine_transport import FINISHED, QueueTransport
 from radixserve.entrypoints.fanout import choice_params, per_item
 from radixserve.entrypoints.media import load_images, policy_of
 from radixserve.entrypoints.output import (
@@ -97,7 +97,7 @@ class Engine:
         self.model_dir = Path(resolved)
         self._error: BaseException | None = None
         self._workers = self._start_tp_ranks()
-        self._transport = QueueTransport(self)
+        self._transport = QueueTransport(self._check_running, self._record_error)
         self._inbox = self._transport.inbox
         self._ids = itertools.count()
         #: the thread that built the EngineCore; the loop runs on it too (_run_engine_thread)
@@ -269,7 +269,11 @@ class Engine:
     def _rank_died(self, reason: str) -> None:
         # The engine thread fails too if it was in a step (the collective errors out).
         logger.error("engine stopped: %s", reason)
-        self._error = self._error or RuntimeError(reason)
+        self._record_error(RuntimeError(reason))
+
+    def _record_error(self, error: BaseException) -> None:
+        """The first error is the one callers are told (a dead rank, if that was the cause)."""
+        self._error = self._error or error
 
     def _prompts(self, prompt: Any, input_ids: Any) -> list[list[int]]:
         if (prompt is None) == (input_ids is None):
@@ -325,7 +329,7 @@ class Engine:
         return self._transport.submit(req)
 
     def _wait(self, req: Req, box: queue.Queue[Any]) -> dict[str, Any]:
-        while box.get() is not _FINISHED:
+        while box.get() is not FINISHED:
             pass
         return self._result(req)
 
@@ -335,7 +339,7 @@ class Engine:
         try:
             while True:
                 event = box.get()
-                if event is _FINISHED:
+                if event is FINISHED:
                     yield self._result(req)
                     return
                 tokens, text, spec = event
@@ -401,127 +405,6 @@ class Engine:
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-class QueueTransport(Transport):
-    """The offline Engine's side of the loop: callers queue messages in ``inbox`` (a Req to
-    add, ipc structs for the rest); each request's progress goes to its caller's own queue as
-    a snapshot taken between steps, then ``_FINISHED``."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.inbox: queue.Queue[Inbound] = queue.Queue()
-        self._pending: list[Inbound] = []  # taken from the inbox by ``wait``
-        # Held to queue work and to close the inbox, so nothing is queued after the loop's
-        # last look at it (that caller would wait forever).
-        self._lock = threading.Lock()
-        self.closed = False
-        self._outboxes: dict[str, tuple[Req, queue.Queue[Any], list[int]]] = {}
-        self._calls: dict[int, queue.Queue[bool]] = {}
-
-    # -- the callers' side -------------------------------------------------------------------
-
-    def submit(self, req: Req) -> queue.Queue[Any]:
-        box: queue.Queue[Any] = queue.Queue()
-        with self._lock:
-            self.engine._check_running()
-            self._outboxes[req.rid] = (req, box, [0])
-            self.inbox.put(req)
-        return box
-
-    def call(self, msg: Any) -> Any:
-        answer: queue.Queue[Any] = queue.Queue()
-        with self._lock:
-            self.engine._check_running()
-            self._calls[msg.call_id] = answer
-            self.inbox.put(msg)
-        return answer.get()
-
-    # -- the loop's side ---------------------------------------------------------------------
-
-    def wait(self, timeout: float | None) -> bool:
-        try:
-            self._pending.append(self.inbox.get(timeout=timeout))
-        except queue.Empty:
-            pass
-        return True  # the caller is this process
-
-    def receive(self) -> Iterator[Inbound]:
-        while self._pending:
-            yield self._pending.pop(0)
-        while True:
-            try:
-                yield self.inbox.get_nowait()
-            except queue.Empty:
-                return
-
-    def deliver(self, req: Req, error_status: int = 0) -> int:
-        entry = self._outboxes.get(req.rid)
-        if entry is None:
-            return 0
-        _, box, sent = entry
-        new = len(req.output_ids) - sent[0]
-        sent[0] = len(req.output_ids)
-        if req.finished:
-            self._outboxes.pop(req.rid, None)
-            box.put(_FINISHED)
-        else:
-            # A snapshot taken here, between steps: the caller's thread never reads text that
-            # the next step is changing (a stop string appended, then cut). A tail that could
-            # still become a stop string is held back, as the server holds it back.
-            text = req.detok.text if req.detok is not None else ""
-            spec = (req.spec_verify_ct, req.spec_accepted_tokens)
-            box.put((len(req.output_ids), streamable_text(text, req.sampling.stop), spec))
-        return new
-
-    def reply(self, msg: ipc.EngineOutbound) -> None:
-        if isinstance(msg, ipc.FlushCacheReply):
-            self._calls.pop(msg.call_id).put(msg.ok)
-        elif isinstance(msg, ipc.LoraReply):
-            self._calls.pop(msg.call_id).put(lora_reply_json(msg))
-
-    def close(self, error: Exception | None, handling: Inbound | None) -> None:
-        """Requests still running or queued end with an abort naming why, a flush waiting for
-        its answer gets False, and later calls an EngineDeadError."""
-        if error is None:
-            message = "engine shut down"
-        else:
-            message = f"engine error: {error}"
-            self.engine._error = self.engine._error or error  # a dead rank, if that was the cause
-            if handling is not None:  # taken from the inbox already: answer it here
-                self._refuse(handling, message)
-        with self._lock:
-            self.closed = True
-            for item in self._pending:
-                self._refuse(item, message)
-            while True:
-                try:
-                    self._refuse(self.inbox.get_nowait(), message)
-                except queue.Empty:
-                    break
-        for req, _, _ in list(self._outboxes.values()):
-            self._refuse(req, message)
-
-    def _refuse(self, item: Inbound, message: str) -> None:
-        """Answer a message the loop will not carry out: a request ends with ``message``, a
-        flush reports False."""
-        if isinstance(item, Req):
-            if not item.finished:
-                item.finish(FinishReason("abort", message=message))
-            self.deliver(item)
-        elif isinstance(item, ipc.FlushCacheRequest):
-            self._calls.pop(item.call_id).put(False)
-        elif isinstance(item, ipc.LoadLoraRequest | ipc.UnloadLoraRequest):
-            self._calls.pop(item.call_id).put({"success": False, "error_message": message})
-
-
-_FINISHED = object()
-
-
-def lora_reply_json(msg: ipc.LoraReply) -> dict[str, Any]:
-    """A LoRA call's reply as SGLang's /load_lora_adapter answers it."""
-    return {"success": msg.success, "error_message": msg.error_message,
-            "loaded_adapters": msg.loaded_adapters}  # fmt: skip
 
 
 def _params(

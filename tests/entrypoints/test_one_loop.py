@@ -16,7 +16,7 @@ from server_process import RunningServer
 
 from radixserve import Engine
 from radixserve.core.request import InvalidRequest, Req, SamplingParams
-from radixserve.entrypoints.engine import QueueTransport
+from radixserve.entrypoints.engine_transport import QueueTransport
 from radixserve.entrypoints.engine_client import EngineClient
 from radixserve.entrypoints.engine_loop import EngineLoop
 from radixserve.entrypoints.engine_process import ZmqTransport, _ready, server_loop
