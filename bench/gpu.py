@@ -14,13 +14,15 @@ time, prefill included, EOS ignored.
     python bench/gpu.py --shape tiny --hardware cpu --attention torch_native --small  # smoke test
     python bench/gpu.py --deterministic ab --skip-hf --skip-big  # deterministic mode off, then on
 
-``--images``: instead, images in (docs/vision.md) on a random-weight Qwen2-VL-7B shape (``--shape
-tiny``: a tiny one): 64 requests of one 448x448 image (256 image tokens) + 128 text tokens ->
-128 output tokens, all submitted at once; images per second and TTFT p50, first with every
-image different, then with every request sending the same image (encoder and prefix cache hits).
+``--images``: instead, images in (docs/vision.md) on a random-weight Qwen2.5-VL-7B shape
+(``--vl-shape``: qwen2-vl-7b or a tiny one; ``--shape tiny``: tiny-qwen2.5-vl): 64 requests of
+one 448x448 image (256 image tokens) + 128 text tokens -> 128 output tokens, all submitted at
+once; images per second and TTFT p50, first with every image different, then with every
+request sending the same image (encoder and prefix cache hits).
 
     python bench/gpu.py --images --json-out $OUT/vision.json
     python bench/gpu.py --images --shape tiny --hardware cpu --attention torch_native --small
+    python bench/gpu.py --images --vl-shape qwen2-vl-7b --json-out $OUT/vision-qwen2-vl.json
 """
 
 from __future__ import annotations
@@ -73,7 +75,10 @@ def parse_args() -> argparse.Namespace:
                         "with it, and their ratios")  # fmt: skip
     p.add_argument("--dtype", default=None, help="engine dtype (default: the platform's)")
     p.add_argument("--images", action="store_true",
-                   help="the vision workload (Qwen2-VL-7B shape), not the text ones")  # fmt: skip
+                   help="the vision workload (Qwen2.5-VL-7B shape), not the text ones")  # fmt: skip
+    p.add_argument("--vl-shape", choices=sorted(VL_SHAPES), default=None,
+                   help="--images' model (default qwen2.5-vl-7b; tiny-qwen2.5-vl with "
+                        "--shape tiny)")  # fmt: skip
     return p.parse_args()
 
 
@@ -444,7 +449,8 @@ def images_pass(engine: Any, prompts_: list[list[int]], images: list[bytes], new
 
 def run_images(args: argparse.Namespace, workdir: Path, res: dict[str, Any]) -> dict[str, Any]:
     """The --images workload (see the module's docstring)."""
-    shape = "tiny" if args.shape == "tiny" else "qwen2-vl-7b"
+    shape = args.vl_shape or ("tiny-qwen2.5-vl" if args.shape == "tiny" else "qwen2.5-vl-7b")
+    res["vl_shape"] = shape
     model_dir = workdir / shape
     device = "cuda" if torch.cuda.is_available() else "cpu"
     res["weight_bytes"] = write_random_qwen2_vl(model_dir, shape, device)

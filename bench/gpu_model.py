@@ -102,28 +102,54 @@ def _write_tokenizer(out: Path, vocab_size: int) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t2", "bos_token": "t1"}))
 
 
-#: Qwen2-VL-7B's shape (language model and vision tower); "tiny" for a CPU smoke test
+_QWEN_7B_TEXT = dict(
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    vocab_size=152064,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    mrope=[16, 24, 24],
+)
+_TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                  max_position_embeddings=4096, rope_theta=10000.0, mrope=[2, 3, 3])  # fmt: skip
+
+#: Qwen2.5-VL-7B's and Qwen2-VL-7B's shapes (language model and vision tower); "tiny-*" for a
+#: CPU smoke test. ``family``: qwen2_5_vl (RMSNorm, gated SiLU MLP, 112-pixel windows with
+#: full attention at ``fullatt_block_indexes``) or qwen2_vl (LayerNorm, quick-GELU MLP)
 VL_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-vl-7b": dict(
+        family="qwen2_5_vl", text=_QWEN_7B_TEXT,
+        vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                    patch_size=14, window_size=112, fullatt_block_indexes=[7, 15, 23, 31]),
+    ),
     "qwen2-vl-7b": dict(
-        text=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                  num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-                  max_position_embeddings=32768, rope_theta=1000000.0, mrope=[16, 24, 24]),
+        family="qwen2_vl", text=_QWEN_7B_TEXT,
         vision=dict(depth=32, embed_dim=1280, num_heads=16, mlp_ratio=4, patch_size=14),
     ),
-    "tiny": dict(
-        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
-                  max_position_embeddings=4096, rope_theta=10000.0, mrope=[2, 3, 3]),
+    "tiny-qwen2.5-vl": dict(
+        family="qwen2_5_vl", text=_TINY_TEXT,
+        vision=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=14,
+                    window_size=112, fullatt_block_indexes=[1]),
+    ),
+    "tiny-qwen2-vl": dict(
+        family="qwen2_vl", text=_TINY_TEXT,
         vision=dict(depth=2, embed_dim=32, num_heads=2, mlp_ratio=2, patch_size=14),
     ),
 }  # fmt: skip
+_VL_ARCH = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+            "qwen2_vl": "Qwen2VLForConditionalGeneration"}  # fmt: skip
 
 
 def write_random_qwen2_vl(out: Path, shape: str, device: str, seed: int = 0) -> int:
-    """A Qwen2VLForConditionalGeneration directory of ``shape`` (VL_SHAPES) with random
-    weights, a word-level tokenizer and Qwen2-VL's image processor settings (patch 14, merge
-    2: a 448x448 image is 256 tokens); the image token is the vocabulary's last id. Returns
-    its weight bytes (bfloat16)."""
+    """A Qwen2-VL or Qwen2.5-VL directory of ``shape`` (VL_SHAPES) with random weights, a
+    word-level tokenizer and Qwen2-VL's image processor settings (patch 14, merge 2: a 448x448
+    image is 256 tokens); the image token is the vocabulary's last id. Returns its weight bytes
+    (bfloat16)."""
+    family = VL_SHAPES[shape]["family"]
     t, v = VL_SHAPES[shape]["text"], VL_SHAPES[shape]["vision"]
     h, vocab = t["hidden_size"], t["vocab_size"]
     text = {k: t[k] for k in t if k != "mrope"} | {
@@ -131,9 +157,12 @@ def write_random_qwen2_vl(out: Path, shape: str, device: str, seed: int = 0) -> 
         "rope_parameters": {"rope_type": "default", "rope_theta": t["rope_theta"],
                             "mrope_section": t["mrope"]},
     }  # fmt: skip
-    vision = {**v, "hidden_size": h, "spatial_merge_size": 2, "temporal_patch_size": 2,
-              "in_channels": 3, "hidden_act": "quick_gelu"}  # fmt: skip
-    config = {"architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl",
+    vision = {**v, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3}
+    if family == "qwen2_5_vl":
+        vision |= {"out_hidden_size": h, "hidden_act": "silu"}
+    else:
+        vision |= {"hidden_size": h, "hidden_act": "quick_gelu"}
+    config = {"architectures": [_VL_ARCH[family]], "model_type": family,
               "torch_dtype": "bfloat16", "text_config": text, "vision_config": vision,
               "image_token_id": vocab - 1, "video_token_id": vocab - 2,
               "vision_start_token_id": vocab - 3, "vision_end_token_id": vocab - 4,
@@ -160,26 +189,36 @@ def write_random_qwen2_vl(out: Path, shape: str, device: str, seed: int = 0) -> 
         p, kv = f"model.layers.{i}.self_attn.", t["num_key_value_heads"] * d
         layer |= {p + "q_proj.bias": (h,), p + "k_proj.bias": (kv,), p + "v_proj.bias": (kv,)}
         shards.append(layer)
-    shards.append(_vision_shapes(v, h))
+    shards.append(_vision_shapes(v, h, family))
     return _write_shards(out, shards, device, seed)
 
 
-def _vision_shapes(v: dict[str, Any], hidden: int) -> dict[str, tuple[int, ...]]:
-    e, p = v["embed_dim"], v["patch_size"]
-    mlp, merged = e * v["mlp_ratio"], e * 4
+def _vision_shapes(v: dict[str, Any], hidden: int, family: str) -> dict[str, tuple[int, ...]]:
+    qwen25 = family == "qwen2_5_vl"
+    e, p = (v["hidden_size"] if qwen25 else v["embed_dim"]), v["patch_size"]
+    merged = e * 4
     out: dict[str, tuple[int, ...]] = {"visual.patch_embed.proj.weight": (e, 3, 2, p, p)}
     for i in range(v["depth"]):
         b = f"visual.blocks.{i}."
-        out |= {b + "norm1.weight": (e,), b + "norm1.bias": (e,), b + "norm2.weight": (e,),
-                b + "norm2.bias": (e,), b + "attn.qkv.weight": (3 * e, e),
-                b + "attn.qkv.bias": (3 * e,), b + "attn.proj.weight": (e, e),
-                b + "attn.proj.bias": (e,), b + "mlp.fc1.weight": (mlp, e),
-                b + "mlp.fc1.bias": (mlp,), b + "mlp.fc2.weight": (e, mlp),
-                b + "mlp.fc2.bias": (e,)}  # fmt: skip
-    out |= {"visual.merger.ln_q.weight": (e,), "visual.merger.ln_q.bias": (e,),
+        out |= {b + "norm1.weight": (e,), b + "norm2.weight": (e,),
+                b + "attn.qkv.weight": (3 * e, e), b + "attn.qkv.bias": (3 * e,),
+                b + "attn.proj.weight": (e, e), b + "attn.proj.bias": (e,)}  # fmt: skip
+        if qwen25:  # RMSNorms, a gated MLP
+            m = v["intermediate_size"]
+            out |= {b + "mlp.gate_proj.weight": (m, e), b + "mlp.gate_proj.bias": (m,),
+                    b + "mlp.up_proj.weight": (m, e), b + "mlp.up_proj.bias": (m,),
+                    b + "mlp.down_proj.weight": (e, m), b + "mlp.down_proj.bias": (e,)}  # fmt: skip
+        else:  # LayerNorms, a two-layer MLP
+            m = e * v["mlp_ratio"]
+            out |= {b + "norm1.bias": (e,), b + "norm2.bias": (e,),
+                    b + "mlp.fc1.weight": (m, e), b + "mlp.fc1.bias": (m,),
+                    b + "mlp.fc2.weight": (e, m), b + "mlp.fc2.bias": (e,)}  # fmt: skip
+    out |= {"visual.merger.ln_q.weight": (e,),
             "visual.merger.mlp.0.weight": (merged, merged), "visual.merger.mlp.0.bias": (merged,),
             "visual.merger.mlp.2.weight": (hidden, merged),
             "visual.merger.mlp.2.bias": (hidden,)}  # fmt: skip
+    if not qwen25:
+        out["visual.merger.ln_q.bias"] = (e,)
     return out
 
 

@@ -47,3 +47,10 @@ def register_models(register) -> None:  # type: ignore[no-untyped-def]
         build_qwen2_vl,
         description="Qwen2-VL (vision tower, M-RoPE)",
     )
+    from radixserve.plugins.models.qwen2_5_vl import build_qwen2_5_vl
+
+    register(
+        "Qwen2_5_VLForConditionalGeneration",
+        build_qwen2_5_vl,
+        description="Qwen2.5-VL (windowed vision tower, M-RoPE)",
+    )

@@ -40,6 +40,32 @@ def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
+#: the runs of a patch sequence that attend among themselves (a frame, a window), grouped by
+#: length: (length, the indices of those runs' patches [count * length], on the device)
+Segments = list[tuple[int, torch.Tensor]]
+
+
+def segments(lengths: list[int], device: torch.device) -> Segments:
+    """``lengths`` (consecutive runs) grouped by length, so that one attention call serves
+    every run of a length (a 448x448 image's 16 windows: one call, not 16)."""
+    starts: dict[int, list[int]] = {}
+    pos = 0
+    for n in lengths:
+        starts.setdefault(n, []).append(pos)
+        pos += n
+    return [
+        (n, (torch.tensor(s).unsqueeze(1) + torch.arange(n)).flatten().to(device))
+        for n, s in starts.items()
+    ]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int) -> torch.Tensor:
+    """Attention within each consecutive run of ``length`` rows of q, k, v [N, heads, dim]."""
+    heads, dim = q.shape[1:]
+    q, k, v = (t.reshape(-1, length, heads, dim).transpose(1, 2) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(-1, heads, dim)
+
+
 class VisionAttention(nn.Module):
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
@@ -48,17 +74,17 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                lengths: list[int]) -> torch.Tensor:  # fmt: skip
+                spans: Segments) -> torch.Tensor:  # fmt: skip
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.heads, self.head_dim).unbind(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        outs = []
-        for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True):
-            o = F.scaled_dot_product_attention(
-                qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1)
-            )
-            outs.append(o.transpose(0, 1).reshape(-1, self.heads * self.head_dim))
-        return self.proj(torch.cat(outs))
+        if len(spans) == 1:  # runs of one length cover the sequence in order
+            out = _attend(q, k, v, spans[0][0])
+        else:
+            out = torch.empty_like(q)
+            for length, index in spans:
+                out[index] = _attend(q[index], k[index], v[index], length)
+        return self.proj(out.reshape(n, -1))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -77,16 +103,22 @@ class VisionMlp(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, dim: int, heads: int, mlp_ratio: float) -> None:
+    """A pre-norm ViT block, ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``; the family
+    picks the parts (Qwen2-VL: LayerNorms and a quick-GELU MLP)."""
+
+    def __init__(self, attn: nn.Module, mlp: nn.Module, norm1: nn.Module,
+                 norm2: nn.Module) -> None:  # fmt: skip
         super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(dim, eps=1e-6), nn.LayerNorm(dim, eps=1e-6)
-        self.attn = VisionAttention(dim, heads)
-        self.mlp = VisionMlp(dim, int(dim * mlp_ratio))
+        self.norm1, self.norm2, self.attn, self.mlp = norm1, norm2, attn, mlp
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                lengths: list[int]) -> torch.Tensor:  # fmt: skip
-        x = x + self.attn(self.norm1(x), cos, sin, lengths)
+                spans: Segments) -> torch.Tensor:  # fmt: skip
+        x = x + self.attn(self.norm1(x), cos, sin, spans)
         return x + self.mlp(self.norm2(x))
+
+
+def _layer_norm(dim: int) -> nn.Module:
+    return nn.LayerNorm(dim, eps=1e-6)
 
 
 class PatchEmbed(nn.Module):
@@ -103,10 +135,12 @@ class PatchEmbed(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    def __init__(self, dim: int, context: int, merge: int) -> None:
+    """``norm`` over each patch, then an MLP over each merge x merge block of them."""
+
+    def __init__(self, dim: int, context: int, merge: int, norm: nn.Module) -> None:
         super().__init__()
         self.width = context * merge * merge
-        self.ln_q = nn.LayerNorm(context, eps=1e-6)
+        self.ln_q = norm
         self.mlp = nn.Sequential(nn.Linear(self.width, self.width), nn.GELU(),
                                  nn.Linear(self.width, dim))  # fmt: skip
 
@@ -114,20 +148,20 @@ class PatchMerger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.width))
 
 
-class VisionTower(nn.Module):
-    def __init__(self, vc: dict[str, Any]) -> None:
+class PatchVisionTower(nn.Module):
+    """What the Qwen2-VL and Qwen2.5-VL towers share: the patch embedding, the 2-D rotary
+    table of the patches' (row, column) and the merger's block-major patch order. A family
+    sets ``blocks`` and ``merger``."""
+
+    blocks: nn.ModuleList
+    merger: PatchMerger
+
+    def __init__(self, vc: dict[str, Any], dim: int, heads: int) -> None:
         super().__init__()
-        dim, heads = int(vc["embed_dim"]), int(vc["num_heads"])
-        if vc.get("hidden_act", "quick_gelu") != "quick_gelu":
-            raise ConfigError(f"vision_config.hidden_act '{vc['hidden_act']}' is not supported")
         self.merge = int(vc.get("spatial_merge_size", 2))
-        patch, temporal = int(vc.get("patch_size", 14)), int(vc.get("temporal_patch_size", 2))
-        channels = int(vc.get("in_channels", 3))
-        self.patch_embed = PatchEmbed((channels, temporal, patch, patch), dim)
-        self.blocks = nn.ModuleList(
-            VisionBlock(dim, heads, float(vc.get("mlp_ratio", 4))) for _ in range(int(vc["depth"]))
-        )
-        self.merger = PatchMerger(int(vc["hidden_size"]), dim, self.merge)
+        self.patch = int(vc.get("patch_size", 14))
+        temporal, channels = int(vc.get("temporal_patch_size", 2)), int(vc.get("in_channels", 3))
+        self.patch_embed = PatchEmbed((channels, temporal, self.patch, self.patch), dim)
         theta = float((vc.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         half = dim // heads // 2
         self.register_buffer(
@@ -147,15 +181,47 @@ class VisionTower(nn.Module):
             out.append(torch.stack(blocks, dim=-1).repeat(t, 1))
         return torch.cat(out)
 
-    def forward(self, pixels: torch.Tensor, grids: list[tuple[int, ...]]) -> torch.Tensor:
-        x = self.patch_embed(pixels.to(self.patch_embed.proj.weight.dtype))
-        pos = self.positions(grids).to(x.device)
+    def rotary(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [N, 1, head_dim] of the patches' positions ``pos`` [N, 2]."""
         freqs = (pos.unsqueeze(-1).float() * self.inv_freq).flatten(1)  # [N, half]
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
-        cos, sin = emb.cos(), emb.sin()
-        lengths = [h * w for t, h, w in grids for _ in range(t)]
+        return emb.cos(), emb.sin()
+
+    @staticmethod
+    def frame_lengths(grids: list[tuple[int, ...]]) -> list[int]:
+        """Patches per frame: the spans a full-attention block attends within."""
+        return [h * w for t, h, w in grids for _ in range(t)]
+
+    def embed_patches(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.patch_embed(pixels.to(self.patch_embed.proj.weight.dtype))
+
+
+class VisionTower(PatchVisionTower):
+    """Qwen2-VL's: every block attends over its whole frame."""
+
+    def __init__(self, vc: dict[str, Any]) -> None:
+        dim, heads = int(vc["embed_dim"]), int(vc["num_heads"])
+        if vc.get("hidden_act", "quick_gelu") != "quick_gelu":
+            raise ConfigError(f"vision_config.hidden_act '{vc['hidden_act']}' is not supported")
+        super().__init__(vc, dim, heads)
+        hidden = int(dim * float(vc.get("mlp_ratio", 4)))
+        self.blocks = nn.ModuleList(
+            VisionBlock(
+                VisionAttention(dim, heads),
+                VisionMlp(dim, hidden),
+                _layer_norm(dim),
+                _layer_norm(dim),
+            )
+            for _ in range(int(vc["depth"]))
+        )
+        self.merger = PatchMerger(int(vc["hidden_size"]), dim, self.merge, _layer_norm(dim))
+
+    def forward(self, pixels: torch.Tensor, grids: list[tuple[int, ...]]) -> torch.Tensor:
+        x = self.embed_patches(pixels)
+        cos, sin = self.rotary(self.positions(grids).to(x.device))
+        frames = segments(self.frame_lengths(grids), x.device)
         for block in self.blocks:
-            x = block(x, cos, sin, lengths)
+            x = block(x, cos, sin, frames)
         return self.merger(x)
 
 
@@ -225,6 +291,8 @@ class Qwen2VLForConditionalGeneration(MergesImageEmbeddings, DecoderForCausalLM)
 
     layer_cls = Qwen2VLLayer
     uses_mrope = True
+    #: the vision tower's class, built from ``vision_config``
+    vision_cls: type[nn.Module] = VisionTower
 
     def __init__(self, config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype,
                  device: str, group: TensorParallel = SINGLE) -> None:  # fmt: skip
@@ -237,7 +305,7 @@ class Qwen2VLForConditionalGeneration(MergesImageEmbeddings, DecoderForCausalLM)
         self.rope.fused = None
         for layer in self.layers:
             layer.rope_in_attention = False
-        self.visual = VisionTower(raw["vision_config"]).to(device=device, dtype=dtype)
+        self.visual = self.vision_cls(raw["vision_config"]).to(device=device, dtype=dtype)
         self._mm: Any = None
 
     @torch.inference_mode()
@@ -272,6 +340,17 @@ def _rope_params(raw: dict[str, Any]) -> dict[str, Any]:
     return dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
 
 
+def mrope_as_default(config: ModelConfig) -> ModelConfig:
+    """``config`` with an "mrope" rope type read as the default one: M-RoPE is the default
+    RoPE's frequencies split into sections (``MRotaryEmbedding``)."""
+    raw = dict(config.raw)
+    for key in ("rope_parameters", "rope_scaling"):
+        params = raw.get(key)
+        if isinstance(params, dict) and params.get("rope_type", params.get("type")) == "mrope":
+            raw[key] = {**params, "rope_type": "default", "type": "default"}
+    return replace(config, raw=raw)
+
+
 def build_qwen2_vl(
     config: ModelConfig,
     attention: AttentionBackend,
@@ -279,13 +358,8 @@ def build_qwen2_vl(
     device: str,
     group: TensorParallel = SINGLE,
 ) -> Qwen2VLForConditionalGeneration:
-    raw = dict(config.raw)
-    for key in ("rope_parameters", "rope_scaling"):
-        params = raw.get(key)
-        if isinstance(params, dict) and params.get("rope_type", params.get("type")) == "mrope":
-            raw[key] = {**params, "rope_type": "default", "type": "default"}
     return Qwen2VLForConditionalGeneration(
-        replace(config, raw=raw), attention, dtype, device, group
+        mrope_as_default(config), attention, dtype, device, group
     )
 
 
@@ -379,8 +453,9 @@ class Qwen2VLImages:
         return cur + len(text)
 
 
-def _image_processor(model_dir: str, config: ModelConfig) -> Qwen2VLImages:
+def image_processor(model_dir: str, config: ModelConfig) -> Qwen2VLImages:
+    """The tokenizer side's image handling (Qwen2-VL's and Qwen2.5-VL's)."""
     return Qwen2VLImages(model_dir, config)
 
 
-build_qwen2_vl.image_processor = _image_processor  # type: ignore[attr-defined]
+build_qwen2_vl.image_processor = image_processor  # type: ignore[attr-defined]

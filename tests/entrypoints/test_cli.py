@@ -76,6 +76,7 @@ def test_plugins_says_which_model_families_accept_images() -> None:
     listing = cli.plugin_listing(cli.default_host())
     images = {e["name"]: e["images"] for e in listing["model"]}
     assert images["Qwen2VLForConditionalGeneration"] is True
+    assert images["Qwen2_5_VLForConditionalGeneration"] is True
     assert images["LlavaForConditionalGeneration"] is True
     assert images["LlamaForCausalLM"] is False and images["Qwen2ForCausalLM"] is False
 

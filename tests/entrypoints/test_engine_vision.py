@@ -1,8 +1,8 @@
-"""Images in, text out through the offline Engine on a tiny random Qwen2-VL saved with
-transformers: greedy outputs and logprobs equal transformers' (float32) with one and two
-images of different sizes, batched with text-only prompts, prefilled in chunks that end
-inside an image; the radix cache and the encoder cache reuse a repeated image; bad images and
-text-only models are refused with clear messages."""
+"""Images in, text out through the offline Engine on a tiny random Qwen2-VL and Qwen2.5-VL
+(windowed vision attention) saved with transformers: greedy outputs and logprobs equal
+transformers' (float32) with one and two images of different sizes, batched with text-only
+prompts, prefilled in chunks that end inside an image; the radix cache and the encoder cache
+reuse a repeated image; bad images and text-only models are refused with clear messages."""
 
 from __future__ import annotations
 
@@ -31,9 +31,15 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": NEW}
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-@pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_qwen2_vl_dir(tmp_path_factory.mktemp("qwen2_vl"))
+#: the M-RoPE families; the tests of the tokenizer side (shared by both) run on the first only
+FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
+TOKENIZER_SIDE = pytest.mark.parametrize("vl_dir", FAMILIES[:1], indirect=True)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def vl_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    family = request.param
+    return make_tiny_qwen2_vl_dir(tmp_path_factory.mktemp(family), family=family)
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +105,7 @@ def test_repeated_image_is_a_cache_hit_and_not_encoded_again(engine: Engine) -> 
     assert strategy.images_encoded == encoded + 1
 
 
+@TOKENIZER_SIDE
 def test_bad_images_are_refused(engine: Engine) -> None:
     with pytest.raises(InvalidRequest, match="not a decodable image"):
         engine.generate(ONE, GREEDY, image_data=[b"\x89PNG not really"])
@@ -120,6 +127,7 @@ def test_bad_images_are_refused(engine: Engine) -> None:
     assert len(after["meta_info"]["input_token_logprobs"]) == 3
 
 
+@TOKENIZER_SIDE
 def test_file_path_and_data_url_inputs(engine: Engine, tmp_path: Path) -> None:
     import base64
 

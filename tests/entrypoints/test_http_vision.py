@@ -1,7 +1,8 @@
-"""Images through a real server on a tiny random Qwen2-VL: the openai client's image_url
-message (data: URL and file path) and the native image_data field give transformers' greedy
-tokens; a repeated image reports cached tokens over its span and is not encoded again
-(/get_server_info's multimodal counters); bad images and a text-only model answer 400."""
+"""Images through a real server on tiny random Qwen2-VL and Qwen2.5-VL models: the openai
+client's image_url message (data: URL and file path) and the native image_data field give
+transformers' greedy tokens; a repeated image reports cached tokens over its span and is not
+encoded again (/get_server_info's multimodal counters); bad images and a text-only model answer
+400 (those, and SGLang's frontend, on Qwen2-VL only: the tokenizer side is the same)."""
 
 from __future__ import annotations
 
@@ -36,9 +37,15 @@ def data_url(image: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(image).decode()
 
 
-@pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_qwen2_vl_dir(tmp_path_factory.mktemp("qwen2_vl_http"))
+#: the M-RoPE families; the tests of the tokenizer side (shared by both) run on the first only
+FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
+TOKENIZER_SIDE = pytest.mark.parametrize("vl_dir", FAMILIES[:1], indirect=True)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def vl_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    family = request.param
+    return make_tiny_qwen2_vl_dir(tmp_path_factory.mktemp(f"{family}_http"), family=family)
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +128,7 @@ def test_openai_image_url_and_repeat_is_cached(
     assert server_info(vl_server)["multimodal"]["images_encoded"] == encoded
 
 
+@TOKENIZER_SIDE
 def test_bad_images_are_400s(client: openai.OpenAI, vl_server: RunningServer) -> None:
     cases = {
         "not a decodable image": data_url(b"\x89PNG\r\n\x1a\n broken"),
@@ -154,6 +162,7 @@ def test_text_only_model_refuses_image_parts(server: RunningServer) -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed")
+@TOKENIZER_SIDE
 def test_sglang_frontend_image_program(vl_server: RunningServer, tmp_path: Path) -> None:
     import sglang as sgl
 

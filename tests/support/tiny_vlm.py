@@ -1,5 +1,5 @@
-"""A tiny random-weight Qwen2-VL in HF layout (config, safetensors, tokenizer, image
-processor), saved with transformers, for the vision-language tests."""
+"""Tiny random-weight Qwen2-VL / Qwen2.5-VL models in HF layout (config, safetensors,
+tokenizer, image processor), saved with transformers, for the vision-language tests."""
 
 from __future__ import annotations
 
@@ -37,11 +37,24 @@ def _tokenizer(path: Path) -> dict[str, int]:
     return {t: tok.token_to_id(t) for t in VISION_TOKENS} | {"vocab": tok.get_vocab_size()}
 
 
-def make_tiny_qwen2_vl_dir(out: Path, seed: int = 0, **text: Any) -> Path:
-    """Write a Qwen2VLForConditionalGeneration of tiny sizes (patch 4, merge 2: a 32x32 image
-    is 16 image tokens), its tokenizer and its Qwen2-VL image processor (pixels 16*16..64*64)."""
+#: Qwen2.5-VL's tower at tiny sizes: 16-pixel windows (2x2 merged blocks, so a 32x32 image
+#: has four and a 32x40 one six, two of them cut by the edge), block 1 of 0..2 attends over the
+#: whole image, blocks 0 and 2 within windows
+QWEN2_5_VL_VISION = dict(
+    depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2,
+    patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+    window_size=16, fullatt_block_indexes=[1], hidden_act="silu",
+)  # fmt: skip
+
+
+def make_tiny_qwen2_vl_dir(out: Path, seed: int = 0, family: str = "qwen2_vl",
+                           **text: Any) -> Path:  # fmt: skip
+    """Write a Qwen2VLForConditionalGeneration (``family="qwen2_5_vl"``: a
+    Qwen2_5_VLForConditionalGeneration, QWEN2_5_VL_VISION) of tiny sizes (patch 4, merge 2: a
+    32x32 image is 16 image tokens), its tokenizer and its Qwen2-VL image processor (pixels
+    16*16..64*64)."""
     import torch
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
@@ -56,18 +69,21 @@ def make_tiny_qwen2_vl_dir(out: Path, seed: int = 0, **text: Any) -> Path:
                          "mrope_section": [2, 3, 3]},
     )  # fmt: skip
     text_config.update(text)
-    vision_config = dict(
+    vision_config: dict[str, Any] = dict(
         depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=4,
         spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
     )  # fmt: skip
-    config = Qwen2VLConfig(
+    name = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL"}[family]
+    if family == "qwen2_5_vl":
+        vision_config = dict(QWEN2_5_VL_VISION)
+    config = getattr(transformers, f"{name}Config")(
         text_config=text_config, vision_config=vision_config,
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).float()
+    model = getattr(transformers, f"{name}ForConditionalGeneration")(config).float()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
@@ -100,11 +116,14 @@ def png(width: int, height: int, seed: int) -> bytes:
 
 
 def load_reference(model_dir: Path) -> Any:
-    """(transformers' Qwen2-VL model in float32, its image processor)."""
+    """(transformers' model of the directory's architecture (Qwen2-VL or Qwen2.5-VL) in
+    float32, its image processor)."""
     import torch
-    from transformers import AutoImageProcessor, Qwen2VLForConditionalGeneration
+    import transformers
+    from transformers import AutoImageProcessor
 
-    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    arch = json.loads((model_dir / "config.json").read_text())["architectures"][0]
+    model = getattr(transformers, arch).from_pretrained(model_dir, dtype=torch.float32)
     return model.eval(), AutoImageProcessor.from_pretrained(model_dir)
 
 
