@@ -2,7 +2,7 @@
 the same architecture and weight names): a SigLIP-style vision transformer whose position
 embeddings stretch to any patch grid (NaViT-style fractional buckets), a connector that
 pixel-shuffles the patch features by ``scale_factor`` (s x s neighbours into one token) and
-projects them linearly, and the Llama decoder (``llama.py``).
+projects them linearly, and the Llama decoder (``decoder.py``'s skeleton, as Llama uses it).
 
 Tokenizer side, ``Idefics3Images``: transformers' own image processor of the checkpoint splits
 each image into tiles of ``max_image_size`` (rows x cols, after resizing its longest edge to
@@ -32,7 +32,7 @@ from radixserve.core.interfaces import AttentionBackend
 from radixserve.core.multimodal import ImageInput, MultimodalInputs, image_hash, pad_id
 from radixserve.core.parallel import SINGLE, TensorParallel
 from radixserve.core.request import InvalidRequest
-from radixserve.plugins.models.llama import LlamaForCausalLM
+from radixserve.plugins.models.decoder import DecoderForCausalLM
 from radixserve.plugins.models.llava import ClipLayer
 from radixserve.plugins.models.qwen2_vl import MergesImageEmbeddings, placed_images
 
@@ -105,8 +105,9 @@ def pixel_shuffle(x: torch.Tensor, rows: int, cols: int, s: int) -> torch.Tensor
     return x.reshape(b, (rows // s) * (cols // s), d * s * s)
 
 
-class Idefics3ForConditionalGeneration(MergesImageEmbeddings, LlamaForCausalLM):
-    """The Llama decoder with a SigLIP vision tower and the pixel-shuffle connector."""
+class Idefics3ForConditionalGeneration(MergesImageEmbeddings, DecoderForCausalLM):
+    """The Llama decoder (``decoder.py``'s skeleton, as ``llama.py`` builds it) with a SigLIP
+    vision tower and the pixel-shuffle connector."""
 
     def __init__(self, config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype,
                  device: str, group: TensorParallel = SINGLE) -> None:  # fmt: skip
