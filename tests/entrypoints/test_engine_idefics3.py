@@ -87,3 +87,44 @@ def test_smolvlm_architecture_matches_transformers(
     with Engine(str(model), plugins=[CPU], dtype="float32", max_total_tokens=2048) as eng:
         result = eng.generate(ONE, GREEDY, image_data=images, return_logprob=True)
     check_equal(model, ONE, images, result)
+
+
+@pytest.mark.parametrize("splitting", [True, False])
+def test_prompt_expansion_equals_transformers_processor(
+    model_dir: Path, tmp_path: Path, splitting: bool
+) -> None:
+    import io
+    import json
+    import shutil
+
+    from PIL import Image
+    from transformers import AutoImageProcessor, Idefics3Processor, PreTrainedTokenizerFast
+
+    from radixserve.core.model_config import ModelConfig
+    from radixserve.core.tokenizer import Tokenizer
+    from radixserve.plugins.models.idefics3 import Idefics3Images
+
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, tmp_path / name)
+    processor_config = json.loads((model_dir / "preprocessor_config.json").read_text())
+    processor_config["do_image_splitting"] = splitting
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(processor_config))
+    ours = Idefics3Images(str(tmp_path), ModelConfig.from_dir(tmp_path))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    theirs = Idefics3Processor(AutoImageProcessor.from_pretrained(tmp_path), tokenizer,
+                               image_seq_len=16)  # fmt: skip
+    prompt = "A <image> then\n<image>, and <image>."
+    # split: 1x2, 2x1 and 2x2 tiles (the small image is resized up), each + the global image
+    images = [png(100, 10, 1), png(10, 70, 2), png(8, 8, 3)]
+    ids, mm = ours.expand(Tokenizer(str(tmp_path)).encode(prompt), images)
+    pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+    expected = theirs(text=prompt, images=pil, return_tensors="pt")
+    image_token = ours.image_token
+    spans = {i for item in mm.images for i in range(item.offset, item.offset + item.length)}
+    assert [image_token if i in spans else t for i, t in enumerate(ids)] == (
+        expected["input_ids"][0].tolist()
+    )
+    # the tiles' pixels, in order, are transformers' (no padding between these equal tiles)
+    pixels = torch.stack([item.pixel_tensor() for item in mm.images])
+    assert torch.equal(pixels, expected["pixel_values"][0].float())
+    assert len(mm.images) == (3 + 3 + 5 if splitting else 3)
