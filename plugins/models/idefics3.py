@@ -78,14 +78,17 @@ class SiglipEmbeddings(nn.Module):
         return patches.flatten(2).transpose(1, 2) + self.position_embedding(pos)
 
 
+class SiglipEncoder(nn.Module):
+    def __init__(self, vc: dict[str, Any]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(ClipLayer(vc) for _ in range(int(vc["num_hidden_layers"])))
+
+
 class SiglipVision(nn.Module):
     def __init__(self, vc: dict[str, Any]) -> None:
         super().__init__()
         self.embeddings = SiglipEmbeddings(vc)
-        self.encoder = nn.Module()
-        self.encoder.layers = nn.ModuleList(
-            ClipLayer(vc) for _ in range(int(vc["num_hidden_layers"]))
-        )
+        self.encoder = SiglipEncoder(vc)
         dim = int(vc["hidden_size"])
         self.post_layernorm = nn.LayerNorm(dim, eps=float(vc["layer_norm_eps"]))
 
@@ -94,6 +97,21 @@ class SiglipVision(nn.Module):
         for block in self.encoder.layers:
             h = block(h)
         return self.post_layernorm(h)
+
+
+class Projection(nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, hidden, bias=False)
+
+
+class Connector(nn.Module):
+    """The checkpoint's ``connector.modality_projection.proj`` (the pixel shuffle before it:
+    ``pixel_shuffle``)."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.modality_projection = Projection(width, hidden)
 
 
 def pixel_shuffle(x: torch.Tensor, rows: int, cols: int, s: int) -> torch.Tensor:
@@ -116,11 +134,8 @@ class Idefics3ForConditionalGeneration(MergesImageEmbeddings, DecoderForCausalLM
         self.scale = int(config.raw.get("scale_factor", 2))
         self.patch = int(vc["patch_size"])
         self.vision_model = SiglipVision(vc).to(device=device, dtype=dtype)
-        self.connector = nn.Module()
-        self.connector.modality_projection = nn.Module()
-        self.connector.modality_projection.proj = nn.Linear(
-            int(vc["hidden_size"]) * self.scale**2, config.hidden_size, bias=False
-        ).to(device=device, dtype=dtype)
+        self.connector = Connector(int(vc["hidden_size"]) * self.scale**2, config.hidden_size)
+        self.connector.to(device=device, dtype=dtype)
         self._mm: Any = None
 
     @torch.inference_mode()
