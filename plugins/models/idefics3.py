@@ -213,10 +213,10 @@ class Idefics3Images:
         self.patch, self.scale = int(vc["patch_size"]), int(raw.get("scale_factor", 2))
         side = int(vc["image_size"]) // self.patch
         self.seq_len = side * side // self.scale**2
-        tok_cfg = _tokenizer_config(model_dir)
-        self.fake = str(tok_cfg.get("fake_image_token", "<fake_token_around_image>"))
-        self.glob = str(tok_cfg.get("global_image_token", "<global-img>"))
-        self.image = str(tok_cfg.get("image_token", "<image>"))
+        names = _token_names(model_dir)
+        self.fake = names.get("fake_image_token", "<fake_token_around_image>")
+        self.glob = names.get("global_image_token", "<global-img>")
+        self.image = names.get("image_token", "<image>")
         self._layouts: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
 
     def layout(self, rows: int, cols: int) -> tuple[list[int], list[int]]:
@@ -285,9 +285,18 @@ def tile_hash(image_key: int, index: int) -> int:
     return image_hash(image_key.to_bytes(8, "little") + index.to_bytes(4, "little"))
 
 
-def _tokenizer_config(model_dir: str) -> dict[str, Any]:
+def _token_names(model_dir: str) -> dict[str, str]:
+    """The image tokens ``tokenizer_config.json`` names (SmolVLM's processor reads them there;
+    Idefics3's uses the defaults), as text."""
     path = Path(model_dir) / "tokenizer_config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    out = {}
+    for key in ("fake_image_token", "global_image_token", "image_token"):
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            out[key] = value
+    return out
 
 
 def _image_processor(model_dir: str, config: ModelConfig) -> Idefics3Images:
