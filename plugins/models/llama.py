@@ -72,3 +72,11 @@ def register_models(register) -> None:  # type: ignore[no-untyped-def]
         build_llava,
         description="LLaVA-1.5 style (CLIP vision tower, projector, Llama)",
     )
+    from radixserve.plugins.models import idefics3
+
+    for arch in idefics3.ARCHITECTURES:
+        register(
+            arch,
+            idefics3.build_idefics3,
+            description="Idefics3 / SmolVLM (SigLIP image tiles, pixel-shuffle connector, Llama)",
+        )

@@ -78,6 +78,8 @@ def test_plugins_says_which_model_families_accept_images() -> None:
     assert images["Qwen2VLForConditionalGeneration"] is True
     assert images["Qwen2_5_VLForConditionalGeneration"] is True
     assert images["LlavaForConditionalGeneration"] is True
+    assert images["Idefics3ForConditionalGeneration"] is True
+    assert images["SmolVLMForConditionalGeneration"] is True
     assert images["LlamaForCausalLM"] is False and images["Qwen2ForCausalLM"] is False
 
 

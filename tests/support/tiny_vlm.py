@@ -223,3 +223,93 @@ def llava_reference_logprobs(model_dir: Path, ids: list[int], images: list[bytes
         logits = model(input_ids=torch.tensor([ids + output]), **kwargs).logits[0]
     n = len(ids)
     return torch.log_softmax(logits[n - 1 : n - 1 + len(output)], dim=-1)
+
+
+IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"] + [
+    f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)
+]
+
+#: SmolVLM's template for string contents (the chat routes put ``<image>`` in the text)
+IDEFICS3_CHAT_TEMPLATE = (
+    "<|im_start|>{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+def make_tiny_idefics3_dir(out: Path, seed: int = 0, architecture: str = "Idefics3") -> Path:
+    """An Idefics3ForConditionalGeneration (or ``architecture="SmolVLM"``) of tiny sizes: SigLIP
+    tiles of 32x32 in 4x4 patches, pixel shuffle 2 (16 tokens per tile), a Llama decoder; its
+    tokenizer with Idefics3's image tokens and its image processor (longest edge resized to 64,
+    split into 32x32 tiles: a square image is 2x2 tiles + the global image, a wide one 1x2 + 1)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoConfig, AutoModelForImageTextToText, LlamaConfig
+    from transformers.models.idefics3.image_processing_pil_idefics3 import (
+        Idefics3ImageProcessorPil,
+    )
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=SPECIAL_TOKENS + IDEFICS3_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)  # fmt: skip
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(out / "tokenizer.json"))
+    model_type = architecture.lower()
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=32, patch_size=4)  # fmt: skip
+    text = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=1024, rms_norm_eps=1e-5, eos_token_id=0,
+                       bos_token_id=None)  # fmt: skip
+    config = AutoConfig.for_model(model_type, vision_config=vision, text_config=text.to_dict(),
+                                  scale_factor=2, image_token_id=tok.token_to_id("<image>"),
+                                  tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config).float()
+    assert type(model).__name__ == f"{architecture}ForConditionalGeneration"
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+            else:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out, safe_serialization=True)
+    Idefics3ImageProcessorPil(size={"longest_edge": 64},
+                              max_image_size={"longest_edge": 32}).save_pretrained(out)  # fmt: skip
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": IDEFICS3_CHAT_TEMPLATE, "eos_token": "<|endoftext|>"})
+    )
+    return out
+
+
+def idefics3_reference_logprobs(model_dir: Path, prompt: str, images: list[bytes],
+                                output: list[int]) -> Any:  # fmt: skip
+    """transformers' Idefics3 log-softmax at each output position: the prompt's ``<image>``
+    expanded, tiled and tokenized by transformers' Idefics3Processor."""
+    import io
+
+    import torch
+    from PIL import Image
+    from transformers import (
+        AutoImageProcessor,
+        AutoModelForImageTextToText,
+        Idefics3Processor,
+        PreTrainedTokenizerFast,
+    )
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))
+    processor = Idefics3Processor(AutoImageProcessor.from_pretrained(model_dir), tokenizer,
+                                  image_seq_len=16)  # fmt: skip
+    pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+    inputs = processor(text=prompt, images=pil or None, return_tensors="pt")
+    ids = inputs.pop("input_ids")
+    inputs.pop("attention_mask", None)
+    full = torch.cat((ids, torch.tensor([output])), dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=full, **inputs).logits[0]
+    n = ids.shape[1]
+    return torch.log_softmax(logits[n - 1 : n - 1 + len(output)], dim=-1)
