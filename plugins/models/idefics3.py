@@ -34,7 +34,11 @@ from radixserve.core.parallel import SINGLE, TensorParallel
 from radixserve.core.request import InvalidRequest
 from radixserve.plugins.models.decoder import DecoderForCausalLM
 from radixserve.plugins.models.llava import ClipLayer
-from radixserve.plugins.models.qwen2_vl import MergesImageEmbeddings, placed_images
+from radixserve.plugins.models.qwen2_vl import (
+    MergesImageEmbeddings,
+    placed_images,
+    transformers_image_processor,
+)
 
 ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 
@@ -198,14 +202,9 @@ class Idefics3Images:
     placeholder = "<image>"
 
     def __init__(self, model_dir: str, config: ModelConfig) -> None:
-        try:
-            from transformers import AutoImageProcessor
-        except ImportError:
-            raise ConfigError("Idefics3's image preprocessing is transformers' own; install it "
-                              "(pip install 'radixserve[vision]')") from None  # fmt: skip
         from radixserve.core.tokenizer import Tokenizer
 
-        self.processor = AutoImageProcessor.from_pretrained(model_dir)
+        self.processor = transformers_image_processor(model_dir, "Idefics3")
         self.tokenizer = Tokenizer(model_dir)
         raw, vc = config.raw, vision_config(config)
         self.image_token = int(raw.get("image_token_id", 128257))

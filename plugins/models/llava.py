@@ -21,7 +21,11 @@ from radixserve.core.interfaces import AttentionBackend
 from radixserve.core.multimodal import ImageInput, MultimodalInputs, image_hash, pad_id
 from radixserve.core.parallel import SINGLE, TensorParallel
 from radixserve.plugins.models.decoder import DecoderForCausalLM, activation
-from radixserve.plugins.models.qwen2_vl import MergesImageEmbeddings, placed_images
+from radixserve.plugins.models.qwen2_vl import (
+    MergesImageEmbeddings,
+    placed_images,
+    transformers_image_processor,
+)
 
 
 def _act(name: str) -> Any:
@@ -186,12 +190,7 @@ class LlavaImages:
     placeholder = "<image>"
 
     def __init__(self, model_dir: str, config: ModelConfig) -> None:
-        try:
-            from transformers import AutoImageProcessor
-        except ImportError:
-            raise ConfigError("LLaVA's image preprocessing is transformers' own; install it "
-                              "(pip install 'radixserve[vision]')") from None  # fmt: skip
-        self.processor = AutoImageProcessor.from_pretrained(model_dir)
+        self.processor = transformers_image_processor(model_dir, "LLaVA")
         raw, vc = config.raw, config.raw["vision_config"]
         self.image_token = int(raw.get("image_token_id", raw.get("image_token_index", 32000)))
         self.vocab = config.vocab_size

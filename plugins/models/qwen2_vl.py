@@ -396,19 +396,21 @@ def decode_image(data: bytes, index: int) -> Any:
         raise InvalidRequest(f"image {index} is not a decodable image: {e}") from None
 
 
+def transformers_image_processor(model_dir: str, family: str) -> Any:
+    """The family's own image processor from transformers, the reference for preprocessing."""
+    try:
+        from transformers import AutoImageProcessor
+    except ImportError:
+        raise ConfigError(f"{family}'s image preprocessing is transformers' own; install it "
+                          "(pip install 'radixserve[vision]')") from None  # fmt: skip
+    return AutoImageProcessor.from_pretrained(model_dir)
+
+
 class Qwen2VLImages:
     """Qwen2-VL's tokenizer-side image handling (core/multimodal.py, ``ImageProcessor``)."""
 
     def __init__(self, model_dir: str, config: ModelConfig) -> None:
-        try:
-            from transformers import AutoImageProcessor
-        except ImportError:
-            raise ConfigError(
-                "Qwen2-VL's image preprocessing is transformers' own; install it "
-                "(pip install 'radixserve[vision]')"
-            ) from None
-
-        self.processor = AutoImageProcessor.from_pretrained(model_dir)
+        self.processor = transformers_image_processor(model_dir, "Qwen2-VL")
         raw = config.raw
         self.image_token = int(raw["image_token_id"])
         self.vocab = config.vocab_size

@@ -259,6 +259,44 @@ def test_kv_pool_buffers_per_layer() -> None:
     assert KVPool.bytes_per_token(30, 3, 64, torch.float32) == 2 * 30 * 3 * 64 * 4
 
 
+def test_kv_pool_keeps_its_compute_dtype_and_rounds_a_wider_store() -> None:
+    from radixserve.core.memory import KVPool
+
+    pool = KVPool(4, 1, 1, 2, torch.float16, "cpu")
+    assert pool.compute_dtype == torch.float16 and not pool.saturate
+    assert pool.k_scales == [1.0] and pool.v_scales == [1.0]
+    narrow = KVPool(4, 1, 1, 2, torch.float16, "cpu", compute_dtype=torch.float32)
+    assert narrow.compute_dtype == torch.float32
+    k = torch.tensor([[[1.0001, -3.0]]])
+    narrow.store(0, torch.tensor([3]), k, -k)
+    assert narrow.k[0][3].dtype == torch.float16
+    assert torch.equal(narrow.k[0][3], k[0].half()) and torch.equal(narrow.v[0][3], -k[0].half())
+
+
+def test_fp8_kv_pool_stores_divided_by_its_layer_scales_and_clamped() -> None:
+    from radixserve.core.memory import KVPool
+
+    fp8 = torch.float8_e4m3fn
+    pool = KVPool(4, 2, 1, 4, fp8, "cpu", compute_dtype=torch.bfloat16)
+    assert pool.saturate
+    pool.set_scales(1, 2, 0.5)
+    assert pool.k_scales == [1.0, 2.0] and pool.v_scales == [1.0, 0.5]
+    assert isinstance(pool.k_scales[1], float)
+    top = torch.finfo(fp8).max  # 448
+    k = torch.tensor([[[4.0, -8.0, 2000.0, -2000.0]]])
+    v = torch.tensor([[[1.0, -2.0, 300.0, -300.0]]])
+    for layer, (k_scale, v_scale) in enumerate([(1.0, 1.0), (2.0, 0.5)]):
+        pool.store(layer, torch.tensor([2]), k, v)
+        got_k, got_v = pool.k[layer][2].float(), pool.v[layer][2].float()
+        assert not got_k.isnan().any() and not got_v.isnan().any(), "overflow clamps, not NaN"
+        want_k = (k[0] / k_scale).clamp(-top, top).to(fp8).float()
+        want_v = (v[0] / v_scale).clamp(-top, top).to(fp8).float()
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+        assert not pool.k[layer][[0, 1, 3, 4]].float().any()
+    assert pool.k[1][2, 0, 0].item() == 2.0 and pool.v[1][2, 0, 1].item() == -4.0
+    assert pool.k[0][2, 0, 2].item() == top and pool.v[1][2, 0, 3].item() == -top
+
+
 def test_free_counts_move_for_every_slot_of_a_freed_page() -> None:
     """A drafter trusts its KV at a slot while the slot's free count has not moved: freeing a
     request's slots moves the count of every slot of their pages (a partial last page goes back
