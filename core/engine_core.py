@@ -196,14 +196,14 @@ class EngineCore(EngineViews):
             or len(self.grammars) > 0
             or self._in_flight is not None
             or bool(self._changed_outside_step)
-            or any(s.has_work() for s in self.strategies.implementing("has_work"))
+            or any(s.has_work() for s in self.strategies.on.has_work)
         )
 
     def idle_wait(self) -> float | None:
         """Seconds the engine may sleep on its sockets (and the KV connector's wakeup_fd)
         before stepping again, when its only work is waiting for something outside it (KV
         arriving); None when it has a step to run."""
-        waiting = self.strategies.implementing("wait_timeout")
+        waiting = self.strategies.on.wait_timeout
         if not waiting:
             return None
         waits = [t for s in waiting if (t := s.wait_timeout()) is not None]
@@ -220,10 +220,10 @@ class EngineCore(EngineViews):
 
         With overlap scheduling the step is queued on the device and the previous step's
         tokens are committed while it runs, so what a step returns is one step old."""
-        strategies = self.strategies
-        changed = [r for s in strategies.implementing("poll") for r in s.poll()]  # KV arrived
+        on = self.strategies.on
+        changed = [r for s in on.poll for r in s.poll()] if on.poll else []  # e.g. KV arrived
         changed += self._step()
-        for strategy in strategies.implementing("ended"):
+        for strategy in on.ended:
             strategy.ended(changed)
         return changed
 
@@ -238,14 +238,13 @@ class EngineCore(EngineViews):
         if self._in_flight is not None and (
             not self._in_flight.launched.overlappable
             or any(
-                s.needs_host_tokens(self.scheduler)
-                for s in self.strategies.implementing("needs_host_tokens")
+                s.needs_host_tokens(self.scheduler) for s in self.strategies.on.needs_host_tokens
             )
         ):
             changed += self._commit_in_flight()
         if self._in_flight is None:
             ran = False
-            for strategy in self.strategies.implementing("run_own_step"):
+            for strategy in self.strategies.on.run_own_step:
                 own, done = strategy.run_own_step(self.scheduler, len(self.grammars) > 0)
                 changed += own
                 ran = ran or done
@@ -314,7 +313,7 @@ class EngineCore(EngineViews):
         now = time.perf_counter()
         spent = now - max(step.launched_at, self._last_result_at)
         cycle = now - max(step.scheduled_at, self._last_result_at)
-        for strategy in self.strategies.implementing("step_done"):
+        for strategy in self.strategies.on.step_done:
             strategy.step_done(step.batch, cycle, step.overlapped)
         self._last_result_at = now
         self.scheduler.stats.by_kind[step.batch.kind].seconds += spent

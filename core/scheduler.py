@@ -29,7 +29,7 @@ from radixserve.core.step_plan import Extra, SchedulerStats, StepPlan, step_kind
 from radixserve.core.step_plan import RetractionNeeded as RetractionNeeded
 from radixserve.core.step_plan import SchedulerConfig as SchedulerConfig
 from radixserve.core.stop import StopChecker
-from radixserve.core.strategy_list import StrategyList, implementing
+from radixserve.core.strategy_list import StrategyList
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class Scheduler(StepCommit, Admission):
     def _extend(self, decodes: list[Req]) -> dict[str, Extra]:
         """The strategies' extra rows for this step's decodes (rid -> rows)."""
         extra: dict[str, Extra] = {}
-        for strategy in implementing(self.strategies, "extend_plan"):
+        for strategy in self.strategies.on.extend_plan:
             extra.update(strategy.extend_plan(self, decodes))
         return extra
 

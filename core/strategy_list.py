@@ -5,8 +5,9 @@ Every hook has a default that does nothing, and most strategies implement a few 
 calling every strategy at every fixed point spends the step's host time on no-ops (a dozen
 calls a step with only the sessions' strategy enabled; on an eager GPU step the host's
 Python is the step's time). ``StrategyList`` is the list the engine core, scheduler and model
-runner share; ``implementing(hook)`` gives the strategies that override ``hook``, worked out
-once per hook and again after any change to the list.
+runner share; ``on.<hook>`` holds the strategies that override each per-step hook (an
+attribute read, not a call, at each fixed point), worked out again after any change to the
+list; ``implementing(hook)`` answers for any hook.
 """
 
 from __future__ import annotations
@@ -26,12 +27,40 @@ def overrides(strategy: object, hook: str) -> bool:
     return getattr(type(strategy), hook, default) is not default
 
 
+class StepHooks:
+    """Per hook called at every step (or turn of the engine loop), the strategies that
+    implement it, in order."""
+
+    __slots__ = (
+        "poll", "ended", "has_work", "wait_timeout", "needs_host_tokens", "run_own_step",
+        "step_done", "extend_plan", "add_rows", "before_forward", "after_forward", "sample_rows",
+    )  # fmt: skip
+    poll: tuple[StepStrategy, ...]
+    ended: tuple[StepStrategy, ...]
+    has_work: tuple[StepStrategy, ...]
+    wait_timeout: tuple[StepStrategy, ...]
+    needs_host_tokens: tuple[StepStrategy, ...]
+    run_own_step: tuple[StepStrategy, ...]
+    step_done: tuple[StepStrategy, ...]
+    extend_plan: tuple[StepStrategy, ...]
+    add_rows: tuple[StepStrategy, ...]
+    before_forward: tuple[StepStrategy, ...]
+    after_forward: tuple[StepStrategy, ...]
+    sample_rows: tuple[StepStrategy, ...]
+
+    def __init__(self, strategies: Iterable[StepStrategy]) -> None:
+        strategies = list(strategies)
+        for hook in self.__slots__:
+            setattr(self, hook, tuple(s for s in strategies if overrides(s, hook)))
+
+
 class StrategyList(list[StepStrategy]):
-    """A list of step strategies that knows which of them implement each hook."""
+    """A list of step strategies that knows which of them implement each hook. A hook set
+    on a strategy object after it joined the list is seen after the list's next change."""
 
     def __init__(self, strategies: Iterable[StepStrategy] = ()) -> None:
         super().__init__(strategies)
-        self._implementing: dict[str, list[StepStrategy]] = {}
+        self._changed()
 
     def implementing(self, hook: str) -> list[StepStrategy]:
         """The strategies that implement ``hook``, in order (do not change the list)."""
@@ -40,10 +69,12 @@ class StrategyList(list[StepStrategy]):
             found = self._implementing[hook] = [s for s in self if overrides(s, hook)]
         return found
 
-    # -- every change forgets what was worked out --------------------------------------------
+    # -- every change works the hooks out again ----------------------------------------------
 
     def _changed(self) -> None:
-        self._implementing.clear()
+        self._implementing: dict[str, list[StepStrategy]] = {}
+        #: the per-step hooks' strategies (``StepHooks``)
+        self.on = StepHooks(self)
 
     def append(self, strategy: StepStrategy) -> None:
         super().append(strategy)

@@ -4,10 +4,10 @@ hidden 64) makes every step's time Python and per-layer dispatch, like a GPU ste
 the H200), not a benchmark.
 
 One tree per process: ``radixserve`` is whatever PYTHONPATH finds (a link folder whose
-``radixserve`` points at a tree). ``--ab OLD NEW`` alternates subprocesses over two such
+``radixserve`` points at a tree). ``--ab LABEL=FOLDER ...`` alternates subprocesses over such
 folders, ``--rounds`` times each, and prints the median and minimum of each case:
 
-    python bench/experiments/host_overhead.py --ab /work/old/.pp $PWD/.pp --rounds 3
+    python bench/experiments/host_overhead.py --ab old=/work/old/.pp new=$PWD/.pp --rounds 3
     python bench/experiments/host_overhead.py --cases b1 spec --profile /tmp/new.prof
 
 Cases: ``b1`` batch 1 greedy, ``b8`` batch 8, ``b8-overlap`` batch 8 with overlap scheduling,
@@ -73,19 +73,23 @@ def case_flags(case: str, head: Path) -> tuple[int, dict[str, Any]]:
 #: the plugins both trees run here, registered directly (the installed entry points name the
 #: newest tree's modules, some of which an older tree lacks)
 PLUGIN_MODULES = (
-    "hardware.cpu", "attention.torch_native", "models.llama", "grammar.none",
-    "speculative.none", "speculative.eagle3", "speculative.ngram", "kv_transfer.none",
-    "hicache_storage.none",
+    "models.llama", "grammar.none", "speculative.none", "speculative.eagle3",
+    "speculative.ngram", "kv_transfer.none", "hicache_storage.none",
 )  # fmt: skip
+#: per --device: the hardware plugin and the attention backend
+DEVICE_PLUGINS = {
+    "cpu": ("hardware.cpu", "attention.torch_native"),
+    "cuda": ("hardware.cuda", "attention.triton"),
+}
 
 
-def plugin_host() -> Any:
+def plugin_host(device: str) -> Any:
     import importlib
 
     from radixserve.core.plugins import PluginHost
 
     plugins = []
-    for name in PLUGIN_MODULES:
+    for name in DEVICE_PLUGINS[device] + PLUGIN_MODULES:
         try:
             module = importlib.import_module(f"radixserve.plugins.{name}")
         except ModuleNotFoundError:
@@ -94,16 +98,23 @@ def plugin_host() -> Any:
     return PluginHost(load_entry_points=False, extra_plugins=plugins)
 
 
-def engine(model: Path, flags: dict[str, Any]) -> Any:
+def engine(model: Path, flags: dict[str, Any], device: str) -> Any:
     from radixserve import Engine
 
+    hardware, attention = (m.rsplit(".", 1)[1] for m in DEVICE_PLUGINS[device])
+    if device == "cuda":
+        flags = {**flags, "disable_cuda_graph": True, "dtype": "bfloat16"}
+    else:
+        flags = {**flags, "dtype": "float32"}
     return Engine(
-        str(model), host=plugin_host(), dtype="float32", cpu_threads=1, max_total_tokens=16384,
-        plugins=["hardware=cpu", "attention=torch_native", "grammar=none"], **flags,
+        str(model), host=plugin_host(device), cpu_threads=1, max_total_tokens=16384,
+        plugins=[f"hardware={hardware}", f"attention={attention}", "grammar=none"], **flags,
     )  # fmt: skip
 
 
-def measure(model: Path, head: Path, case: str, tokens: int, repeats: int) -> dict[str, Any]:
+def measure(
+    model: Path, head: Path, case: str, tokens: int, repeats: int, device: str = "cpu"
+) -> dict[str, Any]:
     import torch
 
     import radixserve
@@ -112,7 +123,7 @@ def measure(model: Path, head: Path, case: str, tokens: int, repeats: int) -> di
     batch, flags = case_flags(case, head)
     prompts = [[(7 * b + 3 * i) % 300 + 5 for i in range(32)] for b in range(batch)]
     params = {"max_new_tokens": tokens, "ignore_eos": True, "temperature": 0.0}
-    with engine(model, flags) as eng:
+    with engine(model, flags, device) as eng:
         core = eng.core
         step = core.step
         times: list[float] = []
@@ -164,8 +175,9 @@ def measure(model: Path, head: Path, case: str, tokens: int, repeats: int) -> di
 
 
 def profile(
-    model: Path, head: Path, case: str, tokens: int, out: str, host_only: bool = False
-) -> None:
+    model: Path, head: Path, case: str, tokens: int, out: str, host_only: bool = False,
+    device: str = "cpu",
+) -> None:  # fmt: skip
     import cProfile
 
     import torch
@@ -174,7 +186,7 @@ def profile(
     batch, flags = case_flags(case, head)
     prompts = [[(7 * b + 3 * i) % 300 + 5 for i in range(32)] for b in range(batch)]
     params = {"max_new_tokens": tokens, "ignore_eos": True, "temperature": 0.0}
-    with engine(model, flags) as eng:
+    with engine(model, flags, device) as eng:
         eng.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 16})
         # the engine thread's CPU time (a shared machine's waits do not count); the model's
         # forward left out with --host-only (what differs between trees is the loop's)
@@ -203,15 +215,16 @@ def profile(
 
 
 def ab(args: argparse.Namespace) -> None:
-    """Alternate the two trees' subprocesses; print each case's medians and minima."""
+    """Alternate the trees' subprocesses; print each case's medians and minima."""
     results: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    trees = [tuple(t.split("=", 1)) for t in args.ab]
     for r in range(args.rounds):
-        for label, pp in (("old", args.ab[0]), ("new", args.ab[1])):
+        for label, pp in trees:
             for case in args.cases:
                 env = {**os.environ, "PYTHONPATH": pp}
                 cmd = [sys.executable, __file__, "--workdir", str(args.workdir), "--cases", case,
                        "--tokens", str(args.tokens), "--repeats", str(args.repeats),
-                       "--layers", str(args.layers)]  # fmt: skip
+                       "--layers", str(args.layers), "--device", args.device]  # fmt: skip
                 line = (
                     subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
                     .stdout.strip()
@@ -225,7 +238,7 @@ def ab(args: argparse.Namespace) -> None:
         "   tok/s med/max   output hashes"
     )
     for case in args.cases:
-        for label in ("old", "new"):
+        for label, _ in trees:
             rs = results[(case, label)]
             keys = ("step_us_median", "step_cpu_us_median", "host_cpu_us_per_step")
             cols = [[x[k] for x in rs] for k in keys]
@@ -233,7 +246,7 @@ def ab(args: argparse.Namespace) -> None:
             hashes = sorted({x["output_hash"] for x in rs})
             line = "".join(f"   {statistics.median(c):8.1f} / {min(c):8.1f}" for c in cols)
             print(
-                f"{case:11} {label:4}{line}   {statistics.median(tk):7.1f} / {max(tk):7.1f}"
+                f"{case:11} {label:5}{line}   {statistics.median(tk):7.1f} / {max(tk):7.1f}"
                 f"   {hashes}"
             )
 
@@ -246,7 +259,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--ab", nargs=2, metavar=("OLD_PYTHONPATH", "NEW_PYTHONPATH"))
+    p.add_argument("--ab", nargs="+", metavar="LABEL=PYTHONPATH")
+    p.add_argument(
+        "--device", default="cpu", choices=("cpu", "cuda"),
+        help="cuda: the triton attention backend, CUDA graphs off (the eager diagnostic)",
+    )  # fmt: skip
     p.add_argument("--profile", help="write a cProfile of the engine steps of --cases[0] here")
     p.add_argument("--host-only", action="store_true", help="--profile leaves the model out")
     args = p.parse_args()
@@ -254,10 +271,11 @@ def main() -> None:
     if args.ab:
         ab(args)
     elif args.profile:
-        profile(model, head, args.cases[0], args.tokens, args.profile, args.host_only)
+        profile(model, head, args.cases[0], args.tokens, args.profile, args.host_only, args.device)
     else:
         for case in args.cases:
-            print(json.dumps(measure(model, head, case, args.tokens, args.repeats)), flush=True)
+            result = measure(model, head, case, args.tokens, args.repeats, args.device)
+            print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -71,3 +71,13 @@ def test_a_plain_list_is_worked_out_at_each_call() -> None:
     assert implementing(plain, "poll") == []
     plain.append(polls)
     assert implementing(plain, "poll") == [polls]
+
+
+def test_the_step_hooks_follow_the_list() -> None:
+    polls, ends = Polls(), Ends()
+    strategies = StrategyList([ends])
+    assert strategies.on.poll == () and strategies.on.ended == (ends,)
+    strategies.append(polls)
+    assert strategies.on.poll == (polls,) and strategies.on.ended == (ends,)
+    strategies.clear()
+    assert strategies.on.ended == () and strategies.on.sample_rows == ()
