@@ -21,7 +21,6 @@ from radixserve.core.distributed import Rendezvous
 from radixserve.core.engine_views import EngineViews
 from radixserve.core.grammar import GrammarMasker, GrammarStepper
 from radixserve.core.grammar_queue import GrammarQueue
-from radixserve.core.interfaces import StepStrategy
 from radixserve.core.model_runner import LaunchedStep, ModelRunner
 from radixserve.core.multimodal_strategy import text_ids
 from radixserve.core.plugins import PluginHost
@@ -31,6 +30,7 @@ from radixserve.core.sessions import SessionTable
 from radixserve.core.step_plan import RetractionNeeded, StepPlan
 from radixserve.core.stop import StopChecker
 from radixserve.core.strategies import build_all
+from radixserve.core.strategy_list import StrategyList
 from radixserve.core.tokenizer import Tokenizer
 from radixserve.core.validation import ServingLimits, check_request, fit_output_budget
 
@@ -58,7 +58,7 @@ class EngineCore(EngineViews):
         ranks were started beside it (see ModelRunner); ``usage``: the caller's defaults (see
         ModelRunner)."""
         self.host = host
-        self.strategies: list[StepStrategy] = []  # built once the scheduler exists
+        self.strategies = StrategyList()  # built once the scheduler exists
         self.runner = ModelRunner(model_dir, config, host, rendezvous, usage)
         # From here on, every setting a platform may default is resolved.
         self.config = config = self.runner.config
@@ -89,7 +89,7 @@ class EngineCore(EngineViews):
         # sessions that keep their KV pinned between turns (core/sessions.py) are one.
         size = self.runner.allocator.size
         self.sessions = SessionTable(self.cache, size, config.session_pin_ratio)
-        self.strategies = build_all(self, host, model_dir) + [self.sessions]
+        self.strategies = StrategyList(build_all(self, host, model_dir) + [self.sessions])
         self.scheduler.strategies = self.runner.strategies = self.strategies
         info = {
             "model_path": str(model_dir),
@@ -196,19 +196,22 @@ class EngineCore(EngineViews):
             or len(self.grammars) > 0
             or self._in_flight is not None
             or bool(self._changed_outside_step)
-            or any(s.has_work() for s in self.strategies)
+            or any(s.has_work() for s in self.strategies.on.has_work)
         )
 
     def idle_wait(self) -> float | None:
         """Seconds the engine may sleep on its sockets (and the KV connector's wakeup_fd)
         before stepping again, when its only work is waiting for something outside it (KV
         arriving); None when it has a step to run."""
-        waits = [t for s in self.strategies if (t := s.wait_timeout()) is not None]
+        waiting = self.strategies.on.wait_timeout
+        if not waiting:
+            return None
+        waits = [t for s in waiting if (t := s.wait_timeout()) is not None]
         if not waits:
             return None
         if self.scheduler.has_work() or len(self.grammars) or self._in_flight is not None:
             return None
-        if any(s.has_work() and s.wait_timeout() is None for s in self.strategies):
+        if any(s.has_work() and s.wait_timeout() is None for s in waiting):
             return None  # a strategy runs steps itself
         return None if self._changed_outside_step else min(waits)
 
@@ -217,9 +220,10 @@ class EngineCore(EngineViews):
 
         With overlap scheduling the step is queued on the device and the previous step's
         tokens are committed while it runs, so what a step returns is one step old."""
-        changed = [r for s in self.strategies for r in s.poll()]  # e.g. KV arrived or late
+        on = self.strategies.on
+        changed = [r for s in on.poll for r in s.poll()] if on.poll else []  # e.g. KV arrived
         changed += self._step()
-        for strategy in self.strategies:
+        for strategy in on.ended:
             strategy.ended(changed)
         return changed
 
@@ -233,12 +237,14 @@ class EngineCore(EngineViews):
             changed += self._admit_compiled()
         if self._in_flight is not None and (
             not self._in_flight.launched.overlappable
-            or any(s.needs_host_tokens(self.scheduler) for s in self.strategies)
+            or any(
+                s.needs_host_tokens(self.scheduler) for s in self.strategies.on.needs_host_tokens
+            )
         ):
             changed += self._commit_in_flight()
         if self._in_flight is None:
             ran = False
-            for strategy in self.strategies:
+            for strategy in self.strategies.on.run_own_step:
                 own, done = strategy.run_own_step(self.scheduler, len(self.grammars) > 0)
                 changed += own
                 ran = ran or done
@@ -307,7 +313,7 @@ class EngineCore(EngineViews):
         now = time.perf_counter()
         spent = now - max(step.launched_at, self._last_result_at)
         cycle = now - max(step.scheduled_at, self._last_result_at)
-        for strategy in self.strategies:
+        for strategy in self.strategies.on.step_done:
             strategy.step_done(step.batch, cycle, step.overlapped)
         self._last_result_at = now
         self.scheduler.stats.by_kind[step.batch.kind].seconds += spent

@@ -14,9 +14,9 @@ from radixserve.core.spec_strategy import speculator_of
 if TYPE_CHECKING:
     from radixserve.core.config import EngineConfig
     from radixserve.core.grammar_queue import GrammarQueue
-    from radixserve.core.interfaces import StepStrategy
     from radixserve.core.model_runner import ModelRunner
     from radixserve.core.scheduler import Scheduler
+    from radixserve.core.strategy_list import StrategyList
 
 
 class EngineViews:
@@ -24,7 +24,7 @@ class EngineViews:
     runner: ModelRunner
     scheduler: Scheduler
     grammars: GrammarQueue
-    strategies: list[StepStrategy]
+    strategies: StrategyList
     eos_token_ids: tuple[int, ...]
 
     @property

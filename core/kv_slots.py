@@ -8,11 +8,11 @@ from collections.abc import Callable
 
 import torch
 
-from radixserve.core.interfaces import StepStrategy
 from radixserve.core.memory import ReqToTokenPool, TokenAllocator
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
 from radixserve.core.request import Req
 from radixserve.core.step_plan import SchedulerConfig
+from radixserve.core.strategy_list import StrategyList
 
 
 class KVSlots:
@@ -24,7 +24,7 @@ class KVSlots:
     cache: RadixCache | NoPrefixCache
     _uncached: NoPrefixCache  # embedding requests neither read nor fill the prefix cache
     running: list[Req]
-    strategies: list[StepStrategy]
+    strategies: StrategyList
 
     def free_positions(self, req: Req, keep: int, end: int) -> None:
         """Give back the slots of positions [keep, end) of ``req``'s row, except those in the

@@ -28,7 +28,6 @@ from radixserve.core.interfaces import (
     HardwarePlatform,
     StepCapabilities,
     StepExecutor,
-    StepStrategy,
 )
 from radixserve.core.logprobs import record_input_logprobs
 from radixserve.core.memory import KVPool, ReqToTokenPool, TokenAllocator
@@ -37,6 +36,7 @@ from radixserve.core.pooling import finish_pooling, plan_pooling, record_label_l
 from radixserve.core.sampling import SampleResult, presample_logits, sample, sample_ids
 from radixserve.core.step_plan import SampledToken, StepPlan
 from radixserve.core.step_rows import LogitsPlan, StepRows
+from radixserve.core.strategy_list import StrategyList
 from radixserve.core.weights import (
     count_parameters,
     iter_weights,
@@ -78,7 +78,7 @@ class ModelRunner:
         the caller's defaults for settings left unset, before the platform's (for example the
         offline Engine's, ``EngineConfig.with_platform_defaults``)."""
         self.grammar_masker: GrammarMasker | None = None  # set by EngineCore
-        self.strategies: list[StepStrategy] = []  # set by EngineCore
+        self.strategies = StrategyList()  # set by EngineCore (shared with the scheduler)
         selections = parse_plugin_selections(config.plugins)
         hw = host.select_hardware(selections.get("hardware"))
         self.platform: HardwarePlatform = hw.factory()
@@ -286,7 +286,7 @@ class ModelRunner:
             assert not req.num_pending, "only plain decodes have pending tokens"
             extra = batch.extra.get(i)
             if extra is not None and any(
-                s.add_rows(rows, i, req, n, extra) for s in self.strategies
+                s.add_rows(rows, i, req, n, extra) for s in self.strategies.on.add_rows
             ):
                 continue
             rows.add_extend(req, n)
@@ -311,14 +311,11 @@ class ModelRunner:
         logits, plans = self._forward(batch, prev_ids)
         if not sample_rows:
             return LaunchedStep(None, True, dict)
-        chosen = next(
-            (
-                x
-                for s in self.strategies
-                if (x := s.sample_rows(logits, batch, plans, sample_rows, eos_ids)) is not None
-            ),
-            None,
-        )
+        chosen = None  # the first strategy that samples this step (e.g. a verify step)
+        for s in self.strategies.on.sample_rows:
+            chosen = s.sample_rows(logits, batch, plans, sample_rows, eos_ids)
+            if chosen is not None:
+                break
         if chosen is not None:
             return LaunchedStep(None, False, lambda: chosen)
         reqs = [batch.reqs[i] for i in sample_rows]
@@ -345,11 +342,11 @@ class ModelRunner:
         pooling = plan_pooling(batch.reqs, batch.extend_lens)
         if pooling is not None:
             fb.hidden_rows = to_device(torch.tensor(pooling.rows, dtype=torch.int64), self.device)
-        for strategy in self.strategies:
+        for strategy in self.strategies.on.before_forward:
             strategy.before_forward(fb)
         self.req_to_token.sync()  # the device mirror of the slot table, before any kernel
         logits = self.step(fb)
-        for strategy in self.strategies:
+        for strategy in self.strategies.on.after_forward:
             strategy.after_forward(fb)
         for req, n, plan in zip(batch.reqs, batch.extend_lens, plans, strict=True):
             if plan.scored:

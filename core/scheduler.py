@@ -29,6 +29,7 @@ from radixserve.core.step_plan import Extra, SchedulerStats, StepPlan, step_kind
 from radixserve.core.step_plan import RetractionNeeded as RetractionNeeded
 from radixserve.core.step_plan import SchedulerConfig as SchedulerConfig
 from radixserve.core.stop import StopChecker
+from radixserve.core.strategy_list import StrategyList
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class Scheduler(StepCommit, Admission):
         self.stop_checker = stop_checker
         self.grammar = grammar or GrammarStepper(stop_checker.tokenizer, jump_forward=False)
         # the enabled step strategies (core/interfaces.py): extra rows, commit, release
-        self.strategies = list(strategies)
+        self.strategies = StrategyList(strategies)
         self.waiting: deque[Req] = deque()
         # Requests ended outside any batch (the KV pool cannot hold them); see pop_ended().
         self.ended: list[Req] = []
@@ -188,7 +189,7 @@ class Scheduler(StepCommit, Admission):
     def _extend(self, decodes: list[Req]) -> dict[str, Extra]:
         """The strategies' extra rows for this step's decodes (rid -> rows)."""
         extra: dict[str, Extra] = {}
-        for strategy in self.strategies:
+        for strategy in self.strategies.on.extend_plan:
             extra.update(strategy.extend_plan(self, decodes))
         return extra
 
@@ -198,6 +199,9 @@ class Scheduler(StepCommit, Admission):
         """The plan: single-token extends attend like decodes, so they join the batched
         decode path; entries with extra rows go with the extends, or, where those rows attend
         as decodes, right after the decodes."""
+        if not prefills and not extra:  # decodes only, in order (the hot path: no sorting)
+            n = len(decodes)
+            return StepPlan(decodes, [1] * n, n, {}, self._count_step(n, 0))
         decode_entries = [
             (r, 1 + len(extra[r.rid].tokens) if r.rid in extra else 1) for r in decodes
         ]

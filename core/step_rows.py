@@ -58,8 +58,14 @@ class StepRows:
             self.input_ids.append(req.output_ids[start - prompt_len])
         else:
             self.input_ids.append(req.input_ids[start])
-        assert req.req_pool_idx is not None
-        self.add_decode_row(req.req_pool_idx, start)
+        row = req.req_pool_idx
+        assert row is not None
+        # add_decode_row, inline (once per decode and step)
+        self.logits_rows.append(len(self.positions))
+        self.positions.append(start)
+        self.rows.append(row)
+        self.pool_rows.append(row)
+        self.seq_lens.append(start + 1)
         last = len(self.logits_rows) - 1
         self.plans.append(LogitsPlan(_NOTHING_SCORED, last, last))
 

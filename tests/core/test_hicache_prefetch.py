@@ -10,6 +10,7 @@ import json
 import random
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,10 @@ def _add(core: EngineCore, prompt: list[int], rid: str) -> Req:
 
 
 def _finish(core: EngineCore, req: Req) -> Req:
-    for _ in range(1000):
+    # Bounded by time, not by a step count: a request waiting for its storage read
+    # (wait_complete) takes as many (empty) steps as the read thread needs on this machine.
+    deadline = time.monotonic() + 120.0
+    while time.monotonic() < deadline:
         if req.finished and not core.has_work():
             break
         _checked_step(core)
