@@ -65,7 +65,7 @@ class EngineCore(EngineViews):
         settings = self.runner.settings
         self.tokenizer = Tokenizer(model_dir)
         mc = self.runner.model_config
-        self.eos_token_ids = tuple(mc.eos_token_ids) or _eos_from_tokenizer(self.tokenizer)
+        self.eos_token_ids = tuple(mc.eos_token_ids) or self.tokenizer.eos_token_ids()
         self.max_context = self.runner.max_context
         self.cache = build_cache(self.runner, config, host, str(model_dir))
         self.grammars = self._grammar_queue(host)
@@ -204,8 +204,6 @@ class EngineCore(EngineViews):
         before stepping again, when its only work is waiting for something outside it (KV
         arriving); None when it has a step to run."""
         waiting = self.strategies.on.wait_timeout
-        if not waiting:
-            return None
         waits = [t for s in waiting if (t := s.wait_timeout()) is not None]
         if not waits:
             return None
@@ -235,11 +233,10 @@ class EngineCore(EngineViews):
         changed, self._changed_outside_step = self._changed_outside_step, []
         if len(self.grammars):
             changed += self._admit_compiled()
+        wants_tokens = self.strategies.on.needs_host_tokens
         if self._in_flight is not None and (
             not self._in_flight.launched.overlappable
-            or any(
-                s.needs_host_tokens(self.scheduler) for s in self.strategies.on.needs_host_tokens
-            )
+            or any(s.needs_host_tokens(self.scheduler) for s in wants_tokens)
         ):
             changed += self._commit_in_flight()
         if self._in_flight is None:
@@ -431,8 +428,7 @@ class EngineCore(EngineViews):
     def flush_cache(self) -> bool:
         """Drop every cached prefix (device and host tiers); only allowed while no request
         runs."""
-        self._sync()
-        if self.scheduler.has_work():
+        if not self._quiet():
             return False
         self.sessions.unpin_all()  # sessions stay open; their next turn computes again
         self.cache.flush()
@@ -441,14 +437,9 @@ class EngineCore(EngineViews):
     def clear_cache_storage(self) -> bool:
         """Drop the pages of the hierarchical cache's storage tier; only allowed while no
         request runs, and False where there is no such tier."""
+        return self._quiet() and self.cache.clear_storage()
+
+    def _quiet(self) -> bool:
+        """True when, the step in flight committed, no request is left running or waiting."""
         self._sync()
-        if self.scheduler.has_work():
-            return False
-        return self.cache.clear_storage()
-
-
-def _eos_from_tokenizer(tokenizer: Tokenizer) -> tuple[int, ...]:
-    if tokenizer.eos_token is None:
-        return ()
-    token_id = tokenizer.token_to_id(tokenizer.eos_token)
-    return () if token_id is None else (token_id,)
+        return not self.scheduler.has_work()

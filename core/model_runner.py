@@ -311,7 +311,7 @@ class ModelRunner:
         logits, plans = self._forward(batch, prev_ids)
         if not sample_rows:
             return LaunchedStep(None, True, dict)
-        chosen = None  # the first strategy that samples this step (e.g. a verify step)
+        chosen = None  # the first strategy that samples this step itself
         for s in self.strategies.on.sample_rows:
             chosen = s.sample_rows(logits, batch, plans, sample_rows, eos_ids)
             if chosen is not None:

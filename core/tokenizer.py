@@ -86,6 +86,11 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The id of the tokenizer's own EOS token, if it names one the vocabulary has."""
+        token_id = None if self.eos_token is None else self.token_to_id(self.eos_token)
+        return () if token_id is None else (token_id,)
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
