@@ -12,6 +12,16 @@ events), and the fastest per token count is written into
 plugins/models/fused_moe_configs.json under the device's name (``--dry-run``: printed only).
 
     python bench/experiments/gpu_kernels.py --tune-moe --moe-tokens 1,2,4,8,16,32,64,128,256
+
+``--lora``: the LoRA Triton backend's segmented kernels (plugins/models/lora_triton.py: a launch
+pair per fused module) against the per-token kernels they replaced (loaded from git,
+``--lora-old-rev``: one launch pair per sub-projection) at Llama-3.1-8B's projections, rank 16,
+8 adapters: prefill (8 x 1,024 tokens, one adapter each) and decode (64 rows, the adapters
+interleaved); a layer's four wrapped modules captured in a CUDA graph each way, checked
+against each other, median time and the ratio old / new (``--smoke``: tiny shapes, interpreted
+on the CPU, to check the script: ``TRITON_INTERPRET=1 ... --lora --smoke``).
+
+    PYTHONPATH=bench python bench/experiments/gpu_kernels.py --lora
 """
 
 from __future__ import annotations
@@ -159,6 +169,114 @@ def write_moe_table(shape: tuple[int, int, int, int], best: dict[int, Any]) -> N
     print("written:", CONFIGS)
 
 
+LORA_OLD_REV = "66e7b0f4f2611579c7dfca55fe7ef88b6ec7c369"  # the per-token kernels' last commit
+LLAMA8B = {"h": 4096, "q": 4096, "kv": 1024, "inter": 14336}
+
+
+def _old_lora_kernels(rev: str) -> Any:
+    """plugins/models/lora_triton.py as of ``rev``, loaded as a module of its own."""
+    import importlib.util
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    src = subprocess.run(["git", "show", f"{rev}:plugins/models/lora_triton.py"], cwd=root,
+                         check=True, capture_output=True, text=True).stdout  # fmt: skip
+    path = Path(tempfile.mkdtemp()) / "lora_triton_per_token.py"
+    path.write_text(src)  # triton.jit reads the kernels' source from their file
+    spec = importlib.util.spec_from_file_location("lora_triton_per_token", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _lora_layer(dims: dict[str, int], rank: int, slots: int, dev: str) -> list[dict[str, Any]]:
+    """A layer's four wrapped modules as LoRALayers stacks them (A along R, B by column)."""
+    h, q, kv, inter = dims["h"], dims["q"], dims["kv"], dims["inter"]
+    modules = [(h, [q, kv, kv]), (q, [h]), (h, [inter, inter]), (inter, [h])]
+    out = []
+    for k, sizes in modules:
+        a = torch.randn(slots, len(sizes) * rank, k, device=dev) / k**0.5
+        b = torch.randn(slots, sum(sizes), rank, device=dev) * 0.01
+        cols = tuple((sum(sizes[:j]), n, sum(sizes[:j])) for j, n in enumerate(sizes))
+        dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+        out.append({"k": k, "n": sum(sizes), "a": a.to(dtype), "b": b.to(dtype), "cols": cols})
+    return out
+
+
+def _lora_fns(layer: list[dict[str, Any]], rows: torch.Tensor, old: Any, rank: int) -> tuple:
+    """(new, old) callables adding the layer's LoRA to fresh outputs, and those outputs."""
+    from radixserve.plugins.models import lora_triton
+
+    dev, dtype = rows.device, layer[0]["a"].dtype
+    t, slots = rows.shape[0], layer[0]["a"].shape[0]
+    scale = torch.full((slots,), 2.0, device=dev)
+    order = torch.argsort(rows, stable=True).to(torch.int32)
+    xs = [torch.randn(t, m["k"], device=dev, dtype=dtype) for m in layer]
+    ys = {w: [torch.zeros(t, m["n"], device=dev, dtype=dtype) for m in layer] for w in "no"}
+
+    def new() -> None:
+        for m, x, y in zip(layer, xs, ys["n"], strict=True):
+            lora_triton.add_lora(y, x, m["a"], m["b"], scale, rows, order, m["cols"])
+
+    def per_token() -> None:
+        for m, x, y in zip(layer, xs, ys["o"], strict=True):
+            for j, (col, n, off) in enumerate(m["cols"]):
+                a = m["a"][:, j * rank : (j + 1) * rank]
+                old.add_lora(y, x, a, m["b"][:, col : col + n], scale, rows, off)
+
+    return new, per_token, ys
+
+
+def _graphed(fn: Any, dev: str) -> Any:
+    if dev != "cuda":
+        return fn
+    fn()  # compile outside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def bench_lora(old_rev: str, smoke: bool) -> None:
+    """Time a layer's LoRA (4 modules) per-token vs segmented, prefill and decode."""
+    dev = "cpu" if smoke else "cuda"
+    dims = {"h": 64, "q": 64, "kv": 16, "inter": 96} if smoke else LLAMA8B
+    rank, adapters = 16, 8
+    old = _old_lora_kernels(old_rev)
+    seg = 16 if smoke else 1024
+    cases = {  # slots per row: prefill one adapter per request, decode interleaved
+        f"prefill {adapters} x {seg}": torch.arange(1, adapters + 1).repeat_interleave(seg),
+        "decode 64 rows": torch.arange(64) % adapters + 1,
+    }
+    layer = _lora_layer(dims, rank, adapters, dev)
+    print(f"LoRA, one layer's q/k/v, o, gate/up, down at {dims}, rank {rank}, {adapters} adapters")
+    for label, slots in cases.items():
+        rows = slots.to(dev, torch.int32)
+        new, per_token, ys = _lora_fns(layer, rows, old, rank)
+        new_run, old_run = _graphed(new, dev), _graphed(per_token, dev)
+        for y in ys["n"] + ys["o"]:
+            y.zero_()
+        new_run()
+        old_run()
+        for yn, yo in zip(ys["n"], ys["o"], strict=True):
+            err = float((yn.float() - yo.float()).norm() / yo.float().norm())
+            assert err < 2e-2, f"{label}: the kernels disagree (relative error {err:.3g})"
+        if smoke:
+            print(f"{label}: outputs agree (interpreted, not timed)")
+            continue
+        t_new, t_old = median_ms(new_run, 50), median_ms(old_run, 50)
+        print(f"{label}: per-token {t_old * 1e3:.1f} us, segmented {t_new * 1e3:.1f} us "
+              f"per layer: {t_old / t_new:.2f}x faster")  # fmt: skip
+
+
 def main() -> None:
     import argparse
 
@@ -168,7 +286,17 @@ def main() -> None:
     p.add_argument("--moe-tokens", default="1,2,4,8,16,32,64,128,256")
     p.add_argument("--fp8", action="store_true", help="FP8 experts (--quantization fp8)")
     p.add_argument("--dry-run", action="store_true", help="print the best tiles, write nothing")
+    p.add_argument("--lora", action="store_true", help="LoRA kernels: per-token vs segmented")
+    p.add_argument("--lora-old-rev", default=LORA_OLD_REV, help="the per-token kernels' commit")
+    p.add_argument("--smoke", action="store_true", help="--lora at tiny shapes on the CPU")
     args = p.parse_args()
+    if args.lora:
+        import os
+
+        # NOTE: Triton reads it once, before this script's first kernel is defined
+        assert not args.smoke or os.environ.get("TRITON_INTERPRET") == "1", "--smoke: set it"
+        bench_lora(args.lora_old_rev, args.smoke)
+        return
     if args.tune_moe:
         shape = tuple(int(v) for v in args.moe_shape.split(","))
         assert len(shape) == 4, "--moe-shape E,I,H,top_k"
