@@ -7,10 +7,10 @@ PEFT name lands (module, column offset) comes from the model's own ``weight_targ
 fused layouts are the model's knowledge, not this file's. Slot 0 is the base model: its tokens
 get nothing added and no weights are stored for it (the pools index ``slot - 1``).
 
-Backends: ``torch`` pads the step's rows per slot once in ``set_step`` and then costs a gather,
-two batched matmuls over the slots and a scatter-add per wrapped module, whatever the number of
-adapters (a step whose adapters' rows are too uneven to pad, such as one long prompt, loops over
-its adapters instead: a gather, two small matmuls and a scatter-add each); ``triton`` runs
+Backends: ``torch``, for a step of a few rows per adapter (decode), pads them per slot once in
+``set_step`` and then costs a gather, two batched products over the slots and a scatter-add per
+wrapped module, whatever the number of adapters; longer steps (prefill) loop over their
+adapters (a gather, two small matmuls and a scatter-add each); ``triton`` runs
 plugins/models/lora_triton.py's segmented kernels, one launch pair per wrapped module (its
 sub-projections' A stacked along the rank, their B along the columns), over the step's rows
 sorted by slot once in ``set_step``; the slots and that order are device buffers (data, not
@@ -169,9 +169,11 @@ class LoRALayers:
         self.segments, self.padded = [], None
         slots = token_slots.cpu()
         counts = torch.bincount(slots, minlength=len(self.ranks) + 1)[1:]
-        n, length = int(counts.sum()), int(counts.max())
+        length = int(counts.max())
         active = counts.nonzero().squeeze(1).tolist()
-        if len(active) > 1 and len(self.ranks) * length <= max(2 * n, 256):
+        # padded: fewer ops, which is what a decode step's time is on the CPU; past a few
+        # dozen rows an adapter the products dominate and the loop pads nothing
+        if len(active) > 1 and length <= 32:
             self.padded = self._pad(slots, counts, length, max(self.ranks[i] for i in active))
             return
         for s in torch.unique(token_slots).tolist():
@@ -253,7 +255,9 @@ class LoRALayers:
         h = torch.bmm(x.index_select(0, p.gather).view(slots, p.length, -1), a.transpose(1, 2))
         h *= self.scale.view(slots, 1, 1)
         for j, sub in enumerate(w.subs):
-            d = torch.bmm(h[:, :, j * r : (j + 1) * r], sub.b[:, :, :r].transpose(1, 2))
+            # NOTE: einsum, not bmm: a sub's B is a slice of the stacked B, whose batch stride
+            # sends bmm to a slow strided path on the CPU (3x at SmolLM2's gate/up)
+            d = torch.einsum("slr,snr->sln", h[:, :, j * r : (j + 1) * r], sub.b[:, :, :r])
             d = d.view(slots * p.length, sub.size).index_select(0, p.cells)
             y[:, sub.offset : sub.offset + sub.size].index_add_(0, p.rows, d.to(y.dtype))
 

@@ -195,8 +195,8 @@ UNEVEN = [2, 0, 0, 3, 3] + [1] * 90 + [0] * 5 + [3] * 4  # past the 32-row buffe
 @pytest.mark.parametrize(("rows", "padded"), [(MIXED, True), (UNEVEN, False)])
 def test_triton_backend_equals_the_torch_backend(rows: list[int], padded: bool) -> None:
     """The hooks on a fused decoder layer: per module, the Triton launch pair (q/k/v and
-    gate/up each in one) gives the torch backend's output, for a mixed step (the torch
-    backend's padded batched product) and an uneven one (its loop over adapters)."""
+    gate/up each in one) gives the torch backend's output, for a mixed step of a few rows an
+    adapter (the torch backend's padded batched product) and a longer one (its loop)."""
     t = len(rows)
     token_slots = torch.tensor(rows)
     g = torch.Generator().manual_seed(5)
