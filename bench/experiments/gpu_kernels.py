@@ -14,8 +14,8 @@ plugins/models/fused_moe_configs.json under the device's name (``--dry-run``: pr
     python bench/experiments/gpu_kernels.py --tune-moe --moe-tokens 1,2,4,8,16,32,64,128,256
 
 ``--lora``: the LoRA Triton backend's segmented kernels (plugins/models/lora_triton.py: a launch
-pair per fused module) against the per-token kernels they replaced (loaded from git,
-``--lora-old-rev``: one launch pair per sub-projection) at Llama-3.1-8B's projections, rank 16,
+pair per fused module) against the per-token kernels they replaced (kept below: one launch
+pair per sub-projection) at Llama-3.1-8B's projections, rank 16,
 8 adapters: prefill (8 x 1,024 tokens, one adapter each) and decode (64 rows, the adapters
 interleaved); a layer's four wrapped modules captured in a CUDA graph each way, checked
 against each other, median time and the ratio old / new (``--smoke``: tiny shapes, interpreted
@@ -30,6 +30,8 @@ import itertools
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 from gpu import median_ms  # bench/ is the script's own folder, first on sys.path
 
 from radixserve.plugins.attention.triton import decode_kernel as dk
@@ -169,27 +171,78 @@ def write_moe_table(shape: tuple[int, int, int, int], best: dict[int, Any]) -> N
     print("written:", CONFIGS)
 
 
-LORA_OLD_REV = "66e7b0f4f2611579c7dfca55fe7ef88b6ec7c369"  # the per-token kernels' last commit
 LLAMA8B = {"h": 4096, "q": 4096, "kv": 1024, "inter": 14336}
 
+# -- the per-token LoRA kernels that plugins/models/lora_triton.py's segmented ones replaced
+# (its version of 2026-12-05, commit 66e7b0f), kept here only to time the new ones against:
+# one program per token reading its adapter's whole A, one launch pair per sub-projection
 
-def _old_lora_kernels(rev: str) -> Any:
-    """plugins/models/lora_triton.py as of ``rev``, loaded as a module of its own."""
-    import importlib.util
-    import subprocess
-    import tempfile
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
-    src = subprocess.run(["git", "show", f"{rev}:plugins/models/lora_triton.py"], cwd=root,
-                         check=True, capture_output=True, text=True).stdout  # fmt: skip
-    path = Path(tempfile.mkdtemp()) / "lora_triton_per_token.py"
-    path.write_text(src)  # triton.jit reads the kernels' source from their file
-    spec = importlib.util.spec_from_file_location("lora_triton_per_token", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@triton.jit
+def _old_shrink(x_ptr, a_ptr, slots_ptr, out_ptr, K, R, stride_x, stride_as, stride_ar,
+                BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0)
+    s = tl.load(slots_ptr + t)
+    r = tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    if s > 0:
+        a_row = a_ptr + (s - 1).to(tl.int64) * stride_as
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + t.to(tl.int64) * stride_x + k, mask=k < K, other=0.0)
+            a = tl.load(a_row + r[:, None] * stride_ar + k[None, :],
+                        mask=(r[:, None] < R) & (k[None, :] < K), other=0.0)  # fmt: skip
+            acc += tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    tl.store(out_ptr + t.to(tl.int64) * R + r, acc, mask=r < R)
+
+
+@triton.jit
+def _old_expand(h_ptr, b_ptr, scale_ptr, slots_ptr, y_ptr, N, R, offset, stride_y, stride_bs,
+                stride_bn, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0)
+    s = tl.load(slots_ptr + t)
+    if s > 0:
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        r = tl.arange(0, BLOCK_R)
+        h = tl.load(h_ptr + t.to(tl.int64) * R + r, mask=r < R, other=0.0)
+        b = tl.load(b_ptr + (s - 1).to(tl.int64) * stride_bs + n[:, None] * stride_bn + r[None, :],
+                    mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)  # fmt: skip
+        d = tl.sum(b.to(tl.float32) * h[None, :], axis=1) * tl.load(scale_ptr + s - 1)
+        dst = y_ptr + t.to(tl.int64) * stride_y + offset + n
+        y = tl.load(dst, mask=n < N, other=0.0)
+        tl.store(dst, (y.to(tl.float32) + d).to(y.dtype), mask=n < N)
+
+
+def old_add_lora(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
+    slots: torch.Tensor, offset: int,
+) -> None:  # fmt: skip
+    """The per-token launch pair of one sub-projection: y[:, offset:] += its product."""
+    t, k = x.shape
+    _, n, r = b.shape
+    if t == 0:
+        return
+    x = x.contiguous()
+    h = torch.empty(t, r, dtype=torch.float32, device=x.device)
+    block_r = triton.next_power_of_2(r)
+    _old_shrink[(t,)](x, a, slots, h, k, r, x.stride(0), a.stride(0), a.stride(1),
+                      BLOCK_R=block_r, BLOCK_K=64)  # fmt: skip
+    block_n = 64
+    _old_expand[(t, triton.cdiv(n, block_n))](
+        h,
+        b,
+        scale,
+        slots,
+        y,
+        n,
+        r,
+        offset,
+        y.stride(0),
+        b.stride(0),
+        b.stride(1),
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+    )
 
 
 def _lora_layer(dims: dict[str, int], rank: int, slots: int, dev: str) -> list[dict[str, Any]]:
@@ -206,7 +259,7 @@ def _lora_layer(dims: dict[str, int], rank: int, slots: int, dev: str) -> list[d
     return out
 
 
-def _lora_fns(layer: list[dict[str, Any]], rows: torch.Tensor, old: Any, rank: int) -> tuple:
+def _lora_fns(layer: list[dict[str, Any]], rows: torch.Tensor, rank: int) -> tuple:
     """(new, old) callables adding the layer's LoRA to fresh outputs, and those outputs."""
     from radixserve.plugins.models import lora_triton
 
@@ -225,7 +278,7 @@ def _lora_fns(layer: list[dict[str, Any]], rows: torch.Tensor, old: Any, rank: i
         for m, x, y in zip(layer, xs, ys["o"], strict=True):
             for j, (col, n, off) in enumerate(m["cols"]):
                 a = m["a"][:, j * rank : (j + 1) * rank]
-                old.add_lora(y, x, a, m["b"][:, col : col + n], scale, rows, off)
+                old_add_lora(y, x, a, m["b"][:, col : col + n], scale, rows, off)
 
     return new, per_token, ys
 
@@ -245,12 +298,11 @@ def _graphed(fn: Any, dev: str) -> Any:
     return graph.replay
 
 
-def bench_lora(old_rev: str, smoke: bool) -> None:
+def bench_lora(smoke: bool) -> None:
     """Time a layer's LoRA (4 modules) per-token vs segmented, prefill and decode."""
     dev = "cpu" if smoke else "cuda"
     dims = {"h": 64, "q": 64, "kv": 16, "inter": 96} if smoke else LLAMA8B
     rank, adapters = 16, 8
-    old = _old_lora_kernels(old_rev)
     seg = 16 if smoke else 1024
     cases = {  # slots per row: prefill one adapter per request, decode interleaved
         f"prefill {adapters} x {seg}": torch.arange(1, adapters + 1).repeat_interleave(seg),
@@ -260,7 +312,7 @@ def bench_lora(old_rev: str, smoke: bool) -> None:
     print(f"LoRA, one layer's q/k/v, o, gate/up, down at {dims}, rank {rank}, {adapters} adapters")
     for label, slots in cases.items():
         rows = slots.to(dev, torch.int32)
-        new, per_token, ys = _lora_fns(layer, rows, old, rank)
+        new, per_token, ys = _lora_fns(layer, rows, rank)
         new_run, old_run = _graphed(new, dev), _graphed(per_token, dev)
         for y in ys["n"] + ys["o"]:
             y.zero_()
@@ -287,7 +339,6 @@ def main() -> None:
     p.add_argument("--fp8", action="store_true", help="FP8 experts (--quantization fp8)")
     p.add_argument("--dry-run", action="store_true", help="print the best tiles, write nothing")
     p.add_argument("--lora", action="store_true", help="LoRA kernels: per-token vs segmented")
-    p.add_argument("--lora-old-rev", default=LORA_OLD_REV, help="the per-token kernels' commit")
     p.add_argument("--smoke", action="store_true", help="--lora at tiny shapes on the CPU")
     args = p.parse_args()
     if args.lora:
@@ -295,7 +346,7 @@ def main() -> None:
 
         # NOTE: Triton reads it once, before this script's first kernel is defined
         assert not args.smoke or os.environ.get("TRITON_INTERPRET") == "1", "--smoke: set it"
-        bench_lora(args.lora_old_rev, args.smoke)
+        bench_lora(args.smoke)
         return
     if args.tune_moe:
         shape = tuple(int(v) for v in args.moe_shape.split(","))
