@@ -15,13 +15,14 @@ plugins/models/fused_moe_configs.json under the device's name (``--dry-run``: pr
 
 ``--lora``: the LoRA Triton backend's segmented kernels (plugins/models/lora_triton.py: a launch
 pair per fused module) against the per-token kernels they replaced (kept below: one launch
-pair per sub-projection) at Llama-3.1-8B's projections, rank 16,
-8 adapters: prefill (8 x 1,024 tokens, one adapter each) and decode (64 rows, the adapters
-interleaved); a layer's four wrapped modules captured in a CUDA graph each way, checked
-against each other, median time and the ratio old / new (``--smoke``: tiny shapes, interpreted
-on the CPU, to check the script: ``TRITON_INTERPRET=1 ... --lora --smoke``).
+pair per sub-projection) at Llama-3.1-8B's projections, rank 16, 8 adapters: prefill (8 x
+1,024 tokens, one adapter each) and decode (64 rows, the adapters interleaved); a layer's four
+wrapped modules captured in a CUDA graph each way, checked against each other, median time
+and the ratio old / new. ``--lora-sweep``: that, then the segmented kernels at other tiles
+(the five fastest per case); ``--smoke``: tiny shapes, interpreted on the CPU, to check the
+script (``TRITON_INTERPRET=1 ... --lora --smoke``).
 
-    PYTHONPATH=bench python bench/experiments/gpu_kernels.py --lora
+    PYTHONPATH=bench python bench/experiments/gpu_kernels.py --lora-sweep
 """
 
 from __future__ import annotations
@@ -298,7 +299,35 @@ def _graphed(fn: Any, dev: str) -> Any:
     return graph.replay
 
 
-def bench_lora(smoke: bool) -> None:
+def _sweep_lora_tiles(new: Any, ys: list[torch.Tensor]) -> None:
+    """Time ``new`` at other tiles (BLOCK_M, BLOCK_N, split_k) than lora_triton.tiles' choice,
+    each checked against it; prints the five fastest."""
+    from radixserve.plugins.models import lora_triton
+
+    choose = lora_triton.tiles
+    for y in ys:
+        y.zero_()
+    new()
+    refs = [y.float().clone() for y in ys]
+    timed = []
+    try:
+        for tile in itertools.product((16, 32, 64), (64, 128), (1, 2, 4, 8, 16)):
+            lora_triton.tiles = lambda t, k, tile=tile: tile  # type: ignore[misc]
+            for y in ys:
+                y.zero_()
+            new()
+            errs = [float((y.float() - r).norm() / r.norm()) for y, r in zip(ys, refs, strict=True)]
+            if max(errs) > 1e-2:
+                print(f"  tiles {tile}: WRONG, skipped")
+                continue
+            timed.append((median_ms(_graphed(new, "cuda"), 50), tile))
+    finally:
+        lora_triton.tiles = choose
+    for ms, tile in sorted(timed)[:5]:
+        print(f"  BLOCK_M, BLOCK_N, split_k = {tile}: {ms * 1e3:.1f} us")
+
+
+def bench_lora(smoke: bool, sweep: bool) -> None:
     """Time a layer's LoRA (4 modules) per-token vs segmented, prefill and decode."""
     dev = "cpu" if smoke else "cuda"
     dims = {"h": 64, "q": 64, "kv": 16, "inter": 96} if smoke else LLAMA8B
@@ -327,6 +356,8 @@ def bench_lora(smoke: bool) -> None:
         t_new, t_old = median_ms(new_run, 50), median_ms(old_run, 50)
         print(f"{label}: per-token {t_old * 1e3:.1f} us, segmented {t_new * 1e3:.1f} us "
               f"per layer: {t_old / t_new:.2f}x faster")  # fmt: skip
+        if sweep:
+            _sweep_lora_tiles(new, ys["n"])
 
 
 def main() -> None:
@@ -340,13 +371,14 @@ def main() -> None:
     p.add_argument("--dry-run", action="store_true", help="print the best tiles, write nothing")
     p.add_argument("--lora", action="store_true", help="LoRA kernels: per-token vs segmented")
     p.add_argument("--smoke", action="store_true", help="--lora at tiny shapes on the CPU")
+    p.add_argument("--lora-sweep", action="store_true", help="--lora, then other tiles timed")
     args = p.parse_args()
-    if args.lora:
+    if args.lora or args.lora_sweep:
         import os
 
         # NOTE: Triton reads it once, before this script's first kernel is defined
         assert not args.smoke or os.environ.get("TRITON_INTERPRET") == "1", "--smoke: set it"
-        bench_lora(args.smoke)
+        bench_lora(args.smoke, args.lora_sweep)
         return
     if args.tune_moe:
         shape = tuple(int(v) for v in args.moe_shape.split(","))
