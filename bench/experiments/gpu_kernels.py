@@ -12,6 +12,17 @@ events), and the fastest per token count is written into
 plugins/models/fused_moe_configs.json under the device's name (``--dry-run``: printed only).
 
     python bench/experiments/gpu_kernels.py --tune-moe --moe-tokens 1,2,4,8,16,32,64,128,256
+
+``--lora``: the LoRA Triton backend's segmented kernels (plugins/models/lora_triton.py: a launch
+pair per fused module) against the per-token kernels they replaced (kept below: one launch
+pair per sub-projection) at Llama-3.1-8B's projections, rank 16, 8 adapters: prefill (8 x
+1,024 tokens, one adapter each) and decode (64 rows, the adapters interleaved); a layer's four
+wrapped modules captured in a CUDA graph each way, checked against each other, median time
+and the ratio old / new. ``--lora-sweep``: that, then the segmented kernels at other tiles
+(the five fastest per case); ``--smoke``: tiny shapes, interpreted on the CPU, to check the
+script (``TRITON_INTERPRET=1 ... --lora --smoke``).
+
+    PYTHONPATH=bench python bench/experiments/gpu_kernels.py --lora-sweep
 """
 
 from __future__ import annotations
@@ -20,6 +31,8 @@ import itertools
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 from gpu import median_ms  # bench/ is the script's own folder, first on sys.path
 
 from radixserve.plugins.attention.triton import decode_kernel as dk
@@ -159,6 +172,194 @@ def write_moe_table(shape: tuple[int, int, int, int], best: dict[int, Any]) -> N
     print("written:", CONFIGS)
 
 
+LLAMA8B = {"h": 4096, "q": 4096, "kv": 1024, "inter": 14336}
+
+# -- the per-token LoRA kernels that plugins/models/lora_triton.py's segmented ones replaced
+# (its version of 2026-12-05, commit 66e7b0f), kept here only to time the new ones against:
+# one program per token reading its adapter's whole A, one launch pair per sub-projection
+
+
+@triton.jit
+def _old_shrink(x_ptr, a_ptr, slots_ptr, out_ptr, K, R, stride_x, stride_as, stride_ar,
+                BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0)
+    s = tl.load(slots_ptr + t)
+    r = tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    if s > 0:
+        a_row = a_ptr + (s - 1).to(tl.int64) * stride_as
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + t.to(tl.int64) * stride_x + k, mask=k < K, other=0.0)
+            a = tl.load(a_row + r[:, None] * stride_ar + k[None, :],
+                        mask=(r[:, None] < R) & (k[None, :] < K), other=0.0)  # fmt: skip
+            acc += tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    tl.store(out_ptr + t.to(tl.int64) * R + r, acc, mask=r < R)
+
+
+@triton.jit
+def _old_expand(h_ptr, b_ptr, scale_ptr, slots_ptr, y_ptr, N, R, offset, stride_y, stride_bs,
+                stride_bn, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0)
+    s = tl.load(slots_ptr + t)
+    if s > 0:
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        r = tl.arange(0, BLOCK_R)
+        h = tl.load(h_ptr + t.to(tl.int64) * R + r, mask=r < R, other=0.0)
+        b = tl.load(b_ptr + (s - 1).to(tl.int64) * stride_bs + n[:, None] * stride_bn + r[None, :],
+                    mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)  # fmt: skip
+        d = tl.sum(b.to(tl.float32) * h[None, :], axis=1) * tl.load(scale_ptr + s - 1)
+        dst = y_ptr + t.to(tl.int64) * stride_y + offset + n
+        y = tl.load(dst, mask=n < N, other=0.0)
+        tl.store(dst, (y.to(tl.float32) + d).to(y.dtype), mask=n < N)
+
+
+def old_add_lora(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
+    slots: torch.Tensor, offset: int,
+) -> None:  # fmt: skip
+    """The per-token launch pair of one sub-projection: y[:, offset:] += its product."""
+    t, k = x.shape
+    _, n, r = b.shape
+    if t == 0:
+        return
+    x = x.contiguous()
+    h = torch.empty(t, r, dtype=torch.float32, device=x.device)
+    block_r = triton.next_power_of_2(r)
+    _old_shrink[(t,)](x, a, slots, h, k, r, x.stride(0), a.stride(0), a.stride(1),
+                      BLOCK_R=block_r, BLOCK_K=64)  # fmt: skip
+    block_n = 64
+    _old_expand[(t, triton.cdiv(n, block_n))](
+        h,
+        b,
+        scale,
+        slots,
+        y,
+        n,
+        r,
+        offset,
+        y.stride(0),
+        b.stride(0),
+        b.stride(1),
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+    )
+
+
+def _lora_layer(dims: dict[str, int], rank: int, slots: int, dev: str) -> list[dict[str, Any]]:
+    """A layer's four wrapped modules as LoRALayers stacks them (A along R, B by column)."""
+    h, q, kv, inter = dims["h"], dims["q"], dims["kv"], dims["inter"]
+    modules = [(h, [q, kv, kv]), (q, [h]), (h, [inter, inter]), (inter, [h])]
+    out = []
+    for k, sizes in modules:
+        a = torch.randn(slots, len(sizes) * rank, k, device=dev) / k**0.5
+        b = torch.randn(slots, sum(sizes), rank, device=dev) * 0.01
+        cols = tuple((sum(sizes[:j]), n, sum(sizes[:j])) for j, n in enumerate(sizes))
+        dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+        out.append({"k": k, "n": sum(sizes), "a": a.to(dtype), "b": b.to(dtype), "cols": cols})
+    return out
+
+
+def _lora_fns(layer: list[dict[str, Any]], rows: torch.Tensor, rank: int) -> tuple:
+    """(new, old) callables adding the layer's LoRA to fresh outputs, and those outputs."""
+    from radixserve.plugins.models import lora_triton
+
+    dev, dtype = rows.device, layer[0]["a"].dtype
+    t, slots = rows.shape[0], layer[0]["a"].shape[0]
+    scale = torch.full((slots,), 2.0, device=dev)
+    order = torch.argsort(rows, stable=True).to(torch.int32)
+    xs = [torch.randn(t, m["k"], device=dev, dtype=dtype) for m in layer]
+    ys = {w: [torch.zeros(t, m["n"], device=dev, dtype=dtype) for m in layer] for w in "no"}
+
+    def new() -> None:
+        for m, x, y in zip(layer, xs, ys["n"], strict=True):
+            lora_triton.add_lora(y, x, m["a"], m["b"], scale, rows, order, m["cols"])
+
+    def per_token() -> None:
+        for m, x, y in zip(layer, xs, ys["o"], strict=True):
+            for j, (col, n, off) in enumerate(m["cols"]):
+                a = m["a"][:, j * rank : (j + 1) * rank]
+                old_add_lora(y, x, a, m["b"][:, col : col + n], scale, rows, off)
+
+    return new, per_token, ys
+
+
+def _graphed(fn: Any, dev: str) -> Any:
+    if dev != "cuda":
+        return fn
+    fn()  # compile outside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _sweep_lora_tiles(new: Any, ys: list[torch.Tensor]) -> None:
+    """Time ``new`` at other tiles (BLOCK_M, BLOCK_N, split_k) than lora_triton.tiles' choice,
+    each checked against it; prints the five fastest."""
+    from radixserve.plugins.models import lora_triton
+
+    choose = lora_triton.tiles
+    for y in ys:
+        y.zero_()
+    new()
+    refs = [y.float().clone() for y in ys]
+    timed = []
+    try:
+        for tile in itertools.product((16, 32, 64), (64, 128), (1, 2, 4, 8, 16)):
+            lora_triton.tiles = lambda t, k, tile=tile: tile  # type: ignore[misc]
+            for y in ys:
+                y.zero_()
+            new()
+            errs = [float((y.float() - r).norm() / r.norm()) for y, r in zip(ys, refs, strict=True)]
+            if max(errs) > 1e-2:
+                print(f"  tiles {tile}: WRONG, skipped")
+                continue
+            timed.append((median_ms(_graphed(new, "cuda"), 50), tile))
+    finally:
+        lora_triton.tiles = choose
+    for ms, tile in sorted(timed)[:5]:
+        print(f"  BLOCK_M, BLOCK_N, split_k = {tile}: {ms * 1e3:.1f} us")
+
+
+def bench_lora(smoke: bool, sweep: bool) -> None:
+    """Time a layer's LoRA (4 modules) per-token vs segmented, prefill and decode."""
+    dev = "cpu" if smoke else "cuda"
+    dims = {"h": 64, "q": 64, "kv": 16, "inter": 96} if smoke else LLAMA8B
+    rank, adapters = 16, 8
+    seg = 16 if smoke else 1024
+    cases = {  # slots per row: prefill one adapter per request, decode interleaved
+        f"prefill {adapters} x {seg}": torch.arange(1, adapters + 1).repeat_interleave(seg),
+        "decode 64 rows": torch.arange(64) % adapters + 1,
+    }
+    layer = _lora_layer(dims, rank, adapters, dev)
+    print(f"LoRA, one layer's q/k/v, o, gate/up, down at {dims}, rank {rank}, {adapters} adapters")
+    for label, slots in cases.items():
+        rows = slots.to(dev, torch.int32)
+        new, per_token, ys = _lora_fns(layer, rows, rank)
+        new_run, old_run = _graphed(new, dev), _graphed(per_token, dev)
+        for y in ys["n"] + ys["o"]:
+            y.zero_()
+        new_run()
+        old_run()
+        for yn, yo in zip(ys["n"], ys["o"], strict=True):
+            err = float((yn.float() - yo.float()).norm() / yo.float().norm())
+            assert err < 2e-2, f"{label}: the kernels disagree (relative error {err:.3g})"
+        if smoke:
+            print(f"{label}: outputs agree (interpreted, not timed)")
+            continue
+        t_new, t_old = median_ms(new_run, 50), median_ms(old_run, 50)
+        print(f"{label}: per-token {t_old * 1e3:.1f} us, segmented {t_new * 1e3:.1f} us "
+              f"per layer: {t_old / t_new:.2f}x faster")  # fmt: skip
+        if sweep:
+            _sweep_lora_tiles(new, ys["n"])
+
+
 def main() -> None:
     import argparse
 
@@ -168,7 +369,17 @@ def main() -> None:
     p.add_argument("--moe-tokens", default="1,2,4,8,16,32,64,128,256")
     p.add_argument("--fp8", action="store_true", help="FP8 experts (--quantization fp8)")
     p.add_argument("--dry-run", action="store_true", help="print the best tiles, write nothing")
+    p.add_argument("--lora", action="store_true", help="LoRA kernels: per-token vs segmented")
+    p.add_argument("--smoke", action="store_true", help="--lora at tiny shapes on the CPU")
+    p.add_argument("--lora-sweep", action="store_true", help="--lora, then other tiles timed")
     args = p.parse_args()
+    if args.lora or args.lora_sweep:
+        import os
+
+        # NOTE: Triton reads it once, before this script's first kernel is defined
+        assert not args.smoke or os.environ.get("TRITON_INTERPRET") == "1", "--smoke: set it"
+        bench_lora(args.smoke, args.lora_sweep)
+        return
     if args.tune_moe:
         shape = tuple(int(v) for v in args.moe_shape.split(","))
         assert len(shape) == 4, "--moe-shape E,I,H,top_k"

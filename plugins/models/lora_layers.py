@@ -7,17 +7,21 @@ PEFT name lands (module, column offset) comes from the model's own ``weight_targ
 fused layouts are the model's knowledge, not this file's. Slot 0 is the base model: its tokens
 get nothing added and no weights are stored for it (the pools index ``slot - 1``).
 
-Backends: ``torch`` loops over the few adapters of a step (one gather, two small matmuls and a
-scatter-add per adapter and projection; rows of one adapter together); ``triton`` runs
-plugins/models/lora_triton.py's per-row kernels, which read each token's slot from a device
-buffer (data, not shape: a CUDA graph captures them once for every mix of adapters).
+Backends: ``torch``, for a step of a few rows per adapter (decode), pads them per slot once in
+``set_step`` and then costs a gather, two batched products over the slots and a scatter-add per
+wrapped module, whatever the number of adapters; longer steps (prefill) loop over their
+adapters (a gather, two small matmuls and a scatter-add each); ``triton`` runs
+plugins/models/lora_triton.py's segmented kernels, one launch pair per wrapped module (its
+sub-projections' A stacked along the rank, their B along the columns), over the step's rows
+sorted by slot once in ``set_step``; the slots and that order are device buffers (data, not
+shape: a CUDA graph captures the kernels once for every mix of adapters).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -34,14 +38,27 @@ class _Sub:
     hf_name: str  # "layers.N.self_attn.q_proj.weight": the key of LoRAAdapter.weights
     offset: int  # first output column in the fused module
     size: int
-    a: torch.Tensor  # [slots, R, in]
-    b: torch.Tensor  # [slots, size, R]
+    a: torch.Tensor  # [slots, R, in]: a view of its module's stacked A
+    b: torch.Tensor  # [slots, size, R]: a view of its module's stacked B
+
+
+class _Padded(NamedTuple):
+    """A torch-backend step's LoRA rows padded to ``length`` per slot: a [slots, length] grid."""
+
+    length: int
+    rank: int  # the highest rank of the step's adapters (the pool's tail past it is zeros)
+    gather: torch.Tensor  # [slots * length] the row at each grid cell (padding: row 0)
+    rows: torch.Tensor  # the LoRA rows, by slot
+    cells: torch.Tensor  # their cells in the grid
 
 
 @dataclass(slots=True)
 class _Wrapped:
     module: nn.Module
     subs: list[_Sub]
+    a: torch.Tensor  # [slots, len(subs) * R, in]: sub j's A at rows j*R..
+    b: torch.Tensor  # [slots, sum of the sizes, R]: the subs' B one after another
+    cols: tuple[tuple[int, int, int], ...]  # per sub: first column of b, columns, of the output
 
 
 def wrapped_projections(
@@ -90,25 +107,37 @@ class LoRALayers:
         modules = dict(model.named_modules())
         for name, subs in wrapped_projections(model, targets).items():
             module = modules[name]
-            width = module.weight.shape[1]
-            parts = [
-                _Sub(hf, off, size,
-                     torch.zeros(slots, max_rank, width, dtype=self.dtype, device=self.device),
-                     torch.zeros(slots, size, max_rank, dtype=self.dtype, device=self.device))
-                for hf, off, size in subs
-            ]  # fmt: skip
-            w = _Wrapped(module, parts)
+            w = self._stacked(module, subs, slots, max_rank)
             module.register_forward_hook(self._hook(w))
             self.wrapped.append(w)
         # the torch backend's step: (pool index, rows or None for all rows, rank) per adapter
         self.segments: list[tuple[int, torch.Tensor | None, int]] = []
+        self.padded: _Padded | None = None  # instead of segments: one batched product
         self.ranks = [0] * slots
-        # the Triton backend's slot per token, a buffer a CUDA graph reads at replay
+        # the Triton backend's slot per token and the tokens sorted by slot: buffers a CUDA
+        # graph reads at replay; rows from ``filled`` on are the base model's, in place
         self.token_slots = torch.zeros(max_tokens, dtype=torch.int32, device=self.device)
-        self.step_slots = self.token_slots[:0]
+        self.token_order = torch.arange(max_tokens, dtype=torch.int32, device=self.device)
+        self.filled = 0
+        self.step_slots, self.step_order = self.token_slots[:0], self.token_order[:0]
         for layer in model.layers:  # the one-row GEMV reads weights without the hooks
             if hasattr(layer, "gemv_cfg"):
                 layer.gemv_cfg = None
+
+    def _stacked(
+        self, module: nn.Module, subs: list[tuple[str, int, int]], slots: int, rank: int
+    ) -> _Wrapped:
+        width = module.weight.shape[1]
+        kw: dict[str, Any] = {"dtype": self.dtype, "device": self.device}
+        a = torch.zeros(slots, len(subs) * rank, width, **kw)
+        b = torch.zeros(slots, sum(size for _, _, size in subs), rank, **kw)
+        parts, cols, col = [], [], 0
+        for j, (hf, off, size) in enumerate(subs):
+            sub_a, sub_b = a[:, j * rank : (j + 1) * rank], b[:, col : col + size]
+            parts.append(_Sub(hf, off, size, sub_a, sub_b))
+            cols.append((col, size, off))
+            col += size
+        return _Wrapped(module, parts, a, b, tuple(cols))
 
     # -- AdapterWeights ----------------------------------------------------------------------
 
@@ -134,22 +163,52 @@ class LoRALayers:
         self.ranks[i] = r
 
     def set_step(self, token_slots: torch.Tensor) -> None:
-        t = token_slots.shape[0]
         if self.backend == "triton":
-            if t <= self.token_slots.shape[0]:
-                self.token_slots.zero_()  # padded rows of a graph's batch: the base model
-                self.token_slots[:t].copy_(token_slots, non_blocking=True)
-                self.step_slots = self.token_slots[:t]
-            else:  # larger than any captured graph: a buffer of its own
-                self.step_slots = token_slots.to(self.device, torch.int32)
+            self._set_triton_step(token_slots)
             return
-        self.segments = []
+        self.segments, self.padded = [], None
+        slots = token_slots.cpu()
+        counts = torch.bincount(slots, minlength=len(self.ranks) + 1)[1:]
+        length = int(counts.max())
+        active = counts.nonzero().squeeze(1).tolist()
+        # padded: fewer ops, which is what a decode step's time is on the CPU; past a few
+        # dozen rows an adapter the products dominate and the loop pads nothing
+        if len(active) > 1 and length <= 32:
+            self.padded = self._pad(slots, counts, length, max(self.ranks[i] for i in active))
+            return
         for s in torch.unique(token_slots).tolist():
             if s == 0:
                 continue
             mask = token_slots == s
             rows = None if bool(mask.all()) else mask.nonzero().squeeze(1).to(self.device)
             self.segments.append((s - 1, rows, self.ranks[s - 1]))
+
+    def _pad(self, slots: torch.Tensor, counts: torch.Tensor, length: int, rank: int) -> _Padded:
+        n = int(counts.sum())
+        rows = torch.argsort(slots, stable=True)[slots.shape[0] - n :]  # slot 0's rows first
+        slot = slots[rows] - 1
+        first = torch.cumsum(counts, 0) - counts  # each slot's first row among ``rows``
+        cells = slot * length + torch.arange(n) - first[slot]
+        gather = torch.zeros(len(self.ranks) * length, dtype=torch.int64)
+        gather[cells] = rows
+        dev = self.device
+        return _Padded(length, rank, gather.to(dev), rows.to(dev), cells.to(dev))
+
+    def _set_triton_step(self, token_slots: torch.Tensor) -> None:
+        t = token_slots.shape[0]
+        slots = token_slots.to(torch.int32)
+        order = torch.argsort(slots, stable=True).to(torch.int32)  # on the slots' own device
+        if t > self.token_slots.shape[0]:  # larger than any captured graph: buffers of its own
+            self.step_slots, self.step_order = slots.to(self.device), order.to(self.device)
+            return
+        end = max(t, self.filled)
+        if end > t:  # the last step's rows past this one's: back to the base model, in place
+            slots = torch.cat([slots, slots.new_zeros(end - t)])
+            order = torch.cat([order, torch.arange(t, end, dtype=torch.int32, device=order.device)])
+        self.token_slots[:end].copy_(slots, non_blocking=True)
+        self.token_order[:end].copy_(order, non_blocking=True)
+        self.filled = t
+        self.step_slots, self.step_order = self.token_slots[:t], self.token_order[:t]
 
     # -- the hooks ---------------------------------------------------------------------------
 
@@ -161,13 +220,18 @@ class LoRALayers:
             if self.backend == "triton":
                 from radixserve.plugins.models import lora_triton
 
-                # NOTE: sliced by shape from the static buffer, so a CUDA graph captured with
-                # any batch reads the slots set_step writes before each replay.
+                # NOTE: sliced by shape from the static buffers, so a CUDA graph captured with
+                # any batch reads the slots and order set_step writes before each replay (a
+                # graph's padded rows are past ``filled``: slot 0, in place).
                 t = x.shape[0]
-                buf = self.token_slots
-                slots = buf[:t] if t <= buf.shape[0] else self.step_slots
-                for sub in w.subs:
-                    lora_triton.add_lora(y, x, sub.a, sub.b, self.scale, slots, sub.offset)
+                if t <= self.token_slots.shape[0]:
+                    slots, order = self.token_slots[:t], self.token_order[:t]
+                else:
+                    slots, order = self.step_slots, self.step_order
+                lora_triton.add_lora(y, x, w.a, w.b, self.scale, slots, order, w.cols)
+                return y
+            if self.padded is not None:
+                self._add_padded(w, x, y, self.padded)
                 return y
             for i, rows, r in self.segments:
                 xs = x if rows is None else x.index_select(0, rows)
@@ -181,6 +245,21 @@ class LoRALayers:
             return y
 
         return hook
+
+    def _add_padded(self, w: _Wrapped, x: torch.Tensor, y: torch.Tensor, p: _Padded) -> None:
+        """Every slot at once: [slots, length] rows times the stacked A, then each sub's B."""
+        slots, r, subs = w.a.shape[0], p.rank, len(w.subs)
+        a = w.a
+        if r < self.rank:  # the ranks past the step's highest are zeros: skip them
+            a = a.view(slots, subs, self.rank, -1)[:, :, :r].reshape(slots, subs * r, -1)
+        h = torch.bmm(x.index_select(0, p.gather).view(slots, p.length, -1), a.transpose(1, 2))
+        h *= self.scale.view(slots, 1, 1)
+        for j, sub in enumerate(w.subs):
+            # NOTE: einsum, not bmm: a sub's B is a slice of the stacked B, whose batch stride
+            # sends bmm to a slow strided path on the CPU (3x at SmolLM2's gate/up)
+            d = torch.einsum("slr,snr->sln", h[:, :, j * r : (j + 1) * r], sub.b[:, :, :r])
+            d = d.view(slots * p.length, sub.size).index_select(0, p.cells)
+            y[:, sub.offset : sub.offset + sub.size].index_add_(0, p.rows, d.to(y.dtype))
 
 
 def attach_lora(model: Any, config: Any, device: str) -> LoRALayers:
