@@ -16,10 +16,10 @@ from server_process import RunningServer
 
 from radixserve import Engine
 from radixserve.core.request import InvalidRequest, Req, SamplingParams
-from radixserve.entrypoints.engine_transport import QueueTransport
 from radixserve.entrypoints.engine_client import EngineClient
 from radixserve.entrypoints.engine_loop import EngineLoop
 from radixserve.entrypoints.engine_process import ZmqTransport, _ready, server_loop
+from radixserve.entrypoints.engine_transport import QueueTransport
 from radixserve.entrypoints.tokenizer_manager import TokenizerManager
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
