@@ -212,7 +212,7 @@ def sync_counter(tree: Path) -> Any:
     roots = (str(tree) + os.sep, str(tree.resolve()) + os.sep)  # as imported, and resolved
 
     def site() -> str:
-        for frame in reversed(traceback.extract_stack()[:-3]):
+        for frame in reversed(traceback.extract_stack()[:-2]):
             for root in roots:
                 if frame.filename.startswith(root) and "/bench/" not in frame.filename:
                     return f"{frame.filename[len(root) :]}:{frame.lineno} {frame.name}"
