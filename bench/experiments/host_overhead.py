@@ -16,6 +16,12 @@ a GPU; a random head, the same tokens in every tree), ``spec-host`` EAGLE-3 with
 ``ngram`` n-gram speculation at batch 1. Each: ``--tokens`` new tokens (ignore_eos) after a
 warm-up, ``--repeats`` generate calls; the figure is the median engine step (``core.step``)
 in microseconds, and tokens per second over the timed calls.
+
+``--count-syncs`` counts instead, per decode step (model included), the calls that would make
+a CUDA step's host wait (item, tolist, cpu, bool, nonzero, unique, masked indexing, ...), the
+``.to`` / ``.copy_`` copies (target, non_blocking, pinned source) and the factories, by the
+first stack frame inside the tree, and every torch function call; with ``--ab`` it prints a
+table of the trees side by side (bench/HISTORY.md, issue 49).
 """
 
 from __future__ import annotations
@@ -174,6 +180,144 @@ def measure(
         }
 
 
+#: calls that wait for the device on CUDA (a value read back, or a shape only the data knows)
+SYNC_METHODS = {
+    "item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__",
+    "nonzero", "unique", "unique_consecutive", "masked_select", "equal", "allclose",
+}  # fmt: skip
+#: factories: an allocation each (on CUDA from the caching allocator), a copy from the host
+#: where they take Python data and a device
+FACTORIES = {
+    "tensor", "as_tensor", "from_numpy", "empty", "zeros", "ones", "full", "arange",
+    "empty_like", "zeros_like", "ones_like", "full_like", "empty_strided", "stack", "cat",
+}  # fmt: skip
+
+
+def _has_bool_index(index: Any) -> bool:
+    import torch
+
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+def sync_counter(tree: Path) -> Any:
+    """A TorchFunctionMode counting, by the first stack frame inside ``tree``, the calls that
+    would make a CUDA step's host wait or copy from the host (see --count-syncs)."""
+    import collections
+    import traceback
+
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    roots = (str(tree) + os.sep, str(tree.resolve()) + os.sep)  # as imported, and resolved
+
+    def site() -> str:
+        for frame in reversed(traceback.extract_stack()[:-2]):
+            for root in roots:
+                if frame.filename.startswith(root) and "/bench/" not in frame.filename:
+                    return f"{frame.filename[len(root) :]}:{frame.lineno} {frame.name}"
+        return "?"
+
+    class Counter(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = kwargs or {}
+            name = getattr(func, "__name__", str(func))
+            kind = None
+            if name in SYNC_METHODS:
+                kind = f"sync {name}"
+            elif name in ("__getitem__", "__setitem__") and len(args) > 1:
+                if _has_bool_index(args[1]):
+                    kind = f"sync masked {name}"
+            elif name == "repeat_interleave" and "output_size" not in kwargs:
+                if (
+                    len(args) > 1
+                    and isinstance(args[1], torch.Tensor)
+                    or isinstance(kwargs.get("repeats"), torch.Tensor)
+                ):
+                    kind = "sync repeat_interleave(tensor) without output_size"
+            elif name in ("to", "copy_", "cuda"):
+                src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+                pinned = bool(src is not None and src.is_pinned())
+                nb = kwargs.get("non_blocking", False) or (
+                    name == "copy_" and len(args) > 2 and bool(args[2])
+                )
+                target = [a for a in args[1:] if isinstance(a, (str, torch.device))]
+                target += [kwargs["device"]] if "device" in kwargs else []
+                if name == "copy_" or target:
+                    where = target[0] if target else "-"
+                    kind = f"copy {name} dev={where} nb={bool(nb)} pinned={pinned}"
+            elif name in FACTORIES:
+                dev = kwargs.get("device")
+                kind = f"alloc {name}" + (f" device={dev}" if dev is not None else "")
+                if name in ("tensor", "as_tensor") and dev is not None:
+                    kind = f"h2d {name} device={dev}"
+            self.counts[("(every torch function call)", "-")] += 1
+            if kind is not None:
+                with torch._C.DisableTorchFunction():
+                    self.counts[(kind, site())] += 1
+            return func(*args, **kwargs)
+
+    return Counter()
+
+
+def count_syncs(model: Path, head: Path, case: str, tokens: int, device: str) -> dict[str, Any]:
+    """Per engine step of ``case``: the sync-like calls, copies and allocations, by site."""
+    import torch
+
+    import radixserve
+
+    torch.set_num_threads(1)
+    tree = Path(radixserve.__file__).parent
+    batch, flags = case_flags(case, head)
+    prompts = [[(7 * b + 3 * i) % 300 + 5 for i in range(32)] for b in range(batch)]
+    params = {"max_new_tokens": tokens, "ignore_eos": True, "temperature": 0.0}
+    with engine(model, flags, device) as eng:
+        core = eng.core
+        step, steps, counter = core.step, [0], sync_counter(tree)
+        eng.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 16})
+
+        def counted_step() -> Any:
+            steps[0] += 1
+            with counter:
+                return step()
+
+        core.step = counted_step  # type: ignore[method-assign]
+        eng.generate(input_ids=prompts, sampling_params=params)
+        core.step = step  # type: ignore[method-assign]
+    n = steps[0]
+    rows = sorted(counter.counts.items(), key=lambda kv: (kv[0][0], -kv[1]))
+    return {
+        "case": case, "tree": str(tree), "steps": n,
+        "per_step": [[k, s, round(c / n, 3)] for (k, s), c in rows],
+    }  # fmt: skip
+
+
+def print_sync_table(by_tree: dict[str, dict[str, Any]]) -> None:
+    """Per kind, each tree's calls a step; then each tree's sites (calls a step)."""
+    import collections
+
+    totals: dict[str, collections.Counter[str]] = {}
+    for label, res in by_tree.items():
+        tally: collections.Counter[str] = collections.Counter()
+        for kind, _, c in res["per_step"]:
+            tally[kind] += c
+        totals[label] = tally
+    labels = list(by_tree)
+    kinds = sorted(set().union(*totals.values()))
+    print("| kind | " + " | ".join(labels) + " |")
+    print("|---|" + "---:|" * len(labels))
+    for kind in kinds:
+        print(f"| {kind} | " + " | ".join(f"{totals[lb][kind]:.2f}" for lb in labels) + " |")
+    for label, res in by_tree.items():
+        print(f"\n{label} ({res['steps']} steps): calls a step by site")
+        for kind, where, c in res["per_step"]:
+            print(f"  {c:8.2f}  {kind:60} {where}")
+
+
 def profile(
     model: Path, head: Path, case: str, tokens: int, out: str, host_only: bool = False,
     device: str = "cpu",
@@ -225,6 +369,7 @@ def ab(args: argparse.Namespace) -> None:
                 cmd = [sys.executable, __file__, "--workdir", str(args.workdir), "--cases", case,
                        "--tokens", str(args.tokens), "--repeats", str(args.repeats),
                        "--layers", str(args.layers), "--device", args.device]  # fmt: skip
+                cmd += ["--count-syncs"] if args.count_syncs else []
                 line = (
                     subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
                     .stdout.strip()
@@ -232,7 +377,14 @@ def ab(args: argparse.Namespace) -> None:
                 )
                 res = json.loads(line)
                 results.setdefault((case, label), []).append(res)
+                if args.count_syncs:
+                    continue
                 print(f"round {r} {label:3} {json.dumps(res)}", flush=True)
+    if args.count_syncs:
+        for case in args.cases:
+            print(f"\n## {case}: calls a step (decode steps, --tokens {args.tokens})\n")
+            print_sync_table({label: results[(case, label)][0] for label, _ in trees})
+        return
     print(
         "\ncase        tree  step wall us med/min   step CPU us med/min   host CPU us/step med/min"
         "   tok/s med/max   output hashes"
@@ -265,11 +417,19 @@ def main() -> None:
         help="cuda: the triton attention backend, CUDA graphs off (the eager diagnostic)",
     )  # fmt: skip
     p.add_argument("--profile", help="write a cProfile of the engine steps of --cases[0] here")
+    p.add_argument(
+        "--count-syncs", action="store_true",
+        help="count per step the calls that would wait for a CUDA device or copy from the host"
+        " (item, tolist, bool, nonzero, masked indexing, .to/.copy_, factories), by call site",
+    )  # fmt: skip
     p.add_argument("--host-only", action="store_true", help="--profile leaves the model out")
     args = p.parse_args()
     model, head = build_models(args.workdir, args.layers)
     if args.ab:
         ab(args)
+    elif args.count_syncs:
+        for case in args.cases:
+            print(json.dumps(count_syncs(model, head, case, args.tokens, args.device)), flush=True)
     elif args.profile:
         profile(model, head, args.cases[0], args.tokens, args.profile, args.host_only, args.device)
     else:
