@@ -26,7 +26,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from radixserve.core.batch import ForwardBatch
 from radixserve.core.config import ConfigError, ModelConfig
 from radixserve.core.interfaces import AttentionBackend
 from radixserve.core.multimodal import ImageInput, MultimodalInputs, image_hash, pad_id
@@ -140,15 +139,6 @@ class Idefics3ForConditionalGeneration(MergesImageEmbeddings, DecoderForCausalLM
         self.vision_model = SiglipVision(vc).to(device=device, dtype=dtype)
         self.connector = Connector(int(vc["hidden_size"]) * self.scale**2, config.hidden_size)
         self.connector.to(device=device, dtype=dtype)
-        self._mm: Any = None
-
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        self._mm = batch.mm
-        try:
-            return super().forward(batch)
-        finally:
-            self._mm = None
 
     @torch.inference_mode()
     def encode_images(self, images: list[ImageInput]) -> list[torch.Tensor]:

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.core.batch import ForwardBatch
 from radixserve.core.config import ConfigError, ModelConfig
 from radixserve.core.interfaces import AttentionBackend
 from radixserve.core.multimodal import ImageInput, MultimodalInputs, image_hash, pad_id
@@ -135,15 +134,6 @@ class LlavaForConditionalGeneration(MergesImageEmbeddings, DecoderForCausalLM):
         projector.linear_2 = nn.Linear(hidden, hidden, bias=bias)
         self.multi_modal_projector = projector.to(device=device, dtype=dtype)
         self.projector_act = activation(raw.get("projector_hidden_act", "gelu"))
-        self._mm: Any = None
-
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        self._mm = batch.mm
-        try:
-            return super().forward(batch)
-        finally:
-            self._mm = None
 
     @torch.inference_mode()
     def encode_images(self, images: list[ImageInput]) -> list[torch.Tensor]:

@@ -285,6 +285,14 @@ class MergesImageEmbeddings:
             h[mm.rows] = mm.embeds.to(h.dtype)
         return h
 
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        self._mm = batch.mm
+        try:
+            return super().forward(batch)  # type: ignore[misc]
+        finally:
+            self._mm = None
+
 
 class Qwen2VLForConditionalGeneration(MergesImageEmbeddings, DecoderForCausalLM):
     """Registered by ``qwen2.py`` (the Qwen2 plugin)."""
@@ -306,17 +314,13 @@ class Qwen2VLForConditionalGeneration(MergesImageEmbeddings, DecoderForCausalLM)
         for layer in self.layers:
             layer.rope_in_attention = False
         self.visual = self.vision_cls(raw["vision_config"]).to(device=device, dtype=dtype)
-        self._mm: Any = None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        mm = batch.mm
-        self._mm = mm
-        self.rope.set_positions(None if mm is None else mm.mrope)
+        self.rope.set_positions(None if batch.mm is None else batch.mm.mrope)
         try:
             return super().forward(batch)
         finally:
-            self._mm = None
             self.rope.set_positions(None)
 
     @torch.inference_mode()
