@@ -66,7 +66,6 @@ def write_random_llama(out: Path, shape: str, device: str, seed: int = 0) -> int
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     _write_tokenizer(out, c["vocab_size"])
-    gen = torch.Generator(device=device).manual_seed(seed)
     shards: list[dict[str, tuple[int, ...]]] = [
         {"model.embed_tokens.weight": (c["vocab_size"], c["hidden_size"]),
          "model.norm.weight": (c["hidden_size"],)}
@@ -74,22 +73,7 @@ def write_random_llama(out: Path, shape: str, device: str, seed: int = 0) -> int
     if not c["tie_word_embeddings"]:
         shards[0]["lm_head.weight"] = (c["vocab_size"], c["hidden_size"])
     shards += [_layer_shapes(c, i) for i in range(c["num_hidden_layers"])]
-    weight_map, total = {}, 0
-    for n, shard in enumerate(shards):
-        tensors = {}
-        for name, dims in shard.items():
-            if len(dims) == 1:
-                t = torch.ones(dims, dtype=torch.bfloat16)
-            else:
-                t = torch.randn(dims, generator=gen, device=device, dtype=torch.bfloat16) * 0.02
-            tensors[name] = t.cpu()
-            total += t.numel() * 2
-        fname = f"model-{n:05d}.safetensors"
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, fname))
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index))
-    return total
+    return _write_shards(out, shards, device, seed)
 
 
 def _write_tokenizer(out: Path, vocab_size: int) -> None:
