@@ -75,40 +75,36 @@ def _nll(logprobs: list[float]) -> dict[str, float]:
     return {"tokens": len(logprobs), "ppl": math.exp(-statistics.fmean(logprobs))}
 
 
+def _greedy_and_nll(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """One engine's greedy outputs on the prompts and its perplexity over the windows."""
+    greedy = {"temperature": 0.0, "max_new_tokens": spec["new_tokens"], "ignore_eos": True}
+    outs = engine.generate(input_ids=spec["prompts"], sampling_params=greedy)
+    scored = engine.generate(
+        input_ids=spec["windows"],
+        sampling_params={"temperature": 0.0, "max_new_tokens": 1},
+        return_logprob=True,
+        logprob_start_len=0,
+    )
+    logprobs = [e[0] for o in scored for e in o["meta_info"]["input_token_logprobs"][1:]]
+    return {"greedy": [o["output_ids"] for o in outs], **_nll(logprobs)}
+
+
 def run_ours(spec: dict[str, Any], exact: bool) -> dict[str, Any]:
     from radixserve import Engine
 
     os.environ.pop("RADIXSERVE_CPU_MODE", None)
     settings = {"dtype": "float32"} if exact else {}
-    greedy = {"temperature": 0.0, "max_new_tokens": spec["new_tokens"], "ignore_eos": True}
     with Engine(model_path=spec["gguf"], **settings) as engine:
-        outs = engine.generate(input_ids=spec["prompts"], sampling_params=greedy)
-        scored = engine.generate(
-            input_ids=spec["windows"],
-            sampling_params={"temperature": 0.0, "max_new_tokens": 1},
-            return_logprob=True,
-            logprob_start_len=0,
-        )
-    logprobs = [e[0] for o in scored for e in o["meta_info"]["input_token_logprobs"][1:]]
-    return {"greedy": [o["output_ids"] for o in outs], **_nll(logprobs)}
+        return _greedy_and_nll(engine, spec)
 
 
 def run_gpu(spec: dict[str, Any], settings: dict[str, str]) -> dict[str, Any]:
     """Ours on the GPU from the HF directory, bfloat16 with ``settings`` (FP8 ones)."""
     from radixserve import Engine
 
-    greedy = {"temperature": 0.0, "max_new_tokens": spec["new_tokens"], "ignore_eos": True}
     with Engine(model_path=spec["hf_dir"], plugins=["hardware=cuda"], dtype="bfloat16",
                 **settings) as engine:  # fmt: skip
-        outs = engine.generate(input_ids=spec["prompts"], sampling_params=greedy)
-        scored = engine.generate(
-            input_ids=spec["windows"],
-            sampling_params={"temperature": 0.0, "max_new_tokens": 1},
-            return_logprob=True,
-            logprob_start_len=0,
-        )
-    logprobs = [e[0] for o in scored for e in o["meta_info"]["input_token_logprobs"][1:]]
-    return {"greedy": [o["output_ids"] for o in outs], **_nll(logprobs)}
+        return _greedy_and_nll(engine, spec)
 
 
 GPU_RUNS = {
