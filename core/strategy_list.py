@@ -7,7 +7,7 @@ calls a step with only the sessions' strategy enabled; on an eager GPU step the 
 Python is the step's time). ``StrategyList`` is the list the engine core, scheduler and model
 runner share; ``on.<hook>`` holds the strategies that override each per-step hook (an
 attribute read, not a call, at each fixed point), worked out again after any change to the
-list; ``implementing(hook)`` answers for any hook.
+list; ``implementing(hook)`` answers for any hook, worked out at the call.
 """
 
 from __future__ import annotations
@@ -63,16 +63,13 @@ class StrategyList(list[StepStrategy]):
         self._changed()
 
     def implementing(self, hook: str) -> list[StepStrategy]:
-        """The strategies that implement ``hook``, in order (do not change the list)."""
-        found = self._implementing.get(hook)
-        if found is None:
-            found = self._implementing[hook] = [s for s in self if overrides(s, hook)]
-        return found
+        """The strategies that implement ``hook``, in order (any hook; the per-step ones are
+        kept in ``on``)."""
+        return implementing(self, hook)
 
     # -- every change works the hooks out again ----------------------------------------------
 
     def _changed(self) -> None:
-        self._implementing: dict[str, list[StepStrategy]] = {}
         #: the per-step hooks' strategies (``StepHooks``)
         self.on = StepHooks(self)
 
@@ -93,8 +90,9 @@ class StrategyList(list[StepStrategy]):
         self._changed()
 
     def pop(self, index: SupportsIndex = -1) -> StepStrategy:
+        strategy = super().pop(index)
         self._changed()
-        return super().pop(index)
+        return strategy
 
     def clear(self) -> None:
         super().clear()
@@ -123,8 +121,5 @@ class StrategyList(list[StepStrategy]):
 
 
 def implementing(strategies: Iterable[StepStrategy], hook: str) -> list[StepStrategy]:
-    """``strategies.implementing(hook)`` for a StrategyList; worked out now for any other
-    iterable of strategies (e.g. a plain list a test gave a scheduler)."""
-    if isinstance(strategies, StrategyList):
-        return strategies.implementing(hook)
+    """The strategies of any iterable that implement ``hook``, in order."""
     return [s for s in strategies if overrides(s, hook)]

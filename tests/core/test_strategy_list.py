@@ -61,6 +61,7 @@ def test_every_change_to_the_list_is_seen() -> None:
     assert strategies.implementing("poll") == [polls]
     assert strategies.pop() is polls
     assert strategies.implementing("poll") == []
+    assert strategies.on.poll == (), "the step hooks are worked out after the pop, not before"
     strategies.clear()
     assert strategies.implementing("ended") == []
 
