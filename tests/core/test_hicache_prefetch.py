@@ -55,6 +55,17 @@ class HeldReads:
         register("held_file", HeldFile, description="test: reads held until released")
 
 
+def _held_core(
+    model_dir: Path, store: Path, held: HeldReads, policy: str, **extra: Any
+) -> EngineCore:
+    """Prefetch on, storage reads through the ``held_file`` backend that ``held`` controls."""
+    return _core(
+        model_dir, 16, PluginHost(extra_plugins=[("held", held)]),
+        enable_hicache_prefetch=True, hicache_storage_prefetch_policy=policy,
+        **_storage_flags(store, "held_file", **extra),
+    )  # fmt: skip
+
+
 def _tokens(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 360) for _ in range(n)]
@@ -172,11 +183,7 @@ def test_admission_waits_for_held_reads_only_under_wait_complete(
     store = tmp_path / "kv"
     prompt, expected = _stored_prompt(tiny_llama_dir, store)
     held = HeldReads()
-    core = _core(
-        tiny_llama_dir, 16, PluginHost(extra_plugins=[("held", held)]),
-        enable_hicache_prefetch=True, hicache_storage_prefetch_policy=policy,
-        **_storage_flags(store, "held_file", **extra),
-    )  # fmt: skip
+    core = _held_core(tiny_llama_dir, store, held, policy, **extra)
     try:
         req = _add(core, prompt, "again")
         assert held.reading.wait(HANG_GUARD_S)  # the read started, and is held
@@ -201,11 +208,7 @@ def test_an_abort_during_a_held_read_frees_everything(tiny_llama_dir: Path, tmp_
     store = tmp_path / "kv"
     prompt, expected = _stored_prompt(tiny_llama_dir, store)
     held = HeldReads()
-    core = _core(
-        tiny_llama_dir, 16, PluginHost(extra_plugins=[("held", held)]),
-        enable_hicache_prefetch=True, hicache_storage_prefetch_policy="wait_complete",
-        **_storage_flags(store, "held_file"),
-    )  # fmt: skip
+    core = _held_core(tiny_llama_dir, store, held, "wait_complete")
     try:
         prefetch = _prefetch(core)
         req = _add(core, prompt, "doomed")
@@ -232,11 +235,7 @@ def test_storage_dying_during_a_read_degrades_to_recompute(
     store = tmp_path / "kv"
     prompt, expected = _stored_prompt(tiny_llama_dir, store)
     held = HeldReads()
-    core = _core(
-        tiny_llama_dir, 16, PluginHost(extra_plugins=[("held", held)]),
-        enable_hicache_prefetch=True, hicache_storage_prefetch_policy="wait_complete",
-        **_storage_flags(store, "held_file"),
-    )  # fmt: skip
+    core = _held_core(tiny_llama_dir, store, held, "wait_complete")
     try:
         req = _add(core, prompt, "again")
         assert held.reading.wait(HANG_GUARD_S)

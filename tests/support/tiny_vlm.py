@@ -47,6 +47,20 @@ QWEN2_5_VL_VISION = dict(
 )  # fmt: skip
 
 
+def save_randomized(model: Any, out: Path) -> None:
+    """Weights far from transformers' init (which leaves norms at one and biases at zero, where
+    a wrong use of them would not show), then saved as safetensors."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+            else:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out, safe_serialization=True)
+
+
 def make_tiny_qwen2_vl_dir(out: Path, seed: int = 0, family: str = "qwen2_vl",
                            **text: Any) -> Path:  # fmt: skip
     """Write a Qwen2VLForConditionalGeneration (``family="qwen2_5_vl"``: a
@@ -84,13 +98,7 @@ def make_tiny_qwen2_vl_dir(out: Path, seed: int = 0, family: str = "qwen2_vl",
     )  # fmt: skip
     torch.manual_seed(seed)
     model = getattr(transformers, f"{name}ForConditionalGeneration")(config).float()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2)
-            else:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(out, safe_serialization=True)
+    save_randomized(model, out)
     processor = Qwen2VLImageProcessorPil(
         patch_size=4, merge_size=2, temporal_patch_size=2,
         size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64},
@@ -188,13 +196,7 @@ def make_tiny_llava_dir(out: Path, seed: int = 0) -> Path:
                          image_token_id=image_token, tie_word_embeddings=False)  # fmt: skip
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config).float()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2)
-            else:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(out, safe_serialization=True)
+    save_randomized(model, out)
     CLIPImageProcessorPil(size={"shortest_edge": 32},
                           crop_size={"height": 32, "width": 32}).save_pretrained(out)  # fmt: skip
     (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
@@ -270,13 +272,7 @@ def make_tiny_idefics3_dir(out: Path, seed: int = 0, architecture: str = "Idefic
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config).float()
     assert type(model).__name__ == f"{architecture}ForConditionalGeneration"
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2)
-            else:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(out, safe_serialization=True)
+    save_randomized(model, out)
     Idefics3ImageProcessorPil(size={"longest_edge": 64},
                               max_image_size={"longest_edge": 32}).save_pretrained(out)  # fmt: skip
     (out / "tokenizer_config.json").write_text(
