@@ -222,7 +222,7 @@ class CudaPlatform(HardwarePlatform):
         (``supports_fused_ops``: the EAGLE heads) runs them on the target's Triton kernels:
         eagerly, each RMSNorm is ~7 kernels and each RoPE ~6, and an EAGLE-3 head step took
         ~0.14 ms of device time at batch 1 on the H200 (launch-bound; bench/HISTORY.md)."""
-        from radixserve.plugins.models.decoder import attach_fused_ops, fused_ops_for
+        from radixserve.plugins.models.kernel_choice import attach_fused_ops, fused_ops_for
 
         fused = fused_ops_for(self.device)
         if fused is not None and getattr(head, "supports_fused_ops", False):

@@ -101,7 +101,7 @@ GGUF_FAMILIES = {
 # Llama-3.x files carry their RoPE scaling as per-frequency factors (llama.cpp writes this
 # tensor and no rope.scaling.type): it goes to config.json as ROPE_FREQ_FACTORS, not a weight.
 _ROPE_FREQS = "rope_freqs.weight"
-#: config.json key of a GGUF's RoPE frequency factors (decoder.rope_inv_freq divides by them)
+#: config.json key of a GGUF's RoPE frequency factors (blocks.rope_inv_freq divides by them)
 ROPE_FREQ_FACTORS = "rope_freq_factors"
 
 # tokenizer.ggml.pre values that split text like GPT-2 (ByteLevel's built-in regex). llama.cpp's
