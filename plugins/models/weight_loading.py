@@ -1,8 +1,8 @@
 """Loading a checkpoint's HF tensors into a decoder skeleton model (``decoder.py``): each goes
 where the model's ``weight_target`` puts it (rows of a fused projection, one expert of a stacked
-tensor) under this pipeline stage's names, an FP8 checkpoint's through ``fp8.dequantizing``; a
-tensor the model lacks, a shape that differs or a parameter left unfilled stops loading with its
-name.
+tensor) under this pipeline stage's names, an FP8 checkpoint's through
+``fp8_loading.dequantizing``; a tensor the model lacks, a shape that differs or a parameter left
+unfilled stops loading with its name.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ Target = tuple[str, int | None, int | None]
 
 
 def load_decoder_weights(model: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    from radixserve.plugins.models import fp8
+    from radixserve.plugins.models import fp8_loading
 
-    if fp8.checkpoint_scheme(model.config.raw) is not None:  # FP8 codes and their scales
-        weights = fp8.dequantizing(
+    if fp8_loading.checkpoint_scheme(model.config.raw) is not None:  # FP8 codes and their scales
+        weights = fp8_loading.dequantizing(
             model, weights, next(model.parameters()).dtype, partial(checkpoint_target, model)
         )
     params = dict(model.named_parameters())
