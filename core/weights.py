@@ -18,7 +18,7 @@ __all__ = ["count_parameters", "iter_weights", "reload_in_place", "safetensors_f
 def iter_weights(model_dir: str | Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor, converted to ``dtype``, one at a time. FP8
     tensors and quantization scales (``*_scale``, ``*_scale_inv``) pass as stored: the model
-    dequantizes or keeps them (plugins/models/fp8.py)."""
+    dequantizes or keeps them (plugins/models/fp8_loading.py)."""
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__

@@ -28,6 +28,7 @@ from radixserve.entrypoints.openai_protocol import (
     TopLogprob,
     UsageInfo,
 )
+from radixserve.entrypoints.server_req import ServerReq
 from radixserve.entrypoints.serving_openai import OpenAIServing
 from radixserve.entrypoints.streaming import (
     Update,
@@ -37,7 +38,6 @@ from radixserve.entrypoints.streaming import (
     sse,
 )
 from radixserve.entrypoints.structured_output import chat_grammar
-from radixserve.entrypoints.tokenizer_manager import ServerReq
 from radixserve.entrypoints.tool_calls import ToolPlan, plan_tools
 from radixserve.entrypoints.tool_parsers import get_tool_parser
 

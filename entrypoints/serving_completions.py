@@ -21,6 +21,7 @@ from radixserve.entrypoints.openai_protocol import (
     CompletionResponse,
     UsageInfo,
 )
+from radixserve.entrypoints.server_req import ServerReq
 from radixserve.entrypoints.serving_openai import OpenAIServing
 from radixserve.entrypoints.streaming import (
     Update,
@@ -30,7 +31,6 @@ from radixserve.entrypoints.streaming import (
     sse,
 )
 from radixserve.entrypoints.structured_output import response_format_schema
-from radixserve.entrypoints.tokenizer_manager import ServerReq
 
 
 class CompletionServing(OpenAIServing):

@@ -19,10 +19,11 @@ from pydantic import BaseModel
 from radixserve.core.request import InvalidRequest, SamplingParams
 from radixserve.entrypoints.http_errors import ApiError
 from radixserve.entrypoints.openai_protocol import STRICT, UsageInfo
+from radixserve.entrypoints.server_req import ServerReq
 from radixserve.entrypoints.serving_native import _rids as request_ids
 from radixserve.entrypoints.serving_openai import OpenAIServing, raise_if_failed
 from radixserve.entrypoints.streaming import json_response
-from radixserve.entrypoints.tokenizer_manager import ServerReq, TokenizerManager
+from radixserve.entrypoints.tokenizer_manager import TokenizerManager
 
 EmbeddingInput = str | list[str] | list[int] | list[list[int]]
 

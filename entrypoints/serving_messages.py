@@ -34,9 +34,9 @@ from radixserve.entrypoints.anthropic_protocol import (
 )
 from radixserve.entrypoints.http_errors import anthropic_error_body
 from radixserve.entrypoints.output_blocks import Block, BlockEvent, BlockSequence, whole_blocks
+from radixserve.entrypoints.server_req import ServerReq
 from radixserve.entrypoints.serving_chat import ChatRun, ChatServing
 from radixserve.entrypoints.streaming import follow, json_response, sse_event, usage_counts
-from radixserve.entrypoints.tokenizer_manager import ServerReq
 
 _DELTAS = {"text": "text_delta", "reasoning": "thinking_delta", "tool_call": "input_json_delta"}
 _DELTA_FIELDS = {"text": "text", "reasoning": "thinking", "tool_call": "partial_json"}

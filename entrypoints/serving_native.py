@@ -28,11 +28,12 @@ from radixserve.entrypoints.output import (
     logprob_triples,
     top_logprob_triples,
 )
+from radixserve.entrypoints.server_req import ServerReq
 from radixserve.entrypoints.serving_openai import error_event, raise_if_failed
 from radixserve.entrypoints.session_fields import RouteExtras, route_extras
 from radixserve.entrypoints.spec_meta import spec_meta_info
 from radixserve.entrypoints.streaming import SSE_DONE, follow, json_response, sse
-from radixserve.entrypoints.tokenizer_manager import ServerReq, TokenizerManager
+from radixserve.entrypoints.tokenizer_manager import TokenizerManager
 
 # Keys whose "" SGLang clients send for "unset" (the constraints, and stop_regex).
 _GRAMMAR_KEYS = ("regex", "json_schema", "ebnf", "stop_regex", "structural_tag")

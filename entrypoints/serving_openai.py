@@ -20,9 +20,10 @@ from radixserve.entrypoints.openai_protocol import (
     StreamOptions,
     UsageInfo,
 )
+from radixserve.entrypoints.server_req import ServerReq
 from radixserve.entrypoints.session_fields import route_extras
 from radixserve.entrypoints.streaming import SSE_DONE, Update, follow, sse, usage_counts
-from radixserve.entrypoints.tokenizer_manager import ServerReq, TokenizerManager
+from radixserve.entrypoints.tokenizer_manager import TokenizerManager
 
 
 class OpenAIServing:

@@ -30,10 +30,10 @@ from radixserve.entrypoints.responses_protocol import (
     input_messages,
 )
 from radixserve.entrypoints.responses_store import ResponseStore
+from radixserve.entrypoints.server_req import ServerReq
 from radixserve.entrypoints.serving_chat import ChatRun, ChatServing
 from radixserve.entrypoints.serving_openai import error_event
 from radixserve.entrypoints.streaming import follow, json_response, sse_event, usage_counts
-from radixserve.entrypoints.tokenizer_manager import ServerReq
 
 _ITEM_PREFIX = {"text": "msg", "reasoning": "rs", "tool_call": "fc"}
 

@@ -11,7 +11,8 @@ import msgspec
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from radixserve.entrypoints.tokenizer_manager import ServerReq, TokenizerManager
+from radixserve.entrypoints.server_req import ServerReq
+from radixserve.entrypoints.tokenizer_manager import TokenizerManager
 
 SSE_DONE = b"data: [DONE]\n\n"
 

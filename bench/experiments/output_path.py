@@ -34,10 +34,11 @@ from radixserve.core.request import Req, SamplingParams
 from radixserve.core.stop import StopChecker
 from radixserve.core.tokenizer import Tokenizer
 from radixserve.entrypoints import ipc
+from radixserve.entrypoints.server_req import ServerReq
 from radixserve.entrypoints.serving_native import LogprobOptions, NativeServing
 from radixserve.entrypoints.step_output import StepOutputBuilder
 from radixserve.entrypoints.streaming import sse
-from radixserve.entrypoints.tokenizer_manager import ServerReq, TokenizerManager
+from radixserve.entrypoints.tokenizer_manager import TokenizerManager
 from radixserve.plugins.models.gguf_loader import convert_gguf_to_hf_dir, default_model_gguf_path
 
 PARTS = ("core_append", "engine_build_encode", "server_decode_apply", "render_events")

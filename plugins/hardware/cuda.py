@@ -191,7 +191,7 @@ class CudaPlatform(HardwarePlatform):
         import dataclasses
 
         from radixserve.core.model_config import ModelConfig as _Config
-        from radixserve.plugins.models.fp8 import checkpoint_scheme
+        from radixserve.plugins.models.fp8_loading import checkpoint_scheme
 
         if config.quantization is None and not torch.version.hip:
             raw = _Config.from_dir(model_dir).raw
@@ -213,7 +213,7 @@ class CudaPlatform(HardwarePlatform):
                 f"--quantization fp8 needs FP8 tensor cores (compute capability 8.9 or more); "
                 f"{torch.cuda.get_device_name(self.device)} has {major}.{minor}"
             )
-        from radixserve.plugins.models.fp8 import quantize_model
+        from radixserve.plugins.models.fp8_loading import quantize_model
 
         logger.info("fp8: %d linear layers", quantize_model(model))
 
@@ -222,7 +222,7 @@ class CudaPlatform(HardwarePlatform):
         (``supports_fused_ops``: the EAGLE heads) runs them on the target's Triton kernels:
         eagerly, each RMSNorm is ~7 kernels and each RoPE ~6, and an EAGLE-3 head step took
         ~0.14 ms of device time at batch 1 on the H200 (launch-bound; bench/HISTORY.md)."""
-        from radixserve.plugins.models.decoder import attach_fused_ops, fused_ops_for
+        from radixserve.plugins.models.kernel_choice import attach_fused_ops, fused_ops_for
 
         fused = fused_ops_for(self.device)
         if fused is not None and getattr(head, "supports_fused_ops", False):

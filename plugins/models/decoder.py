@@ -24,20 +24,17 @@ Projections are fused (qkv, gate_up) to cut per-step kernel launches; attention 
 selected attention plugin, which owns the paged KV access. The residual stream is carried beside
 each layer's output so the residual add and the next RMSNorm can be one kernel: on CUDA/ROCm
 devices add+RMSNorm, RoPE and SiLU-mul run as single Triton kernels (``fused_ops.py``), on the CPU
-as C++ ones (``plugins/hardware/cpu_fused_ops.py``), elsewhere as the eager torch code below
-(same rounding steps).
+as C++ ones (``plugins/hardware/cpu_fused_ops.py``), elsewhere as eager torch code (same rounding
+steps). The norms, RoPE and activations are ``blocks.py``'s; ``kernel_choice.py`` picks the
+kernels at build time, ``weight_loading.py`` loads a checkpoint.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
-import math
-import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from types import ModuleType
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -53,179 +50,29 @@ from radixserve.core.parallel import (
     split_range,
     vocab_shard,
 )
-from radixserve.plugins.models.eager_ops import rms_norm_eager
+from radixserve.plugins.models.blocks import (
+    RMSNorm,
+    RotaryEmbedding,
+    Unreduced,
+    activation,
+    reduced,
+    rope_inv_freq,
+)
+from radixserve.plugins.models.decoder_config import check_supported, layer_window, required
+from radixserve.plugins.models.kernel_choice import (
+    attach_fused_ops,
+    check_attention_options,
+    fused_ops_for,
+    takes_rotary,
+    triton_gemv_config,
+)
 from radixserve.plugins.models.parallel_layers import (
     DECODER_TP_PLAN,
     RowParallelLinear,
     VocabParallelEmbedding,
     gather_vocab,
 )
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim))
-        self.eps = eps
-        self.fused: ModuleType | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None:
-            return self.fused.rms_norm(x, self.weight, self.eps)
-        return rms_norm_eager(x, self.weight, self.eps)
-
-    def add_forward(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual)."""
-        if self.fused is not None:
-            return self.fused.add_rms_norm(x, residual, self.weight, self.eps)
-        total = x + residual
-        return self(total), total
-
-
-class GemmaRMSNorm(RMSNorm):
-    """Gemma's RMSNorm: ``x * (1 + weight)`` in float32, then cast (the stored weight is HF's,
-    centred on 0). Always eager: the fused kernels multiply by ``weight`` itself."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.float()
-        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).to(x.dtype)
-
-    def add_forward(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        total = x + residual
-        return self(total), total
-
-
-class Unreduced(NamedTuple):
-    """A row-parallel output (o_proj, down_proj) whose all-reduce is left to the add + RMSNorm
-    after it (tensor parallelism: one fused kernel where the platform has one)."""
-
-    partial: torch.Tensor
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies, with Llama-3 style scaling when the config asks for it. Reads both
-    the classic ``rope_theta``/``rope_scaling`` fields and transformers 5's ``rope_parameters``."""
-    raw = config.raw
-    params = raw.get("rope_parameters") or {}
-    base = float(raw.get("rope_theta") or params.get("rope_theta") or 10000.0)
-    dim = config.head_dim
-    inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    scaling = raw.get("rope_scaling") or params
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-        old_ctx = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
-        mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
-        inv_freq = torch.where(is_mid, mid, scaled)
-    elif kind == "linear":
-        inv_freq = inv_freq / scaling["factor"]
-    elif kind not in (None, "default"):
-        raise ConfigError(
-            f"config.json's rope_scaling type '{kind}' is not supported (supported: default, "
-            "linear, llama3)"
-        )
-    # a Llama-3.x GGUF's scaling, as llama.cpp applies it: each frequency divided by its factor
-    if (factors := raw.get("rope_freq_factors")) is not None:
-        if len(factors) != inv_freq.numel():
-            raise ConfigError(
-                f"rope_freq_factors has {len(factors)} values; head_dim {dim} needs {dim // 2}"
-            )
-        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float64)
-    return inv_freq.float()
-
-
-class RotaryEmbedding:
-    """cos/sin tables indexed by position; HF's non-interleaved (rotate-half) layout."""
-
-    def __init__(self, config: ModelConfig, device: str, dtype: torch.dtype) -> None:
-        inv_freq = rope_inv_freq(config)
-        t = torch.arange(config.max_context, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        self.cos = freqs.cos().to(device=device, dtype=dtype)
-        self.sin = freqs.sin().to(device=device, dtype=dtype)
-        self.fused: ModuleType | None = None
-        # Eager path: full-width tables, sin signed for the rotated half, looked up once per
-        # step (every layer gets the same positions tensor) instead of once per layer.
-        self._cos2 = torch.cat((self.cos, self.cos), dim=-1)
-        self._sin2 = torch.cat((-self.sin, self.sin), dim=-1)
-        self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-
-    def new_step(self) -> None:
-        """Forget the last step's lookup (a captured graph must record its own)."""
-        self._step = None
-
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]."""
-        if self.fused is not None:
-            return self.fused.rope(x, positions, self.cos, self.sin)
-        if torch.compiler.is_compiling():
-            # a traced step keeps no state between layers (the graph shares the lookup itself)
-            cos, sin = self._cos2[positions].unsqueeze(1), self._sin2[positions].unsqueeze(1)
-        else:
-            # NOTE: holding ``positions`` keeps its id from being reused by a later step's tensor.
-            if self._step is None or self._step[0] is not positions:
-                cos, sin = self._cos2[positions].unsqueeze(1), self._sin2[positions].unsqueeze(1)
-                self._step = (positions, cos, sin)
-            _, cos, sin = self._step
-        x1, x2 = x.chunk(2, dim=-1)
-        # x1 * cos - x2 * sin, x2 * cos + x1 * sin: the same products and sums, in 4 ops
-        return x * cos + torch.cat((x2, x1), dim=-1) * sin
-
-
-def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """An HF ``hidden_act`` name as a function."""
-    if name in ("silu", "swish"):
-        return F.silu
-    if name in ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast"):
-        return lambda x: F.gelu(x, approximate="tanh")
-    if name == "gelu":
-        return F.gelu
-    raise ConfigError(
-        f"config.json's hidden_act '{name}' is not supported (supported: silu, gelu, gelu_tanh)"
-    )
-
-
-def required(raw: dict[str, Any], key: str) -> Any:
-    """``raw[key]``; a ``ConfigError`` naming the field where config.json lacks it."""
-    value = raw.get(key)
-    if value is None:
-        raise ConfigError(f"config.json lacks required field '{key}'")
-    return value
-
-
-def check_supported(raw: dict[str, Any]) -> None:
-    """Stop at build time, naming the field, on config settings the skeleton does not
-    implement (rather than at weight loading or the first step)."""
-    if raw.get("mlp_bias"):
-        raise ConfigError(
-            "config.json sets mlp_bias=true (biases on the MLP), which is not supported"
-        )
-
-
-def layer_window(raw: dict[str, Any], layer_id: int) -> int:
-    """The sliding window of one layer, 0 for full attention, as transformers' Qwen2/Qwen3
-    configs derive it: ``sliding_window`` counts only with ``use_sliding_window`` (where the
-    config has that field); the layers ``layer_types`` (the per-layer list) marks slide, or, when
-    the config has no ``layer_types``, those from ``max_window_layers`` (default 28) on."""
-    window = raw.get("sliding_window")
-    if not window or not raw.get("use_sliding_window", True):
-        return 0
-    types = raw.get("layer_types")
-    if not types:
-        if not raw.get("use_sliding_window"):
-            return 0
-        return int(window) if layer_id >= int(raw.get("max_window_layers", 28)) else 0
-    return int(window) if types[layer_id] == "sliding_attention" else 0
+from radixserve.plugins.models.weight_loading import Target, load_decoder_weights
 
 
 class DecoderLayer(nn.Module):
@@ -410,9 +257,6 @@ _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 _GATE_UP = {"gate_proj": 0, "up_proj": 1}
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
-#: where one HF tensor goes: (our parameter name, expert index or None, row offset or None)
-Target = tuple[str, int | None, int | None]
-
 
 class DecoderForCausalLM(nn.Module, CausalLM):
     layer_cls: type[DecoderLayer] = DecoderLayer
@@ -583,45 +427,7 @@ class DecoderForCausalLM(nn.Module, CausalLM):
         return self.norm.add_forward(h[rows], residual[rows])[0]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        from radixserve.plugins.models import fp8
-
-        if fp8.checkpoint_scheme(self.config.raw) is not None:  # FP8 codes and their scales
-            weights = fp8.dequantizing(
-                self, weights, next(self.parameters()).dtype, self._checkpoint_target
-            )
-        params = dict(self.named_parameters())
-        filled: dict[str, int] = {}  # parameter -> elements written
-        seen: set[Target] = set()
-        for hf_name, tensor in weights:
-            name = self.stage_name(hf_name.removeprefix("model."))
-            target = None if name is None else self.weight_target(name)
-            if target is None:
-                continue
-            pname, expert, offset = target
-            if pname not in params:
-                raise ValueError(f"unexpected weight '{hf_name}' for {self.config.architecture}")
-            dst = params[pname].data
-            if expert is not None:
-                dst = dst[expert]
-            if offset is not None:
-                dst = dst[offset : offset + tensor.shape[0]]
-            if dst.shape != tensor.shape:
-                raise ValueError(
-                    f"weight '{hf_name}' has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(dst.shape)}"
-                )
-            with torch.no_grad():
-                dst.copy_(tensor)
-            if target not in seen:
-                seen.add(target)
-                filled[pname] = filled.get(pname, 0) + dst.numel()
-        missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
-        if missing:
-            raise ValueError(f"checkpoint lacks weights: {', '.join(sorted(missing)[:5])} ...")
-
-    def _checkpoint_target(self, hf_name: str) -> Target | None:
-        name = self.stage_name(hf_name.removeprefix("model."))
-        return None if name is None else self.weight_target(name)
+        load_decoder_weights(self, weights)
 
     def stage_name(self, name: str) -> str | None:
         """A checkpoint name (without ``model.``) as this pipeline stage's parameters name it
@@ -636,77 +442,3 @@ class DecoderForCausalLM(nn.Module, CausalLM):
         if not 0 <= local < len(self.layers):
             return None
         return f"layers.{local}.{name[m.end() :]}"
-
-
-def reduced(h: Any, tp: Any) -> torch.Tensor:
-    """A layer's output with its all-reduce done (``Unreduced`` -> the summed tensor)."""
-    return tp.all_reduce(h.partial) if isinstance(h, Unreduced) else h
-
-
-def check_attention_options(attention: AttentionBackend, options: list[dict[str, Any]]) -> None:
-    """Stop at build time, naming the backend, when it lacks a per-layer keyword the model
-    needs (e.g. a third-party backend without ``sliding_window``)."""
-    needed = {key for layer in options for key in layer}
-    if not needed:
-        return
-    params = inspect.signature(attention.forward).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    missing = sorted(needed - set(params))
-    if missing:
-        raise ConfigError(
-            f"attention backend {type(attention).__name__} does not support "
-            f"{', '.join(missing)}, which this model needs; use --plugin attention=torch_native "
-            "or attention=triton"
-        )
-
-
-def takes_rotary(attention: AttentionBackend, fused_rope: bool) -> bool:
-    """Whether q and k go to ``attention`` unrotated, for its K/V store to apply RoPE in the
-    same launch (one launch a layer less): where its ``forward`` takes ``rotary`` and the model
-    would otherwise run the Triton RoPE kernel (RADIXSERVE_ROPE_IN_ATTENTION: "0" never, "1"
-    wherever the backend takes it, as on the CPU's interpreted kernels in tests)."""
-    mode = os.environ.get("RADIXSERVE_ROPE_IN_ATTENTION", "auto")
-    if mode == "0" or "rotary" not in inspect.signature(attention.forward).parameters:
-        return False
-    return fused_rope or mode == "1"
-
-
-def triton_gemv_config(device: str) -> tuple[int, int, int] | None:
-    """plugins/hardware/gemv.py's configuration on an NVIDIA GPU with Triton (measured on H200
-    only; not on ROCm), unless RADIXSERVE_TRITON_GEMV=0; else None."""
-    if torch.device(device).type != "cuda" or importlib.util.find_spec("triton") is None:
-        return None
-    if torch.version.hip is not None:
-        return None
-    from radixserve.plugins.hardware.gemv import config
-
-    return config()
-
-
-def attach_fused_ops(module: nn.Module, fused: ModuleType | None) -> None:
-    """Point every part of ``module`` that can run on fused kernels (its RMSNorms and MLPs,
-    and its ``rope`` table, which is no submodule) at the ops module ``fused``."""
-    for part in (getattr(module, "rope", None), *module.modules()):
-        if part is not None and hasattr(part, "fused"):
-            part.fused = fused
-
-
-def fused_ops_for(device: str) -> ModuleType | None:
-    """The Triton ops module on a CUDA/ROCm device with Triton installed; on the CPU the C++
-    ops of ``plugins/hardware/cpu_fused_ops.py`` where they can be built (and
-    RADIXSERVE_CPU_FUSED_OPS is not "0"); else None (eager torch)."""
-    kind = torch.device(device).type
-    if kind == "cpu":
-        from radixserve.plugins.hardware.cpu_kernels import unavailable_reason
-
-        if os.environ.get("RADIXSERVE_CPU_FUSED_OPS") == "0" or unavailable_reason() is not None:
-            return None
-        from radixserve.plugins.hardware import cpu_fused_ops
-
-        return cpu_fused_ops
-    if kind != "cuda" or importlib.util.find_spec("triton") is None:
-        return None
-    from radixserve.plugins.models import fused_ops
-
-    return fused_ops

@@ -23,7 +23,8 @@ from radixserve.core.config import ModelConfig
 from radixserve.core.hookspecs import hookimpl
 from radixserve.core.interfaces import AttentionBackend
 from radixserve.core.parallel import SINGLE, TensorParallel
-from radixserve.plugins.models.decoder import DecoderForCausalLM, DecoderLayer, GemmaRMSNorm
+from radixserve.plugins.models.blocks import GemmaRMSNorm
+from radixserve.plugins.models.decoder import DecoderForCausalLM, DecoderLayer
 
 
 def gemma2_layer_types(raw: dict[str, Any]) -> list[str]:

@@ -2,8 +2,9 @@
 
 The decoder skeleton itself (fused qkv/gate_up projections, RMSNorm carried beside the residual
 stream, RoPE, the Triton fused ops on CUDA/ROCm, weight loading) is ``decoder.py``; Llama is
-that skeleton with no changes. The names below are re-exported for code that imported them from
-here.
+that skeleton with no changes. ``RMSNorm``, ``RotaryEmbedding``, ``rope_inv_freq``
+(``blocks.py``) and ``fused_ops_for`` (``kernel_choice.py``) are re-exported for code that
+imported them from here.
 """
 
 from __future__ import annotations
@@ -14,14 +15,9 @@ from radixserve.core.config import ModelConfig
 from radixserve.core.hookspecs import hookimpl
 from radixserve.core.interfaces import AttentionBackend
 from radixserve.core.parallel import SINGLE, TensorParallel
-from radixserve.plugins.models.decoder import (
-    DecoderForCausalLM,
-    DecoderLayer,
-    RMSNorm,
-    RotaryEmbedding,
-    fused_ops_for,
-    rope_inv_freq,
-)
+from radixserve.plugins.models.blocks import RMSNorm, RotaryEmbedding, rope_inv_freq
+from radixserve.plugins.models.decoder import DecoderForCausalLM, DecoderLayer
+from radixserve.plugins.models.kernel_choice import fused_ops_for
 
 __all__ = [
     "ARCHITECTURES",

@@ -19,7 +19,8 @@ from radixserve.core.config import ConfigError, ModelConfig
 from radixserve.core.interfaces import AttentionBackend
 from radixserve.core.multimodal import ImageInput, MultimodalInputs, image_hash, pad_id
 from radixserve.core.parallel import SINGLE, TensorParallel
-from radixserve.plugins.models.decoder import DecoderForCausalLM, activation
+from radixserve.plugins.models.blocks import activation
+from radixserve.plugins.models.decoder import DecoderForCausalLM
 from radixserve.plugins.models.qwen2_vl import (
     MergesImageEmbeddings,
     placed_images,

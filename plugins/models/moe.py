@@ -35,14 +35,11 @@ from radixserve.core.config import ConfigError, ModelConfig
 from radixserve.core.hookspecs import hookimpl
 from radixserve.core.interfaces import AttentionBackend
 from radixserve.core.parallel import SINGLE, TensorParallel, split_range
-from radixserve.plugins.models.decoder import (
-    DecoderForCausalLM,
-    DecoderLayer,
-    Target,
-    activation,
-    required,
-)
+from radixserve.plugins.models.blocks import activation
+from radixserve.plugins.models.decoder import DecoderForCausalLM, DecoderLayer
+from radixserve.plugins.models.decoder_config import required
 from radixserve.plugins.models.parallel_layers import DECODER_TP_PLAN
+from radixserve.plugins.models.weight_loading import Target
 
 
 class SparseMoE(nn.Module):

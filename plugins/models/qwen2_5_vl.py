@@ -21,7 +21,7 @@ from torch import nn
 from radixserve.core.config import ModelConfig
 from radixserve.core.interfaces import AttentionBackend
 from radixserve.core.parallel import SINGLE, TensorParallel
-from radixserve.plugins.models.decoder import activation
+from radixserve.plugins.models.blocks import activation
 from radixserve.plugins.models.eager_ops import rms_norm_eager
 from radixserve.plugins.models.qwen2_vl import (
     PatchMerger,

@@ -26,12 +26,8 @@ from radixserve.core.interfaces import AttentionBackend
 from radixserve.core.multimodal import ImageInput, MultimodalInputs, image_hash, pad_id
 from radixserve.core.parallel import SINGLE, TensorParallel
 from radixserve.core.request import InvalidRequest
-from radixserve.plugins.models.decoder import (
-    DecoderForCausalLM,
-    DecoderLayer,
-    RotaryEmbedding,
-    rope_inv_freq,
-)
+from radixserve.plugins.models.blocks import RotaryEmbedding, rope_inv_freq
+from radixserve.plugins.models.decoder import DecoderForCausalLM, DecoderLayer
 
 # ---- the vision tower (parameter names as the checkpoint's ``visual.*``) ----
 

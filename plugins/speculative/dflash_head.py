@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.core.config import ConfigError, ModelConfig
-from radixserve.plugins.models.decoder import RMSNorm, rope_inv_freq
+from radixserve.plugins.models.blocks import RMSNorm, rope_inv_freq
 from radixserve.plugins.speculative.head_layer import WEIGHTS_FILE, load_checked_weights
 
 ARCHITECTURE = "LlamaDFlashDrafter"

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from radixserve.core.config import ModelConfig
-from radixserve.plugins.models.decoder import RMSNorm
+from radixserve.plugins.models.blocks import RMSNorm
 from radixserve.plugins.speculative.head_layer import (
     DecoderLayer,
     DraftHead,

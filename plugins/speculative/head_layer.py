@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.core.config import ConfigError, ModelConfig
-from radixserve.plugins.models.decoder import RMSNorm, RotaryEmbedding
+from radixserve.plugins.models.blocks import RMSNorm, RotaryEmbedding
 
 WEIGHTS_FILE = "model.safetensors"
 

@@ -12,8 +12,9 @@ import types
 
 from radixserve.core.request import FinishReason, Req, SamplingParams
 from radixserve.entrypoints import ipc
+from radixserve.entrypoints.server_req import ServerReq
 from radixserve.entrypoints.step_output import StepOutputBuilder
-from radixserve.entrypoints.tokenizer_manager import ServerReq, TokenizerManager
+from radixserve.entrypoints.tokenizer_manager import TokenizerManager
 
 
 def manager() -> TokenizerManager:

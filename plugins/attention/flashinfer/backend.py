@@ -16,7 +16,7 @@ has its own wrapper with fixed index buffers, which ``plan`` refills. Inside the
 
 Options FlashInfer would need per-layer plans for (sliding window, logit soft-capping, a score
 scale of the model's own) are not parameters of ``forward``: a model that needs them stops at
-build time with an error naming this backend (plugins/models/decoder.py).
+build time with an error naming this backend (plugins/models/kernel_choice.py).
 """
 
 from __future__ import annotations

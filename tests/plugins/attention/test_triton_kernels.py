@@ -200,7 +200,7 @@ def test_store_kv_rotary_equals_rope_then_store(dtype: torch.dtype, strided: boo
     """The store that applies RoPE on the way writes what the model's RoPE followed by the
     plain store writes, bit for bit, and returns the rotated q."""
     from radixserve.core.config import ModelConfig
-    from radixserve.plugins.models.decoder import RotaryEmbedding
+    from radixserve.plugins.models.blocks import RotaryEmbedding
 
     heads = 3 * KV_HEADS
     tokens, size = (300, 1000) if GPU else (9, 40)

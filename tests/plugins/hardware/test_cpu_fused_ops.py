@@ -138,7 +138,7 @@ def test_the_checked_ops_compute_what_the_kernels_do() -> None:
 
 def test_the_cpu_model_uses_them_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     from radixserve.plugins.hardware import cpu_fused_ops
-    from radixserve.plugins.models.decoder import fused_ops_for
+    from radixserve.plugins.models.kernel_choice import fused_ops_for
 
     assert fused_ops_for("cpu") is cpu_fused_ops
     monkeypatch.setenv("RADIXSERVE_CPU_FUSED_OPS", "0")

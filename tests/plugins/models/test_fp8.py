@@ -1,4 +1,4 @@
-"""FP8 weights (``--quantization fp8``, plugins/models/fp8.py).
+"""FP8 weights (``--quantization fp8``, plugins/models/fp8.py and fp8_loading.py).
 
 - the product's rounding: FP8 e4m3 weights and per-token FP8 activations against the float
   product, within 5% of its norm (each operand's 3-bit mantissa rounds by up to 1/16 of a
@@ -34,7 +34,7 @@ from radixserve.core.plugins import default_host  # noqa: E402
 from radixserve.core.request import Req, SamplingParams  # noqa: E402
 from radixserve.core.step_plan import StepPlan  # noqa: E402
 from radixserve.plugins.hardware.cpu import CpuPlatform  # noqa: E402
-from radixserve.plugins.models import fp8  # noqa: E402
+from radixserve.plugins.models import fp8, fp8_loading  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -183,7 +183,9 @@ def test_fp8_checkpoint_loads_and_keeps_its_codes(
     form: str, tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
     codes = write_fp8_checkpoint(tiny_llama_dir, tmp_path / form, form)
-    scheme = fp8.checkpoint_scheme(json.loads((tmp_path / form / "config.json").read_text()))
+    scheme = fp8_loading.checkpoint_scheme(
+        json.loads((tmp_path / form / "config.json").read_text())
+    )
     assert scheme is not None and scheme.kind == form
     runner = ModelRunner(
         tmp_path / form, EngineConfig(max_total_tokens=256, dtype="bfloat16"), default_host()
@@ -205,7 +207,7 @@ def test_fp8_checkpoint_loads_and_keeps_its_codes(
     ids = list(range(3, 40))
     before = _logits(runner, ids)
 
-    assert fp8.quantize_model(model) == 2 * 4  # qkv, o, gate_up, down in each layer
+    assert fp8_loading.quantize_model(model) == 2 * 4  # qkv, o, gate_up, down in each layer
     qkv = model.layers[0].qkv_proj
     assert isinstance(qkv, fp8.Fp8Linear)
     assert qkv.kind == ("block" if form == "block" else "channel")
@@ -231,7 +233,7 @@ def test_a_bf16_checkpoint_is_quantized_per_row_on_load(tiny_llama_dir: Path) ->
         tiny_llama_dir, EngineConfig(max_total_tokens=256, dtype="bfloat16"), default_host()
     )
     w = runner.model.layers[0].gate_up_proj.weight.detach().clone()
-    assert fp8.quantize_model(runner.model) == 8
+    assert fp8_loading.quantize_model(runner.model) == 8
     layer = runner.model.layers[0].gate_up_proj
     assert layer.kind == "channel" and layer.scale.shape == (w.shape[0],)
     assert _rel(layer.dequantized(), w) < 0.04
@@ -248,17 +250,19 @@ def test_the_cpu_refuses_fp8_in_one_line(tiny_llama_dir: Path) -> None:
 
 
 def test_checkpoint_schemes() -> None:
-    assert fp8.checkpoint_scheme({}) is None
-    assert fp8.checkpoint_scheme({"quantization_config": {"quant_method": "awq"}}) is None
-    block = fp8.checkpoint_scheme(
+    assert fp8_loading.checkpoint_scheme({}) is None
+    assert fp8_loading.checkpoint_scheme({"quantization_config": {"quant_method": "awq"}}) is None
+    block = fp8_loading.checkpoint_scheme(
         {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
     )
-    assert block == fp8.Fp8Scheme("block", (128, 128))
+    assert block == fp8_loading.Fp8Scheme("block", (128, 128))
     ct = {"quantization_config": json.loads(json.dumps(CONFIGS["channel"]))}
-    assert fp8.checkpoint_scheme(ct) == fp8.Fp8Scheme("channel", ignore=("lm_head",))
+    assert fp8_loading.checkpoint_scheme(ct) == fp8_loading.Fp8Scheme(
+        "channel", ignore=("lm_head",)
+    )
     ct["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 4
     with pytest.raises(ConfigError, match="float-quantized 8-bit"):
-        fp8.checkpoint_scheme(ct)
+        fp8_loading.checkpoint_scheme(ct)
 
 
 @pytest.mark.parametrize("group", [None, 128])

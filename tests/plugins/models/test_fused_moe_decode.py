@@ -150,7 +150,7 @@ def test_fp8_quantization_of_a_qwen3_moe(tmp_path: Path, monkeypatch: pytest.Mon
     from radixserve.core.plugins import default_host
     from radixserve.core.request import Req, SamplingParams
     from radixserve.core.step_plan import StepPlan
-    from radixserve.plugins.models import fp8, moe
+    from radixserve.plugins.models import fp8, fp8_loading, moe
 
     model_dir = make_tiny_model_dir(
         tmp_path, "qwen3_moe", "Qwen3MoeForCausalLM", num_hidden_layers=2, num_experts=6,
@@ -176,7 +176,7 @@ def test_fp8_quantization_of_a_qwen3_moe(tmp_path: Path, monkeypatch: pytest.Mon
         return out
 
     before = logits()
-    assert fp8.quantize_model(runner.model) == 2 * 2  # qkv and o in each layer
+    assert fp8_loading.quantize_model(runner.model) == 2 * 2  # qkv and o in each layer
     block = runner.model.layers[0].moe
     assert type(block.gate) is torch.nn.Linear and block.w13.dtype == torch.float8_e4m3fn
     assert isinstance(runner.model.layers[1].qkv_proj, fp8.Fp8Linear)

@@ -17,7 +17,7 @@ pytest.importorskip("triton", reason="the 'triton' package is not installed")
 
 from radixserve.core.config import ModelConfig  # noqa: E402
 from radixserve.plugins.models import fused_ops  # noqa: E402
-from radixserve.plugins.models.llama import RMSNorm, RotaryEmbedding  # noqa: E402
+from radixserve.plugins.models.blocks import RMSNorm, RotaryEmbedding  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]

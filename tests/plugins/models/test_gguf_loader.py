@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 from radixserve.core.config import ModelConfig
 from radixserve.plugins.models import gguf_loader
-from radixserve.plugins.models.decoder import rope_inv_freq
+from radixserve.plugins.models.blocks import rope_inv_freq
 from radixserve.plugins.models.gguf_loader import (
     COMPLETE_MARKER,
     convert_gguf_to_hf_dir,

@@ -26,7 +26,7 @@ from radixserve.core.memory import ReqToTokenPool
 from radixserve.core.plugins import default_host
 from radixserve.core.weights import iter_weights
 from radixserve.plugins.hardware.cpu import CpuPlatform
-from radixserve.plugins.models.decoder import RMSNorm
+from radixserve.plugins.models.blocks import RMSNorm
 from radixserve.plugins.speculative.eagle import EagleDraft
 from radixserve.plugins.speculative.eagle3_head import new_head
 from radixserve.plugins.speculative.eagle_head import EagleHead, new_eagle_head, tied_lm_head
