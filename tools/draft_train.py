@@ -13,6 +13,16 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def add_training_options(p: argparse.ArgumentParser) -> None:
+    """The options ``optimizer`` and the training loops read alike, and the saved dtype."""
+    p.add_argument("--batch", type=int, default=8, help="sequences per training step")
+    p.add_argument("--epochs", type=float, default=4.0)
+    p.add_argument("--steps", type=int, default=0, help="training steps (overrides --epochs)")
+    p.add_argument("--max-train-seconds", type=float, default=0, help="stop training after")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--save-dtype", default="bfloat16", choices=sorted(DTYPES))
+
+
 def work_dir(args: argparse.Namespace) -> Path:
     """``--work``, else OUT/../OUT-name.work next to ``--out``; created."""
     out = Path(args.out)

@@ -45,7 +45,7 @@ from radixserve.plugins.speculative.head_layer import save_head
 from radixserve.tools.draft_capture import Target, cached_capture, capture_grouped
 from radixserve.tools.draft_data import add_data_options, data_phase
 from radixserve.tools.draft_eval import evaluate
-from radixserve.tools.draft_train import DTYPES, optimizer, work_dir
+from radixserve.tools.draft_train import DTYPES, add_training_options, optimizer, work_dir
 
 # -- train: the target's features by teacher forcing ------------------------------------------
 
@@ -250,13 +250,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--phases", default="data,train,eval", help="comma list of data,train,eval")
     p.add_argument("--device", default="cpu", help="training device: cpu or cuda")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="capture dtype")
-    p.add_argument("--engine-dtype", default="float32", help="engine dtype for data and eval")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompts-per-workload", type=int, default=30)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--sampled-share", type=float, default=0.0, help="train prompts also sampled")
-    p.add_argument("--gen-batch", type=int, default=32, help="engine requests at once")
-    add_data_options(p)
+    add_data_options(p, prompts_per_workload=30, max_new_tokens=64, sampled_share=0.0)
     p.add_argument("--max-len", type=int, default=384, help="tokens per training sequence")
     p.add_argument("--capture-tokens", type=int, default=2048, help="tokens per target forward")
     p.add_argument("--target-layers", default=None, help="e.g. 1,8,15,22,28")
@@ -272,13 +266,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--blocks", type=int, default=16, help="anchors per sequence and step")
     p.add_argument("--prompt-share", type=float, default=0.25, help="anchors in the prompt")
     p.add_argument("--decay", type=float, default=0.7, help="loss weight per block row")
-    p.add_argument("--batch", type=int, default=8, help="sequences per training step")
-    p.add_argument("--epochs", type=float, default=4.0)
-    p.add_argument("--steps", type=int, default=0, help="training steps (overrides --epochs)")
-    p.add_argument("--max-train-seconds", type=float, default=0, help="stop training after")
+    add_training_options(p)
     p.add_argument("--full-vocab", action="store_true", help="softmax over every token")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--save-dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--eval-prompts", type=int, default=12, help="held-out prompts per workload")
     p.add_argument("--num-draft-tokens", type=int, default=0, help="eval: B (default the head's)")
     return p.parse_args(argv)

@@ -53,7 +53,7 @@ from radixserve.plugins.speculative.head_layer import DraftHead, save_head
 from radixserve.tools.draft_capture import Target, cached_capture, capture_grouped
 from radixserve.tools.draft_data import add_data_options, data_phase
 from radixserve.tools.draft_eval import evaluate, speed
-from radixserve.tools.draft_train import DTYPES, optimizer, work_dir
+from radixserve.tools.draft_train import DTYPES, add_training_options, optimizer, work_dir
 
 TOP_K = 32  # the target's distribution is kept as its top-k tokens (they carry ~all the mass)
 
@@ -373,13 +373,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="a few minutes on a CPU (smoke run)")
     p.add_argument("--device", default="cpu", help="training device: cpu or cuda")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="training dtype")
-    p.add_argument("--engine-dtype", default="float32", help="engine dtype for data and eval")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompts-per-workload", type=int, default=60)
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--sampled-share", type=float, default=0.3, help="train prompts also sampled")
-    p.add_argument("--gen-batch", type=int, default=32, help="engine requests at once")
-    add_data_options(p)
+    add_data_options(p, prompts_per_workload=60, max_new_tokens=96, sampled_share=0.3)
     p.add_argument("--max-len", type=int, default=512, help="tokens per training sequence")
     p.add_argument("--capture-tokens", type=int, default=2048, help="tokens per target forward")
     p.add_argument("--aux-layers", default=None, help="e.g. 1,14,26 (default SpecForge's)")
@@ -390,10 +384,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--feature-weight", type=float, default=1.0, help="EAGLE: feature loss")
     p.add_argument("--ttt", type=int, default=3, help="training-time-test steps")
     p.add_argument("--decay", type=float, default=0.8, help="loss weight per TTT step")
-    p.add_argument("--batch", type=int, default=8, help="sequences per training step")
-    p.add_argument("--epochs", type=float, default=4.0)
-    p.add_argument("--steps", type=int, default=0, help="training steps (overrides --epochs)")
-    p.add_argument("--max-train-seconds", type=float, default=0, help="stop training after")
+    add_training_options(p)
     p.add_argument(
         "--resume", action="store_true",
         help="continue training from the work directory's checkpoint (the last run's state, "
@@ -406,8 +397,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "learning-rate schedule spans the total; go on later with --resume)",
     )  # fmt: skip
     p.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--save-dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--eval-prompts", type=int, default=12, help="held-out prompts per workload")
     p.add_argument(
         "--num-draft-tokens", type=int, default=4, help="eval and speed: k + 1 (a tree's size + 1)"
