@@ -31,7 +31,7 @@ import torch
 from radixserve.core.hicache_pool import HostKVPool
 from radixserve.core.hicache_storage import GuardedStorage, page_keys
 from radixserve.core.memory import ReqToTokenPool, TokenAllocator
-from radixserve.core.radix_cache import MatchResult, RadixCache, TreeNode, _common_prefix_len
+from radixserve.core.radix_cache import MatchResult, RadixCache, TreeNode
 from radixserve.core.request import Req
 
 logger = logging.getLogger(__name__)
@@ -246,37 +246,22 @@ class HiRadixCache(RadixCache):
 
     # -- inserting (adopting the caller's device KV for host-only nodes) ----------------------
 
-    def insert(self, key: list[int], value: torch.Tensor, extra_key: str | None = None) -> int:
-        """As RadixCache.insert; a node on the path that is only in host memory takes the
-        caller's slots for its tokens (they count as new, so the caller keeps them)."""
-        node = self._root(extra_key)
-        now = next(self._clock)
-        matched = 0
-        if self.page_size > 1:
-            n = self._aligned(len(key))
-            key, value = key[:n], value[:n]
-        on_device = True
-        while key:
-            child = node.children.get(self._child_key(key))
-            if child is None:
-                leaf = HiTreeNode(list(key), value.clone(), node)
-                leaf.last_access = now
-                node.children[self._child_key(key)] = leaf
-                self.evictable_size += len(key)
-                self._written(leaf)
-                break
-            n = self._aligned(_common_prefix_len(child.key, key))
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = now
-            if child.value is None:  # host only: ours becomes its device copy
-                child.value = value[:n].clone()
-                self.evictable_size += n
-                on_device = False
-            elif on_device:
-                matched += n
-            node, key, value = child, key[n:], value[n:]
-        return matched
+    def _add_leaf(
+        self, parent: TreeNode, key: list[int], value: torch.Tensor, now: int
+    ) -> TreeNode:
+        leaf = super()._add_leaf(parent, key, value, now)
+        assert isinstance(leaf, HiTreeNode)
+        self._written(leaf)
+        return leaf
+
+    def _keeps_device_kv(self, child: TreeNode, value: torch.Tensor, n: int) -> bool:
+        """A node only in host memory takes the caller's slots as its device copy (they count
+        as new from there on, so the caller keeps them)."""
+        if child.value is not None:
+            return True
+        child.value = value[:n].clone()
+        self.evictable_size += n
+        return False
 
     def _written(self, node: HiTreeNode) -> None:
         if self.write_policy == "write_through":

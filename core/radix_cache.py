@@ -153,21 +153,38 @@ class RadixCache:
         if self.page_size > 1:
             n = self._aligned(len(key))
             key, value = key[:n], value[:n]
+        on_device = True
         while key:
             child = node.children.get(self._child_key(key))
             if child is None:
-                leaf = TreeNode(list(key), value.clone(), node)
-                leaf.last_access = now
-                node.children[self._child_key(key)] = leaf
-                self.evictable_size += len(key)
+                self._add_leaf(node, key, value, now)
                 break
             n = self._aligned(_common_prefix_len(child.key, key))
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
-            matched += n
+            on_device = self._keeps_device_kv(child, value, n) and on_device
+            if on_device:
+                matched += n
             node, key, value = child, key[n:], value[n:]
         return matched
+
+    def _add_leaf(
+        self, parent: TreeNode, key: list[int], value: torch.Tensor, now: int
+    ) -> TreeNode:
+        """A new ``node_type`` leaf under ``parent`` holding the rest of an inserted key and its
+        slots."""
+        leaf = self.node_type(list(key), value.clone(), parent)
+        leaf.last_access = now
+        parent.children[self._child_key(key)] = leaf
+        self.evictable_size += len(key)
+        return leaf
+
+    def _keeps_device_kv(self, child: TreeNode, value: torch.Tensor, n: int) -> bool:
+        """Whether an inserted key's node ``child`` (its first ``n`` slots in ``value``)
+        already held device KV, which the caller's slots then duplicate; always, here (a
+        tier below device memory may have nodes without it)."""
+        return True
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Split ``child`` after its first n tokens; return the new upper node."""

@@ -5,6 +5,8 @@ sequences a forward, grouped by length so forwards stay near a token budget."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -121,3 +123,13 @@ def capture_grouped(
     if group:
         flush()
     bar.close()
+
+
+def cached_capture(file: Path, key: dict[str, Any], capture: Callable[[], dict]) -> dict:
+    """The capture saved in ``file`` if it was made for ``key`` (what it depends on: the data,
+    the layers, the sequence cut...), else ``capture()``, saved there with its key."""
+    data = torch.load(file) if file.is_file() else None
+    if data is None or data.get("key") != key:
+        data = capture()
+        torch.save({**data, "key": key}, file)
+    return data

@@ -283,8 +283,22 @@ def generate_answers(args: argparse.Namespace, items: list[dict[str, Any]]) -> l
     return records
 
 
-def add_data_options(parser: argparse.ArgumentParser) -> None:
-    """The data options both trainers share beyond their own defaults."""
+def add_data_options(
+    parser: argparse.ArgumentParser,
+    prompts_per_workload: int,
+    max_new_tokens: int,
+    sampled_share: float,
+) -> None:
+    """The options the data phase reads (the engine's too, for eval), with the trainer's own
+    defaults for the data's size."""
+    parser.add_argument("--engine-dtype", default="float32", help="engine dtype for data and eval")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompts-per-workload", type=int, default=prompts_per_workload)
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument(
+        "--sampled-share", type=float, default=sampled_share, help="train prompts also sampled"
+    )
+    parser.add_argument("--gen-batch", type=int, default=32, help="engine requests at once")
     parser.add_argument(
         "--samples-per-prompt", type=int, default=0,
         help="sampled answers per training prompt (0: --sampled-share decides, one at most)",

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
 import time
@@ -43,11 +42,10 @@ from radixserve.plugins.speculative.dflash_head import (
     default_target_layers,
 )
 from radixserve.plugins.speculative.head_layer import save_head
-from radixserve.tools.draft_capture import Target, capture_grouped
+from radixserve.tools.draft_capture import Target, cached_capture, capture_grouped
 from radixserve.tools.draft_data import add_data_options, data_phase
 from radixserve.tools.draft_eval import evaluate
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from radixserve.tools.draft_train import DTYPES, add_training_options, optimizer, work_dir
 
 # -- train: the target's features by teacher forcing ------------------------------------------
 
@@ -57,7 +55,7 @@ def capture(args: argparse.Namespace, records: list[dict[str, Any]], layers: lis
     keep tokens, where the answer starts, and the features."""
     train = [r for r in records if r["split"] == "train"]
     seqs = [(r["prompt_ids"] + r["answer_ids"])[: args.max_len] for r in train]
-    target = Target(args.model, _DTYPES[args.dtype], args.device, args.capture_tokens + 1)
+    target = Target(args.model, DTYPES[args.dtype], args.device, args.capture_tokens + 1)
     out: dict[str, list[Any]] = {"tokens": [], "answer_start": [], "feats": []}
 
     def keep(i: int, feats: torch.Tensor, top_i: Any, top_p: Any) -> None:
@@ -190,11 +188,7 @@ def train(args: argparse.Namespace, data: dict, mc: ModelConfig, layers: list[in
         lm_head, label_ids = lm_head[vocab.to(dev)], label_ids.to(dev)
         print(f"train: softmax over the data's {len(vocab)} distinct tokens", flush=True)
     n = len(data["tokens"])
-    opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    steps = args.steps or math.ceil(args.epochs * n / args.batch)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / 20) * max(0.1, 1 - i / max(1, steps))
-    )
+    opt, sched, steps = optimizer(head.parameters(), args, n)
     rng = random.Random(args.seed)
     order: list[int] = []
     bar = tqdm(range(steps), desc="train", unit="step")
@@ -255,14 +249,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="target model (default: SmolLM2-135M-Instruct)")
     p.add_argument("--phases", default="data,train,eval", help="comma list of data,train,eval")
     p.add_argument("--device", default="cpu", help="training device: cpu or cuda")
-    p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="capture dtype")
-    p.add_argument("--engine-dtype", default="float32", help="engine dtype for data and eval")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompts-per-workload", type=int, default=30)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--sampled-share", type=float, default=0.0, help="train prompts also sampled")
-    p.add_argument("--gen-batch", type=int, default=32, help="engine requests at once")
-    add_data_options(p)
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="capture dtype")
+    add_data_options(p, prompts_per_workload=30, max_new_tokens=64, sampled_share=0.0)
     p.add_argument("--max-len", type=int, default=384, help="tokens per training sequence")
     p.add_argument("--capture-tokens", type=int, default=2048, help="tokens per target forward")
     p.add_argument("--target-layers", default=None, help="e.g. 1,8,15,22,28")
@@ -278,13 +266,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--blocks", type=int, default=16, help="anchors per sequence and step")
     p.add_argument("--prompt-share", type=float, default=0.25, help="anchors in the prompt")
     p.add_argument("--decay", type=float, default=0.7, help="loss weight per block row")
-    p.add_argument("--batch", type=int, default=8, help="sequences per training step")
-    p.add_argument("--epochs", type=float, default=4.0)
-    p.add_argument("--steps", type=int, default=0, help="training steps (overrides --epochs)")
-    p.add_argument("--max-train-seconds", type=float, default=0, help="stop training after")
+    add_training_options(p)
     p.add_argument("--full-vocab", action="store_true", help="softmax over every token")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--save-dtype", default="bfloat16", choices=sorted(_DTYPES))
     p.add_argument("--eval-prompts", type=int, default=12, help="held-out prompts per workload")
     p.add_argument("--num-draft-tokens", type=int, default=0, help="eval: B (default the head's)")
     return p.parse_args(argv)
@@ -304,8 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.eagle_capture:
         layers = [mc.num_layers - 1]
     out = Path(args.out)
-    work = Path(args.work) if args.work else out.parent / f"{out.name}.work"
-    work.mkdir(parents=True, exist_ok=True)
+    work = work_dir(args)
     phases = set(args.phases.split(","))
     data_file = work / "data.jsonl"
     started = time.time()
@@ -315,15 +297,11 @@ def main(argv: list[str] | None = None) -> int:
         # The capture depends on the data, the layers and the sequence cut only: kept in the
         # work directory, so training again (other steps, block size) skips it.
         key = {"data": data_file.stat().st_mtime_ns, "layers": layers, "max_len": args.max_len}
-        cached = work / "capture.pt"
         norm_weight = None
         if args.eagle_capture:
             data, norm_weight = from_eagle_capture(args, records, mc)
         else:
-            data = torch.load(cached) if cached.is_file() else None
-        if data is None or data.get("key") != key and not args.eagle_capture:
-            data = capture(args, records, layers)
-            torch.save({**data, "key": key}, cached)
+            data = cached_capture(work / "capture.pt", key, lambda: capture(args, records, layers))
         print(f"capture: {sum(len(t) for t in data['tokens'])} tokens in "
               f"{time.time() - t0:.0f}s", flush=True)  # fmt: skip
         t0 = time.time()
@@ -342,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             "train_seconds": round(time.time() - t0),
             "final_row_accuracy": head.final_accuracy,
         }
-        save_head(head.cpu(), out, _DTYPES[args.save_dtype], recipe)
+        save_head(head.cpu(), out, DTYPES[args.save_dtype], recipe)
         print(f"drafter written to {out} ({recipe})", flush=True)
     if "eval" in phases:
         if not args.num_draft_tokens:

@@ -50,9 +50,10 @@ from radixserve.core.config import ModelConfig
 from radixserve.plugins.speculative.eagle3_head import default_aux_layers, new_head
 from radixserve.plugins.speculative.eagle_head import new_eagle_head
 from radixserve.plugins.speculative.head_layer import DraftHead, save_head
-from radixserve.tools.draft_capture import Target, capture_grouped
+from radixserve.tools.draft_capture import Target, cached_capture, capture_grouped
 from radixserve.tools.draft_data import add_data_options, data_phase
 from radixserve.tools.draft_eval import evaluate, speed
+from radixserve.tools.draft_train import DTYPES, add_training_options, optimizer, work_dir
 
 TOP_K = 32  # the target's distribution is kept as its top-k tokens (they carry ~all the mass)
 
@@ -64,7 +65,7 @@ def capture(args: argparse.Namespace, records: list[dict[str, Any]], layers: lis
     keep tokens, features and the target's top-k next-token distribution."""
     train = [r for r in records if r["split"] == "train"]
     seqs = [(r["prompt_ids"] + r["answer_ids"])[: args.max_len] for r in train]
-    dtype = _DTYPES[args.dtype]
+    dtype = DTYPES[args.dtype]
     target = Target(args.model, dtype, args.device, max(args.capture_tokens, args.max_len) + 1)
     out: dict[str, list[Any]] = {"tokens": [], "feats": [], "top_i": [], "top_p": []}
     eagle = args.algorithm == "eagle"
@@ -257,7 +258,7 @@ def train(args: argparse.Namespace, data: dict, mc: ModelConfig, layers: list[in
     t2d = torch.full((mc.vocab_size,), -1, dtype=torch.int64)
     t2d[draft_ids] = torch.arange(len(draft_ids))
     t2d = t2d.to(dev)  # _batch maps every step's top-k through it on the device
-    embed = embed.to(dev, _DTYPES[args.dtype])
+    embed = embed.to(dev, DTYPES[args.dtype])
     gen = torch.Generator().manual_seed(args.seed)
 
     def logits_of() -> Any:
@@ -268,11 +269,7 @@ def train(args: argparse.Namespace, data: dict, mc: ModelConfig, layers: list[in
         return lambda h: F.linear(h, rows.to(h.dtype)).float()
 
     n = len(data["tokens"])
-    opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    steps = args.steps or math.ceil(args.epochs * n / args.batch)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / 20) * max(0.1, 1 - i / max(1, steps))
-    )
+    opt, sched, steps = optimizer(head.parameters(), args, n)
     rng = random.Random(args.seed)
     order: list[int] = []
     first = 0
@@ -361,8 +358,6 @@ def _batch(
 
 # -- the command ------------------------------------------------------------------------------
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -377,14 +372,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--tiny", action="store_true", help="a few minutes on a CPU (smoke run)")
     p.add_argument("--device", default="cpu", help="training device: cpu or cuda")
-    p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="training dtype")
-    p.add_argument("--engine-dtype", default="float32", help="engine dtype for data and eval")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompts-per-workload", type=int, default=60)
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--sampled-share", type=float, default=0.3, help="train prompts also sampled")
-    p.add_argument("--gen-batch", type=int, default=32, help="engine requests at once")
-    add_data_options(p)
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="training dtype")
+    add_data_options(p, prompts_per_workload=60, max_new_tokens=96, sampled_share=0.3)
     p.add_argument("--max-len", type=int, default=512, help="tokens per training sequence")
     p.add_argument("--capture-tokens", type=int, default=2048, help="tokens per target forward")
     p.add_argument("--aux-layers", default=None, help="e.g. 1,14,26 (default SpecForge's)")
@@ -395,10 +384,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--feature-weight", type=float, default=1.0, help="EAGLE: feature loss")
     p.add_argument("--ttt", type=int, default=3, help="training-time-test steps")
     p.add_argument("--decay", type=float, default=0.8, help="loss weight per TTT step")
-    p.add_argument("--batch", type=int, default=8, help="sequences per training step")
-    p.add_argument("--epochs", type=float, default=4.0)
-    p.add_argument("--steps", type=int, default=0, help="training steps (overrides --epochs)")
-    p.add_argument("--max-train-seconds", type=float, default=0, help="stop training after")
+    add_training_options(p)
     p.add_argument(
         "--resume", action="store_true",
         help="continue training from the work directory's checkpoint (the last run's state, "
@@ -411,8 +397,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "learning-rate schedule spans the total; go on later with --resume)",
     )  # fmt: skip
     p.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--save-dtype", default="bfloat16", choices=sorted(_DTYPES))
     p.add_argument("--eval-prompts", type=int, default=12, help="held-out prompts per workload")
     p.add_argument(
         "--num-draft-tokens", type=int, default=4, help="eval and speed: k + 1 (a tree's size + 1)"
@@ -444,8 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         layers = default_aux_layers(mc.num_layers)
     out = Path(args.out)
-    work = Path(args.work) if args.work else out.parent / f"{out.name}.work"
-    work.mkdir(parents=True, exist_ok=True)
+    work = work_dir(args)
     args.work_dir = str(work)
     phases = set(args.phases.split(","))
     data_file = work / "data.jsonl"
@@ -458,10 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         key = {"data": data_file.stat().st_mtime_ns, "layers": layers, "max_len": args.max_len,
                "final_norm": args.algorithm == "eagle"}  # fmt: skip
         cached = work / ("capture.pt" if args.algorithm == "eagle3" else "capture-eagle.pt")
-        data = torch.load(cached) if cached.is_file() else None
-        if data is None or data.get("key") != key:
-            data = capture(args, records, layers)
-            torch.save({**data, "key": key}, cached)
+        data = cached_capture(cached, key, lambda: capture(args, records, layers))
         print(f"capture: {sum(len(t) for t in data['tokens'])} tokens in "
               f"{time.time() - t0:.0f}s", flush=True)  # fmt: skip
         t0 = time.time()
@@ -472,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
             "train_tokens": sum(len(t) for t in data["tokens"]),
             "train_seconds": round(time.time() - t0),
         }
-        save_head(head.cpu(), out, _DTYPES[args.save_dtype], recipe)
+        save_head(head.cpu(), out, DTYPES[args.save_dtype], recipe)
         print(f"head written to {out} ({recipe})", flush=True)
     if "eval" in phases:
         result = evaluate(args, records, str(out), args.algorithm.upper())

@@ -20,7 +20,6 @@ Block row j (j >= 1) of a block at positions a .. a + B - 1 predicts the token a
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,14 @@ from torch import nn
 
 from radixserve.core.config import ConfigError, ModelConfig
 from radixserve.plugins.models.blocks import RMSNorm, rope_inv_freq
-from radixserve.plugins.speculative.head_layer import WEIGHTS_FILE, load_checked_weights
+from radixserve.plugins.speculative.head_layer import (
+    layer_fields,
+    layers_shaped_like,
+    load_checked_weights,
+    model_config_of,
+    read_config_json,
+    weights_file,
+)
 
 ARCHITECTURE = "LlamaDFlashDrafter"
 
@@ -69,22 +75,9 @@ class DFlashConfig:
         intermediate_size: int | None = None,
     ) -> DFlashConfig:
         """A drafter shaped like ``num_layers`` layers of ``target``."""
-        t = target.raw
-        rope = t.get("rope_parameters") or {}
         raw = {
             "architectures": [ARCHITECTURE],
-            "hidden_size": target.hidden_size,
-            "num_attention_heads": target.num_heads,
-            "num_key_value_heads": target.num_kv_heads,
-            "head_dim": target.head_dim,
-            "intermediate_size": intermediate_size or int(t["intermediate_size"]),
-            "num_hidden_layers": num_layers,
-            "vocab_size": target.vocab_size,
-            "target_hidden_size": target.hidden_size,
-            "rms_norm_eps": float(t.get("rms_norm_eps", 1e-6)),
-            "rope_theta": float(t.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-            "max_position_embeddings": target.max_context,
-            "hidden_act": "silu",
+            **layers_shaped_like(target, num_layers, intermediate_size),
             "dflash_config": {"target_layer_ids": list(target_layers), "block_size": block_size},
         }
         return cls.from_dict(raw)
@@ -92,39 +85,23 @@ class DFlashConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DFlashConfig:
         try:
-            hidden = int(raw["hidden_size"])
-            heads = int(raw["num_attention_heads"])
             dflash = raw["dflash_config"]
             return cls(
-                hidden_size=hidden,
-                num_heads=heads,
-                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-                head_dim=int(raw.get("head_dim") or hidden // heads),
-                intermediate_size=int(raw["intermediate_size"]),
+                **layer_fields(raw),
                 num_layers=int(raw["num_hidden_layers"]),
-                vocab_size=int(raw["vocab_size"]),
-                target_hidden_size=int(raw.get("target_hidden_size") or hidden),
                 target_layers=tuple(int(i) for i in dflash["target_layer_ids"]),
                 block_size=int(dflash["block_size"]),
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(raw.get("rope_theta", 10000.0)),
-                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-                raw=raw,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"DFlash drafter config.json is incomplete or malformed: {e}") from e
 
     @classmethod
     def from_dir(cls, path: str | Path) -> DFlashConfig:
-        file = Path(path) / "config.json"
-        if not file.is_file():
-            raise ConfigError(f"DFlash drafter directory '{path}' has no config.json")
-        return cls.from_dict(json.loads(file.read_text()))
+        return cls.from_dict(read_config_json(path, "DFlash drafter"))
 
     def model_config(self, max_context: int) -> ModelConfig:
         """The drafter as a ModelConfig (what RoPE reads)."""
-        longest = max(max_context, self.max_position_embeddings)
-        return ModelConfig.from_dict({**self.raw, "max_position_embeddings": longest})
+        return model_config_of(self.raw, self.max_position_embeddings, max_context)
 
 
 def block_attention_mask(ctx_lens: torch.Tensor, ctx_width: int, block: int) -> torch.Tensor:
@@ -258,9 +235,7 @@ class DFlashHead(nn.Module):
 
 def load_head(path: str | Path, max_context: int, dtype: torch.dtype, device: str) -> DFlashHead:
     config = DFlashConfig.from_dir(path)
-    file = Path(path) / WEIGHTS_FILE
-    if not file.is_file():
-        raise ConfigError(f"DFlash drafter directory '{path}' has no {WEIGHTS_FILE}")
+    file = weights_file(path, "DFlash drafter")
     head = DFlashHead(config, max_context, dtype, device)
     load_checked_weights(head, file, device, "DFlash drafter")
     return head

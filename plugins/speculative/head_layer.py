@@ -46,55 +46,23 @@ class HeadConfig:
     @classmethod
     def shaped_like(cls, target: ModelConfig, **extra: Any) -> HeadConfig:
         """A head shaped like one layer of ``target``, with ``extra`` config.json keys."""
-        t = target.raw
-        rope = t.get("rope_parameters") or {}
-        raw = {
-            "hidden_size": target.hidden_size,
-            "num_attention_heads": target.num_heads,
-            "num_key_value_heads": target.num_kv_heads,
-            "head_dim": target.head_dim,
-            "intermediate_size": int(t["intermediate_size"]),
-            "num_hidden_layers": 1,
-            "vocab_size": target.vocab_size,
-            "target_hidden_size": target.hidden_size,
-            "rms_norm_eps": float(t.get("rms_norm_eps", 1e-6)),
-            "rope_theta": float(t.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-            "max_position_embeddings": target.max_context,
-            "hidden_act": "silu",
-            **extra,
-        }
-        return cls.from_dict(raw)
+        return cls.from_dict({**layers_shaped_like(target), **extra})
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> HeadConfig:
         try:
-            hidden = int(raw["hidden_size"])
-            heads = int(raw["num_attention_heads"])
             layers = raw.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
             return cls(
-                hidden_size=hidden,
-                num_heads=heads,
-                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-                head_dim=int(raw.get("head_dim") or hidden // heads),
-                intermediate_size=int(raw["intermediate_size"]),
-                vocab_size=int(raw["vocab_size"]),
+                **layer_fields(raw),
                 draft_vocab_size=int(raw.get("draft_vocab_size") or raw["vocab_size"]),
-                target_hidden_size=int(raw.get("target_hidden_size") or hidden),
                 aux_layers=tuple(int(i) for i in layers) if layers else (),
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(raw.get("rope_theta", 10000.0)),
-                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-                raw=raw,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"draft head config.json is incomplete or malformed: {e}") from e
 
     @classmethod
     def from_dir(cls, path: str | Path) -> HeadConfig:
-        file = Path(path) / "config.json"
-        if not file.is_file():
-            raise ConfigError(f"draft head directory '{path}' has no config.json")
-        return cls.from_dict(json.loads(file.read_text()))
+        return cls.from_dict(read_config_json(path, "draft head"))
 
     @property
     def architecture(self) -> str:
@@ -102,9 +70,76 @@ class HeadConfig:
 
     def model_config(self, max_context: int) -> ModelConfig:
         """The head as a one-layer ModelConfig (what an attention plugin and RoPE read)."""
-        longest = max(max_context, self.max_position_embeddings)
-        raw = {**self.raw, "max_position_embeddings": longest}
-        return ModelConfig.from_dict(raw)
+        return model_config_of(self.raw, self.max_position_embeddings, max_context)
+
+
+def layers_shaped_like(
+    target: ModelConfig, num_layers: int = 1, intermediate_size: int | None = None
+) -> dict[str, Any]:
+    """The config.json keys of ``num_layers`` decoder layers shaped like ``target``'s (MLP
+    ``intermediate_size`` wide, default the target's) that read the target's features: what
+    every drafter's config starts from."""
+    t = target.raw
+    rope = t.get("rope_parameters") or {}
+    return {
+        "hidden_size": target.hidden_size,
+        "num_attention_heads": target.num_heads,
+        "num_key_value_heads": target.num_kv_heads,
+        "head_dim": target.head_dim,
+        "intermediate_size": intermediate_size or int(t["intermediate_size"]),
+        "num_hidden_layers": num_layers,
+        "vocab_size": target.vocab_size,
+        "target_hidden_size": target.hidden_size,
+        "rms_norm_eps": float(t.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(t.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        "max_position_embeddings": target.max_context,
+        "hidden_act": "silu",
+    }
+
+
+def layer_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """The fields every drafter's config reads alike from its config.json ``raw`` (the
+    layers' shape, the target's vocabulary and feature width, RoPE), ``raw`` itself included.
+    Raises KeyError, TypeError or ValueError on a malformed one."""
+    hidden = int(raw["hidden_size"])
+    heads = int(raw["num_attention_heads"])
+    return {
+        "hidden_size": hidden,
+        "num_heads": heads,
+        "num_kv_heads": int(raw.get("num_key_value_heads") or heads),
+        "head_dim": int(raw.get("head_dim") or hidden // heads),
+        "intermediate_size": int(raw["intermediate_size"]),
+        "vocab_size": int(raw["vocab_size"]),
+        "target_hidden_size": int(raw.get("target_hidden_size") or hidden),
+        "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(raw.get("rope_theta", 10000.0)),
+        "max_position_embeddings": int(raw.get("max_position_embeddings", 2048)),
+        "raw": raw,
+    }
+
+
+def read_config_json(path: str | Path, what: str) -> dict[str, Any]:
+    """A drafter directory's config.json (``what`` names the kind of drafter in the error)."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise ConfigError(f"{what} directory '{path}' has no config.json")
+    raw: dict[str, Any] = json.loads(file.read_text())
+    return raw
+
+
+def weights_file(path: str | Path, what: str) -> Path:
+    """A drafter directory's model.safetensors, which must be there."""
+    file = Path(path) / WEIGHTS_FILE
+    if not file.is_file():
+        raise ConfigError(f"{what} directory '{path}' has no {WEIGHTS_FILE}")
+    return file
+
+
+def model_config_of(raw: dict[str, Any], max_positions: int, max_context: int) -> ModelConfig:
+    """A drafter's config.json ``raw`` as a ModelConfig (what an attention plugin and RoPE
+    read), its context the longer of its own ``max_positions`` and the engine's."""
+    longest = max(max_context, max_positions)
+    return ModelConfig.from_dict({**raw, "max_position_embeddings": longest})
 
 
 class _Attention(nn.Module):
@@ -221,9 +256,7 @@ def load_head(
 ) -> H:
     """A ``cls`` head from a head directory, its tensors checked against its config.json."""
     config = HeadConfig.from_dir(path)
-    file = Path(path) / WEIGHTS_FILE
-    if not file.is_file():
-        raise ConfigError(f"draft head directory '{path}' has no {WEIGHTS_FILE}")
+    file = weights_file(path, "draft head")
     head = cls(config, max_context, dtype, device)
     load_checked_weights(head, file, device, "draft head")
     return head
