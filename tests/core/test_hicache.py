@@ -190,3 +190,26 @@ def test_the_host_pool_must_exceed_the_device_pool(tiny_llama_dir: Path) -> None
         _core(tiny_llama_dir, 1, enable_hierarchical_cache=True, hicache_ratio=0.5)
     with pytest.raises(ConfigError, match="kernel needs a CUDA"):
         _core(tiny_llama_dir, 1, enable_hierarchical_cache=True, hicache_io_backend="kernel")
+
+
+def test_an_insert_over_a_host_only_prefix_adopts_the_callers_slots(tiny_llama_dir: Path) -> None:
+    """A key whose cached prefix lives only in host memory: that node takes the caller's slots
+    for its own span as its device copy, and no slot counts as already cached (the caller keeps
+    them all; counting them would free slots the tree now holds)."""
+    core = _core(tiny_llama_dir, 1, enable_hierarchical_cache=True, hicache_ratio=4.0)
+    cache = core.cache
+    assert isinstance(cache, HiRadixCache)
+    prefix, rest = _tokens(7, 8), _tokens(8, 4)
+    first = cache.allocator.alloc(8)
+    assert first is not None
+    cache.insert(prefix, first)
+    assert cache.evict(8) == 8
+    node = cache._root(None).children[cache._child_key(prefix)]
+    assert node.value is None and node.host_value is not None  # demoted, host only
+    slots = cache.allocator.alloc(12)
+    assert slots is not None
+    assert cache.insert(prefix + rest, slots) == 0
+    assert node.value is not None and node.value.tolist() == slots[:8].tolist()
+    assert cache.match_prefix(prefix + rest).kv_indices.tolist() == slots.tolist()
+    cache.check_tiers()
+    core.shutdown()

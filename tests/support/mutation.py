@@ -35,7 +35,11 @@ MODULES: dict[str, list[str]] = {
     "core/stop.py": ["tests/core/test_stop.py", "tests/core/test_stop_regex.py"],
     "core/sampling.py": ["tests/core/test_sampling.py"],
     "core/memory.py": ["tests/core/test_memory.py", "tests/core/test_memory_journal.py"],
-    "core/radix_cache.py": ["tests/core/test_radix_cache.py"],
+    # + the hierarchical cache's hooks into RadixCache.insert (one engine-free test)
+    "core/radix_cache.py": [
+        "tests/core/test_radix_cache.py",
+        "tests/core/test_hicache.py::test_an_insert_over_a_host_only_prefix_adopts_the_callers_slots",
+    ],
     # The Scheduler driven by hand, without a model (milliseconds a test; the engine-level
     # test_scheduler*.py files take ~100 s together, too long to run once per mutant).
     "core/scheduler.py": ["tests/core/test_scheduler_unit.py"],
