@@ -72,6 +72,19 @@ def make_tiny_llama_dir(
     return out
 
 
+def randomize_weights(model: Any) -> None:
+    """Weights far from transformers' init (which leaves norms at one and biases at zero, where
+    a wrong use of them would not show): matrices ~ N(0, 0.2), vectors shifted by N(0, 0.1)."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+            else:
+                p.add_(torch.randn_like(p) * 0.1)
+
+
 #: a small GQA shape with odd head counts (6 query heads over 3 KV heads, head_dim 16)
 TINY_FAMILY_SETTINGS: dict[str, Any] = dict(
     hidden_size=96,
@@ -110,12 +123,7 @@ def make_tiny_model_dir(
     torch.manual_seed(seed)
     config = AutoConfig.for_model(model_type, **settings)
     model = getattr(transformers, architecture)(config).float()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2)
-            else:
-                p.add_(torch.randn_like(p) * 0.1)
+    randomize_weights(model)
     _save(model, out, architecture)
     return out
 

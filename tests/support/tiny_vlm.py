@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tiny_models import CORPUS, SPECIAL_TOKENS
+from tiny_models import CORPUS, SPECIAL_TOKENS, randomize_weights
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 CHAT_TEMPLATE = (
@@ -48,16 +48,8 @@ QWEN2_5_VL_VISION = dict(
 
 
 def save_randomized(model: Any, out: Path) -> None:
-    """Weights far from transformers' init (which leaves norms at one and biases at zero, where
-    a wrong use of them would not show), then saved as safetensors."""
-    import torch
-
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2)
-            else:
-                p.add_(torch.randn_like(p) * 0.1)
+    """Randomized weights (tiny_models.randomize_weights), saved as safetensors."""
+    randomize_weights(model)
     model.save_pretrained(out, safe_serialization=True)
 
 
