@@ -227,9 +227,9 @@ def test_step_times_keep_a_window_and_one_row_steps_are_verify_steps() -> None:
     assert policy.decode_time(1) == 2.0
     policy.observe_step(1, 1, 3.0)  # one draft row: a verify step, costing one decode step
     assert policy.decode_time(1) == 2.0 and policy.row_cost(1) == 0.5
-    for cost in [0.1] * 10 + [0.3] * 10:
+    for cost in [0.3] * 10 + [0.1] * 10:  # the last 15: five at 0.3, ten at 0.1
         policy.observe_step(1, 2, 2.0 * (1 + 2 * cost))
-    assert abs(policy.row_cost(1) - 0.3) < 1e-9
+    assert abs(policy.row_cost(1) - 0.1) < 1e-9
     free = AdaptiveDrafting(MAX)
     free.observe_step(2, 0, 0.0)  # a decode step too short to time: no cost from it
     free.observe_step(2, 4, 0.01)

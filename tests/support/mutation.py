@@ -48,9 +48,12 @@ MODULES: dict[str, list[str]] = {
     "core/step_commit.py": ["tests/core/test_scheduler_unit.py"],
     # Adaptive drafting's policy on synthetic acceptances and step times (no engine, no clock).
     "core/spec_adaptive.py": ["tests/core/test_spec_adaptive.py"],
-    # Verifying drafts against logits, engine-free (the engine-level speculation tests take
-    # minutes; test_speculative_policy reads pending drafts through verify_drafts).
-    "core/spec_verify.py": ["tests/core/test_speculative_policy.py"],
+    # Verifying drafts against hand-made logits, engine-free (the engine-level speculation
+    # tests take minutes); test_speculative_policy reads pending drafts through verify_drafts.
+    "core/spec_verify.py": [
+        "tests/core/test_spec_verify.py",
+        "tests/core/test_speculative_policy.py",
+    ],
     # Draft trees' shape, checks and acceptance, and the Speculator's check of a plugin's tree.
     "core/spec_tree.py": ["tests/core/test_spec_tree.py"],
     # The hooks' strategy lists on plain StepStrategy subclasses (no engine).
