@@ -119,6 +119,23 @@ def test_verify_drafts_reads_pending_drafts_and_the_argmax_in_one_go() -> None:
     assert _ids(emitted) == [[5, 6, 12], [9]]
 
 
+def test_verify_drafts_masks_constrained_rows_and_rejection_samples_drafts_with_probs() -> None:
+    constrained = _req("c")
+    constrained.grammar = object()
+    masker = Banning(5)
+    # p = 1/2 on 3 and on 4, q(4) = 0.01: a sampled draft of 4 is always accepted
+    sampled = [_req("s", temperature=1.0, seed=s) for s in range(12)]
+    rows = [{5: 3.0, 6: 2.0}, {1: 2.0}] + [{3: 0.0, 4: 0.0}, {2: 9.0}] * 12
+    q = torch.full((1, V), 0.99 / (V - 1))
+    q[0, 4] = 0.01
+    drafts = [Draft([6])] + [Draft([4], probs=q) for _ in sampled]
+    emitted = verify_drafts(
+        _rows(*rows, rest=NEG), [constrained, *sampled], drafts, [EOS], masker, Exact()
+    )
+    assert _ids(emitted) == [[6, 1]] + [[4, 2]] * 12
+    assert masker.chains[0] == (0, constrained.grammar, [6])
+
+
 def test_verify_drafts_samples_where_a_request_is_not_plain_greedy() -> None:
     """min_new_tokens masks EOS at rows before it, which a bare argmax would not."""
     req = _req(min_new_tokens=2)
@@ -188,6 +205,14 @@ def test_a_tree_row_sees_its_own_path_only() -> None:
     rows = [{EOS: 3.0, 7: 2.0}, {EOS: 3.0, 10: 2.0}, {}, {}, {EOS: 3.0, 1: 2.0}, {}]
     out = _verify(_rows(*rows), [req], [TOKENS], trees=[PARENTS])
     assert _ids(out) == [[7, 10, EOS]]
+    # min_new_tokens=1: masked at the root only
+    rows = [{EOS: 3.0, 7: 2.0}, {EOS: 3.0, 10: 2.0}, {}, {}, {}, {}]
+    out = _verify(_rows(*rows), [_req(min_new_tokens=1)], [TOKENS], trees=[PARENTS])
+    assert _ids(out) == [[7, EOS]]
+    # a presence penalty at node 3 (10) counts 7 and 10, not 8 (drafted, on another branch)
+    rows = [{7: 3.0}, {7: 3.0, 10: 2.5}, {}, {}, {10: 3.0, 7: 2.95, 8: 2.9}, {}]
+    out = _verify(_rows(*rows), [_req(presence_penalty=2.0)], [TOKENS], trees=[PARENTS])
+    assert _ids(out) == [[7, 10, 8]]
 
 
 # -- logprobs ----------------------------------------------------------------------------------
@@ -238,6 +263,13 @@ def test_a_simulated_accept_length_emits_that_many_drafts() -> None:
     # the drafts written in are scored again
     assert math.isclose(out[0][0][1], float(expected[0, 5]), rel_tol=1e-5)
     assert math.isclose(out[0][2][1], float(expected[2, 9]), rel_tol=1e-5)
+    # a constrained request's drafts, scored again, are scored by the model, not the mask
+    req = _req(logprobs=True)
+    req.grammar = object()
+    logits = _rows({5: 3.0, 6: 2.0}, {8: 1.0})
+    raw = torch.log_softmax(logits, dim=-1)
+    out = _verify(logits, [req], [[6]], spec=Simulated(1), masker=Banning(5))
+    assert _ids(out) == [[6, 8]] and math.isclose(out[0][0][1], float(raw[0, 6]), rel_tol=1e-5)
 
 
 # -- rejection sampling ------------------------------------------------------------------------
@@ -292,6 +324,12 @@ def test_acceptance_is_random_with_probability_p_over_q() -> None:
         for s in range(40)
     ]
     assert set(outs) == {(4, 6), (3,)}
+    # seeds that differ only above their low 16 bits draw independently too
+    high = {
+        _ids(_verify(logits.clone(), [_req(temperature=1.0, seed=s << 16)], [[4]], probs=[q]))[0][0]
+        for s in range(1, 30)
+    }
+    assert high == {3, 4}
     # the same seed draws the same
     again = _verify(logits.clone(), [_req(temperature=1.0, seed=7)], [[4]], probs=[q])
     assert tuple(_ids(again)[0]) == outs[7]
@@ -360,3 +398,80 @@ def test_read_pending_reads_every_pending_draft_with_the_extra_values() -> None:
     assert read_pending([c]) == [] and c.tokens == [3]
     assert read_pending([None, done]) == []
     assert read_pending([], torch.tensor([1])) == [1]
+
+
+def test_each_draft_row_is_judged_by_its_own_distributions() -> None:
+    """Row 0: p and q both sure of 4 (accepted). Row 1: p = 1/2 on 3 and on 6, q = 1/2 on 6 and
+    on 5, draft 5 (p(5) = 0): rejected, the residual is 3 alone; the target itself would
+    sample 6 half of the time."""
+    logits = _rows({4: 0.0}, {3: 0.0, 6: 0.0}, {2: 0.0}, rest=NEG)
+    q = torch.zeros(2, V)
+    q[0, 4] = 1.0
+    q[1, 5] = q[1, 6] = 0.5
+    for seed in range(12):
+        out = _verify(logits.clone(), [_req(temperature=1.0, seed=seed)], [[4, 5]], probs=[q])
+        assert _ids(out) == [[4, 3]], seed
+
+
+def test_q_is_normalized_per_row() -> None:
+    """Two rows, each q sure of 4 where p gives it 1/2: the first is accepted only about half of
+    the time (q's rows are each a distribution, not halves of one)."""
+    logits = _rows({3: 0.0, 4: 0.0}, {3: 0.0, 4: 0.0}, {2: 0.0}, rest=NEG)
+    firsts = {
+        _ids(
+            _verify(
+                logits.clone(), [_req(temperature=1.0, seed=s)], [[4, 4]], probs=[_one_hot(4, 4)]
+            )
+        )[0][0]
+        for s in range(30)
+    }
+    assert firsts == {3, 4}
+
+
+def test_a_seeded_residual_draw_is_reproducible() -> None:
+    """p = 1/2 on 3 and on 6, draft 5 (q sure of it): always rejected, the residual is p."""
+    torch.manual_seed(0)
+    logits = _rows({3: 0.0, 6: 0.0}, {2: 0.0}, rest=NEG)
+    draws = []
+    for seed in range(20):
+        pair = [
+            _ids(
+                _verify(
+                    logits.clone(), [_req(temperature=1.0, seed=seed)], [[5]], probs=[_one_hot(5)]
+                )
+            )[0]
+            for _ in range(2)
+        ]
+        assert pair[0] == pair[1], seed
+        draws.append(pair[0][0])
+    assert set(draws) == {3, 6}
+
+
+def test_a_rejection_in_one_request_leaves_the_next_one_to_its_own_rule() -> None:
+    """The first request's draft is rejected; the second's (p(4) = 1/2 over q(4) = 0.01) is
+    accepted every time."""
+    q = torch.full((1, V), 0.99 / (V - 1))
+    q[0, 4] = 0.01
+    logits = _rows({3: 0.0}, {2: 0.0}, {3: 0.0, 4: 0.0}, {6: 0.0}, rest=NEG)
+    for seed in range(12):
+        reqs = [_req("a", temperature=1.0, seed=seed), _req("b", temperature=1.0, seed=seed)]
+        out = _verify(logits.clone(), reqs, [[5], [4]], probs=[_one_hot(5), q])
+        assert _ids(out) == [[3], [4, 6]], seed
+
+
+def test_the_target_distribution_of_rejection_sampling_masks_eos_before_min_tokens() -> None:
+    logits = _rows({EOS: 5.0, 3: 0.0}, {2: 0.0}, rest=NEG)
+    req = _req(temperature=1.0, seed=0, min_new_tokens=1)
+    assert _ids(_verify(logits, [req], [[5]], probs=[_one_hot(5)])) == [[3]]
+
+
+def test_an_accepted_sampled_draft_reports_its_own_logprob() -> None:
+    """p = 0.6 on 3 and 0.4 on 4; q(4) = 0.01: 4 is always accepted, and its logprob is
+    log 0.4 even where the target's own draw was 3."""
+    logits = _rows({3: math.log(0.6), 4: math.log(0.4)}, {2: 0.0}, rest=NEG)
+    q = torch.full((1, V), 0.99 / (V - 1))
+    q[0, 4] = 0.01
+    for seed in range(12):
+        req = _req(temperature=1.0, seed=seed, logprobs=True)
+        first, _ = _verify(logits.clone(), [req], [[4]], probs=[q])[0]
+        assert first[0] == 4 and math.isclose(first[1], math.log(0.4), rel_tol=1e-5), seed
