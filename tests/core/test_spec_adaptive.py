@@ -243,8 +243,10 @@ def test_acceptance_estimate_counts_accepts_and_one_failure_per_rejection() -> N
     # prior (1.2, 0.8) decayed by half, plus 2 accepted and one rejection: 2.6 / 4.0
     policy.observed("a", 4, 2)
     assert abs(policy.accept_prob("a") - 0.65) < 1e-9
-    policy.observed("a", 0, 0)  # nothing drafted: nothing learnt
+    policy.observed("a", 0, 0)  # nothing drafted: nothing learnt, nothing decayed
     assert abs(policy.accept_prob("a") - 0.65) < 1e-9
+    policy.observed("a", 4, 4)  # (1.3 + 4) / (1.3 + 4 + 0.7)
+    assert abs(policy.accept_prob("a") - 5.3 / 6.0) < 1e-9
 
 
 def test_the_recent_requests_mean_covers_the_last_sixteen() -> None:
