@@ -26,7 +26,7 @@ from radixserve.core.scheduler import (
     step_kind,
 )
 from radixserve.core.spec_strategy import Speculation
-from radixserve.core.step_plan import StepPlan
+from radixserve.core.step_plan import StepKindStats, StepPlan
 from radixserve.core.stop import StopChecker
 from radixserve.core.tokenizer import Tokenizer
 
@@ -1553,6 +1553,8 @@ def test_step_kind_names_decode_only_mixed_and_prefill_only_steps() -> None:
     assert step_kind(3, 0) == "decode"
     assert step_kind(0, 5) == "prefill"
     assert step_kind(2, 5) == "mixed"
+    # a kind's wall time is reported to the microsecond
+    assert StepKindStats(seconds=1.23456789).to_json()["seconds"] == 1.234568
 
 
 def test_steps_are_counted_by_kind_with_their_decodes_and_prefill_tokens(

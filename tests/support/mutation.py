@@ -46,6 +46,10 @@ MODULES: dict[str, list[str]] = {
     # The scheduler's admission and commit halves, same tests.
     "core/admission.py": ["tests/core/test_scheduler_unit.py"],
     "core/step_commit.py": ["tests/core/test_scheduler_unit.py"],
+    # The plan's data and step statistics, through the scheduler driven by hand.
+    "core/step_plan.py": ["tests/core/test_scheduler_unit.py"],
+    # The ForwardBatch's rows and their packing, on a real slot table (no model runner).
+    "core/step_rows.py": ["tests/core/test_step_rows.py"],
 }
 
 
