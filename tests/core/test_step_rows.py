@@ -56,19 +56,20 @@ def test_a_pending_decode_reads_the_previous_steps_sampled_id(
 ) -> None:
     rows = StepRows()
     rows.add_decode(req(0, [5, 6], [7], kv_len=2))
-    pending = req(3, [5, 6, 7], kv_len=3)
-    pending.num_pending, pending.pending_row = 1, 2
-    rows.add_decode(pending)
-    assert rows.input_ids == [7, 0]  # a placeholder until the device fills it in
-    assert rows.future_dst == [1] and rows.future_src == [2]
+    for row, pending_row in ((3, 2), (1, 0)):
+        pending = req(row, [5, 6, 7], kv_len=3)
+        pending.num_pending, pending.pending_row = 1, pending_row
+        rows.add_decode(pending)
+    assert rows.input_ids == [7, 0, 0]  # placeholders until the device fills them in
+    assert rows.future_dst == [1, 2] and rows.future_src == [2, 0]
     prev_ids = torch.tensor([90, 91, 92, 93])
-    fb = rows.forward_batch([1, 1], 2, table, kv_pool, "cpu", prev_ids)
-    assert fb.input_ids.tolist() == [7, 92]
-    assert fb.positions.tolist() == [2, 3]
-    assert fb.out_cache_loc.tolist() == [102, 403]
-    assert fb.logits_indices.tolist() == [0, 1]
-    with pytest.raises(AssertionError, match="previous step"):
-        rows.forward_batch([1, 1], 2, table, kv_pool, "cpu", None)
+    fb = rows.forward_batch([1, 1, 1], 3, table, kv_pool, "cpu", prev_ids)
+    assert fb.input_ids.tolist() == [7, 92, 90]
+    assert fb.positions.tolist() == [2, 3, 3]
+    assert fb.out_cache_loc.tolist() == [102, 403, 203]
+    assert fb.logits_indices.tolist() == [0, 1, 2]
+    with pytest.raises(AssertionError, match="^a pending token needs the previous step's ids$"):
+        rows.forward_batch([1, 1, 1], 3, table, kv_pool, "cpu", None)
 
 
 def test_an_extend_chunk_and_its_scored_positions() -> None:
@@ -107,9 +108,7 @@ def test_add_sequence_returns_the_flattened_row_of_position_zero() -> None:
     assert rows.pool_rows == [2] and rows.seq_lens == [8]
 
 
-def test_decode_rows_of_one_entry_count_as_decodes(
-    table: ReqToTokenPool, kv_pool: KVPool
-) -> None:
+def test_decode_rows_of_one_entry_count_as_decodes(table: ReqToTokenPool, kv_pool: KVPool) -> None:
     rows = StepRows()
     rows.add_decode(req(0, [1, 2], kv_len=1))
     rows.input_ids += [8, 9, 10]  # a strategy's entry: three rows attending as decodes
@@ -147,9 +146,7 @@ def test_a_batch_without_decode_rows_keeps_its_extend_lens(
     assert fb.req_pool_indices.dtype == torch.int64
 
 
-def test_tokens_still_on_the_device_fill_their_rows(
-    table: ReqToTokenPool, kv_pool: KVPool
-) -> None:
+def test_tokens_still_on_the_device_fill_their_rows(table: ReqToTokenPool, kv_pool: KVPool) -> None:
     """Rows whose tokens a strategy left on the device, one tensor per entry (one or two
     entries: a single tensor is used as it is, several are concatenated), beside a pending
     decode: each source lands in its own rows."""

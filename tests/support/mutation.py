@@ -50,6 +50,15 @@ MODULES: dict[str, list[str]] = {
     "core/step_plan.py": ["tests/core/test_scheduler_unit.py"],
     # The ForwardBatch's rows and their packing, on a real slot table (no model runner).
     "core/step_rows.py": ["tests/core/test_step_rows.py"],
+    # A base of the Scheduler: its unit tests, + prompts whose KV arrives from elsewhere
+    # (reserve_prompt, free_reserved: the in-process disaggregation tests, ~4 s)
+    "core/kv_slots.py": [
+        "tests/core/test_scheduler_unit.py",
+        "tests/core/test_disaggregation.py",
+    ],
+    # The policy alone and on a Scheduler driven by hand (test_priority.py runs the tiny
+    # Llama: ~30 s)
+    "core/priority.py": ["tests/core/test_priority_policy.py"],
 }
 
 
