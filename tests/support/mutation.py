@@ -59,6 +59,9 @@ MODULES: dict[str, list[str]] = {
     # The policy alone and on a Scheduler driven by hand (test_priority.py runs the tiny
     # Llama: ~30 s)
     "core/priority.py": ["tests/core/test_priority_policy.py"],
+    # The host pool alone on a CPU device pool (test_hicache.py runs the tiny Llama: ~30 s)
+    "core/hicache_pool.py": ["tests/core/test_hicache_pool.py"],
+    "core/validation.py": ["tests/core/test_validation.py"],
 }
 
 
