@@ -83,6 +83,26 @@ def test_rank_is_the_priority_in_its_direction_plus_one_level_per_aging_steps() 
     every_step = PriorityPolicy(True, aging_steps=0)  # at least one step a level
     every_step.step = 9
     assert every_step.rank(r) == 3 + 4
+    queued = req("queued", priority=2)
+    assert every_step.rank(queued) == 2  # not arrived: nothing waited
+    every_step.step = 0
+    every_step.arrived(queued)  # arrived at step 0
+    every_step.step = 3
+    assert every_step.rank(queued) == 2 + 3
+
+
+def test_the_defaults_are_off_and_100_steps_a_level() -> None:
+    policy = PriorityPolicy()
+    ordered = [req("a", 1), req("b", 3)]
+    assert policy.order(ordered) is ordered
+    assert policy.victim(ordered).rid == "a"  # the newest: arrival times are equal
+    on = PriorityPolicy(True)
+    r = req("r", priority=0)
+    on.arrived(r)
+    on.step = 99
+    assert on.rank(r) == 0
+    on.step = 100
+    assert on.rank(r) == 1
 
 
 def test_a_request_keeps_its_first_arrival_step() -> None:
@@ -141,6 +161,8 @@ def test_the_waiting_queue_in_rank_order_ties_in_queue_order() -> None:
     assert [r.rid for r in low_first.order(ordered)] == ["a", "c", "b", "d"]
     off = PriorityPolicy(False)
     assert off.order(ordered) is ordered
+    one = ordered[:1]
+    assert PriorityPolicy(True).order(one) is one  # nothing to sort
 
 
 def test_the_victim_is_the_newest_of_the_lowest_rank() -> None:
@@ -187,17 +209,20 @@ def test_a_higher_rank_retracts_the_newest_lower_one_until_it_fits(tokenizer: To
 def test_several_are_retracted_lowest_rank_first(tokenizer: Tokenizer) -> None:
     """A pool too small for the top request beside both running ones: both go, the lower
     rank first."""
-    sched = make(tokenizer, pool=40, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
-    a, b = req("a", 2, n=12, arrival=2.0), req("b", 1, n=12, start=30, arrival=1.0)
-    for r in (a, b):
+    sched = make(tokenizer, pool=40, running=3, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+    a = req("a", 2, n=8, arrival=3.0)
+    b = req("b", 1, n=8, start=20, arrival=1.0)
+    c = req("c", 1, n=8, start=30, arrival=2.0)
+    for r in (a, b, c):
         sched.add_request(r)
     step(sched)
-    top = req("top", 5, n=30, start=50, arrival=3.0)
+    top = req("top", 5, n=38, start=40, arrival=4.0)
     sched.add_request(top)
-    assert preempt(sched) == [b, a]
+    assert preempt(sched) == [c, b, a]  # the lowest rank, the newest first
     assert sched.running == []
-    assert sched.priority.by_priority[1].preempted == 1
+    assert sched.priority.by_priority[1].preempted == 2
     assert sched.priority.by_priority[2].preempted == 1
+    assert sched.stats.preemptions == 3
 
 
 def test_equal_ranks_are_not_retracted(tokenizer: Tokenizer) -> None:
@@ -225,13 +250,17 @@ def test_preemption_with_a_step_in_flight(tokenizer: Tokenizer) -> None:
     """It would retract, but a step is in flight: RetractionNeeded, and the step is counted
     once (the engine plans it again after the commit)."""
     sched, lows = running_lows(tokenizer)
+    step(sched)
+    step(sched)
     sched.add_request(req("top", 5, start=50))
     before = sched.priority.step
+    assert before == 3
     with pytest.raises(RetractionNeeded):
         preempt(sched, False)
     assert sched.priority.step == before
     assert sched.running == lows
-    assert preempt(sched, True) == [lows[1]]
+    sched._scheduled = {}
+    assert sched.priority.preempt(sched) == [lows[1]]  # retracting by default
     assert sched.priority.step == before + 1
 
 
