@@ -16,11 +16,11 @@ LAYERS, HEADS, HEAD_DIM = 3, 2, 4
 LAYOUTS = ("layer_first", "page_first")
 
 
-def device_pool(dtype: torch.dtype = torch.float32) -> KVPool:
+def device_pool(dtype: torch.dtype = torch.float32, layers: int = LAYERS) -> KVPool:
     """A device pool (on the CPU) whose every K and V element is distinct."""
-    pool = KVPool(16, LAYERS, HEADS, HEAD_DIM, dtype, "cpu")
+    pool = KVPool(16, layers, HEADS, HEAD_DIM, dtype, "cpu")
     per_layer = pool.k[0].numel()
-    for layer in range(LAYERS):
+    for layer in range(layers):
         shape = pool.k[layer].shape
         base = 2 * layer * per_layer
         pool.k[layer].copy_(torch.arange(base, base + per_layer).view(shape))
@@ -37,7 +37,8 @@ def test_size_shape_and_bytes_per_token() -> None:
     assert host.dtype == torch.float16
     assert len(host.k) == len(host.v) == LAYERS
     assert host.k[0].shape == (44, HEADS, HEAD_DIM)  # slots 0..43, as on the device
-    assert host.v[LAYERS - 1].shape == (44, HEADS, HEAD_DIM) and host.k[0].dtype == torch.float16
+    assert host.v[LAYERS - 1].shape == (44, HEADS, HEAD_DIM)
+    assert host.k[0].dtype == host.v[0].dtype == torch.float16
     assert not host.k[0].is_pinned()
     paged = HostKVPool(dev, 42, 4, "page_first", "direct")
     assert paged.size == 36  # whole pages: 1..9
@@ -106,3 +107,15 @@ def test_the_kernel_io_backend_needs_a_cuda_pool() -> None:
     assert str(err.value) == (
         "--hicache-io-backend kernel needs a CUDA device pool; use direct on cpu"
     )
+
+
+def test_a_pool_of_one_layer() -> None:
+    dev = device_pool(layers=1)
+    host = HostKVPool(dev, 20, 1, "layer_first", "direct")
+    assert host.num_layers == 1 and len(host.k) == 1
+    assert HostKVPool.bytes_per_token(dev) == 2 * HEADS * HEAD_DIM * 4
+    want = dev.k[0][[2, 4]].clone()
+    host.backup(torch.tensor([2, 4]), torch.tensor([7, 8]))
+    dev.k[0].zero_()
+    host.load(torch.tensor([8, 7]), torch.tensor([1, 3]))
+    assert torch.equal(dev.k[0][[3, 1]], want)
