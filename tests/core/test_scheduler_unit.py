@@ -383,6 +383,8 @@ def test_a_prompt_the_pool_cannot_hold_gets_no_row(tokenizer: Tokenizer) -> None
     assert sched.reserve_prompt(r, held=0) is None
     assert r.req_pool_idx is None and sched.req_to_token.available() == rows
     sched.check_no_leak()
+    taken = [sched.req_to_token.alloc() for _ in range(rows)]  # the row it took came back
+    assert None not in taken and len(set(taken)) == rows
 
 
 def test_reserved_prompts_count_against_the_running_limit(tokenizer: Tokenizer) -> None:
