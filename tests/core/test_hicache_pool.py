@@ -16,9 +16,11 @@ LAYERS, HEADS, HEAD_DIM = 3, 2, 4
 LAYOUTS = ("layer_first", "page_first")
 
 
-def device_pool(dtype: torch.dtype = torch.float32, layers: int = LAYERS) -> KVPool:
-    """A device pool (on the CPU) whose every K and V element is distinct."""
-    pool = KVPool(16, layers, HEADS, HEAD_DIM, dtype, "cpu")
+def device_pool(
+    dtype: torch.dtype = torch.float32, layers: int = LAYERS, device: str = "cpu"
+) -> KVPool:
+    """A device pool (on the CPU unless told) whose every K and V element is distinct."""
+    pool = KVPool(16, layers, HEADS, HEAD_DIM, dtype, device)
     per_layer = pool.k[0].numel()
     for layer in range(layers):
         shape = pool.k[layer].shape
@@ -119,3 +121,27 @@ def test_a_pool_of_one_layer() -> None:
     dev.k[0].zero_()
     host.load(torch.tensor([8, 7]), torch.tensor([1, 3]))
     assert torch.equal(dev.k[0][[3, 1]], want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("io_backend", ["direct", "kernel"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_copies_between_a_cuda_pool_and_pinned_host_memory(layout: str, io_backend: str) -> None:
+    """On CUDA the host buffers are pinned; with the kernel backend the copies run on a copy
+    stream that the compute stream waits for."""
+    dev = device_pool(device="cuda")
+    host = HostKVPool(dev, 20, 1, layout, io_backend)
+    buffers = [host.buf] if layout == "page_first" else [*host.k, *host.v]
+    assert all(b.device.type == "cpu" and b.is_pinned() for b in buffers)
+    want_k = [dev.k[layer][[3, 5]].cpu() for layer in range(LAYERS)]
+    want_v = [dev.v[layer][[3, 5]].cpu() for layer in range(LAYERS)]
+    host.backup(torch.tensor([3, 5]), torch.tensor([10, 2]))
+    for layer in range(LAYERS):
+        dev.k[layer].zero_()
+        dev.v[layer].zero_()
+    host.load(torch.tensor([2, 10]), torch.tensor([1, 8]))
+    torch.cuda.synchronize()
+    for layer in range(LAYERS):
+        assert torch.equal(dev.k[layer][[8, 1]].cpu(), want_k[layer])
+        assert torch.equal(dev.v[layer][[8, 1]].cpu(), want_v[layer])
