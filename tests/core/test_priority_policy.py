@@ -142,9 +142,9 @@ def test_admissions_are_counted_once_per_priority_with_their_queue_time() -> Non
 
 def test_stats_as_json_by_priority_value() -> None:
     policy = PriorityPolicy(True)
-    policy._stats(10).admitted = 3
-    policy._stats(-1).preempted = 2
-    policy._stats(2).queue_seconds = 1.5
+    policy.by_priority[10] = PriorityStats(admitted=3)
+    policy.by_priority[-1] = PriorityStats(preempted=2)
+    policy.by_priority[2] = PriorityStats(queue_seconds=1.5)
     assert policy.to_json() == {
         "-1": {"admitted": 0, "queue_seconds": 0.0, "preempted": 2},
         "2": {"admitted": 0, "queue_seconds": 1.5, "preempted": 0},
