@@ -26,7 +26,7 @@ from radixserve.core.scheduler import (
     step_kind,
 )
 from radixserve.core.spec_strategy import Speculation
-from radixserve.core.step_plan import StepPlan
+from radixserve.core.step_plan import StepKindStats, StepPlan
 from radixserve.core.stop import StopChecker
 from radixserve.core.tokenizer import Tokenizer
 
@@ -334,6 +334,103 @@ def test_check_no_leak_names_slots_and_locks_left_at_idle(tokenizer: Tokenizer) 
     sched.cache.inc_lock_ref(node)
     with pytest.raises(AssertionError, match="still locked"):
         sched.check_no_leak()
+
+
+# -- KV slots for prompts whose KV arrives from elsewhere, and freeing them (core/kv_slots.py)
+
+
+def cached_pages(tokenizer: Tokenizer) -> Scheduler:
+    """Pages of 4 slots, 4 pages: two finished prompts hold one page each in the cache (the
+    least recently used first), two pages are free."""
+    sched = make(tokenizer, pool=19, page=4, running=4)
+    add(sched, req("a", 4, max_new_tokens=1), req("b", 4, max_new_tokens=1, start=50))
+    run_to_idle(sched)
+    assert sched.kv_accounting() == {
+        "size": 16, "free": 8, "evictable": 8, "locked": 0, "pinned": 0, "in_use": 0
+    }  # fmt: skip
+    return sched
+
+
+def test_a_reserved_prompt_evicts_the_cache_for_exactly_its_pages(tokenizer: Tokenizer) -> None:
+    sched = cached_pages(tokenizer)
+    rows = sched.req_to_token.available()
+    r = req("c", 13, start=80)  # 4 pages: both cached ones are evicted
+    slots = sched.reserve_prompt(r, held=0)
+    assert slots is not None and len(slots) == 13
+    assert r.req_pool_idx is not None and sched.req_to_token.available() == rows - 1
+    assert torch.equal(sched.req_to_token.table[r.req_pool_idx, :13], slots)
+    assert sched.kv_accounting()["free"] == 0 and sched.cache.evictable_size == 0
+    sched.free_reserved(r)  # its KV never arrived
+    assert r.req_pool_idx is None
+    assert sched.req_to_token.available() == rows
+    assert sched.allocator.available() == 16
+    sched.free_reserved(r)  # again: nothing left to give back
+    assert sched.allocator.available() == 16 and sched.req_to_token.available() == rows
+
+
+def test_a_reserved_prompt_evicts_only_what_it_needs(tokenizer: Tokenizer) -> None:
+    sched = cached_pages(tokenizer)
+    r = req("c", 9, start=80)  # 3 pages: one cached page goes, the newer one stays
+    assert sched.reserve_prompt(r, held=0) is not None
+    assert sched.cache.evictable_size == 4 and sched.allocator.available() == 0
+    assert sched.cache.match_prefix(list(range(50, 54)))[0].numel() == 4  # b's prompt stays
+
+
+def test_a_prompt_the_pool_cannot_hold_gets_no_row(tokenizer: Tokenizer) -> None:
+    sched = cached_pages(tokenizer)
+    rows = sched.req_to_token.available()
+    r = req("c", 17, start=80)  # 5 pages of 4
+    assert sched.reserve_prompt(r, held=0) is None
+    assert r.req_pool_idx is None and sched.req_to_token.available() == rows
+    sched.check_no_leak()
+    taken = [sched.req_to_token.alloc() for _ in range(rows)]  # the row it took came back
+    assert None not in taken and len(set(taken)) == rows
+
+
+def test_reserved_prompts_count_against_the_running_limit(tokenizer: Tokenizer) -> None:
+    sched = make(tokenizer, pool=64, running=3)
+    a = req("a", 4)
+    assert sched.reserve_prompt(a, held=2) is not None
+    sched.free_reserved(a)
+    assert sched.reserve_prompt(req("b", 4), held=3) is None
+    add(sched, req("c", 4, max_new_tokens=8, start=40))
+    step(sched)
+    assert len(sched.running) == 1
+    assert sched.reserve_prompt(req("d", 4), held=2) is None
+    assert sched.reserve_prompt(req("e", 4), held=1) is not None
+
+
+def test_alloc_positions_evicts_the_cache_unless_told_not_to(tokenizer: Tokenizer) -> None:
+    sched = cached_pages(tokenizer)
+    r = req("c", 4, max_new_tokens=20, start=80)
+    add(sched, r)
+    step(sched)  # its prompt: a third page
+    assert sched.allocator.available() == 4
+    assert not sched.alloc_positions(r, 5, 8, evict=False)  # 2 pages more: 1 free
+    assert sched.cache.evictable_size == 8
+    assert sched.alloc_positions(r, 5, 8)  # evicting the cache
+    assert sched.cache.evictable_size == 4 and sched.allocator.available() == 0
+
+
+def test_release_gives_back_a_running_requests_row_to_the_cache(tokenizer: Tokenizer) -> None:
+    seen: list[tuple[Any, str]] = []
+
+    class Watch(StepStrategy):
+        def on_release(self, scheduler: Any, req: Any) -> None:
+            seen.append((scheduler, req.rid))
+
+    sched = make(tokenizer, pool=64)
+    sched.strategies.append(Watch())
+    rows = sched.req_to_token.available()
+    r = req("a", 6, max_new_tokens=20)
+    add(sched, r)
+    step(sched)
+    sched.release(r)
+    assert seen == [(sched, "a")]
+    assert sched.running == [] and r.req_pool_idx is None and r.kv_len == 0
+    assert sched.req_to_token.available() == rows
+    assert sched.cache.evictable_size == 6
+    sched.check_no_leak()
 
 
 # -- KV pressure: retraction and its ratio ----------------------------------------------------
@@ -1553,6 +1650,8 @@ def test_step_kind_names_decode_only_mixed_and_prefill_only_steps() -> None:
     assert step_kind(3, 0) == "decode"
     assert step_kind(0, 5) == "prefill"
     assert step_kind(2, 5) == "mixed"
+    # a kind's wall time is reported to the microsecond
+    assert StepKindStats(seconds=1.23456789).to_json()["seconds"] == 1.234568
 
 
 def test_steps_are_counted_by_kind_with_their_decodes_and_prefill_tokens(

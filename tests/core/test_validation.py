@@ -65,3 +65,31 @@ def test_the_output_budget_is_cut_to_the_kv_pool() -> None:
     assert params.max_new_tokens == 100  # a copy: the caller's params are left alone
     fits = SamplingParams(max_new_tokens=38)
     assert fit_output_budget(fits, 10, LIMITS.kv_tokens) is fits
+
+
+def test_token_id_zero_and_the_context_boundary_are_served() -> None:
+    check_request([0, 5], SamplingParams(), LIMITS)  # id 0 is in the vocabulary
+    check_request([1], SamplingParams(), LIMITS, label_token_ids=[0, 99])
+    # the prompt and the named budget may fill the context exactly
+    check_request([1] * 10, SamplingParams(max_new_tokens=54), LIMITS, max_field="max_tokens")
+    with pytest.raises(InvalidRequest, match="max_tokens=55 plus the prompt's 10 tokens"):
+        check_request([1] * 10, SamplingParams(max_new_tokens=55), LIMITS, max_field="max_tokens")
+
+
+def test_the_params_are_checked_against_the_vocabulary() -> None:
+    with pytest.raises(InvalidRequest, match="top_logprobs_num must be <= the vocabulary size"):
+        check_request([1], SamplingParams(top_logprobs_num=101), LIMITS)
+    check_request([1], SamplingParams(top_logprobs_num=100), LIMITS)
+
+
+def test_the_default_seed_goes_to_requests_without_one() -> None:
+    seeded = LIMITS._replace(default_seed=7)
+    params = SamplingParams()
+    check_request([1], params, seeded)
+    assert params.seed == 7
+    own = SamplingParams(seed=3)
+    check_request([1], own, seeded)
+    assert own.seed == 3
+    unseeded = SamplingParams()
+    check_request([1], unseeded, LIMITS)
+    assert unseeded.seed is None

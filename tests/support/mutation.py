@@ -46,6 +46,22 @@ MODULES: dict[str, list[str]] = {
     # The scheduler's admission and commit halves, same tests.
     "core/admission.py": ["tests/core/test_scheduler_unit.py"],
     "core/step_commit.py": ["tests/core/test_scheduler_unit.py"],
+    # The plan's data and step statistics, through the scheduler driven by hand.
+    "core/step_plan.py": ["tests/core/test_scheduler_unit.py"],
+    # The ForwardBatch's rows and their packing, on a real slot table (no model runner).
+    "core/step_rows.py": ["tests/core/test_step_rows.py"],
+    # A base of the Scheduler: its unit tests, + prompts whose KV arrives from elsewhere
+    # (reserve_prompt, free_reserved: the in-process disaggregation tests, ~4 s)
+    "core/kv_slots.py": [
+        "tests/core/test_scheduler_unit.py",
+        "tests/core/test_disaggregation.py",
+    ],
+    # The policy alone and on a Scheduler driven by hand (test_priority.py runs the tiny
+    # Llama: ~30 s)
+    "core/priority.py": ["tests/core/test_priority_policy.py"],
+    # The host pool alone on a CPU device pool (test_hicache.py runs the tiny Llama: ~30 s)
+    "core/hicache_pool.py": ["tests/core/test_hicache_pool.py"],
+    "core/validation.py": ["tests/core/test_validation.py"],
     # Adaptive drafting's policy on synthetic acceptances and step times (no engine, no clock).
     "core/spec_adaptive.py": ["tests/core/test_spec_adaptive.py"],
     # Verifying drafts against hand-made logits, engine-free (the engine-level speculation
