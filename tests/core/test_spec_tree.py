@@ -14,6 +14,7 @@ from radixserve.core.spec_tree import (
     ancestors,
     follow,
     node_depths,
+    scratch_rows,
     tree_problem,
 )
 from radixserve.core.speculative import Speculator
@@ -62,6 +63,21 @@ def test_trees_the_core_cannot_verify_are_named() -> None:
     assert "parent" in str(tree_problem([1, 2], [-1, -2], 3, 6))
     assert "sibling" in str(tree_problem([1, 1], [-1, -1], 3, 6))
     assert "parents" in str(tree_problem([1, 2], [-1], 3, 6))
+    assert tree_problem([], [], 0, 0) is None  # no draft: a tree of depth 0
+
+
+def test_tokens_and_parents_of_different_lengths_are_refused() -> None:
+    with pytest.raises(ValueError):
+        accepted_nodes(TOKENS, PARENTS[:-1], [7, 9, 0, 12, 0, 0])
+    with pytest.raises(ValueError):
+        follow(TOKENS[:-1], PARENTS, [7, 9, 12, 5])
+
+
+def test_scratch_rows_are_a_tree_batch_of_trees_and_their_drafting_rows() -> None:
+    tree = EngineConfig(speculative_eagle_topk=4, speculative_num_steps=3)  # 12 nodes
+    # 4 requests x 12 node rows for the verify, 4 x topk more for the drafter
+    assert scratch_rows(tree) == (4 * 12 + 4 * 4, 4 * 12)
+    assert scratch_rows(EngineConfig(speculative_num_draft_tokens=6)) == (0, 0)  # chains
 
 
 class _Trees(SpeculativeAlgorithm):

@@ -82,3 +82,27 @@ def test_the_step_hooks_follow_the_list() -> None:
     assert strategies.on.poll == (polls,) and strategies.on.ended == (ends,)
     strategies.clear()
     assert strategies.on.ended == () and strategies.on.sample_rows == ()
+
+
+def test_an_object_without_the_hook_or_a_dict_implements_nothing() -> None:
+    # object(): no __dict__ and no StepStrategy base; a duck-typed strategy with the hook counts
+    assert not overrides(object(), "poll")
+
+    class Duck:
+        __slots__ = ()
+
+        def poll(self) -> list[Any]:
+            return []
+
+    assert overrides(Duck(), "poll") and not overrides(Duck(), "ended")
+
+
+def test_a_replaced_or_sorted_strategy_is_the_one_in_the_list() -> None:
+    polls, ends, too = Polls(), Ends(), PollsToo()
+    strategies = StrategyList([ends, polls])
+    strategies[0] = too
+    assert list(strategies) == [too, polls] and strategies.on.poll == (too, polls)
+    strategies.sort(key=lambda s: type(s).__name__)  # Polls < PollsToo
+    assert list(strategies) == [polls, too] and strategies.on.poll == (polls, too)
+    strategies.sort(key=lambda s: type(s).__name__, reverse=True)
+    assert strategies.on.poll == (too, polls)

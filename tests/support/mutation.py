@@ -62,6 +62,18 @@ MODULES: dict[str, list[str]] = {
     # The host pool alone on a CPU device pool (test_hicache.py runs the tiny Llama: ~30 s)
     "core/hicache_pool.py": ["tests/core/test_hicache_pool.py"],
     "core/validation.py": ["tests/core/test_validation.py"],
+    # Adaptive drafting's policy on synthetic acceptances and step times (no engine, no clock).
+    "core/spec_adaptive.py": ["tests/core/test_spec_adaptive.py"],
+    # Verifying drafts against hand-made logits, engine-free (the engine-level speculation
+    # tests take minutes); test_speculative_policy reads pending drafts through verify_drafts.
+    "core/spec_verify.py": [
+        "tests/core/test_spec_verify.py",
+        "tests/core/test_speculative_policy.py",
+    ],
+    # Draft trees' shape, checks and acceptance, and the Speculator's check of a plugin's tree.
+    "core/spec_tree.py": ["tests/core/test_spec_tree.py"],
+    # The hooks' strategy lists on plain StepStrategy subclasses (no engine).
+    "core/strategy_list.py": ["tests/core/test_strategy_list.py"],
 }
 
 
