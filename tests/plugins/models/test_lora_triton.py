@@ -176,15 +176,16 @@ def _model() -> _Decoder:
 def _outputs(
     backend: str, x: dict[str, torch.Tensor], token_slots: torch.Tensor
 ) -> tuple[dict[str, torch.Tensor], LoRALayers]:
-    model = _model()  # a model of its own: the hooks stay on it
+    model = _model().to(DEVICE)  # a model of its own: the hooks stay on it
     layers = LoRALayers(model, tuple(LORA_MODULES), 3, 64, backend, 32)
     for slot, (rank, seed) in enumerate([(8, 1), (64, 2), (16, 3)], start=1):
         layers.load(slot, _adapter(model, rank, seed))
     out = {}
     for step in (token_slots[:5], token_slots):  # a short step, then the whole one
-        layers.set_step(step)
+        layers.set_step(step.to(DEVICE))
         with torch.no_grad():
-            out = {n: getattr(model.layers[0], n)(v[: step.shape[0]]) for n, v in x.items()}
+            layer = model.layers[0]
+            out = {n: getattr(layer, n)(v[: step.shape[0]].to(DEVICE)).cpu() for n, v in x.items()}
     return out, layers
 
 
@@ -214,9 +215,9 @@ def test_triton_backend_equals_the_torch_backend(rows: list[int], padded: bool) 
             plain = getattr(base, name)(x[name])
         assert torch.equal(got[name][~lora_rows], plain[~lora_rows])
         assert not torch.allclose(got[name][lora_rows], plain[lora_rows])
-    triton_layers.set_step(token_slots[:3])  # a shorter step puts the rows past it back
+    triton_layers.set_step(token_slots[:3].to(DEVICE))  # a shorter step puts rows past it back
     assert triton_layers.filled == 3 and triton_layers.token_slots[3:].eq(0).all()
-    assert torch.equal(triton_layers.token_order[3:].long(), torch.arange(3, 32))
+    assert torch.equal(triton_layers.token_order[3:].long().cpu(), torch.arange(3, 32))
 
 
 @pytest.mark.slow
