@@ -62,6 +62,9 @@ MODULES: dict[str, list[str]] = {
     # The host pool alone on a CPU device pool (test_hicache.py runs the tiny Llama: ~30 s)
     "core/hicache_pool.py": ["tests/core/test_hicache_pool.py"],
     "core/validation.py": ["tests/core/test_validation.py"],
+    # Sampling params' checks, finish reasons, Req's state and token_slice, engine-free (the
+    # server-level validation tests start a model, too slow once per mutant)
+    "core/request.py": ["tests/core/test_request.py", "tests/core/test_validation.py"],
 }
 
 
