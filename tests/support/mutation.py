@@ -65,6 +65,9 @@ MODULES: dict[str, list[str]] = {
     # Sampling params' checks, finish reasons, Req's state and token_slice, engine-free (the
     # server-level validation tests start a model, too slow once per mutant)
     "core/request.py": ["tests/core/test_request.py", "tests/core/test_validation.py"],
+    # A SessionTable on a real RadixCache, turns fed by hand (test_sessions.py runs the tiny
+    # Llama: ~30 s)
+    "core/sessions.py": ["tests/core/test_sessions_unit.py"],
 }
 
 
