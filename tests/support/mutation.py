@@ -68,6 +68,8 @@ MODULES: dict[str, list[str]] = {
     # A SessionTable on a real RadixCache, turns fed by hand (test_sessions.py runs the tiny
     # Llama: ~30 s)
     "core/sessions.py": ["tests/core/test_sessions_unit.py"],
+    # Every check through EngineConfig(...) alone: exact messages, values on each bound
+    "core/config_checks.py": ["tests/core/test_config_checks.py"],
 }
 
 
