@@ -70,6 +70,8 @@ MODULES: dict[str, list[str]] = {
     "core/sessions.py": ["tests/core/test_sessions_unit.py"],
     # Every check through EngineConfig(...) alone: exact messages, values on each bound
     "core/config_checks.py": ["tests/core/test_config_checks.py"],
+    # PEFT directories written by the test, the slot pool on recorded weights (no model)
+    "core/lora.py": ["tests/core/test_lora.py", "tests/core/test_lora_loading.py"],
 }
 
 
