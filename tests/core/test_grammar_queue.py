@@ -408,15 +408,13 @@ def test_the_exact_timeout_message_and_a_compile_ending_on_its_deadline(clock: S
     backend = SizedBackend(clock, took=1.0)  # each compile takes 1 s of the workers' clock
     queue = make_queue(backend, timeout_s=1.0)
     assert queue.backend is backend  # built at t=0: the deadline is t=1
-    queue.submit(req("on-the-deadline", "x"))
-    queue.wait(timeout_s=HANG_GUARD_S)
-    clock.engine = 1.0
-    ready, failed = queue.pop_done()
+    queue.submit(req("on-the-deadline", "x"))  # from t=0 to t=1: in time
+    ready, failed = drain(queue, 1)
     assert [r.rid for r in ready] == ["on-the-deadline"] and not failed
+    clock.engine = 1.0
     backend.took = 1.5  # from t=1 to t=2.5, past the deadline t=2
     queue.submit(req("late", "y"))
-    queue.wait(timeout_s=HANG_GUARD_S)
-    ready, failed = queue.pop_done()
+    ready, failed = drain(queue, 1)
     assert not ready and failed[0].refused
     assert failed[0].finish_reason.message == (  # type: ignore[union-attr]
         "regex did not compile within grammar_compile_timeout=1s (grammar backend fake); "
@@ -538,6 +536,9 @@ def test_a_request_joining_a_compile_in_flight_gets_its_own_full_timeout(
     queue = make_queue(backend, timeout_s=10.0)
     assert queue.backend is backend  # built at t=0
     queue.submit(req("first", "slow5"))  # taken up at t=0: due at t=10
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not backend.compiled and time.monotonic() < deadline:
+        time.sleep(0.001)  # until a worker has taken it up, at t=0
     clock.engine = 5.0
     queue.submit(req("joined", "slow5"))  # the same compile, joined at t=5: due at t=15
     clock.engine = 12.0
