@@ -277,7 +277,8 @@ def check_hicache(cfg: EngineConfig) -> None:
         "--disaggregation-mode prefill|decode": cfg.disaggregation_mode != "null",
         "--tp-size > 1": cfg.tp_size > 1,
         "--pp-size > 1": cfg.pp_size > 1,
-        "--enable-lora": cfg.enable_lora,
+        # adapters given at start turn LoRA on (check_lora, which runs after this check)
+        "--enable-lora": cfg.enable_lora or bool(cfg.lora_paths),
     }
     for flag, on in refused.items():
         if on:

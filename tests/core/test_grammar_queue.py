@@ -13,7 +13,7 @@ from allow_all_grammar import AllowAllGrammar
 from radixserve.core import grammar_queue
 from radixserve.core.grammar_queue import GrammarQueue
 from radixserve.core.interfaces import Grammar, GrammarBackend
-from radixserve.core.request import Req, SamplingParams
+from radixserve.core.request import FinishReason, Req, SamplingParams
 
 HANG_GUARD_S = 120  # only stops a hung test; no outcome depends on it
 
@@ -296,3 +296,289 @@ def test_waiting_for_a_free_worker_does_not_count_against_a_timeout(
     ready, failed = drain(queue, 1)
     assert [r.rid for r in ready] == ["queued"] and not failed
     queue.shutdown()
+
+
+# -- the messages, the budget check, the cache bound's edges, sandboxes (mutation run 11) --
+
+
+class SizedBackend(FakeBackend):
+    """Records each compile's kind; a spec's compiled size and shortest output come from its
+    name ("big" 200 bytes, "huge" 300, others 100; "longN": N tokens at least), and a compile
+    takes ``took`` seconds of the workers' clock."""
+
+    def __init__(self, clock: SplitClock | None = None, took: float = 0.0) -> None:
+        super().__init__()
+        self.kinds: list[str] = []
+        self.threads: list[str] = []
+        self.clock, self.took = clock, took
+
+    def compile(self, kind: str, spec: str) -> Grammar:
+        self.kinds.append(kind)
+        self.threads.append(threading.current_thread().name)
+        grammar = super().compile(kind, spec)
+        if self.clock is not None:
+            self.clock.worker += self.took
+        size = 300 if spec.startswith("huge") else 200 if spec.startswith("big") else 100
+        floor = int(spec[4:]) if spec.startswith("long") else 0
+        grammar.memory_bytes = lambda: size  # type: ignore[method-assign]
+        grammar.min_output_tokens = lambda: floor  # type: ignore[method-assign]
+        return grammar
+
+
+def budget_req(rid: str, spec: str, max_new_tokens: int, asked: int | None = None) -> Req:
+    r = Req(rid, [1, 2, 3], SamplingParams(regex=spec, max_new_tokens=max_new_tokens))
+    r.asked_max_new_tokens = asked
+    return r
+
+
+@pytest.mark.parametrize(
+    ("max_new_tokens", "asked", "refused_at"),
+    [(4, None, 4), (1, None, 1), (5, None, None), (0, None, None), (1, 10, None), (10, 4, 4)],
+)
+def test_a_budget_shorter_than_every_output_is_refused(
+    max_new_tokens: int, asked: int | None, refused_at: int | None
+) -> None:
+    """A grammar whose outputs are all at least 5 tokens: a budget of 1 to 4 is refused (a PD
+    prefill's request is judged by the client's budget, ``asked_max_new_tokens``); 0 (no
+    output asked) and 5 or more pass."""
+    queue = make_queue(SizedBackend())
+    r = budget_req("r", "long5", max_new_tokens, asked)
+    queue.submit(r)
+    ready, failed = drain(queue, 1)
+    if refused_at is None:
+        assert ready == [r] and not failed and not r.refused
+        return
+    assert failed == [r] and not ready and r.refused
+    assert r.finish_reason == FinishReason(
+        "abort",
+        message=f"every output regex allows is at least 5 tokens long, but max_new_tokens is "
+        f"{refused_at}: the output could only end cut off. Raise max_new_tokens (max_tokens) "
+        "or shorten the regex",
+    )
+
+
+def test_each_compile_gets_its_grammars_kind() -> None:
+    backend = SizedBackend()
+    queue = make_queue(backend)
+    queue.submit(req("a", "x"))
+    queue.submit(Req("b", [1], SamplingParams(json_schema='{"type": "integer"}')))
+    assert len(drain(queue, 2)[0]) == 2
+    assert sorted(backend.kinds) == ["json_schema", "regex"]
+    # on the queue's own named worker threads
+    assert all(name.startswith("radixserve-grammar_") for name in backend.threads)
+
+
+def test_compile_error_messages() -> None:
+    regex, plain = req("r", "x"), Req("p", [1], SamplingParams())
+    message = grammar_queue.compile_error_message
+    assert message(regex, "xg", ValueError("bad\n  spec ")) == (
+        "regex rejected by grammar backend 'xg': bad spec"
+    )
+    assert (
+        message(regex, "xg", ValueError("")) == "regex rejected by grammar backend 'xg': ValueError"
+    )
+    assert message(regex, "xg", RuntimeError("out of\tmemory")) == (
+        "regex rejected by grammar backend 'xg': RuntimeError: out of memory"
+    )
+    assert message(regex, "xg", KeyError()) == (
+        "regex rejected by grammar backend 'xg': KeyError: KeyError"
+    )
+    assert message(plain, "xg", ValueError("x")) == "grammar rejected by grammar backend 'xg': x"
+    assert message(regex, "xg", grammar_queue.SandboxRefused("ran out of time")) == (
+        "regex refused (grammar backend xg): ran out of time"
+    )
+
+
+def test_refusals_mark_the_request_refused(backend: FakeBackend, clock: SplitClock) -> None:
+    queue = make_queue(backend)
+    queue.submit(req("bad", "bad["))
+    _, failed = drain(queue, 1)
+    assert failed[0].refused and failed[0].finish_reason.type == "abort"  # type: ignore[union-attr]
+    # an abort by the client is not a refusal
+    backend.release.clear()
+    queue.submit(req("slow", "slow3"))
+    aborted = queue.abort("slow", "aborted by the client")
+    assert aborted is not None and not aborted.refused
+    assert aborted.finish_reason == FinishReason("abort", message="aborted by the client")
+    backend.release.set()
+    queue.shutdown()
+
+
+def test_the_exact_timeout_message_and_a_compile_ending_on_its_deadline(clock: SplitClock) -> None:
+    backend = SizedBackend(clock, took=1.0)  # each compile takes 1 s of the workers' clock
+    queue = make_queue(backend, timeout_s=1.0)
+    assert queue.backend is backend  # built at t=0: the deadline is t=1
+    queue.submit(req("on-the-deadline", "x"))  # from t=0 to t=1: in time
+    ready, failed = drain(queue, 1)
+    assert [r.rid for r in ready] == ["on-the-deadline"] and not failed
+    clock.engine = 1.0
+    backend.took = 1.5  # from t=1 to t=2.5, past the deadline t=2
+    queue.submit(req("late", "y"))
+    ready, failed = drain(queue, 1)
+    assert not ready and failed[0].refused
+    assert failed[0].finish_reason.message == (  # type: ignore[union-attr]
+        "regex did not compile within grammar_compile_timeout=1s (grammar backend fake); "
+        "simplify it or raise the timeout"
+    )
+
+
+def test_the_cache_bound_is_inclusive_and_may_drop_several(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(grammar_queue, "CACHE_BYTES", 300)
+    backend = SizedBackend()
+    queue = make_queue(backend)
+    for spec in ("a", "b", "c"):  # 300 bytes: exactly the bound, all kept
+        queue.submit(req(spec, spec))
+        drain(queue, 1)
+    assert [key[2] for key in queue._cache] == ["a", "b", "c"]
+    queue.submit(req("big", "big"))  # 500 bytes: the two oldest go
+    drain(queue, 1)
+    assert [key[2] for key in queue._cache] == ["c", "big"]
+    queue.submit(req("huge", "huge"))  # 600: the others go, the new one stays alone
+    drain(queue, 1)
+    assert [key[2] for key in queue._cache] == ["huge"]
+    # a grammar larger than the whole bound stays (the one just compiled always does)
+    monkeypatch.setattr(grammar_queue, "CACHE_BYTES", 250)
+    queue.submit(req("huge2", "huge2"))
+    drain(queue, 1)
+    assert [key[2] for key in queue._cache] == ["huge2"]
+
+
+class RecordingSandbox:
+    """Stands in for GrammarSandbox: records what each is built with and probes; a spec with
+    "longN" in it reports an N-token floor, "runaway" ends the sandbox."""
+
+    made: list[Any] = []
+    probes: list[tuple[str, str, float]] = []
+
+    def __init__(self, spec: Any) -> None:
+        self.alive = True
+        RecordingSandbox.made.append(spec)
+
+    def probe(self, kind: str, spec: str, timeout_s: float) -> int:
+        RecordingSandbox.probes.append((kind, spec, timeout_s))
+        if spec == "runaway":
+            self.alive = False
+            raise grammar_queue.SandboxRefused("stopped")
+        return int(spec.partition("long")[2]) if "long" in spec else 0
+
+    def close(self) -> None:
+        self.alive = False
+
+
+@pytest.fixture
+def sandboxes(monkeypatch: pytest.MonkeyPatch) -> type[RecordingSandbox]:
+    monkeypatch.setattr(grammar_queue, "GrammarSandbox", RecordingSandbox)
+    RecordingSandbox.made, RecordingSandbox.probes = [], []
+    return RecordingSandbox
+
+
+def test_a_sandbox_is_reused_until_a_runaway_ends_it(
+    backend: FakeBackend, sandboxes: type[RecordingSandbox]
+) -> None:
+    spec = object()
+    queue = make_queue(backend, timeout_s=7.0)
+    queue.isolate(spec)  # type: ignore[arg-type]
+    for i, name in enumerate(["x", "y", "runaway", "z"]):
+        queue.submit(req(str(i), name))
+        drain(queue, 1)
+    assert sandboxes.made == [spec, spec]  # one for x, y and the runaway; one after it
+    assert sandboxes.probes == [
+        ("regex", "x", 7.0),
+        ("regex", "y", 7.0),
+        ("regex", "runaway", 7.0),
+        ("regex", "z", 7.0),
+    ]
+    assert "runaway" not in backend.compiled
+    queue.shutdown()
+
+
+def test_the_sandboxs_floor_refuses_a_short_budget_before_the_compile_ends(
+    sandboxes: type[RecordingSandbox],
+) -> None:
+    backend = SizedBackend()
+    backend.release.clear()
+    queue = make_queue(backend)
+    queue.isolate(object())  # type: ignore[arg-type]
+    r = budget_req("r", "slow-held", 3)
+    queue.submit(budget_req("short", "slowlong9", 3))  # its compile is held
+    ready, failed = drain(queue, 1)  # refused on the sandbox's floor, the compile still held
+    assert not any(job.future.done() for job in queue._cache.values())
+    assert not ready and [f.rid for f in failed] == ["short"] and failed[0].refused
+    queue.submit(r)
+    backend.release.set()
+    assert drain(queue, 1)[0] == [r]
+    queue.shutdown()
+
+
+def test_timeouts_apply_once_a_sandbox_has_started(
+    backend: FakeBackend, clock: SplitClock, sandboxes: type[RecordingSandbox]
+) -> None:
+    backend.release.clear()
+    queue = make_queue(backend, timeout_s=1.0)
+    queue.isolate(object())  # type: ignore[arg-type]
+    queue.submit(req("slow", "slow4"))
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not backend.compiled and time.monotonic() < deadline:
+        time.sleep(0.001)  # the sandbox is up (t=0) and the compile runs
+    clock.engine = 1.0
+    ready, failed = queue.pop_done()
+    assert not ready and [r.rid for r in failed] == ["slow"]
+    backend.release.set()
+    queue.shutdown()
+
+
+def test_a_request_joining_a_compile_in_flight_gets_its_own_full_timeout(
+    backend: FakeBackend, clock: SplitClock
+) -> None:
+    backend.release.clear()
+    queue = make_queue(backend, timeout_s=10.0)
+    assert queue.backend is backend  # built at t=0
+    queue.submit(req("first", "slow5"))  # taken up at t=0: due at t=10
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not backend.compiled and time.monotonic() < deadline:
+        time.sleep(0.001)  # until a worker has taken it up, at t=0
+    clock.engine = 5.0
+    queue.submit(req("joined", "slow5"))  # the same compile, joined at t=5: due at t=15
+    clock.engine = 12.0
+    ready, failed = queue.pop_done()
+    assert not ready and [r.rid for r in failed] == ["first"] and len(queue) == 1
+    backend.release.set()
+    assert [r.rid for r in drain(queue, 1)[0]] == ["joined"]
+    queue.shutdown()
+
+
+def test_wait_returns_when_any_one_compile_finishes(backend: FakeBackend) -> None:
+    backend.release.clear()
+    queue = make_queue(backend, timeout_s=3600.0)
+    queue.submit(req("held", "slow6"))
+    queue.submit(req("quick", "q"))
+    waiter = threading.Thread(target=queue.wait, kwargs={"timeout_s": 3600.0}, daemon=True)
+    waiter.start()
+    waiter.join(HANG_GUARD_S)
+    assert not waiter.is_alive(), "wait() did not return when one of two compiles finished"
+    assert [r.rid for r in queue.pop_done()[0]] == ["quick"]
+    backend.release.set()
+    queue.shutdown()
+
+
+def test_shutdown_cancels_queued_compiles_without_waiting_for_running_ones(
+    backend: FakeBackend,
+) -> None:
+    backend.release.clear()
+    queue = make_queue(backend)
+    held = [f"slow-held{i}" for i in range(grammar_queue.WORKERS)]
+    for name in held:
+        queue.submit(req(name, name))
+    queue.submit(req("queued", "never"))
+    queued = queue._cache[("fake", "regex", "never")].future
+    closer = threading.Thread(target=queue.shutdown, daemon=True)
+    closer.start()
+    closer.join(HANG_GUARD_S)
+    assert not closer.is_alive(), "shutdown() waited for the running compiles"
+    assert queued.cancelled()
+    with pytest.raises(RuntimeError):
+        queue.submit(req("late", "another"))
+    backend.release.set()
+    assert "never" not in backend.compiled

@@ -74,6 +74,18 @@ MODULES: dict[str, list[str]] = {
     "core/spec_tree.py": ["tests/core/test_spec_tree.py"],
     # The hooks' strategy lists on plain StepStrategy subclasses (no engine).
     "core/strategy_list.py": ["tests/core/test_strategy_list.py"],
+    # Sampling params' checks, finish reasons, Req's state and token_slice, engine-free (the
+    # server-level validation tests start a model, too slow once per mutant)
+    "core/request.py": ["tests/core/test_request.py", "tests/core/test_validation.py"],
+    # A SessionTable on a real RadixCache, turns fed by hand (test_sessions.py runs the tiny
+    # Llama: ~30 s)
+    "core/sessions.py": ["tests/core/test_sessions_unit.py"],
+    # Every check through EngineConfig(...) alone: exact messages, values on each bound
+    "core/config_checks.py": ["tests/core/test_config_checks.py"],
+    # PEFT directories written by the test, the slot pool on recorded weights (no model)
+    "core/lora.py": ["tests/core/test_lora.py", "tests/core/test_lora_loading.py"],
+    # A fake backend on the real worker threads, a split clock for the deadlines
+    "core/grammar_queue.py": ["tests/core/test_grammar_queue.py"],
 }
 
 
