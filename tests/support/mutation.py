@@ -74,6 +74,16 @@ MODULES: dict[str, list[str]] = {
     "core/spec_tree.py": ["tests/core/test_spec_tree.py"],
     # The hooks' strategy lists on plain StepStrategy subclasses (no engine).
     "core/strategy_list.py": ["tests/core/test_strategy_list.py"],
+    # The tiered tree on a CPU device pool, a host pool and an in-memory storage backend
+    # (test_hicache.py runs the tiny Llama: ~30 s).
+    "core/hicache.py": ["tests/core/test_hicache_tree.py"],
+    # The page keys and the guard, engine-free (the file backend for a real one; NIXL and
+    # Mooncake start their own servers: left out).
+    "core/hicache_storage.py": [
+        "tests/plugins/test_hicache_storage.py",
+        "-k",
+        "guard or page_keys or file_backend",
+    ],
 }
 
 
