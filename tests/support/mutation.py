@@ -84,6 +84,9 @@ MODULES: dict[str, list[str]] = {
         "-k",
         "guard or page_keys or file_backend",
     ],
+    # Hashes, pad ids, the encoder cache and the registration's image processor, engine-free
+    # (the vision tests run the tiny VLMs).
+    "core/multimodal.py": ["tests/core/test_multimodal.py"],
 }
 
 
