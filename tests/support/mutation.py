@@ -87,6 +87,8 @@ MODULES: dict[str, list[str]] = {
     # Hashes, pad ids, the encoder cache and the registration's image processor, engine-free
     # (the vision tests run the tiny VLMs).
     "core/multimodal.py": ["tests/core/test_multimodal.py"],
+    # Our renderer against transformers' apply_chat_template, through the Tokenizer (~2 s).
+    "core/chat_template.py": ["tests/core/test_chat_template.py"],
 }
 
 
