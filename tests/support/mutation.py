@@ -89,6 +89,8 @@ MODULES: dict[str, list[str]] = {
     "core/multimodal.py": ["tests/core/test_multimodal.py"],
     # Our renderer against transformers' apply_chat_template, through the Tokenizer (~2 s).
     "core/chat_template.py": ["tests/core/test_chat_template.py"],
+    # Prompt positions to score and logprobs from hand-made logits rows (no model).
+    "core/logprobs.py": ["tests/core/test_logprobs.py"],
 }
 
 
