@@ -91,6 +91,8 @@ MODULES: dict[str, list[str]] = {
     "core/chat_template.py": ["tests/core/test_chat_template.py"],
     # Prompt positions to score and logprobs from hand-made logits rows (no model).
     "core/logprobs.py": ["tests/core/test_logprobs.py"],
+    # Reload checks on a tiny random Llama's files (built once per run: ~3 s).
+    "core/checkpoint.py": ["tests/core/test_checkpoint.py"],
 }
 
 
