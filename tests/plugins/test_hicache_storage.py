@@ -152,3 +152,13 @@ def test_guard_counts_every_failure_and_logs_the_first_of_each_hundred(
         guarded.exists("k")
     assert guarded.errors == 101 and len(caplog.records) == 1
     assert "(101 errors so far)" in caplog.records[0].getMessage()
+
+
+def test_guard_names_a_failed_clear_and_close(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="radixserve.core.hicache_storage"):
+        GuardedStorage(_Broken(), "b").clear()
+        GuardedStorage(_Broken(), "b").close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "hicache storage b: clear failed (OSError('clear')); recomputing instead (1 errors so far)",
+        "hicache storage b: close failed (OSError('close')); recomputing instead (1 errors so far)",
+    ]
