@@ -26,14 +26,20 @@ class DictStorage(HiCacheStorage):
         self.fail_get: set[str] = set()
         self.sets: list[str] = []
         self.closed = False
+        self.broken = False  # every call raises
 
     def exists(self, key: str) -> bool:
+        if self.broken:
+            raise OSError("broken")
         return key in self.pages
 
     def get(self, key: str, out: torch.Tensor) -> bool:
-        if key in self.fail_get or key not in self.pages:
+        page = self.pages.get(key)
+        if key in self.fail_get or page is None:
             return False
-        out.copy_(self.pages[key])
+        if (page.shape, page.dtype) != (out.shape, out.dtype):
+            return False  # another size: a miss, as the file backend does
+        out.copy_(page)
         return True
 
     def set(self, key: str, value: torch.Tensor) -> bool:
@@ -57,8 +63,9 @@ def make(
     host: int = 32,
     storage: DictStorage | None = None,
     namespace: str = "m",
+    dtype: torch.dtype = torch.float32,
 ) -> HiRadixCache:
-    dev = KVPool(device, LAYERS, HEADS, HEAD_DIM, torch.float32, "cpu")
+    dev = KVPool(device, LAYERS, HEADS, HEAD_DIM, dtype, "cpu")
     host_pool = HostKVPool(dev, host, page, "layer_first", "direct")
     guarded = GuardedStorage(storage, "dict") if storage is not None else None
     return HiRadixCache(
@@ -68,6 +75,13 @@ def make(
 
 def put(cache: HiRadixCache, tokens: list[int], extra_key: str | None = None) -> torch.Tensor:
     """Fresh device slots holding ``tokens``' fingerprints, inserted; the slots."""
+    slots = put_new(cache, tokens)
+    assert cache.insert(tokens, slots, extra_key) == 0
+    return slots
+
+
+def put_new(cache: HiRadixCache, tokens: list[int]) -> torch.Tensor:
+    """Fresh device slots holding ``tokens``' fingerprints (not inserted)."""
     slots = cache.allocator.alloc(len(tokens))
     assert slots is not None
     dev = cache.host.device_pool
@@ -75,7 +89,6 @@ def put(cache: HiRadixCache, tokens: list[int], extra_key: str | None = None) ->
         for slot, token in zip(slots.tolist(), tokens, strict=True):
             dev.k[layer][slot] = float(100 * token + layer)
             dev.v[layer][slot] = float(-100 * token - layer)
-    assert cache.insert(tokens, slots, extra_key) == 0
     return slots
 
 
@@ -128,6 +141,11 @@ def test_write_through_copies_at_insert_and_demotes_on_eviction() -> None:
     again = cache.match_prefix(a)
     assert again.kv_indices.tolist() == match.kv_indices.tolist()
     assert cache.stats.device_hit_tokens == 4 and cache.stats.host_hit_tokens == 4
+    cache.match_prefix(a)
+    assert cache.stats.device_hit_tokens == 8  # counts add up
+    assert cache.evict(4) == 4 and cache.stats.demoted_tokens == 8
+    cache.match_prefix(a)
+    assert cache.stats.host_hit_tokens == 8
 
 
 def test_write_back_copies_only_when_evicted() -> None:
@@ -153,11 +171,13 @@ def test_selective_policy_backs_up_on_the_second_hit_and_drops_cold_nodes() -> N
     cache.match_prefix([1, 2])
     assert hot.hit_count == 2 and hot.host_value is not None
     assert cold.host_value is None
-    assert cache.evict(5) == 5
+    assert cache.evict(100) == 5  # all the tree holds (never the root)
     assert hot.value is None and hot.host_value is not None  # demoted
     assert cache._child_key([5]) not in cache._root(None).children  # dropped
     assert cache.stats.dropped_tokens == 3 and cache.stats.demoted_tokens == 2
     assert cache.allocator.available() == 16
+    put(cache, [8])
+    assert cache.evict(1) == 1 and cache.stats.dropped_tokens == 4
     cache.check_tiers()
 
 
@@ -181,14 +201,8 @@ def test_eviction_takes_lru_device_leaves_then_their_parents() -> None:
 
 def extend(cache: HiRadixCache, prefix: list[int], more: list[int]) -> None:
     """Insert ``prefix + more`` where ``prefix`` is cached: a child node under it."""
-    kv = torch.cat([cache.match_prefix(prefix).kv_indices, put_new(cache, len(more))])
+    kv = torch.cat([cache.match_prefix(prefix).kv_indices, put_new(cache, more)])
     assert cache.insert(prefix + more, kv) == len(prefix)
-
-
-def put_new(cache: HiRadixCache, n: int) -> torch.Tensor:
-    slots = cache.allocator.alloc(n)
-    assert slots is not None
-    return slots
 
 
 def test_a_load_that_does_not_fit_keeps_the_device_part_matched() -> None:
@@ -196,7 +210,7 @@ def test_a_load_that_does_not_fit_keeps_the_device_part_matched() -> None:
     put(cache, [1, 2, 3, 4, 5, 6])
     assert cache.evict(6) == 6
     base = put(cache, [9, 9, 9])  # [9]: 3 tokens on the device
-    cache.insert([9, 9, 9, 8, 8], torch.cat([base, put_new(cache, 2)]))
+    cache.insert([9, 9, 9, 8, 8], torch.cat([base, put_new(cache, [8, 8])]))
     # 5 device slots taken by [9, 9, 9, 8, 8]; evict the tail so only [9, 9, 9] stays on device
     tail = node_of(cache, [9]).children[cache._child_key([8])]
     assert isinstance(tail, HiTreeNode)
@@ -223,7 +237,9 @@ def test_host_eviction_drops_lru_host_leaves_for_new_copies() -> None:
     assert cache.evict(3) == 3
     put(cache, [4, 5, 6])  # the host pool is full now
     assert cache.host_accounting() == {"size": 6, "free": 0, "held": 6}
+    dropped = node_of(cache, [1, 2, 3])
     put(cache, [7, 8])  # its copy evicts the host-only [1, 2, 3]
+    assert dropped.host_value is None
     assert cache._child_key([1]) not in cache._root(None).children
     assert cache.stats.host_evicted_tokens == 3
     assert node_of(cache, [7, 8]).host_value is not None
@@ -248,6 +264,7 @@ def test_host_full_of_held_nodes_means_no_copy() -> None:
     assert node.host_value is not None
     put(cache, [3, 4, 5])  # no room, nothing host-only to evict
     assert node_of(cache, [3]).host_value is None
+    assert cache._backup(node_of(cache, [3])) is False
     assert cache.evict(2) == 2  # the LRU [1, 2] is demoted
     assert node.value is None and node.host_value is not None
     # [3, 4, 5] has no copy: evicting it tries one first, which drops the host-only [1, 2]
@@ -384,9 +401,11 @@ def test_check_tiers_names_each_inconsistency() -> None:
     with pytest.raises(AssertionError, match="device sizes 3/0 counted 4/0"):
         cache.check_tiers()
     cache.evictable_size -= 1
-    cache.inc_lock_ref(node)
-    cache.check_tiers()  # locked counts as locked
-    cache.dec_lock_ref(node)
+    lower = node.children[cache._child_key([3])]
+    cache.inc_lock_ref(lower)  # both nodes locked: 3 tokens
+    assert cache.locked_size == 3
+    cache.check_tiers()
+    cache.dec_lock_ref(lower)
     leaked = cache.host.allocator.alloc(1)
     assert leaked is not None
     with pytest.raises(AssertionError, match="host KV leak"):
@@ -395,14 +414,14 @@ def test_check_tiers_names_each_inconsistency() -> None:
     child = node.children[cache._child_key([3])]
     value = node.value
     node.value = None
-    with pytest.raises(AssertionError, match="a device node under a node off the device"):
+    with pytest.raises(AssertionError, match="^a device node under a node off the device$"):
         cache.check_tiers()
     node.value = value
     assert isinstance(child, HiTreeNode)
     assert child.host_value is not None
     cache.host.allocator.free(child.host_value)
     child.value, child.host_value = None, None
-    with pytest.raises(AssertionError, match="in no tier"):
+    with pytest.raises(AssertionError, match="^a node in no tier stayed in the tree$"):
         cache.check_tiers()
 
 
@@ -412,6 +431,7 @@ def test_flush_drops_host_copies_and_unlocked_device_nodes() -> None:
     put(cache, [1, 2])
     put(cache, [5, 6])
     put(cache, [8])
+    extend(cache, [8], [9])
     cache.evict(1)  # [1, 2] is the LRU: host only
     held = node_of(cache, [5, 6])
     cache.inc_lock_ref(held)
@@ -442,7 +462,7 @@ def test_a_requests_own_rematch_is_no_hit() -> None:
     cache = make()
     req = Req("r", [1, 2, 3], SamplingParams(max_new_tokens=1))
     req.req_pool_idx = cache.req_to_token.alloc()
-    slots = put_new(cache, 3)
+    slots = put_new(cache, [1, 2, 3])
     cache.req_to_token.write(req.req_pool_idx, 0, slots)
     req.kv_len = 3
     cache.cache_unfinished_req(req)
@@ -458,3 +478,181 @@ def test_extra_keys_have_their_own_roots_in_storage() -> None:
     put(cache, [1, 2], "lora")
     assert set(store.pages) == set(page_keys([1, 2], 2, "m", "lora", 1))
     assert cache._extra_key_of(node_of(cache, [1, 2], "lora")) == "lora"
+
+
+def test_device_eviction_takes_a_child_before_its_parent() -> None:
+    cache = make()
+    put(cache, [1, 2])
+    extend(cache, [1, 2], [3, 4])
+    parent = node_of(cache, [1, 2])
+    child = parent.children[cache._child_key([3])]
+    assert cache.evict(1) == 2  # the leaf only
+    assert child.value is None and parent.value is not None
+    cache.check_tiers()
+    assert cache.evict(1) == 2  # a parent whose children are off the device is a leaf now
+    assert parent.value is None
+    cache.check_tiers()
+
+
+def test_host_eviction_frees_just_enough_lru_leaves() -> None:
+    cache = make(host=4)
+    for token in (1, 2, 3):
+        put(cache, [token])
+    assert cache.evict(3) == 3  # three one-token host-only leaves, one host slot free
+    slots = cache._alloc_host(3)
+    assert slots is not None and len(slots) == 3
+    assert sorted(cache._root(None).children) == [3]  # the two oldest went, [3] stays
+    assert cache.stats.host_evicted_tokens == 2
+    cache.host.allocator.free(slots)
+    cache.check_tiers()
+
+
+def test_a_load_evicts_just_enough_device_leaves() -> None:
+    cache = make(device=8)
+    put(cache, [1, 2, 3, 4])
+    assert cache.evict(4) == 4
+    put(cache, [5, 6, 7])
+    put(cache, [8, 9, 10])  # 2 device slots free; [1..4] needs 4
+    wipe(cache)
+    assert kv_tokens(cache, cache.match_prefix([1, 2, 3, 4]).kv_indices) == [1, 2, 3, 4]
+    assert node_of(cache, [5]).value is None  # the LRU leaf made room
+    assert node_of(cache, [8]).value is not None  # and no more
+    cache.check_tiers()
+
+
+def test_a_load_keeps_the_matched_device_part_locked() -> None:
+    store = DictStorage()
+    put(make("write_through", page=2, storage=store), [1, 2, 3, 4, 5, 6, 7, 8])
+    cache = make("write_through", page=2, device=8, storage=store)  # 3 device pages
+    put(cache, [1, 2])
+    put(cache, [9, 9])  # one page free; storage's [3..8] needs three
+    head = node_of(cache, [1, 2])
+    match = cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8])
+    # evicting [9, 9] is not enough, and the matched [1, 2] may not go
+    assert head.value is not None and match.kv_indices.tolist() == head.value.tolist()
+    assert match.last_node is head and head.lock_ref == 0
+    assert node_of(cache, [9, 9]).value is None
+    cache.check_tiers()
+
+
+def test_a_three_node_host_path_loads_in_order() -> None:
+    cache = make()
+    put(cache, [1, 2])
+    extend(cache, [1, 2], [3, 4])
+    extend(cache, [1, 2, 3, 4], [5, 6])
+    assert cache.evict(6) == 6
+    wipe(cache)
+    assert kv_tokens(cache, cache.match_prefix([1, 2, 3, 4, 5, 6]).kv_indices) == [1, 2, 3, 4, 5, 6]
+    cache.check_tiers()
+
+
+def test_an_insert_over_a_host_only_node_takes_the_callers_slots() -> None:
+    cache = make()
+    put(cache, [1, 2, 3])
+    assert cache.evict(3) == 3
+    node = node_of(cache, [1, 2, 3])
+    slots = put_new(cache, [1, 2, 3, 4, 5])
+    assert cache.insert([1, 2, 3, 4, 5], slots) == 0  # nothing counts as already cached
+    assert node.value is not None and node.value.tolist() == slots[:3].tolist()
+    assert cache.evictable_size == 5
+    assert cache.match_prefix([1, 2, 3, 4, 5]).kv_indices.tolist() == slots.tolist()
+    cache.check_tiers()
+
+
+def test_a_child_node_stores_only_its_own_pages_keyed_by_the_whole_path() -> None:
+    store = DictStorage()
+    cache = make("write_back", page=2, storage=store)
+    put(cache, [1, 2])
+    extend(cache, [1, 2], [3, 4])
+    assert cache.evict(1) == 2  # the child, backed up and stored; the parent stays
+    keys = page_keys([1, 2, 3, 4], 2, "m", None, 2)
+    assert list(store.pages) == [keys[1]]
+    assert store.pages[keys[1]][:, 0, 0].flatten().tolist() == [300.0, 300.0, 400.0, 400.0]
+
+
+def test_a_stored_node_is_not_written_again() -> None:
+    store = DictStorage()
+    cache = make("write_through", page=2, storage=store)
+    put(cache, [1, 2])
+    assert len(store.sets) == 1
+    store.pages.clear()  # the backend lost it: the node still counts as stored
+    cache.evict(2)
+    cache._evict_host(2)
+    assert len(store.sets) == 1
+
+
+def test_storage_is_read_for_a_single_page_and_under_the_extra_key() -> None:
+    store = DictStorage()
+    writer = make("write_through", page=2, storage=store)
+    put(writer, [1, 2, 3, 4], "lora")
+    reader = make("write_through", page=2, storage=store)
+    assert reader.match_prefix([1, 2, 3, 4]).kv_indices.numel() == 0  # another root
+    miss = reader.match_prefix([1, 2, 3, 4], "other")
+    assert miss.last_node is reader._root("other")
+    put(reader, [1, 2], "lora")
+    match = reader.match_prefix([1, 2, 3, 4], "lora")  # one page past the device part
+    assert kv_tokens(reader, match.kv_indices) == [1, 2, 3, 4]
+    fetched = match.last_node
+    assert isinstance(fetched, HiTreeNode) and fetched.parent is node_of(reader, [1, 2], "lora")
+    assert reader.stats.storage_hit_tokens == 2
+    fresh = make("write_through", page=2, storage=store)
+    first = fresh.match_prefix([1, 2, 3, 4], "lora")  # from the root of "lora"
+    assert first.last_node.parent is fresh._root("lora") and len(first.kv_indices) == 4
+    assert fresh.match_prefix([1, 2, 3, 4], "lora").kv_indices.numel() == 4
+    assert fresh.stats.storage_hit_tokens == 4 and fresh.stats.device_hit_tokens == 4
+    put(fresh, [7, 7])
+    assert fresh.evict(100) == 6  # the fetched node is in the LRU order like any other
+    fresh.check_tiers()
+
+
+def test_a_storage_miss_evicts_nothing_from_the_host() -> None:
+    store = DictStorage()
+    cache = make("write_through", page=2, host=3, storage=store)  # one host page
+    put(cache, [1, 2])
+    assert cache.evict(2) == 2  # host-only, the host pool full
+    node = node_of(cache, [1, 2])
+    assert cache.match_prefix([5, 6, 7, 8]).kv_indices.numel() == 0
+    assert node.host_value is not None
+
+
+def test_a_fetch_protects_the_host_path_it_extends() -> None:
+    store = DictStorage()
+    put(make("write_through", page=2, storage=store), [1, 2, 3, 4])
+    cache = make("write_through", page=2, host=3, storage=store)  # one host page
+    put(cache, [1, 2])
+    assert cache.evict(2) == 2
+    node = node_of(cache, [1, 2])
+    # storage holds [3, 4] but the host pool is full with [1, 2], which this match needs
+    match = cache.match_prefix([1, 2, 3, 4])
+    assert kv_tokens(cache, match.kv_indices) == [1, 2] and match.last_node is node
+    assert node.host_ref == 0 and node.host_value is not None
+    cache.check_tiers()
+    assert cache.evict(2) == 2 and cache._alloc_host(2) is not None  # evictable again
+
+
+def test_storage_pages_of_another_dtype() -> None:
+    store = DictStorage()
+    cache = make("write_through", page=2, storage=store, dtype=torch.float16)
+    put(cache, [1, 2])
+    assert store.pages[page_keys([1, 2], 2, "m", None, 1)[0]].dtype == torch.float16
+    fresh = make("write_through", page=2, storage=store, dtype=torch.float16)
+    assert kv_tokens(fresh, fresh.match_prefix([1, 2]).kv_indices) == [1, 2]
+
+
+def test_the_default_namespace_and_storage_errors() -> None:
+    store = DictStorage()
+    dev = KVPool(8, LAYERS, HEADS, HEAD_DIM, torch.float32, "cpu")
+    host = HostKVPool(dev, 8, 1, "layer_first", "direct")
+    cache = HiRadixCache(
+        TokenAllocator(8, 1),
+        ReqToTokenPool(1, 8),
+        host,
+        "write_through",
+        GuardedStorage(store, "d"),
+    )
+    put(cache, [4])
+    assert list(store.pages) == page_keys([4], 1, "", None, 1)
+    store.broken = True
+    assert cache.match_prefix([5]).kv_indices.numel() == 0
+    stats = cache.tier_stats()
+    assert stats is not None and stats["storage_errors"] == 1
