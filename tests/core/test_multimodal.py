@@ -41,6 +41,7 @@ def test_image_hash_is_62_bits_of_the_bytes_sha256() -> None:
     assert image_hash(b"png bytes") != image_hash(b"png bytez")
     assert all(0 <= image_hash(bytes([i])) < 1 << 62 for i in range(64))
     assert max(image_hash(bytes([i])) for i in range(64)) >= 1 << 61  # the top bit is used
+    assert any(image_hash(bytes([i])) % 2 for i in range(64))  # and the lowest
 
 
 def test_pad_ids_sit_past_the_vocabulary() -> None:
