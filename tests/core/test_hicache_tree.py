@@ -153,6 +153,9 @@ def test_write_back_copies_only_when_evicted() -> None:
     put(cache, [1, 2, 3])
     node = node_of(cache, [1, 2, 3])
     assert node.host_value is None and cache.host_accounting()["held"] == 0
+    assert cache._backup(node) is True and node.host_value is not None
+    cache.host.allocator.free(node.host_value)
+    node.host_value = None
     assert cache.evict(3) == 3
     assert node.value is None and node.host_value is not None
     assert cache.stats.demoted_tokens == 3
@@ -330,6 +333,8 @@ def test_storage_keeps_pages_host_eviction_drops_and_a_new_cache_finds_them() ->
     fresh.evict(6)
     fresh._evict_host(8)
     assert len(store.sets) == sets
+    fresh.match_prefix(a)  # from storage again: the hits add up
+    assert fresh.stats.storage_hit_tokens == 12
 
 
 def test_storage_extends_a_device_match_and_stops_at_the_first_missing_page() -> None:
@@ -550,11 +555,12 @@ def test_an_insert_over_a_host_only_node_takes_the_callers_slots() -> None:
     cache = make()
     put(cache, [1, 2, 3])
     assert cache.evict(3) == 3
+    put(cache, [9])
     node = node_of(cache, [1, 2, 3])
     slots = put_new(cache, [1, 2, 3, 4, 5])
     assert cache.insert([1, 2, 3, 4, 5], slots) == 0  # nothing counts as already cached
     assert node.value is not None and node.value.tolist() == slots[:3].tolist()
-    assert cache.evictable_size == 5
+    assert cache.evictable_size == 6
     assert cache.match_prefix([1, 2, 3, 4, 5]).kv_indices.tolist() == slots.tolist()
     cache.check_tiers()
 
@@ -589,12 +595,15 @@ def test_storage_is_read_for_a_single_page_and_under_the_extra_key() -> None:
     assert reader.match_prefix([1, 2, 3, 4]).kv_indices.numel() == 0  # another root
     miss = reader.match_prefix([1, 2, 3, 4], "other")
     assert miss.last_node is reader._root("other")
+    put(reader, [7, 7])
     put(reader, [1, 2], "lora")
     match = reader.match_prefix([1, 2, 3, 4], "lora")  # one page past the device part
     assert kv_tokens(reader, match.kv_indices) == [1, 2, 3, 4]
     fetched = match.last_node
     assert isinstance(fetched, HiTreeNode) and fetched.parent is node_of(reader, [1, 2], "lora")
     assert reader.stats.storage_hit_tokens == 2
+    assert reader.evict(2) == 2  # the fetched node is the most recent: [7, 7] goes first
+    assert node_of(reader, [7, 7]).value is None and fetched.value is not None
     fresh = make("write_through", page=2, storage=store)
     first = fresh.match_prefix([1, 2, 3, 4], "lora")  # from the root of "lora"
     assert first.last_node.parent is fresh._root("lora") and len(first.kv_indices) == 4
