@@ -126,6 +126,8 @@ def _read_header(path: Path) -> dict[str, list[int]]:
             if not 2 <= length <= min(MAX_HEADER_BYTES, size - 8):
                 raise ConfigError(f"'{path}' is not a safetensors file (bad header length)")
             header = json.loads(f.read(length))
+    except ConfigError:
+        raise  # a ValueError: not wrapped as an unreadable header below
     except OSError as e:
         raise ConfigError(f"cannot read '{path}': {e.strerror or e}") from None
     except (ValueError, UnicodeDecodeError, RecursionError) as e:

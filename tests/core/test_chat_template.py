@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import pytest
 from tiny_models import SPECIAL_TOKENS, make_tokenizer_json
 
@@ -253,3 +254,84 @@ def test_raise_exception_and_sandbox(tmp_path: Path) -> None:
     escape = "{% set ns = namespace(_x=1) %}{{ ns._x }}"
     with pytest.raises(InvalidRequest, match="underscore"):
         Tokenizer(tmp_path, chat_template=escape).apply_chat_template(chat[:1])
+
+
+# -- the renderer alone (core/chat_template.py), without a tokenizer --------------------------
+
+
+class _Str(str):
+    secret = "leaked"
+
+
+class _Int(int):
+    secret = "leaked"
+
+
+class _Float(float):
+    secret = "leaked"
+
+
+def test_only_plain_json_data_reaches_the_template() -> None:
+    from pydantic import BaseModel
+
+    from radixserve.core.chat_template import render
+
+    class Tool(BaseModel):
+        name: str
+        tags: tuple[str, ...]
+
+    source = (
+        "{% for x in items %}[{{ x }}|{{ x.secret }}]{% endfor %}"
+        "{{ pair[1] }}{{ pair | length }}{{ tool.name }}{{ tool.tags[0] }}{{ other }}"
+    )
+    items = [_Str("s"), _Int(3), _Float(1.5), True]
+    tool = Tool(name="f", tags=("t",))
+    out = render(source, [], items=items, pair=(_Str("a"), _Str("b")), tool=tool, other=object())
+    assert out == "[s|][3|][1.5|][True|]b2ft<object>"
+
+
+def test_reasoning_aliases_messages_and_the_generation_prompt() -> None:
+    from radixserve.core.chat_template import render
+
+    source = (
+        "{% for m in messages %}{{ m.role }}:{{ m.thinking }}/{{ m.reasoning_content }}"
+        "/{{ m.content is defined }};{% endfor %}{% if add_generation_prompt %}GEN{% endif %}"
+    )
+    chat = [{"role": "assistant", "content": None, "reasoning": "why"}]
+    assert render(source, chat) == "assistant:why/why/False;"
+    assert render(source, chat, add_generation_prompt=True).endswith("GEN")
+
+
+def test_tojson_dict_and_namespace_globals() -> None:
+    from radixserve.core.chat_template import render
+
+    source = (
+        "{{ d | tojson(sort_keys=True) }} {{ d | tojson }} {{ 'é' | tojson }} "
+        "{{ dict([['a', 1]]) | tojson }} {{ dict.fromkeys(['x', 'y'], 0) | tojson }} "
+        "{% set ns = namespace({'n': 1}, m=2) %}{% set ns.n = ns.n + 1 %}{{ ns.n }}{{ ns.m }}"
+    )
+    assert render(source, [], d={"b": 1, "a": 2}) == (
+        '{"a": 2, "b": 1} {"b": 1, "a": 2} "é" {"a": 1} {"x": 0, "y": 0} 22'
+    )
+    with pytest.raises(jinja2.exceptions.SecurityError, match="'_hidden'"):
+        render("{% set ns = namespace() %}{% set ns._hidden = 1 %}", [])
+    with pytest.raises(jinja2.exceptions.SecurityError, match="'_x'"):
+        render("{% set ns = namespace({'_x': 1}) %}", [])
+
+
+def test_select_template_by_name_tools_and_default() -> None:
+    from radixserve.core.chat_template import select_template
+
+    named = {"default": "D", "tool_use": "T", "rag": "R"}
+    assert select_template("S") == "S"
+    assert select_template(named, "rag") == "R"
+    assert select_template(named, "rag", tools=[{}]) == "R"
+    assert select_template(named, "missing") == "D"
+    assert select_template(named, "missing", tools=[]) == "T"
+    assert select_template(named) == "D"
+    assert select_template({"default": "D", "rag": "R"}, tools=[{}]) == "D"
+    with pytest.raises(jinja2.TemplateError) as e:
+        select_template({"rag": "R", "chat": "C"}, "missing")
+    assert str(e.value) == (
+        "the model has several chat templates and none is named 'default'; available: chat, rag"
+    )

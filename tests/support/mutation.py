@@ -86,6 +86,25 @@ MODULES: dict[str, list[str]] = {
     "core/lora.py": ["tests/core/test_lora.py", "tests/core/test_lora_loading.py"],
     # A fake backend on the real worker threads, a split clock for the deadlines
     "core/grammar_queue.py": ["tests/core/test_grammar_queue.py"],
+    # The tiered tree on a CPU device pool, a host pool and an in-memory storage backend
+    # (test_hicache.py runs the tiny Llama: ~30 s).
+    "core/hicache.py": ["tests/core/test_hicache_tree.py"],
+    # The page keys and the guard, engine-free (the file backend for a real one; NIXL and
+    # Mooncake start their own servers: left out).
+    "core/hicache_storage.py": [
+        "tests/plugins/test_hicache_storage.py",
+        "-k",
+        "guard or page_keys or file_backend",
+    ],
+    # Hashes, pad ids, the encoder cache and the registration's image processor, engine-free
+    # (the vision tests run the tiny VLMs).
+    "core/multimodal.py": ["tests/core/test_multimodal.py"],
+    # Our renderer against transformers' apply_chat_template, through the Tokenizer (~2 s).
+    "core/chat_template.py": ["tests/core/test_chat_template.py"],
+    # Prompt positions to score and logprobs from hand-made logits rows (no model).
+    "core/logprobs.py": ["tests/core/test_logprobs.py"],
+    # Reload checks on a tiny random Llama's files (built once per run: ~3 s).
+    "core/checkpoint.py": ["tests/core/test_checkpoint.py"],
 }
 
 
