@@ -280,9 +280,7 @@ def test_cuda_backup_is_asynchronous_and_host_readers_wait(layout: str, io_backe
     host = HostKVPool(dev, 64, 4, layout, io_backend)
     slots = torch.tensor([*range(8, 12), *range(20, 24)])
     want = [dev.k[layer][[1, 2, 3, 4, 5, 6, 7, 8]].cpu() for layer in range(LAYERS)]
-    big = torch.randn(4096, 4096, device="cuda")
-    for _ in range(20):  # keep the device busy, so that the copies cannot have run yet
-        big = big @ big / 64
+    torch.cuda._sleep(200_000_000)  # the device busy for ~0.1 s: the copies queue behind it
     host.backup(torch.arange(1, 9), slots)
     assert host._pending is not None and not host._pending.query()
     pages = host.read_pages(slots)
@@ -290,8 +288,9 @@ def test_cuda_backup_is_asynchronous_and_host_readers_wait(layout: str, io_backe
     for layer in range(LAYERS):
         assert torch.equal(pages[:, layer, 0], want[layer])
     data = pages + 1
+    torch.cuda._sleep(200_000_000)
     host.load(slots, torch.arange(1, 9))
-    host.write_pages(slots, data)  # waits for the load's reads of the old page
+    host.write_pages(slots, data)  # waits for the queued load's reads of the old page
     host.load(slots, torch.arange(9, 17))
     torch.cuda.synchronize()
     for layer in range(LAYERS):
