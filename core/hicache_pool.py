@@ -27,9 +27,9 @@ import torch
 from radixserve.core.config_checks import ConfigError
 from radixserve.core.memory import KVPool, TokenAllocator
 
-#: layer_first loads with at most this many runs of host slots copy each run of each layer to
-#: the device (runs x layers x 2 copies); with more, one CPU gather per layer's K and V into
-#: pinned staging and one copy each (layers x 2 copies) cost fewer calls
+#: layer_first loads (CUDA) with at most this many runs of host slots copy each run of each
+#: layer to the device (runs x layers x 2 copies); with more, one CPU gather per layer's K and
+#: V into pinned staging and one copy each (layers x 2 copies) cost fewer calls
 RUN_COPY_MAX_RUNS = 8
 #: the most bytes of device staging a copy holds at once (larger copies go in chunks): the
 #: device pool fills the device, and on the CPU smaller blocks are reused by malloc instead
@@ -59,7 +59,12 @@ class HostKVPool:
         self._pin = on_cuda  # host buffers pinned, copies asynchronous
         self._pending: Any = None  # a CUDA event after the last queued copies
         self.staging_bytes = STAGING_BYTES.get(k0.device.type, STAGING_BYTES["cpu"])
-        self.run_copy_max_runs = RUN_COPY_MAX_RUNS
+        #: loads with more runs of host slots than this gather on the host instead. On the CPU
+        #: always: with no bus between the pools, staging runs would only add a copy; on CUDA
+        #: a page_first run is one copy of every layer, so never
+        self.run_copy_max_runs = (
+            0 if not on_cuda else RUN_COPY_MAX_RUNS if layout == "layer_first" else 1 << 62
+        )
         rows = size + 1
         opts: dict[str, Any] = {"dtype": self.dtype, "pin_memory": on_cuda}
         if layout == "page_first":
@@ -95,7 +100,7 @@ class HostKVPool:
                         torch.index_select(dev.v[layer], 0, rows, out=staging[:, layer, 1])
                     _copy_runs(chunk, staging, self.buf, to_host=True)
                     continue
-                # a CPU pool's staging is host memory: past a few runs one scatter is cheaper
+                # a CPU pool's staging is host memory: one scatter past run_copy_max_runs runs
                 many = not self._pin and len(chunk) > self.run_copy_max_runs
                 scatter = _run_slots(chunk) if many else None
                 for layer in range(self.num_layers):
@@ -109,16 +114,17 @@ class HostKVPool:
 
     def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
         """Copy the host pool's KV at ``host_slots`` into the device pool at ``device_slots``:
-        one copy per run of consecutive host slots into device staging (in layer_first per
-        layer's K and V, and only up to ``run_copy_max_runs`` runs: past that a CPU gather
-        into pinned staging), then one ``index_copy_`` per layer's K and V on the device."""
+        one copy per run of consecutive host slots into device staging (page_first: all
+        layers at once; layer_first: per layer's K and V), then one ``index_copy_`` per
+        layer's K and V on the device. Past ``run_copy_max_runs`` runs: a gather on the host
+        into (pinned) staging per layer's K and V instead, one copy each."""
         runs = slot_runs(host_slots)
         if not runs:
             return
         dev = self.device_pool
         with self._on_copy_stream():
             index = self._on_device(device_slots)
-            if self.layout == "layer_first" and len(runs) > self.run_copy_max_runs:
+            if len(runs) > self.run_copy_max_runs:
                 self._load_gathered(host_slots, index)
                 runs = []
             for at, count, chunk in _chunks(runs, self._chunk_tokens()):
@@ -140,14 +146,21 @@ class HostKVPool:
     def _load_gathered(self, host_slots: torch.Tensor, index: torch.Tensor) -> None:
         dev = self.device_pool
         for layer in range(self.num_layers):
-            for host, pool in ((self.k, dev.k), (self.v, dev.v)):
+            if self.layout == "page_first":
+                pairs = (
+                    (self.buf[:, layer, 0], dev.k[layer]),
+                    (self.buf[:, layer, 1], dev.v[layer]),
+                )
+            else:
+                pairs = ((self.k[layer], dev.k[layer]), (self.v[layer], dev.v[layer]))
+            for host, pool in pairs:
                 # NOTE: a pinned block from torch's caching host allocator, which does not
                 # hand it out again before the asynchronous copy out of it ran
                 staging = torch.empty(
                     (len(host_slots), *self.token_shape), dtype=self.dtype, pin_memory=self._pin
                 )
-                torch.index_select(host[layer], 0, host_slots, out=staging)
-                pool[layer].index_copy_(0, index, staging.to(index.device, non_blocking=True))
+                torch.index_select(host, 0, host_slots, out=staging)
+                pool.index_copy_(0, index, staging.to(index.device, non_blocking=True))
 
     def read_pages(self, host_slots: torch.Tensor) -> torch.Tensor:
         """The KV at ``host_slots`` as one contiguous [n, layers, 2, heads, head_dim] tensor

@@ -181,10 +181,15 @@ HOST_CASES = {
 }
 
 
+@pytest.mark.parametrize("by_runs", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("case", HOST_CASES)
-def test_run_copies_equal_indexed_copies(layout: str, dtype: torch.dtype, case: str) -> None:
+def test_run_copies_equal_indexed_copies(
+    layout: str, dtype: torch.dtype, case: str, by_runs: bool
+) -> None:
+    """Backup and load give what indexed copies give, on the CPU pool's default path (gather /
+    scatter on the host) and by runs of host slots (CUDA's path)."""
     host_slots = torch.tensor(HOST_CASES[case])
     n = len(host_slots)
     dev = KVPool(64, LAYERS, HEADS, HEAD_DIM, dtype, "cpu")
@@ -192,6 +197,9 @@ def test_run_copies_equal_indexed_copies(layout: str, dtype: torch.dtype, case: 
         t.normal_(generator=torch.Generator().manual_seed(t.data_ptr() % 1000))
     device_slots = torch.randperm(64, generator=torch.Generator().manual_seed(n))[:n] + 1
     got, want = (HostKVPool(dev, 64, 4, layout, "direct") for _ in range(2))
+    assert got.run_copy_max_runs == 0  # on the CPU
+    if by_runs:
+        got.run_copy_max_runs = 1 << 30
     got.backup(device_slots, host_slots)
     indexed_backup(want, device_slots, host_slots)
     for g, w in zip(host_state(got), host_state(want), strict=True):
