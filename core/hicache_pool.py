@@ -82,13 +82,19 @@ class HostKVPool:
         """Copy the device pool's KV at ``device_slots`` to the host pool at ``host_slots``:
         a gather into device staging, then one copy per run of consecutive host slots (per
         layer's K and V in layer_first). Nothing here waits for the copies; host-side readers
-        of the host buffers do (``wait_copies``)."""
+        of the host buffers do (``wait_copies``). A CPU pool past ``run_copy_max_runs`` runs
+        (by default always) scatters into the host buffers instead: its staging is host memory."""
         runs = slot_runs(host_slots)
         if not runs:
             return
         dev = self.device_pool
         with self._on_copy_stream():
             index = self._on_device(device_slots)
+            if not self._pin and len(runs) > self.run_copy_max_runs:
+                for layer in range(self.num_layers):
+                    for host, pool in self._layer_pairs(layer):
+                        host.index_copy_(0, host_slots, pool.index_select(0, index))
+                runs = []
             # NOTE: staging is allocated on the stream that copies out of it, so the caching
             # allocator does not hand its memory out again before those copies ran
             for at, count, chunk in _chunks(runs, self._chunk_tokens()):
@@ -100,16 +106,10 @@ class HostKVPool:
                         torch.index_select(dev.v[layer], 0, rows, out=staging[:, layer, 1])
                     _copy_runs(chunk, staging, self.buf, to_host=True)
                     continue
-                # a CPU pool's staging is host memory: one scatter past run_copy_max_runs runs
-                many = not self._pin and len(chunk) > self.run_copy_max_runs
-                scatter = _run_slots(chunk) if many else None
                 for layer in range(self.num_layers):
                     for host, pool in ((self.k, dev.k), (self.v, dev.v)):
                         staging = torch.index_select(pool[layer], 0, rows)
-                        if scatter is not None:
-                            host[layer].index_copy_(0, scatter, staging)
-                        else:
-                            _copy_runs(chunk, staging, host[layer], to_host=True)
+                        _copy_runs(chunk, staging, host[layer], to_host=True)
             self._record()
 
     def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
@@ -144,16 +144,8 @@ class HostKVPool:
             self._record()
 
     def _load_gathered(self, host_slots: torch.Tensor, index: torch.Tensor) -> None:
-        dev = self.device_pool
         for layer in range(self.num_layers):
-            if self.layout == "page_first":
-                pairs = (
-                    (self.buf[:, layer, 0], dev.k[layer]),
-                    (self.buf[:, layer, 1], dev.v[layer]),
-                )
-            else:
-                pairs = ((self.k[layer], dev.k[layer]), (self.v[layer], dev.v[layer]))
-            for host, pool in pairs:
+            for host, pool in self._layer_pairs(layer):
                 # NOTE: a pinned block from torch's caching host allocator, which does not
                 # hand it out again before the asynchronous copy out of it ran
                 staging = torch.empty(
@@ -161,6 +153,13 @@ class HostKVPool:
                 )
                 torch.index_select(host, 0, host_slots, out=staging)
                 pool.index_copy_(0, index, staging.to(index.device, non_blocking=True))
+
+    def _layer_pairs(self, layer: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """(host buffer, device buffer) of ``layer``'s K and of its V, indexed by slot."""
+        dev = self.device_pool
+        if self.layout == "page_first":
+            return (self.buf[:, layer, 0], dev.k[layer]), (self.buf[:, layer, 1], dev.v[layer])
+        return (self.k[layer], dev.k[layer]), (self.v[layer], dev.v[layer])
 
     def read_pages(self, host_slots: torch.Tensor) -> torch.Tensor:
         """The KV at ``host_slots`` as one contiguous [n, layers, 2, heads, head_dim] tensor
@@ -248,10 +247,6 @@ def _chunks(
                 at, count, chunk = at + count, 0, []
     if chunk:
         yield at, count, chunk
-
-
-def _run_slots(runs: list[tuple[int, int]]) -> torch.Tensor:
-    return torch.cat([torch.arange(first, first + n) for first, n in runs])
 
 
 def _copy_runs(

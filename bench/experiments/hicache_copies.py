@@ -116,17 +116,20 @@ def indexed_load(host: HostKVPool, host_slots: torch.Tensor, device_slots: torch
 def copy_ways(
     host: HostKVPool, host_slots: torch.Tensor, device_slots: torch.Tensor, indexed: bool
 ) -> list[tuple[str, Callable[[], Any], Callable[[], Any]]]:
-    """(name, backup, load) per way to time: by runs; layer_first loads by a host gather too
-    (its backup is the runs one); the indexed copies from before runs."""
+    """(name, backup, load) per way to time: by runs (CUDA's default), by a host gather /
+    scatter (the CPU's default; on CUDA a backup never scatters, so it is the runs one), and
+    the indexed copies from before runs."""
+
+    def backup(max_runs: int) -> None:
+        host.run_copy_max_runs = max_runs
+        host.backup(device_slots, host_slots)
 
     def load(max_runs: int) -> None:
         host.run_copy_max_runs = max_runs
         host.load(host_slots, device_slots)
 
-    backup = partial(host.backup, device_slots, host_slots)
-    ways = [("runs", backup, partial(load, 1 << 30))]
-    if host.layout == "layer_first":
-        ways.append(("gather", backup, partial(load, 0)))
+    ways = [("runs", partial(backup, 1 << 30), partial(load, 1 << 30))]
+    ways.append(("gather", partial(backup, 0), partial(load, 0)))
     if indexed:
         ways.append((
             "indexed",
@@ -168,8 +171,8 @@ def main() -> None:
             ways = copy_ways(host, host_slots, device_slots, indexed=not args.no_indexed)
             for name, backup, load in ways:
                 for op, fn in (("backup", backup), ("load", load)):
-                    if op == "backup" and name == "gather":
-                        continue  # backups never gather on the host
+                    if op == "backup" and name == "gather" and args.device == "cuda":
+                        continue  # the same as by runs: backups scatter on the host on the CPU only
                     gbps = nbytes / median_s(fn, args.device, args.reps) / 1e9
                     share = gbps / ceiling[op]
                     rows.append([layout, order, runs, name, op, f"{gbps:.2f}", f"{share:.2f}"])
@@ -178,6 +181,8 @@ def main() -> None:
     print(f"{args.tokens} tokens, {layers} layers x {heads} heads x {head_dim} dim, {args.dtype}"
           f", {nbytes / 1e6:.0f} MB a copy; {args.device}, io backend {io_backend}; ceiling: "
           f"load {ceiling['load']:.2f} GB/s, backup {ceiling['backup']:.2f} GB/s")  # fmt: skip
+    default = "runs (layer_first: gather past 8)" if args.device == "cuda" else "gather"
+    print(f"HostKVPool's default way on {args.device}: {default}")
     headers = ["layout", "host pages", "runs", "way", "op", "GB/s", "of ceiling"]
     print(format_table(headers, rows))
     if args.json_out:
