@@ -107,9 +107,9 @@ class HostKVPool:
                     _copy_runs(chunk, staging, self.buf, to_host=True)
                     continue
                 for layer in range(self.num_layers):
-                    for host, pool in ((self.k, dev.k), (self.v, dev.v)):
-                        staging = torch.index_select(pool[layer], 0, rows)
-                        _copy_runs(chunk, staging, host[layer], to_host=True)
+                    for host, pool in self._layer_pairs(layer):
+                        staging = torch.index_select(pool, 0, rows)
+                        _copy_runs(chunk, staging, host, to_host=True)
             self._record()
 
     def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
@@ -137,13 +137,14 @@ class HostKVPool:
                         dev.v[layer].index_copy_(0, rows, staging[:, layer, 1])
                     continue
                 for layer in range(self.num_layers):
-                    for host, pool in ((self.k, dev.k), (self.v, dev.v)):
+                    for host, pool in self._layer_pairs(layer):
                         staging = self._device_empty(count)
-                        _copy_runs(chunk, host[layer], staging, to_host=False)
-                        pool[layer].index_copy_(0, rows, staging)
+                        _copy_runs(chunk, host, staging, to_host=False)
+                        pool.index_copy_(0, rows, staging)
             self._record()
 
     def _load_gathered(self, host_slots: torch.Tensor, index: torch.Tensor) -> None:
+        self.wait_copies()  # the gather reads the host buffers on the host
         for layer in range(self.num_layers):
             for host, pool in self._layer_pairs(layer):
                 # NOTE: a pinned block from torch's caching host allocator, which does not

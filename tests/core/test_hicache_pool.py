@@ -304,3 +304,21 @@ def test_cuda_backup_is_asynchronous_and_host_readers_wait(layout: str, io_backe
     for layer in range(LAYERS):
         assert torch.equal(dev.k[layer][1:9].cpu(), want[layer])
         assert torch.equal(dev.k[layer][9:17].cpu(), data[:, layer, 0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("io_backend", ["direct", "kernel"])
+def test_cuda_host_gather_waits_for_a_queued_backup(io_backend: str) -> None:
+    """A layer_first load past run_copy_max_runs gathers on the host: it must read what a
+    backup still queued behind device work writes there."""
+    dev = device_pool(device="cuda")
+    host = HostKVPool(dev, 64, 1, "layer_first", io_backend)
+    host.run_copy_max_runs = 0
+    want = [dev.k[layer][1:5].cpu() for layer in range(LAYERS)]
+    torch.cuda._sleep(200_000_000)
+    host.backup(torch.arange(1, 5), torch.tensor([30, 10, 50, 20]))
+    host.load(torch.tensor([30, 10, 50, 20]), torch.arange(9, 13))
+    torch.cuda.synchronize()
+    for layer in range(LAYERS):
+        assert torch.equal(dev.k[layer][9:13].cpu(), want[layer])
