@@ -147,8 +147,8 @@ class EngineConfig:
     )
     hicache_io_backend: str = _opt(
         "direct",
-        "How KV moves between device and host: direct (indexed copies on the compute stream) "
-        "or kernel (CUDA only: a copy stream beside the compute stream)",
+        "How KV moves between device and host: direct (copies on the compute stream) or "
+        "kernel (CUDA only: a copy stream beside the compute stream)",
     )
     hicache_mem_layout: str = _opt(
         "layer_first",

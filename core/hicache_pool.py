@@ -9,16 +9,32 @@ Copies (``--hicache-io-backend``): ``direct`` copies on the compute stream; ``ke
 queues them on a copy stream that first waits for the compute stream, and the compute stream
 waits for the copies before its next kernels, so a loaded page is there before a step reads
 it, and a page freed after its backup is not overwritten before it was read.
+
+Host slots come in pages, so a node's host slots are mostly long runs of consecutive slots:
+the copies move whole runs between the (pinned, on CUDA) host buffers and a device staging
+tensor, and the scatter or gather by device slot happens on the device. On CUDA they are
+asynchronous: an event recorded after them is what host-side readers and writers of the host
+buffers (``read_pages``, ``write_pages``) wait for.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from radixserve.core.config_checks import ConfigError
 from radixserve.core.memory import KVPool, TokenAllocator
+
+#: layer_first loads (CUDA) with at most this many runs of host slots copy each run of each
+#: layer to the device (runs x layers x 2 copies); with more, one CPU gather per layer's K and
+#: V into pinned staging and one copy each (layers x 2 copies) cost fewer calls
+RUN_COPY_MAX_RUNS = 8
+#: the most bytes of device staging a copy holds at once (larger copies go in chunks): the
+#: device pool fills the device, and on the CPU smaller blocks are reused by malloc instead
+#: of being mapped and faulted in anew each time
+STAGING_BYTES = {"cuda": 64 << 20, "cpu": 30 << 20}
 
 
 class HostKVPool:
@@ -40,6 +56,15 @@ class HostKVPool:
                 f"{k0.device.type}"
             )
         self._stream: Any = torch.cuda.Stream(k0.device) if io_backend == "kernel" else None
+        self._pin = on_cuda  # host buffers pinned, copies asynchronous
+        self._pending: Any = None  # a CUDA event after the last queued copies
+        self.staging_bytes = STAGING_BYTES.get(k0.device.type, STAGING_BYTES["cpu"])
+        #: loads with more runs of host slots than this gather on the host instead. On the CPU
+        #: always: with no bus between the pools, staging runs would only add a copy; on CUDA
+        #: a page_first run is one copy of every layer, so never
+        self.run_copy_max_runs = (
+            0 if not on_cuda else RUN_COPY_MAX_RUNS if layout == "layer_first" else 1 << 62
+        )
         rows = size + 1
         opts: dict[str, Any] = {"dtype": self.dtype, "pin_memory": on_cuda}
         if layout == "page_first":
@@ -54,41 +79,93 @@ class HostKVPool:
         return 2 * len(device_pool.k) * k0[0].numel() * k0.element_size()
 
     def backup(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
-        """Copy the device pool's KV at ``device_slots`` to the host pool at ``host_slots``."""
+        """Copy the device pool's KV at ``device_slots`` to the host pool at ``host_slots``:
+        a gather into device staging, then one copy per run of consecutive host slots (per
+        layer's K and V in layer_first). Nothing here waits for the copies; host-side readers
+        of the host buffers do (``wait_copies``). A CPU pool past ``run_copy_max_runs`` runs
+        (by default always) scatters into the host buffers instead: its staging is host memory."""
+        runs = slot_runs(host_slots)
+        if not runs:
+            return
         dev = self.device_pool
         with self._on_copy_stream():
-            index = device_slots.to(dev.k[0].device)
-            for layer in range(self.num_layers):
-                # NOTE: a blocking copy: the host buffer is written from host code next.
-                k = dev.k[layer].index_select(0, index).cpu()
-                v = dev.v[layer].index_select(0, index).cpu()
-                # index_copy_ / index_select: several times faster than indexed assignment
+            index = self._on_device(device_slots)
+            if not self._pin and len(runs) > self.run_copy_max_runs:
+                for layer in range(self.num_layers):
+                    for host, pool in self._layer_pairs(layer):
+                        host.index_copy_(0, host_slots, pool.index_select(0, index))
+                runs = []
+            # NOTE: staging is allocated on the stream that copies out of it, so the caching
+            # allocator does not hand its memory out again before those copies ran
+            for at, count, chunk in _chunks(runs, self._chunk_tokens()):
+                rows = index[at : at + count]
                 if self.layout == "page_first":
-                    self.buf[:, layer, 0].index_copy_(0, host_slots, k)
-                    self.buf[:, layer, 1].index_copy_(0, host_slots, v)
-                else:
-                    self.k[layer].index_copy_(0, host_slots, k)
-                    self.v[layer].index_copy_(0, host_slots, v)
+                    staging = self._device_empty(count, self.num_layers, 2)
+                    for layer in range(self.num_layers):
+                        torch.index_select(dev.k[layer], 0, rows, out=staging[:, layer, 0])
+                        torch.index_select(dev.v[layer], 0, rows, out=staging[:, layer, 1])
+                    _copy_runs(chunk, staging, self.buf, to_host=True)
+                    continue
+                for layer in range(self.num_layers):
+                    for host, pool in self._layer_pairs(layer):
+                        staging = torch.index_select(pool, 0, rows)
+                        _copy_runs(chunk, staging, host, to_host=True)
+            self._record()
 
     def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
-        """Copy the host pool's KV at ``host_slots`` into the device pool at ``device_slots``."""
+        """Copy the host pool's KV at ``host_slots`` into the device pool at ``device_slots``:
+        one copy per run of consecutive host slots into device staging (page_first: all
+        layers at once; layer_first: per layer's K and V), then one ``index_copy_`` per
+        layer's K and V on the device. Past ``run_copy_max_runs`` runs: a gather on the host
+        into (pinned) staging per layer's K and V instead, one copy each."""
+        runs = slot_runs(host_slots)
+        if not runs:
+            return
         dev = self.device_pool
-        device = dev.k[0].device
         with self._on_copy_stream():
-            index = device_slots.to(device)
-            for layer in range(self.num_layers):
+            index = self._on_device(device_slots)
+            if len(runs) > self.run_copy_max_runs:
+                self._load_gathered(host_slots, index)
+                runs = []
+            for at, count, chunk in _chunks(runs, self._chunk_tokens()):
+                rows = index[at : at + count]
                 if self.layout == "page_first":
-                    k = self.buf[:, layer, 0].index_select(0, host_slots)
-                    v = self.buf[:, layer, 1].index_select(0, host_slots)
-                else:
-                    k = self.k[layer].index_select(0, host_slots)
-                    v = self.v[layer].index_select(0, host_slots)
-                dev.k[layer].index_copy_(0, index, k.to(device, non_blocking=True))
-                dev.v[layer].index_copy_(0, index, v.to(device, non_blocking=True))
+                    staging = self._device_empty(count, self.num_layers, 2)
+                    _copy_runs(chunk, self.buf, staging, to_host=False)
+                    for layer in range(self.num_layers):
+                        dev.k[layer].index_copy_(0, rows, staging[:, layer, 0])
+                        dev.v[layer].index_copy_(0, rows, staging[:, layer, 1])
+                    continue
+                for layer in range(self.num_layers):
+                    for host, pool in self._layer_pairs(layer):
+                        staging = self._device_empty(count)
+                        _copy_runs(chunk, host, staging, to_host=False)
+                        pool.index_copy_(0, rows, staging)
+            self._record()
+
+    def _load_gathered(self, host_slots: torch.Tensor, index: torch.Tensor) -> None:
+        self.wait_copies()  # the gather reads the host buffers on the host
+        for layer in range(self.num_layers):
+            for host, pool in self._layer_pairs(layer):
+                # NOTE: a pinned block from torch's caching host allocator, which does not
+                # hand it out again before the asynchronous copy out of it ran
+                staging = torch.empty(
+                    (len(host_slots), *self.token_shape), dtype=self.dtype, pin_memory=self._pin
+                )
+                torch.index_select(host, 0, host_slots, out=staging)
+                pool.index_copy_(0, index, staging.to(index.device, non_blocking=True))
+
+    def _layer_pairs(self, layer: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """(host buffer, device buffer) of ``layer``'s K and of its V, indexed by slot."""
+        dev = self.device_pool
+        if self.layout == "page_first":
+            return (self.buf[:, layer, 0], dev.k[layer]), (self.buf[:, layer, 1], dev.v[layer])
+        return (self.k[layer], dev.k[layer]), (self.v[layer], dev.v[layer])
 
     def read_pages(self, host_slots: torch.Tensor) -> torch.Tensor:
         """The KV at ``host_slots`` as one contiguous [n, layers, 2, heads, head_dim] tensor
         (a storage page)."""
+        self.wait_copies()
         if self.layout == "page_first":
             return self.buf[host_slots].contiguous()
         k = torch.stack([t[host_slots] for t in self.k], dim=1)
@@ -97,6 +174,7 @@ class HostKVPool:
 
     def write_pages(self, host_slots: torch.Tensor, data: torch.Tensor) -> None:
         """Put ``read_pages``' form of KV at ``host_slots``."""
+        self.wait_copies()
         if self.layout == "page_first":
             self.buf[host_slots] = data
             return
@@ -107,8 +185,83 @@ class HostKVPool:
     def page_shape(self, num_tokens: int) -> tuple[int, ...]:
         return (num_tokens, self.num_layers, 2, *self.token_shape)
 
+    def wait_copies(self) -> None:
+        """Block until the copies queued so far (backups and loads) ran: any host-side read or
+        write of the host buffers calls this first."""
+        if self._pending is not None:
+            self._pending.synchronize()
+            self._pending = None
+
+    def _record(self) -> None:
+        if self._pin:  # CUDA: the copies above are asynchronous
+            self._pending = torch.cuda.Event()
+            self._pending.record()
+
+    def _on_device(self, slots: torch.Tensor) -> torch.Tensor:
+        device = self.device_pool.k[0].device
+        if slots.device == device:
+            return slots
+        # a pageable copy would wait for the copy stream (all queued work) before returning
+        return (slots.pin_memory() if self._pin else slots).to(device, non_blocking=True)
+
+    def _chunk_tokens(self) -> int:
+        """Tokens per chunk of staging: all layers' K and V of a token in page_first, one
+        layer's K or V in layer_first."""
+        per_token = self.device_pool.k[0][0].numel() * self.device_pool.k[0].element_size()
+        if self.layout == "page_first":
+            per_token *= 2 * self.num_layers
+        return max(1, self.staging_bytes // per_token)
+
+    def _device_empty(self, *lead: int) -> torch.Tensor:
+        device = self.device_pool.k[0].device
+        return torch.empty((*lead, *self.token_shape), dtype=self.dtype, device=device)
+
     def _on_copy_stream(self) -> Any:
         return _CopyStream(self._stream)
+
+
+def slot_runs(slots: torch.Tensor) -> list[tuple[int, int]]:
+    """A CPU int64 slot tensor as its runs of consecutive slots, (first slot, length) each in
+    order, found in one vectorized pass (host slots come in pages, so runs are long)."""
+    n = len(slots)
+    if n == 0:
+        return []
+    breaks = (torch.nonzero(slots[1:] - slots[:-1] != 1).flatten() + 1).tolist()
+    bounds = [0, *breaks, n]
+    firsts = slots[bounds[:-1]].tolist()
+    return [(first, bounds[i + 1] - bounds[i]) for i, first in enumerate(firsts)]
+
+
+def _chunks(
+    runs: list[tuple[int, int]], limit: int
+) -> Iterator[tuple[int, int, list[tuple[int, int]]]]:
+    """``runs`` regrouped into chunks of at most ``limit`` slots (a run may be split): each
+    as (position of its first slot among all, its slot count, its runs)."""
+    at, count, chunk = 0, 0, []
+    for first, length in runs:
+        while length:
+            take = min(length, limit - count)
+            chunk.append((first, take))
+            count, first, length = count + take, first + take, length - take
+            if count == limit:
+                yield at, count, chunk
+                at, count, chunk = at + count, 0, []
+    if chunk:
+        yield at, count, chunk
+
+
+def _copy_runs(
+    runs: list[tuple[int, int]], src: torch.Tensor, dst: torch.Tensor, to_host: bool
+) -> None:
+    """One copy per run between a host buffer indexed by slot and a staging tensor holding the
+    runs back to back (``to_host``: staging -> host buffer)."""
+    at = 0
+    for first, length in runs:
+        if to_host:
+            dst[first : first + length].copy_(src[at : at + length], non_blocking=True)
+        else:
+            dst[at : at + length].copy_(src[first : first + length], non_blocking=True)
+        at += length
 
 
 class _CopyStream:

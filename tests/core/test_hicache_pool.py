@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from radixserve.core.config_checks import ConfigError
-from radixserve.core.hicache_pool import HostKVPool
+from radixserve.core.hicache_pool import HostKVPool, _chunks, slot_runs
 from radixserve.core.memory import KVPool
 
 LAYERS, HEADS, HEAD_DIM = 3, 2, 4
@@ -145,3 +145,180 @@ def test_copies_between_a_cuda_pool_and_pinned_host_memory(layout: str, io_backe
     for layer in range(LAYERS):
         assert torch.equal(dev.k[layer][[8, 1]].cpu(), want_k[layer])
         assert torch.equal(dev.v[layer][[8, 1]].cpu(), want_v[layer])
+
+
+# -- copies by runs of host slots: the same result as indexed copies, slot by slot -----------
+
+
+def indexed_backup(host: HostKVPool, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+    """What backup did before copies went by runs: one indexed copy per layer's K and V."""
+    dev = host.device_pool
+    for layer in range(host.num_layers):
+        if host.layout == "page_first":
+            host.buf[host_slots, layer, 0] = dev.k[layer][device_slots]
+            host.buf[host_slots, layer, 1] = dev.v[layer][device_slots]
+        else:
+            host.k[layer][host_slots] = dev.k[layer][device_slots]
+            host.v[layer][host_slots] = dev.v[layer][device_slots]
+
+
+def host_state(host: HostKVPool) -> list[torch.Tensor]:
+    return [host.buf] if host.layout == "page_first" else [*host.k, *host.v]
+
+
+def paged_slots(pages: list[int], page: int) -> torch.Tensor:
+    return torch.tensor([p * page + i for p in pages for i in range(page)])
+
+
+# host slots: a single run, one page, pages in order with a gap, pages shuffled (many runs),
+# slots scattered one by one
+HOST_CASES = {
+    "single run": list(range(9, 9 + 24)),
+    "one page": paged_slots([3], 4).tolist(),
+    "pages with a gap": paged_slots([1, 2, 3, 7, 8], 4).tolist(),
+    "shuffled pages": paged_slots([9, 2, 14, 5, 11, 1, 7, 12, 3, 10, 4, 13], 4).tolist(),
+    "scattered": [40, 3, 17, 25, 8, 31, 12, 57, 1, 44, 20, 50],
+}
+
+
+@pytest.mark.parametrize("by_runs", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", HOST_CASES)
+def test_run_copies_equal_indexed_copies(
+    layout: str, dtype: torch.dtype, case: str, by_runs: bool
+) -> None:
+    """Backup and load give what indexed copies give, on the CPU pool's default path (gather /
+    scatter on the host) and by runs of host slots (CUDA's path)."""
+    host_slots = torch.tensor(HOST_CASES[case])
+    n = len(host_slots)
+    dev = KVPool(64, LAYERS, HEADS, HEAD_DIM, dtype, "cpu")
+    for t in [*dev.k, *dev.v]:
+        t.normal_(generator=torch.Generator().manual_seed(t.data_ptr() % 1000))
+    device_slots = torch.randperm(64, generator=torch.Generator().manual_seed(n))[:n] + 1
+    got, want = (HostKVPool(dev, 64, 4, layout, "direct") for _ in range(2))
+    assert got.run_copy_max_runs == 0  # on the CPU
+    if by_runs:
+        got.run_copy_max_runs = 1 << 30
+    got.backup(device_slots, host_slots)
+    indexed_backup(want, device_slots, host_slots)
+    for g, w in zip(host_state(got), host_state(want), strict=True):
+        assert torch.equal(g, w)
+    assert host_state(got)[0][host_slots].any()
+    # load back into other device slots, in another scattered order
+    target = torch.randperm(64, generator=torch.Generator().manual_seed(n + 1))[:n] + 1
+    before = [t.clone() for t in [*dev.k, *dev.v]]
+    got.load(host_slots, target)
+    for i, t in enumerate([*dev.k, *dev.v]):
+        expect = before[i].clone()
+        expect[target] = before[i][device_slots]
+        assert torch.equal(t, expect)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("max_runs", [0, 1000])
+def test_chunked_staging_and_both_load_paths(layout: str, max_runs: int) -> None:
+    """Staging smaller than a copy splits it into chunks (runs split across them); layer_first
+    loads gather on the host past ``run_copy_max_runs`` runs, and copy runs below."""
+    dev = device_pool()
+    host = HostKVPool(dev, 40, 4, layout, "direct")
+    host.run_copy_max_runs = max_runs
+    per_token = HostKVPool.bytes_per_token(dev) // (1 if layout == "page_first" else 2 * LAYERS)
+    host.staging_bytes = 3 * per_token  # chunks of 3 slots
+    assert host._chunk_tokens() == 3
+    device_slots = torch.tensor([16, 2, 9, 4, 11, 6, 13])
+    host_slots = torch.tensor([5, 6, 7, 8, 21, 22, 3])
+    host.backup(device_slots, host_slots)
+    pages = host.read_pages(host_slots)
+    for layer in range(LAYERS):
+        assert torch.equal(pages[:, layer, 0], dev.k[layer][device_slots])
+        assert torch.equal(pages[:, layer, 1], dev.v[layer][device_slots])
+    for t in [*dev.k, *dev.v]:
+        t.zero_()
+    host.load(host_slots, torch.tensor([1, 3, 5, 7, 9, 12, 15]))
+    for layer in range(LAYERS):
+        assert torch.equal(dev.k[layer][[1, 3, 5, 7, 9, 12, 15]], pages[:, layer, 0])
+        assert torch.equal(dev.v[layer][[1, 3, 5, 7, 9, 12, 15]], pages[:, layer, 1])
+    assert int((dev.k[0] != 0).any(dim=(1, 2)).sum()) == 7
+
+
+def test_an_empty_copy_moves_nothing() -> None:
+    dev = device_pool()
+    host = HostKVPool(dev, 20, 1, "page_first", "direct")
+    empty = torch.tensor([], dtype=torch.int64)
+    host.backup(empty, empty)
+    host.load(empty, empty)
+    assert not host.buf.any()
+
+
+@pytest.mark.parametrize(
+    ("slots", "runs"),
+    [
+        ([], []),
+        ([7], [(7, 1)]),
+        ([3, 4, 5, 6], [(3, 4)]),
+        ([9, 2, 14, 5], [(9, 1), (2, 1), (14, 1), (5, 1)]),
+        ([4, 5, 6, 7, 16, 17, 18, 19, 8, 9], [(4, 4), (16, 4), (8, 2)]),
+        ([5, 5, 6, 4], [(5, 1), (5, 2), (4, 1)]),  # a repeat or a step back starts a run
+    ],
+)
+def test_slot_runs(slots: list[int], runs: list[tuple[int, int]]) -> None:
+    assert slot_runs(torch.tensor(slots, dtype=torch.int64)) == runs
+
+
+def test_chunks_split_runs_at_the_limit() -> None:
+    runs = [(10, 5), (30, 2), (50, 4)]
+    assert list(_chunks(runs, 4)) == [
+        (0, 4, [(10, 4)]),
+        (4, 4, [(14, 1), (30, 2), (50, 1)]),
+        (8, 3, [(51, 3)]),
+    ]
+    assert list(_chunks(runs, 100)) == [(0, 11, runs)]
+    assert list(_chunks([], 4)) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("io_backend", ["direct", "kernel"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cuda_backup_is_asynchronous_and_host_readers_wait(layout: str, io_backend: str) -> None:
+    """A backup queued behind slow device work returns before its copies ran; read_pages and
+    write_pages wait for them, and a load after a host write sees the written page."""
+    dev = device_pool(device="cuda")
+    host = HostKVPool(dev, 64, 4, layout, io_backend)
+    slots = torch.tensor([*range(8, 12), *range(20, 24)])
+    want = [dev.k[layer][[1, 2, 3, 4, 5, 6, 7, 8]].cpu() for layer in range(LAYERS)]
+    torch.cuda._sleep(200_000_000)  # the device busy for ~0.1 s: the copies queue behind it
+    host.backup(torch.arange(1, 9), slots)
+    assert host._pending is not None and not host._pending.query()
+    pages = host.read_pages(slots)
+    assert host._pending is None
+    for layer in range(LAYERS):
+        assert torch.equal(pages[:, layer, 0], want[layer])
+    data = pages + 1
+    torch.cuda._sleep(200_000_000)
+    host.load(slots, torch.arange(1, 9))
+    host.write_pages(slots, data)  # waits for the queued load's reads of the old page
+    host.load(slots, torch.arange(9, 17))
+    torch.cuda.synchronize()
+    for layer in range(LAYERS):
+        assert torch.equal(dev.k[layer][1:9].cpu(), want[layer])
+        assert torch.equal(dev.k[layer][9:17].cpu(), data[:, layer, 0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("io_backend", ["direct", "kernel"])
+def test_cuda_host_gather_waits_for_a_queued_backup(io_backend: str) -> None:
+    """A layer_first load past run_copy_max_runs gathers on the host: it must read what a
+    backup still queued behind device work writes there."""
+    dev = device_pool(device="cuda")
+    host = HostKVPool(dev, 64, 1, "layer_first", io_backend)
+    host.run_copy_max_runs = 0
+    want = [dev.k[layer][1:5].cpu() for layer in range(LAYERS)]
+    torch.cuda._sleep(200_000_000)
+    host.backup(torch.arange(1, 5), torch.tensor([30, 10, 50, 20]))
+    host.load(torch.tensor([30, 10, 50, 20]), torch.arange(9, 13))
+    torch.cuda.synchronize()
+    for layer in range(LAYERS):
+        assert torch.equal(dev.k[layer][9:13].cpu(), want[layer])
