@@ -242,6 +242,47 @@ def test_chunked_staging_and_both_load_paths(layout: str, max_runs: int) -> None
     assert int((dev.k[0] != 0).any(dim=(1, 2)).sum()) == 7
 
 
+class CopyCalls(torch.overrides.TorchFunctionMode):
+    """Counts ``Tensor.copy_`` calls: the run path's cost is its number of copies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.Tensor.copy_:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_run_copies_make_one_copy_per_run(layout: str) -> None:
+    """By runs, a page_first copy moves every layer of a run at once and a layer_first one a
+    layer's K or V, in chunks of ``staging_bytes``; a layer_first load with more than
+    ``run_copy_max_runs`` runs (and exactly that many: still by runs) gathers instead."""
+    dev = device_pool()
+    host = HostKVPool(dev, 40, 4, layout, "direct")
+    host.run_copy_max_runs = 2
+    host_slots = paged_slots([1, 5], 4)  # two runs of 4
+    device_slots = torch.tensor([3, 1, 4, 15, 9, 2, 6, 5])
+    per_run = 1 if layout == "page_first" else 2 * LAYERS
+    with CopyCalls() as calls:
+        host.backup(device_slots, host_slots)
+    assert calls.count == 2 * per_run
+    with CopyCalls() as calls:
+        host.load(host_slots, device_slots)
+    assert calls.count == 2 * per_run
+    per_token = HostKVPool.bytes_per_token(dev) // (1 if layout == "page_first" else 2 * LAYERS)
+    host.staging_bytes = per_token // 2  # less than a token: chunks of one slot
+    with CopyCalls() as calls:
+        host.load(host_slots, device_slots)
+    assert calls.count == 8 * per_run
+    host.run_copy_max_runs = 1
+    with CopyCalls() as calls:
+        host.load(host_slots, device_slots)
+    assert calls.count == 0  # gathered on the host: index_select and index_copy_ only
+
+
 def test_an_empty_copy_moves_nothing() -> None:
     dev = device_pool()
     host = HostKVPool(dev, 20, 1, "page_first", "direct")
