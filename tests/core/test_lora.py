@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from lora_adapters import RecordedWeights, named_adapter
 from safetensors.torch import save_file
 
 from radixserve.core.config import EngineConfig
 from radixserve.core.config_checks import ConfigError
 from radixserve.core.lora import (
     LORA_MODULES,
-    LoRAAdapter,
     LoRASlots,
     load_adapter,
     parse_lora_paths,
@@ -77,27 +77,10 @@ def test_what_cannot_be_applied_is_refused_by_name(tmp_path: Path) -> None:
         load_adapter("none", str(tmp_path), 64, LORA_MODULES)
 
 
-class Recorded:
-    """AdapterWeights that records which adapter each slot was loaded with."""
-
-    def __init__(self) -> None:
-        self.loads: list[tuple[int, str]] = []
-
-    def load(self, slot: int, adapter: LoRAAdapter) -> None:
-        self.loads.append((slot, adapter.name))
-
-    def set_step(self, token_slots: torch.Tensor) -> None:
-        pass
-
-
-def adapter(name: str, uid: int) -> LoRAAdapter:
-    return LoRAAdapter(name, "/p", 4, 1.0, {}, uid)
-
-
 def test_slots_share_pin_evict_least_recently_used_and_wait() -> None:
-    weights = Recorded()
+    weights = RecordedWeights()
     slots = LoRASlots(2, weights)
-    a, b, c = adapter("a", 1), adapter("b", 2), adapter("c", 3)
+    a, b, c = named_adapter("a", 1), named_adapter("b", 2), named_adapter("c", 3)
     assert slots.acquire("r1", a) == 1 and slots.acquire("r2", a) == 1  # shared, loaded once
     assert slots.acquire("r3", b) == 2
     assert slots.acquire("r4", c) is None  # every slot held by running requests: c waits

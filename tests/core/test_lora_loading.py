@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 import torch
+from lora_adapters import RecordedWeights, named_adapter
 from safetensors.torch import save_file
 
 from radixserve.core.config_checks import ConfigError
 from radixserve.core.lora import (
     LORA_MODULES,
-    LoRAAdapter,
     LoRARegistry,
     LoRASlots,
     load_adapter,
@@ -229,27 +229,12 @@ def test_the_registry(tmp_path: Path) -> None:
     assert registry.load("a", path).uid != a.uid  # loaded again: another adapter
 
 
-class Recorded:
-    def __init__(self) -> None:
-        self.loads: list[tuple[int, str]] = []
-
-    def load(self, slot: int, adapter: LoRAAdapter) -> None:
-        self.loads.append((slot, adapter.name))
-
-    def set_step(self, token_slots: torch.Tensor) -> None:
-        pass
-
-
-def adapter(name: str, uid: int) -> LoRAAdapter:
-    return LoRAAdapter(name, "/p", 4, 1.0, {}, uid)
-
-
 def test_the_slot_pool_counts_loads_and_forgets() -> None:
-    weights = Recorded()
+    weights = RecordedWeights()
     slots = LoRASlots(2, weights)
     assert (slots.size, slots.weights, slots.loads) == (2, weights, 0)
     assert set(slots.holders) == {1, 2}  # slot 0 is the base model's, never handed out
-    a, b, c = adapter("a", 1), adapter("b", 2), adapter("c", 3)
+    a, b, c = named_adapter("a", 1), named_adapter("b", 2), named_adapter("c", 3)
     assert slots.acquire("r1", a) == 1 and slots.loads == 1
     assert slots.acquire("r2", a) == 1 and slots.loads == 1
     assert slots.acquire("r3", b) == 2 and slots.loads == 2

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from radixserve.core.lora import LoRAAdapter
+
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -60,3 +62,21 @@ def peft_greedy(
                 y = model.generate(x, **kw)
         outs.append(y[0, len(ids) :].tolist())
     return outs
+
+
+class RecordedWeights:
+    """AdapterWeights that records which adapter each slot was loaded with (no tensors)."""
+
+    def __init__(self) -> None:
+        self.loads: list[tuple[int, str]] = []
+
+    def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        self.loads.append((slot, adapter.name))
+
+    def set_step(self, token_slots: torch.Tensor) -> None:
+        pass
+
+
+def named_adapter(name: str, uid: int) -> LoRAAdapter:
+    """A rank-4 adapter with no weights: enough for the slot pool and the registry."""
+    return LoRAAdapter(name, "/p", 4, 1.0, {}, uid)
