@@ -61,6 +61,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hicache-ratio", type=float, default=8.0)
     p.add_argument("--write-policy", default="write_through")
     p.add_argument("--io-backend", default=None, help="default: kernel on cuda, direct on cpu")
+    p.add_argument("--mem-layout", default="layer_first", choices=["layer_first", "page_first"],
+                   help="the host pool's layout (--hicache-mem-layout)")  # fmt: skip
     p.add_argument("--page-size", type=int, default=None, help="default: 16 cuda, 1 cpu")
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--dtype", default="auto")
@@ -93,7 +95,8 @@ def _engine(model_dir: Path, args: argparse.Namespace, hicache: bool) -> EngineC
         context_length=context, chunked_prefill_size=args.chunked_prefill_size,
         page_size=args.page_size, dtype=args.dtype, enable_hierarchical_cache=hicache,
         hicache_ratio=args.hicache_ratio, hicache_write_policy=args.write_policy,
-        hicache_io_backend=args.io_backend, **(_prefetch_flags(args) if hicache else {}),
+        hicache_io_backend=args.io_backend, hicache_mem_layout=args.mem_layout,
+        **(_prefetch_flags(args) if hicache else {}),
     )  # fmt: skip
     return EngineCore(model_dir, config, bench_host(StepStats()))
 
