@@ -87,30 +87,35 @@ class HostKVPool:
         runs = slot_runs(host_slots)
         if not runs:
             return
-        dev = self.device_pool
         with self._on_copy_stream():
             index = self._on_device(device_slots)
             if not self._pin and len(runs) > self.run_copy_max_runs:
-                for layer in range(self.num_layers):
-                    for host, pool in self._layer_pairs(layer):
-                        host.index_copy_(0, host_slots, pool.index_select(0, index))
-                runs = []
-            # NOTE: staging is allocated on the stream that copies out of it, so the caching
-            # allocator does not hand its memory out again before those copies ran
-            for at, count, chunk in _chunks(runs, self._chunk_tokens()):
-                rows = index[at : at + count]
-                if self.layout == "page_first":
-                    staging = self._device_empty(count, self.num_layers, 2)
-                    for layer in range(self.num_layers):
-                        torch.index_select(dev.k[layer], 0, rows, out=staging[:, layer, 0])
-                        torch.index_select(dev.v[layer], 0, rows, out=staging[:, layer, 1])
-                    _copy_runs(chunk, staging, self.buf, to_host=True)
-                    continue
-                for layer in range(self.num_layers):
-                    for host, pool in self._layer_pairs(layer):
-                        staging = torch.index_select(pool, 0, rows)
-                        _copy_runs(chunk, staging, host, to_host=True)
+                self._backup_scattered(host_slots, index)
+            else:
+                self._backup_runs(runs, index)
             self._record()
+
+    def _backup_runs(self, runs: list[tuple[int, int]], index: torch.Tensor) -> None:
+        dev = self.device_pool
+        # NOTE: staging is allocated on the stream that copies out of it, so the caching
+        # allocator does not hand its memory out again before those copies ran
+        for at, count, chunk in _chunks(runs, self._chunk_tokens()):
+            rows = index[at : at + count]
+            if self.layout == "page_first":
+                staging = self._device_empty(count, self.num_layers, 2)
+                for layer in range(self.num_layers):
+                    torch.index_select(dev.k[layer], 0, rows, out=staging[:, layer, 0])
+                    torch.index_select(dev.v[layer], 0, rows, out=staging[:, layer, 1])
+                _copy_runs(chunk, staging, self.buf, to_host=True)
+                continue
+            for layer in range(self.num_layers):
+                for host, pool in self._layer_pairs(layer):
+                    _copy_runs(chunk, torch.index_select(pool, 0, rows), host, to_host=True)
+
+    def _backup_scattered(self, host_slots: torch.Tensor, index: torch.Tensor) -> None:
+        for layer in range(self.num_layers):
+            for host, pool in self._layer_pairs(layer):
+                host.index_copy_(0, host_slots, pool.index_select(0, index))
 
     def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
         """Copy the host pool's KV at ``host_slots`` into the device pool at ``device_slots``:
@@ -121,27 +126,30 @@ class HostKVPool:
         runs = slot_runs(host_slots)
         if not runs:
             return
-        dev = self.device_pool
         with self._on_copy_stream():
             index = self._on_device(device_slots)
             if len(runs) > self.run_copy_max_runs:
                 self._load_gathered(host_slots, index)
-                runs = []
-            for at, count, chunk in _chunks(runs, self._chunk_tokens()):
-                rows = index[at : at + count]
-                if self.layout == "page_first":
-                    staging = self._device_empty(count, self.num_layers, 2)
-                    _copy_runs(chunk, self.buf, staging, to_host=False)
-                    for layer in range(self.num_layers):
-                        dev.k[layer].index_copy_(0, rows, staging[:, layer, 0])
-                        dev.v[layer].index_copy_(0, rows, staging[:, layer, 1])
-                    continue
-                for layer in range(self.num_layers):
-                    for host, pool in self._layer_pairs(layer):
-                        staging = self._device_empty(count)
-                        _copy_runs(chunk, host, staging, to_host=False)
-                        pool.index_copy_(0, rows, staging)
+            else:
+                self._load_runs(runs, index)
             self._record()
+
+    def _load_runs(self, runs: list[tuple[int, int]], index: torch.Tensor) -> None:
+        dev = self.device_pool
+        for at, count, chunk in _chunks(runs, self._chunk_tokens()):
+            rows = index[at : at + count]
+            if self.layout == "page_first":
+                staging = self._device_empty(count, self.num_layers, 2)
+                _copy_runs(chunk, self.buf, staging, to_host=False)
+                for layer in range(self.num_layers):
+                    dev.k[layer].index_copy_(0, rows, staging[:, layer, 0])
+                    dev.v[layer].index_copy_(0, rows, staging[:, layer, 1])
+                continue
+            for layer in range(self.num_layers):
+                for host, pool in self._layer_pairs(layer):
+                    staging = self._device_empty(count)
+                    _copy_runs(chunk, host, staging, to_host=False)
+                    pool.index_copy_(0, rows, staging)
 
     def _load_gathered(self, host_slots: torch.Tensor, index: torch.Tensor) -> None:
         self.wait_copies()  # the gather reads the host buffers on the host
