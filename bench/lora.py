@@ -4,20 +4,22 @@ in one run of one Engine (started with --enable-lora, N adapter slots).
 
 Adapters are random PEFT directories (rank ``--rank``, all seven projections, written here
 without peft). Each phase submits every request at once and counts output tokens / wall time
-(prefill included), after a warm-up: (a) the base model for every request, (b) request i under
-adapter i mod N. The ratio mixed / base is printed; the issue's GPU target is >= 0.8.
+(prefill included), after a warm-up of both phases with short outputs: (a) the base model for
+every request, (b) request i under adapter i mod N; ``--rounds`` repeats the pair and takes
+medians. The ratio mixed / base is printed; the GPU target is >= 0.8.
 
     CPU (SmolLM2, the bundled model):
       .venv/bin/python bench/lora.py --json-out bench/results/lora-cpu.json
     H200 (Llama-3-8B shape, random weights, bfloat16, the issue's workload):
       python bench/lora.py --device cuda --shape llama3-8b --num-requests 64 \
-          --input-len 1024 --output-len 256 --rank 16 --num-adapters 8
+          --input-len 1024 --output-len 256 --rank 16 --num-adapters 8 --rounds 2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from collections.abc import Sequence
@@ -47,6 +49,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--num-adapters", type=int, default=8)
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=1, help="base then mixed, this many times")
     p.add_argument("--json-out")
     return p.parse_args(argv)
 
@@ -120,20 +123,29 @@ def main(argv: Sequence[str] | None = None) -> None:
                     max_loras_per_batch=args.num_adapters, max_lora_rank=args.rank,
                     **settings) as engine:  # fmt: skip
             mixed = [names[i % len(names)] for i in range(len(prompts))]
-            timed(engine, prompts[:2], [None, names[0]], 4)  # warm-up
-            rates, cpu_rates = {}, {}
-            for label, loras in (("base", [None] * len(prompts)), ("mixed", mixed)):
-                engine.flush_cache()  # every phase computes its prompts
-                rates[label], cpu_rates[label] = timed(engine, prompts, loras, args.output_len)
+            phases = {"base": [None] * len(prompts), "mixed": mixed}
+            for loras in phases.values():  # warm-up: every prefill and kernel shape once
+                engine.flush_cache()
+                timed(engine, prompts, loras, 8)
+            runs: dict[str, list[tuple[float, float]]] = {label: [] for label in phases}
+            for _ in range(args.rounds):  # base, mixed, base, mixed, ...
+                for label, loras in phases.items():
+                    engine.flush_cache()  # every phase computes its prompts
+                    runs[label].append(timed(engine, prompts, loras, args.output_len))
+    rates = {k: statistics.median(r for r, _ in v) for k, v in runs.items()}
+    cpu_rates = {k: statistics.median(c for _, c in v) for k, v in runs.items()}
     ratio = rates["mixed"] / rates["base"]
     cpu_ratio = cpu_rates["mixed"] / cpu_rates["base"]
     rows = [[k, f"{v:.1f}", f"{cpu_rates[k]:.1f}"] for k, v in rates.items()]
     print(format_table(["phase", "output tok/s", "tok per CPU s"], rows))
-    print(f"mixed over {args.num_adapters} adapters / base alone: {ratio:.2f}x "
-          f"(per CPU second: {cpu_ratio:.2f}x)")  # fmt: skip
+    if args.rounds > 1:
+        for k, v in runs.items():
+            print(f"{k}, each round: " + ", ".join(f"{r:.1f}" for r, _ in v) + " tok/s")
+    print(f"mixed over {args.num_adapters} adapters / base alone: {ratio:.4f}x "
+          f"(per CPU second: {cpu_ratio:.2f}x; medians of {args.rounds} rounds)")  # fmt: skip
     if args.json_out:
         write_json(args.json_out, {"args": vars(args), "rates": rates, "ratio": ratio,
-                                   "cpu_rates": cpu_rates, "cpu_ratio": cpu_ratio,
+                                   "cpu_rates": cpu_rates, "cpu_ratio": cpu_ratio, "runs": runs,
                                    "machine": machine_info()})  # fmt: skip
 
 

@@ -19,10 +19,12 @@ pair per sub-projection) at Llama-3.1-8B's projections, rank 16, 8 adapters: pre
 1,024 tokens, one adapter each) and decode (64 rows, the adapters interleaved); a layer's four
 wrapped modules captured in a CUDA graph each way, checked against each other, median time
 and the ratio old / new. ``--lora-sweep``: that, then the segmented kernels at other tiles
-(the five fastest per case); ``--smoke``: tiny shapes, interpreted on the CPU, to check the
+(the five fastest per case, at more decode batch sizes; ``--write``: the fastest per row
+count into plugins/models/lora_tiles.json under the GPU's name, which the kernels then use);
+``--smoke``: tiny shapes, interpreted on the CPU, to check the
 script (``TRITON_INTERPRET=1 ... --lora --smoke``).
 
-    PYTHONPATH=bench python bench/experiments/gpu_kernels.py --lora-sweep
+    PYTHONPATH=bench python bench/experiments/gpu_kernels.py --lora-sweep --write
 """
 
 from __future__ import annotations
@@ -299,9 +301,9 @@ def _graphed(fn: Any, dev: str) -> Any:
     return graph.replay
 
 
-def _sweep_lora_tiles(new: Any, ys: list[torch.Tensor]) -> None:
+def _sweep_lora_tiles(new: Any, ys: list[torch.Tensor]) -> tuple[int, int, int]:
     """Time ``new`` at other tiles (BLOCK_M, BLOCK_N, split_k) than lora_triton.tiles' choice,
-    each checked against it; prints the five fastest."""
+    each checked against it; prints the five fastest and returns the fastest."""
     from radixserve.plugins.models import lora_triton
 
     choose = lora_triton.tiles
@@ -309,10 +311,10 @@ def _sweep_lora_tiles(new: Any, ys: list[torch.Tensor]) -> None:
         y.zero_()
     new()
     refs = [y.float().clone() for y in ys]
-    timed = []
+    timed = [(median_ms(_graphed(new, "cuda"), 50), None)]  # the untuned choice, as a baseline
     try:
         for tile in itertools.product((16, 32, 64), (64, 128), (1, 2, 4, 8, 16)):
-            lora_triton.tiles = lambda t, k, tile=tile: tile  # type: ignore[misc]
+            lora_triton.tiles = lambda t, k, name=None, tile=tile: tile  # type: ignore[misc]
             for y in ys:
                 y.zero_()
             new()
@@ -323,12 +325,28 @@ def _sweep_lora_tiles(new: Any, ys: list[torch.Tensor]) -> None:
             timed.append((median_ms(_graphed(new, "cuda"), 50), tile))
     finally:
         lora_triton.tiles = choose
-    for ms, tile in sorted(timed)[:5]:
+    print(f"  the untuned tiles: {timed[0][0] * 1e3:.1f} us")
+    ranked = sorted(timed[1:])
+    for ms, tile in ranked[:5]:
         print(f"  BLOCK_M, BLOCK_N, split_k = {tile}: {ms * 1e3:.1f} us")
+    return ranked[0][1]
 
 
-def bench_lora(smoke: bool, sweep: bool) -> None:
-    """Time a layer's LoRA (4 modules) per-token vs segmented, prefill and decode."""
+def write_lora_table(best: dict[int, tuple[int, int, int]]) -> None:
+    """The fastest tiles per row count, under this GPU's name in lora_triton's table."""
+    import json
+
+    from radixserve.plugins.models.lora_triton import CONFIGS
+
+    table = json.loads(CONFIGS.read_text()) if CONFIGS.is_file() else {}
+    table[torch.cuda.get_device_name()] = {str(t): list(v) for t, v in sorted(best.items())}
+    CONFIGS.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    print("written:", CONFIGS)
+
+
+def bench_lora(smoke: bool, sweep: bool, write: bool = False) -> None:
+    """Time a layer's LoRA (4 modules) per-token vs segmented, prefill and decode; with
+    ``sweep``, other tiles too, at more decode batch sizes (``write``: into the table)."""
     dev = "cpu" if smoke else "cuda"
     dims = {"h": 64, "q": 64, "kv": 16, "inter": 96} if smoke else LLAMA8B
     rank, adapters = 16, 8
@@ -337,8 +355,12 @@ def bench_lora(smoke: bool, sweep: bool) -> None:
         f"prefill {adapters} x {seg}": torch.arange(1, adapters + 1).repeat_interleave(seg),
         "decode 64 rows": torch.arange(64) % adapters + 1,
     }
+    if sweep:
+        for bs in (1, 8, 16, 32, 128, 256):
+            cases[f"decode {bs} rows"] = torch.arange(bs) % adapters + 1
     layer = _lora_layer(dims, rank, adapters, dev)
     print(f"LoRA, one layer's q/k/v, o, gate/up, down at {dims}, rank {rank}, {adapters} adapters")
+    best = {}
     for label, slots in cases.items():
         rows = slots.to(dev, torch.int32)
         new, per_token, ys = _lora_fns(layer, rows, rank)
@@ -357,7 +379,9 @@ def bench_lora(smoke: bool, sweep: bool) -> None:
         print(f"{label}: per-token {t_old * 1e3:.1f} us, segmented {t_new * 1e3:.1f} us "
               f"per layer: {t_old / t_new:.2f}x faster")  # fmt: skip
         if sweep:
-            _sweep_lora_tiles(new, ys["n"])
+            best[rows.shape[0]] = _sweep_lora_tiles(new, ys["n"])
+    if write and best:
+        write_lora_table(best)
 
 
 def main() -> None:
@@ -372,13 +396,14 @@ def main() -> None:
     p.add_argument("--lora", action="store_true", help="LoRA kernels: per-token vs segmented")
     p.add_argument("--smoke", action="store_true", help="--lora at tiny shapes on the CPU")
     p.add_argument("--lora-sweep", action="store_true", help="--lora, then other tiles timed")
+    p.add_argument("--write", action="store_true", help="--lora-sweep: write the fastest tiles")
     args = p.parse_args()
     if args.lora or args.lora_sweep:
         import os
 
         # NOTE: Triton reads it once, before this script's first kernel is defined
         assert not args.smoke or os.environ.get("TRITON_INTERPRET") == "1", "--smoke: set it"
-        bench_lora(args.smoke, args.lora_sweep)
+        bench_lora(args.smoke, args.lora_sweep, args.write)
         return
     if args.tune_moe:
         shape = tuple(int(v) for v in args.moe_shape.split(","))

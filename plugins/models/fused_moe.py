@@ -31,14 +31,14 @@ weight bytes a decode step reads are halved).
 
 from __future__ import annotations
 
-import json
-from functools import cache
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from radixserve.plugins.models import tuned_tiles
 
 
 class Aligned(NamedTuple):
@@ -166,36 +166,17 @@ def default_tiles(num_tokens: int, num_pairs: int, num_experts: int) -> Tiles:
     return Tiles(64, 128, 64, 8, 3)
 
 
-@cache
-def _table(device_name: str, shape: str) -> dict[int, Tiles]:
-    configs = json.loads(CONFIGS.read_text()) if CONFIGS.is_file() else {}
-    entries = configs.get(device_name, {}).get(shape, {})
-    return {int(t): Tiles(**v) for t, v in entries.items()}
-
-
 def tiles(
     num_tokens: int, num_pairs: int, num_experts: int, inter: int = 0, hidden: int = 0,
     device_name: str | None = None,
 ) -> Tiles:  # fmt: skip
     """The table's tiles for this device and expert shape at the nearest tuned token count
     (the smallest at or above ``num_tokens``, else the largest), else ``default_tiles``."""
-    table = _table(device_name, f"{num_experts},{inter},{hidden}") if device_name else {}
+    shape = f"{num_experts},{inter},{hidden}"
+    table = tuned_tiles.entries(CONFIGS, device_name, shape) if device_name else {}
     if not table:
         return default_tiles(num_tokens, num_pairs, num_experts)
-    above = [t for t in table if t >= num_tokens]
-    return table[min(above) if above else max(table)]
-
-
-def device_name(device: torch.device) -> str | None:
-    """The name the table keys tiles by ("NVIDIA H200"), None off a GPU (the interpreter)."""
-    if device.type != "cuda":
-        return None
-    return _gpu_name(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@cache
-def _gpu_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
+    return Tiles(**tuned_tiles.nearest(table, num_tokens))
 
 
 def fused_experts(
@@ -217,7 +198,7 @@ def fused_experts(
     if t == 0:
         return out.sum(1)
     n = t * top_k
-    tile = tile or tiles(t, n, num_experts, inter, hidden, device_name(x.device))
+    tile = tile or tiles(t, n, num_experts, inter, hidden, tuned_tiles.device_name(x.device))
     if tile.pair_blocks:
         a = align_pairs(ids, tile.block_m)
     else:

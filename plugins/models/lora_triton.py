@@ -20,9 +20,13 @@ gpu_kernels.py --lora's.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
+
+from radixserve.plugins.models import tuned_tiles
 
 # one sub-projection: (first column of b, columns, first column of y it adds to)
 Sub = tuple[int, int, int]
@@ -126,13 +130,28 @@ def _expand(h_ptr, b_ptr, scale_ptr, slots_ptr, order_ptr, y_ptr, T, R, RT, SPLI
     tl.store(dst, (y.to(tl.float32) + acc).to(y.dtype), mask=m)
 
 
-def tiles(t: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, split_k) for ``t`` rows of ``k`` features: shapes only (a CUDA graph
-    replays the grid it captured). Small batches split K so the shrink fills the GPU."""
+#: the tuned tiles: {device name: {"rows": [BLOCK_M, BLOCK_N, split_k]}}, written on that GPU
+#: by bench/experiments/gpu_kernels.py --lora-sweep --write (one layer's four modules timed)
+CONFIGS = Path(__file__).with_name("lora_tiles.json")
+
+
+def default_tiles(t: int, k: int) -> tuple[int, int, int]:
+    """Untuned (BLOCK_M, BLOCK_N, split_k) for ``t`` rows of ``k`` features: small batches
+    split K so the shrink fills the GPU."""
     block_m = 16 if t <= 128 else 64
     block_n = 64 if t <= 128 else 128
     blocks = triton.cdiv(t, block_m)
     split_k = max(1, min(triton.cdiv(64, blocks), k // 512))
+    return block_m, block_n, split_k
+
+
+def tiles(t: int, k: int, device_name: str | None = None) -> tuple[int, int, int]:
+    """The table's tiles for this GPU at the nearest tuned row count, else ``default_tiles``:
+    shapes only, so a CUDA graph replays the grid it captured."""
+    table = tuned_tiles.entries(CONFIGS, device_name) if device_name else {}
+    if not table:
+        return default_tiles(t, k)
+    block_m, block_n, split_k = tuned_tiles.nearest(table, t)
     return block_m, block_n, split_k
 
 
@@ -153,7 +172,7 @@ def add_lora(
         return
     assert 1 <= len(subs) <= 3 and a.shape[1] == len(subs) * r, (a.shape, b.shape, subs)
     x = x.contiguous()
-    block_m, block_n, split = tiles(t, k)
+    block_m, block_n, split = tiles(t, k, tuned_tiles.device_name(x.device))
     split = split_k or split
     block_k = 64
     k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k

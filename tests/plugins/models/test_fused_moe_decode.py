@@ -94,24 +94,20 @@ def test_tiles_come_from_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     path = tmp_path / "configs.json"
     path.write_text(json.dumps(table))
     monkeypatch.setattr(fused_moe, "CONFIGS", path)
-    fused_moe._table.cache_clear()
-    try:
-        t1 = fused_moe.tiles(1, 2, 6, 48, 64, "Some GPU")
-        assert t1 == fused_moe.Tiles(16, 32, 64, 4, 4, True)
-        assert fused_moe.tiles(5, 10, 6, 48, 64, "Some GPU").block_m == 32  # next tuned: 16
-        assert fused_moe.tiles(300, 600, 6, 48, 64, "Some GPU").block_m == 32  # the largest
-        # another shape or device: the defaults
-        assert fused_moe.tiles(1, 2, 6, 48, 96, "Some GPU") == fused_moe.default_tiles(1, 2, 6)
-        assert fused_moe.tiles(1, 2, 6, 48, 64, None) == fused_moe.default_tiles(1, 2, 6)
-        # and the table really runs
-        layer = _moe()
-        x = torch.randn(1, SHAPE[0], device=DEVICE)
-        weights, ids = layer.route(x)
-        a = fused_moe.fused_experts(x, layer.w13, layer.w2, weights, ids, t1)
-        b = fused_moe.fused_experts(x, layer.w13, layer.w2, weights, ids)
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    finally:
-        fused_moe._table.cache_clear()
+    t1 = fused_moe.tiles(1, 2, 6, 48, 64, "Some GPU")
+    assert t1 == fused_moe.Tiles(16, 32, 64, 4, 4, True)
+    assert fused_moe.tiles(5, 10, 6, 48, 64, "Some GPU").block_m == 32  # next tuned: 16
+    assert fused_moe.tiles(300, 600, 6, 48, 64, "Some GPU").block_m == 32  # the largest
+    # another shape or device: the defaults
+    assert fused_moe.tiles(1, 2, 6, 48, 96, "Some GPU") == fused_moe.default_tiles(1, 2, 6)
+    assert fused_moe.tiles(1, 2, 6, 48, 64, None) == fused_moe.default_tiles(1, 2, 6)
+    # and the table really runs
+    layer = _moe()
+    x = torch.randn(1, SHAPE[0], device=DEVICE)
+    weights, ids = layer.route(x)
+    a = fused_moe.fused_experts(x, layer.w13, layer.w2, weights, ids, t1)
+    b = fused_moe.fused_experts(x, layer.w13, layer.w2, weights, ids)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_the_stored_table_parses() -> None:

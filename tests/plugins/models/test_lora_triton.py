@@ -5,6 +5,7 @@ over programs. On a CPU machine they run under TRITON_INTERPRET=1 at small sizes
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -18,8 +19,9 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="the 'triton' package is not installed")
 
 from radixserve.core.lora import LORA_MODULES, LoRAAdapter  # noqa: E402
+from radixserve.plugins.models import lora_triton  # noqa: E402
 from radixserve.plugins.models.lora_layers import LoRALayers  # noqa: E402
-from radixserve.plugins.models.lora_triton import add_lora, tiles  # noqa: E402
+from radixserve.plugins.models.lora_triton import add_lora, default_tiles, tiles  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -119,6 +121,42 @@ def test_segments_cross_blocks_mid_block_and_a_ragged_tail() -> None:
     got = _run(y, x, a, b, scale, token_slots, order, subs)
     want = _reference(y, x, a, b, scale, token_slots, subs)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_tiles_come_from_the_gpus_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tuned table's tiles at the nearest row count at or above the batch's (else the
+    largest), the untuned ones for a GPU it does not name; and the kernels run with them."""
+    path = tmp_path / "lora_tiles.json"
+    path.write_text(json.dumps({"Some GPU": {"16": [32, 128, 3], "8192": [16, 64, 1]}}))
+    monkeypatch.setattr(lora_triton, "CONFIGS", path)
+    assert tiles(1, 4096, "Some GPU") == (32, 128, 3)
+    assert tiles(16, 4096, "Some GPU") == (32, 128, 3)
+    assert tiles(17, 4096, "Some GPU") == (16, 64, 1)
+    assert tiles(20000, 4096, "Some GPU") == (16, 64, 1)  # past the largest: the largest
+    assert tiles(1, 4096, "Other GPU") == default_tiles(1, 4096)
+    assert tiles(1, 4096, None) == default_tiles(1, 4096)
+    # the kernels take the table's tiles for their device: split 3 over a K of 200
+    monkeypatch.setattr(lora_triton.tuned_tiles, "device_name", lambda device: "Some GPU")
+    g = torch.Generator().manual_seed(3)
+    t, k, r = 12, 200, 16
+    a, b = _pool(g, 2, r, k, [24], [16, 8])
+    x = torch.randn(t, k, generator=g)
+    scale = torch.tensor([1.0, 2.0])
+    token_slots = torch.tensor([1, 0, 2] * 4)
+    order = torch.argsort(token_slots, stable=True)
+    y = torch.randn(t, 24, generator=g)
+    got = _run(y, x, a, b, scale, token_slots, order, ((0, 24, 0),))
+    want = _reference(y, x, a, b, scale, token_slots, ((0, 24, 0),))
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_stored_table_parses() -> None:
+    """Every stored entry is (BLOCK_M, BLOCK_N, split_k) the kernels accept."""
+    stored = json.loads(lora_triton.CONFIGS.read_text()) if lora_triton.CONFIGS.is_file() else {}
+    for entries in stored.values():
+        for rows, (block_m, block_n, split_k) in entries.items():
+            assert int(rows) > 0 and block_m >= 16 and block_n >= 16 and split_k >= 1
+            assert block_m & (block_m - 1) == 0 and block_n & (block_n - 1) == 0
 
 
 class _Layer(nn.Module):
