@@ -9,7 +9,8 @@ import triton.language as tl
 
 from radixserve.plugins.models.fp8_kernels import round_e4m3_exact
 
-FP8_MAX: tl.constexpr = 448.0  # float8_e4m3fn's largest value
+# float8_e4m3fn's largest value; a constexpr object, since kernels may read only those globals
+FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit

@@ -26,6 +26,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 pytest.importorskip("triton", reason="the 'triton' package is not installed")
 
+from platform_choice import on_cpu  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from radixserve.core.config import ConfigError, EngineConfig  # noqa: E402
@@ -187,9 +188,9 @@ def test_fp8_checkpoint_loads_and_keeps_its_codes(
         json.loads((tmp_path / form / "config.json").read_text())
     )
     assert scheme is not None and scheme.kind == form
-    runner = ModelRunner(
-        tmp_path / form, EngineConfig(max_total_tokens=256, dtype="bfloat16"), default_host()
-    )
+    # the CPU platform: a CUDA one would serve the checkpoint as FP8 (its own test below)
+    settings = on_cpu({"max_total_tokens": 256, "dtype": "bfloat16"})
+    runner = ModelRunner(tmp_path / form, EngineConfig(**settings), default_host())
     model = runner.model
     # loaded dequantized: the bf16 model holds q * s (bf16 weights: the CPU packs no linears)
     originals = model.fp8_originals
@@ -270,7 +271,8 @@ def test_the_activation_kernel_rounds_as_torch_does(group: int | None) -> None:
     """One launch per product (Triton) for the per-token or per-group activation scales: the
     same codes and scales as the torch ops, ragged widths and zero rows included."""
     torch.manual_seed(3)
-    x = torch.randn(5, 300, device=DEVICE) * torch.tensor([1.0, 1e-3, 30.0, 0.0, 1.0])[:, None]
+    rows = torch.tensor([1.0, 1e-3, 30.0, 0.0, 1.0], device=DEVICE)
+    x = torch.randn(5, 300, device=DEVICE) * rows[:, None]
     x[4, :7] = 1e-4  # subnormal codes
     q, s = fp8.quantize_activations(x, group)
     want_q, want_s = fp8.quantize_rows(x) if group is None else fp8.quantize_groups(x, group)
