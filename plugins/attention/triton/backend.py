@@ -86,8 +86,9 @@ class TritonAttention(AttentionBackend):
         verify, prefill) through the extend kernel, whose loop reads keys in blocks of
         ``block_n`` positions from position 0 and merges them in order, one row's blocks the
         same whatever else the launch holds; the unmasked pass off (its split point depends on
-        the query block). The split-K decode kernel is not used: its split count follows the
-        batch size. Decode, verify and prefill graphs still capture (a decode row is an extend
+        the query block); a KV head's query heads in one program (``pack_gqa``: a decode row
+        reads its K/V once for the group, as the split-K decode kernel does). The split-K
+        decode kernel is not used: its split count follows the batch size. Decode, verify and prefill graphs still capture (a decode row is an extend
         of one token)."""
         self._invariant = True
         self.extend_config = {**self.extend_config, "split_mask": False}
@@ -204,7 +205,8 @@ class TritonAttention(AttentionBackend):
                 q, k_buf, v_buf, out, table, meta.req_rows[nd:], meta.seq_lens[nd:],
                 meta.ext_lens[nd:], meta.q_starts[nd:], meta.max_ext_len, scale,
                 page_size=self.page_size, config=self.extend_config,
-                split_mask=False if self._invariant else None, **options,
+                split_mask=False if self._invariant else None, pack_gqa=self._invariant,
+                **options,
             )  # fmt: skip
         if v_scale != 1.0:  # the output is linear in V: scale it once
             out.mul_(v_scale)

@@ -1,7 +1,8 @@
 """Paged extend (prefill) attention in Triton: each request's new tokens attend, causally, to its
 cached prefix and to the new tokens up to themselves.
 
-One program per (request, query head, block of BLOCK_M new tokens). K/V of the prefix and of the
+One program per (request, query head, block of BLOCK_M new tokens), or with PACK_GQA per
+(request, KV head, block of BLOCK_M (new token, query head) rows). K/V of the prefix and of the
 new tokens are both read from the pool through the device req->token table: the backend stores
 the new K/V before it attends, so one pass covers both. The keys before a query block's first
 row are visible to all its rows and are attended without the causal mask; only the blocks from
@@ -65,9 +66,10 @@ def _extend_kernel(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     SLIDING: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
     HEAVY_FIRST: tl.constexpr = False, SPLIT_MASK: tl.constexpr = False,
+    PACK_GQA: tl.constexpr = False,
 ):  # fmt: skip
     r = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(1)  # the query head; with PACK_GQA the KV head
     if HEAVY_FIRST:
         mblk = tl.num_programs(2) - 1 - tl.program_id(2)
     else:
@@ -77,30 +79,45 @@ def _extend_kernel(
     ext_len = tl.load(ExtLens + r)
     q_start = tl.load(QStarts + r).to(tl.int64)
     prefix = seq_len - ext_len
-    kvh = h // GROUP
-
-    offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_m = offs_m < ext_len
     mask_d = offs_d < HEAD_DIM
+    if PACK_GQA:
+        # a block's rows are (new token, query head of the KV head's group) pairs, GROUP rows a
+        # token: the group's heads share each K/V block read (a decode row's GROUP heads in one
+        # program instead of GROUP programs); a row's arithmetic is the unpacked one's
+        kvh = h
+        offs_p = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_m = offs_p // GROUP
+        q_rows = (q_start + offs_m)[:, None] * stride_qt + (h * GROUP + offs_p % GROUP)[
+            :, None
+        ] * stride_qh
+        o_rows = (q_start + offs_m)[:, None] * stride_ot + (h * GROUP + offs_p % GROUP)[
+            :, None
+        ] * stride_oh
+        first = mblk * BLOCK_M // GROUP  # the block's first and last new token
+        last = ((mblk + 1) * BLOCK_M - 1) // GROUP
+    else:
+        kvh = h // GROUP
+        offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+        q_rows = (q_start + offs_m)[:, None] * stride_qt + h * stride_qh
+        o_rows = (q_start + offs_m)[:, None] * stride_ot + h * stride_oh
+        first = mblk * BLOCK_M
+        last = (mblk + 1) * BLOCK_M - 1
+    mask_m = offs_m < ext_len
     q_pos = prefix + offs_m
-    q = tl.load(
-        Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-        mask=mask_m[:, None] & mask_d[None, :],
-        other=0.0,
-    )
+    q = tl.load(Q + q_rows + offs_d[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     # Blocks past this request's new tokens (the grid fits the longest one) do no work.
-    hi = tl.where(mblk * BLOCK_M < ext_len, tl.minimum(seq_len, prefix + (mblk + 1) * BLOCK_M), 0)
+    hi = tl.where(first < ext_len, tl.minimum(seq_len, prefix + last + 1), 0)
     if SLIDING:
         # from the block holding the first key the block's first query row can see
-        lo = tl.maximum(prefix + mblk * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+        lo = tl.maximum(prefix + first - window + 1, 0) // BLOCK_N * BLOCK_N
     else:
         lo = 0
     if SPLIT_MASK and not SLIDING:
         # Keys before the block's first query position are visible to every row of it.
-        mid = tl.minimum((prefix + mblk * BLOCK_M) // BLOCK_N * BLOCK_N, hi)
+        mid = tl.minimum((prefix + first) // BLOCK_N * BLOCK_N, hi)
         m_i, l_i, acc = attend_blocks(
             q, q_pos, K, V, Table + row * stride_table, lo, mid, kvh,
             sm_scale_log2, window, softcap_log2,
@@ -125,7 +142,7 @@ def _extend_kernel(
         )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
-        Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        Out + o_rows + offs_d[None, :],
         out.to(Out.dtype.element_ty),
         mask=mask_m[:, None] & mask_d[None, :],
     )
@@ -149,6 +166,7 @@ def extend_attention(
     logit_softcap: float = 0.0,
     config: dict[str, int] | None = None,
     split_mask: bool | None = None,
+    pack_gqa: bool = False,
 ) -> None:
     """q, out: [T, H, D] (all new tokens of the step); request r's new tokens are rows
     ``q_starts[r] : q_starts[r] + ext_lens[r]``; req_rows, seq_lens, ext_lens, q_starts: [R]
@@ -156,7 +174,9 @@ def extend_attention(
     the table's positions [k * P, (k + 1) * P) must map to consecutive slots (one page).
     ``sliding_window`` W > 0: a token at position p sees keys p - W + 1 .. p only;
     ``logit_softcap`` c > 0: scores s -> c tanh(s / c). ``config``: GPU launch settings
-    (default GPU_CONFIG); ``split_mask`` overrides its (and the CPU's) unmasked pass."""
+    (default GPU_CONFIG); ``split_mask`` overrides its (and the CPU's) unmasked pass;
+    ``pack_gqa``: a program per KV head whose blocks hold every query head of its group (each
+    K/V block read once for the group, not once per head), the same arithmetic per row."""
     num_reqs = req_rows.shape[0]
     _, num_heads, head_dim = q.shape
     group = num_heads // k_buf.shape[1]
@@ -164,7 +184,9 @@ def extend_attention(
     cfg = CPU_CONFIG if on_cpu else (config or GPU_CONFIG)
     block_m, block_n = (block, block) if block else (cfg["block_m"], cfg["block_n"])
     precise = on_cpu or q.dtype == torch.float32
-    grid = (num_reqs, num_heads, triton.cdiv(max_ext_len, block_m))
+    pack = pack_gqa and group > 1
+    rows = max_ext_len * group if pack else max_ext_len
+    grid = (num_reqs, num_heads // group if pack else num_heads, triton.cdiv(rows, block_m))
     _extend_kernel[grid](
         q, k_buf, v_buf, out, table, req_rows, seq_lens, ext_lens, q_starts,
         scale * LOG2E, sliding_window, logit_softcap * LOG2E,
@@ -178,6 +200,6 @@ def extend_attention(
         UPCAST=on_cpu, PRECISION="ieee" if precise else "tf32",
         SLIDING=sliding_window > 0, SOFTCAP=logit_softcap > 0,
         HEAVY_FIRST=bool(cfg["heavy_first"]),
-        SPLIT_MASK=bool(cfg["split_mask"] if split_mask is None else split_mask),
+        SPLIT_MASK=bool(cfg["split_mask"] if split_mask is None else split_mask), PACK_GQA=pack,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip

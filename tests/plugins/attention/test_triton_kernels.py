@@ -141,10 +141,17 @@ def test_decode_matches_reference(group: int, dtype: torch.dtype, page_size: int
             assert not counters.any(), "the merge must leave the counters at zero"
 
 
+@pytest.mark.parametrize("pack_gqa", [False, True])
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", GROUPS)
-def test_extend_matches_reference(group: int, dtype: torch.dtype, page_size: int) -> None:
+def test_extend_matches_reference(
+    group: int, dtype: torch.dtype, page_size: int, pack_gqa: bool
+) -> None:
+    """Per query head (the default) and with a KV head's query heads packed into one program's
+    rows (``pack_gqa``, deterministic mode's launch: a token's group spans blocks at group 3)."""
+    if pack_gqa and group == 1:
+        pytest.skip("one query head a KV head: nothing to pack")
     cases = EXTEND_CASES
     seq = [p + n for p, n in cases]
     k_buf, v_buf, table, req_rows = _paged_setup(seq, KV_HEADS, dtype, 10 + group, page_size)
@@ -159,7 +166,7 @@ def test_extend_matches_reference(group: int, dtype: torch.dtype, page_size: int
         q, k_buf, v_buf, out, table, req_rows, *meta
     )
     extend_attention(dq, dk, dv, dout, dt, drows, dseq, dext, dstarts, max(ext), HEAD_DIM**-0.5,
-                     page_size=page_size)  # fmt: skip
+                     page_size=page_size, pack_gqa=pack_gqa)  # fmt: skip
     out = dout.cpu()
     assert not out.isnan().any()
     for r, (prefix, n) in enumerate(cases):
