@@ -60,9 +60,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-total-tokens", type=int, default=8192, help="device KV pool")
     p.add_argument("--hicache-ratio", type=float, default=8.0)
     p.add_argument("--write-policy", default="write_through")
-    p.add_argument("--io-backend", default=None, help="default: kernel on cuda, direct on cpu")
-    p.add_argument("--mem-layout", default="layer_first", choices=["layer_first", "page_first"],
-                   help="the host pool's layout (--hicache-mem-layout)")  # fmt: skip
+    p.add_argument("--io-backend", default=None,
+                   help="--hicache-io-backend; default: the engine's (kernel on cuda, "
+                   "direct on cpu)")
+    p.add_argument("--mem-layout", default=None, choices=["layer_first", "page_first"],
+                   help="--hicache-mem-layout; default: the engine's (page_first on cuda, "
+                   "layer_first on cpu)")  # fmt: skip
     p.add_argument("--page-size", type=int, default=None, help="default: 16 cuda, 1 cpu")
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--dtype", default="auto")
@@ -76,8 +79,6 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.shape is None:
         args.shape = "llama3-8b" if args.device == "cuda" else "cpu-small"
-    if args.io_backend is None:
-        args.io_backend = "kernel" if args.device == "cuda" else "direct"
     if args.page_size is None:
         args.page_size = 16 if args.device == "cuda" else 1
     if args.small:

@@ -145,15 +145,17 @@ class EngineConfig:
         "write_through_selective (once a prefix is hit again; cold ones are dropped on "
         "eviction), write_back (only when evicted from the device)",
     )
-    hicache_io_backend: str = _opt(
-        "direct",
+    hicache_io_backend: str | None = _opt(
+        None,
         "How KV moves between device and host: direct (copies on the compute stream) or "
-        "kernel (CUDA only: a copy stream beside the compute stream)",
+        "kernel (CUDA only: a copy stream beside the compute stream); default: kernel on "
+        "CUDA, direct elsewhere",
     )
-    hicache_mem_layout: str = _opt(
-        "layer_first",
+    hicache_mem_layout: str | None = _opt(
+        None,
         "Host pool layout: layer_first (one buffer per layer, as the device pool) or "
-        "page_first (a token's KV of every layer together; storage pages copy in one piece)",
+        "page_first (a token's KV of every layer together; storage pages copy in one piece); "
+        "default: page_first on CUDA, layer_first elsewhere",
     )
     hicache_storage_backend: str | None = _opt(
         None,

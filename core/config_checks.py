@@ -250,7 +250,7 @@ def check_hicache(cfg: EngineConfig) -> None:
         ("hicache_storage_prefetch_policy", cfg.hicache_storage_prefetch_policy,
          HICACHE_PREFETCH_POLICIES),
     ):  # fmt: skip
-        if value not in choices:
+        if value is not None and value not in choices:
             raise ConfigError(f"unknown {name} '{value}'; choose one of {', '.join(choices)}")
     if not cfg.hicache_ratio > 0:
         raise ConfigError(f"hicache_ratio must be > 0, got {cfg.hicache_ratio}")

@@ -88,8 +88,8 @@ class TritonAttention(AttentionBackend):
         same whatever else the launch holds; the unmasked pass off (its split point depends on
         the query block); a KV head's query heads in one program (``pack_gqa``: a decode row
         reads its K/V once for the group, as the split-K decode kernel does). The split-K
-        decode kernel is not used: its split count follows the batch size. Decode, verify and prefill graphs still capture (a decode row is an extend
-        of one token)."""
+        decode kernel is not used: its split count follows the batch size. Decode, verify and
+        prefill graphs still capture (a decode row is an extend of one token)."""
         self._invariant = True
         self.extend_config = {**self.extend_config, "split_mask": False}
 
