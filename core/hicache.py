@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 import logging
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -39,7 +39,7 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 class HiTreeNode(TreeNode):
-    __slots__ = ("host_value", "host_ref", "hit_count", "stored")
+    __slots__ = ("host_value", "host_ref", "hit_count", "stored", "backup")
     value: torch.Tensor | None  # type: ignore[assignment]  # None: not on the device
 
     def __init__(self, key: list[int], value: torch.Tensor | None, parent: TreeNode | None) -> None:
@@ -48,6 +48,9 @@ class HiTreeNode(TreeNode):
         self.host_ref = 0  # > 0 while a match loads it: host eviction leaves it
         self.hit_count = 0
         self.stored = False  # its pages were written to storage
+        # the host pool's event of the copy to host_value (HostKVPool.backup), None when done
+        # in the compute stream's order: fenced before the device slots are freed
+        self.backup: Any = None
 
 
 @dataclass
@@ -199,7 +202,7 @@ class HiRadixCache(RadixCache):
         if slots is None:
             return []
         host_slots = torch.cat([n.host_value for n in nodes if n.host_value is not None])
-        self.host.load(host_slots, slots)
+        self.host.load(host_slots, slots, tuple(n.backup for n in nodes))
         start = 0
         for node in nodes:
             node.value = slots[start : start + len(node.key)]
@@ -272,7 +275,7 @@ class HiRadixCache(RadixCache):
         upper = HiTreeNode(child.key[:n], None if child.value is None else child.value[:n],
                            child.parent)  # fmt: skip
         upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
-        upper.hit_count, upper.stored = child.hit_count, child.stored
+        upper.hit_count, upper.stored, upper.backup = child.hit_count, child.stored, child.backup
         if child.host_value is not None:
             upper.host_value, child.host_value = child.host_value[:n], child.host_value[n:]
         upper.children = {self._child_key(child.key[n:]): child}
@@ -302,7 +305,7 @@ class HiRadixCache(RadixCache):
             node.host_ref -= 1
         if slots is None:
             return False
-        self.host.backup(node.value, slots)
+        node.backup = self.host.backup(node.value, slots)
         node.host_value = slots
         self._store(node)
         return True
@@ -351,6 +354,8 @@ class HiRadixCache(RadixCache):
             if node.host_value is None and self.write_policy != "write_through_selective":
                 self._backup(node)
             assert node.value is not None
+            self.host.fence(node.backup)  # its backup has read the slots before a step writes
+            node.backup = None
             self.allocator.free(node.value)
             node.value = None
             freed += len(node.key)

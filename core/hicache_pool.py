@@ -6,9 +6,12 @@ records, per node, its device slots and its host slots. Layouts (``--hicache-mem
 ``layer_first`` keeps a K and a V buffer per layer, as the device pool; ``page_first`` keeps
 one buffer [slots, layers, 2, heads, head_dim], so a storage page is one contiguous piece.
 Copies (``--hicache-io-backend``): ``direct`` copies on the compute stream; ``kernel`` (CUDA)
-queues them on a copy stream that first waits for the compute stream, and the compute stream
-waits for the copies before its next kernels, so a loaded page is there before a step reads
-it, and a page freed after its backup is not overwritten before it was read.
+queues backups and loads on two copy streams, each first waiting for the compute stream. The
+compute stream waits for a load before its next kernels (a step reads the loaded pages), but
+not for a backup: ``backup`` returns an event that the caller passes to ``fence`` before the
+backed-up device slots are freed (so a step writes them only after they were read) and to
+``load`` for the host slots it wrote (so a load reads them only after they were written).
+Backups wait for the last load queued (a host slot a load reads may be freed and reused).
 
 Host slots come in pages, so a node's host slots are mostly long runs of consecutive slots:
 the copies move whole runs between the (pinned, on CUDA) host buffers and a device staging
@@ -55,9 +58,13 @@ class HostKVPool:
                 "--hicache-io-backend kernel needs a CUDA device pool; use direct on "
                 f"{k0.device.type}"
             )
-        self._stream: Any = torch.cuda.Stream(k0.device) if io_backend == "kernel" else None
+        kernel = io_backend == "kernel"
+        self._backup_stream: Any = torch.cuda.Stream(k0.device) if kernel else None
+        self._load_stream: Any = torch.cuda.Stream(k0.device) if kernel else None
         self._pin = on_cuda  # host buffers pinned, copies asynchronous
-        self._pending: Any = None  # a CUDA event after the last queued copies
+        # CUDA events after the last queued backup and the last queued load
+        self._pending: Any = None
+        self._pending_load: Any = None
         self.staging_bytes = STAGING_BYTES.get(k0.device.type, STAGING_BYTES["cpu"])
         #: loads with more runs of host slots than this gather on the host instead. On the CPU
         #: always: with no bus between the pools, staging runs would only add a copy; on CUDA
@@ -78,22 +85,32 @@ class HostKVPool:
         k0 = device_pool.k[0]
         return 2 * len(device_pool.k) * k0[0].numel() * k0.element_size()
 
-    def backup(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+    def backup(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> Any:
         """Copy the device pool's KV at ``device_slots`` to the host pool at ``host_slots``:
         a gather into device staging, then one copy per run of consecutive host slots (per
         layer's K and V in layer_first). Nothing here waits for the copies; host-side readers
         of the host buffers do (``wait_copies``). A CPU pool past ``run_copy_max_runs`` runs
-        (by default always) scatters into the host buffers instead: its staging is host memory."""
+        (by default always) scatters into the host buffers instead: its staging is host memory.
+        Returns the event to ``fence`` with before ``device_slots`` are freed and to pass to
+        ``load`` of ``host_slots``: on a copy stream; None when the copies are in the compute
+        stream's order (``direct``)."""
         runs = slot_runs(host_slots)
         if not runs:
-            return
-        with self._on_copy_stream():
+            return None
+        with _CopyStream(self._backup_stream, self._pending_load, compute_waits=False):
             index = self._on_device(device_slots)
             if not self._pin and len(runs) > self.run_copy_max_runs:
                 self._backup_scattered(host_slots, index)
             else:
                 self._backup_runs(runs, index)
-            self._record()
+            self._pending = self._event()
+        return self._pending if self._backup_stream is not None else None
+
+    def fence(self, backup: Any) -> None:
+        """Make the compute stream wait (on the device) for ``backup``'s copies: before the
+        device slots they read are freed for a step to write."""
+        if backup is not None:
+            torch.cuda.current_stream(self.device_pool.k[0].device).wait_event(backup)
 
     def _backup_runs(self, runs: list[tuple[int, int]], index: torch.Tensor) -> None:
         dev = self.device_pool
@@ -117,22 +134,25 @@ class HostKVPool:
             for host, pool in self._layer_pairs(layer):
                 host.index_copy_(0, host_slots, pool.index_select(0, index))
 
-    def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
+    def load(
+        self, host_slots: torch.Tensor, device_slots: torch.Tensor, backups: tuple[Any, ...] = ()
+    ) -> None:
         """Copy the host pool's KV at ``host_slots`` into the device pool at ``device_slots``:
         one copy per run of consecutive host slots into device staging (page_first: all
         layers at once; layer_first: per layer's K and V), then one ``index_copy_`` per
         layer's K and V on the device. Past ``run_copy_max_runs`` runs: a gather on the host
-        into (pinned) staging per layer's K and V instead, one copy each."""
+        into (pinned) staging per layer's K and V instead, one copy each. ``backups``: the
+        events of the backups that wrote ``host_slots`` (``backup``'s), waited for first."""
         runs = slot_runs(host_slots)
         if not runs:
             return
-        with self._on_copy_stream():
+        with _CopyStream(self._load_stream, *backups, compute_waits=True):
             index = self._on_device(device_slots)
             if len(runs) > self.run_copy_max_runs:
                 self._load_gathered(host_slots, index)
             else:
                 self._load_runs(runs, index)
-            self._record()
+            self._pending_load = self._event()
 
     def _load_runs(self, runs: list[tuple[int, int]], index: torch.Tensor) -> None:
         dev = self.device_pool
@@ -196,14 +216,18 @@ class HostKVPool:
     def wait_copies(self) -> None:
         """Block until the copies queued so far (backups and loads) ran: any host-side read or
         write of the host buffers calls this first."""
-        if self._pending is not None:
-            self._pending.synchronize()
-            self._pending = None
+        for pending in (self._pending, self._pending_load):
+            if pending is not None:
+                pending.synchronize()
+        self._pending = self._pending_load = None
 
-    def _record(self) -> None:
-        if self._pin:  # CUDA: the copies above are asynchronous
-            self._pending = torch.cuda.Event()
-            self._pending.record()
+    def _event(self) -> Any:
+        """CUDA: an event after the copies just queued (they are asynchronous); else None."""
+        if not self._pin:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def _on_device(self, slots: torch.Tensor) -> torch.Tensor:
         device = self.device_pool.k[0].device
@@ -223,9 +247,6 @@ class HostKVPool:
     def _device_empty(self, *lead: int) -> torch.Tensor:
         device = self.device_pool.k[0].device
         return torch.empty((*lead, *self.token_shape), dtype=self.dtype, device=device)
-
-    def _on_copy_stream(self) -> Any:
-        return _CopyStream(self._stream)
 
 
 def slot_runs(slots: torch.Tensor) -> list[tuple[int, int]]:
@@ -273,17 +294,21 @@ def _copy_runs(
 
 
 class _CopyStream:
-    """With a copy stream: run the block on it after the compute stream's queued work, and
-    make the compute stream wait for it afterwards. Without one: nothing."""
+    """With a copy stream: run the block on it after the compute stream's queued work and the
+    events ``after`` (None ones skipped); with ``compute_waits``, make the compute stream wait
+    for it afterwards. Without one: nothing (the copies run in the compute stream's order)."""
 
-    def __init__(self, stream: Any) -> None:
-        self.stream = stream
+    def __init__(self, stream: Any, *after: Any, compute_waits: bool) -> None:
+        self.stream, self.after, self.compute_waits = stream, after, compute_waits
         self._ctx: Any = None
 
     def __enter__(self) -> None:
         if self.stream is None:
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        for event in self.after:
+            if event is not None:
+                self.stream.wait_event(event)
         self._ctx = torch.cuda.stream(self.stream)
         self._ctx.__enter__()
 
@@ -291,4 +316,5 @@ class _CopyStream:
         if self.stream is None:
             return
         self._ctx.__exit__(*exc)
-        torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+        if self.compute_waits:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)

@@ -366,6 +366,36 @@ def test_cuda_host_gather_waits_for_a_queued_backup(io_backend: str) -> None:
         assert torch.equal(dev.k[layer][9:13].cpu(), want[layer])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cuda_backups_hold_up_neither_steps_nor_loads_of_other_pages(layout: str) -> None:
+    """With copy streams a backup held up on its stream does not hold up the compute stream;
+    a fence on its event orders the next write of its device slots after it, and a load of
+    its host slots waits for it (the backup stream is held up by a sleep queued on it, so a
+    missing wait would read or write too early every time)."""
+    dev = device_pool(device="cuda")
+    host = HostKVPool(dev, 64, 4, layout, "kernel")
+    slots = torch.tensor([*range(8, 12), *range(20, 24)])
+    want = [dev.k[layer][1:9].cpu() for layer in range(LAYERS)]
+    with torch.cuda.stream(host._backup_stream):
+        torch.cuda._sleep(500_000_000)  # the backup stream busy for ~0.3 s
+    backup = host.backup(torch.arange(1, 9), slots)
+    assert backup is not None
+    step = torch.cuda.Event()
+    step.record()  # the compute stream's work after the backup: not ordered after it
+    step.synchronize()
+    assert not backup.query()
+    host.fence(backup)  # the slots are freed: a step writes them only after the backup read
+    for layer in range(LAYERS):
+        dev.k[layer][1:9].zero_()
+    host.load(slots, torch.arange(9, 17), (backup,))  # reads what the backup wrote
+    torch.cuda.synchronize()
+    for layer in range(LAYERS):
+        assert torch.equal(dev.k[layer][9:17].cpu(), want[layer])
+        assert not dev.k[layer][1:9].any()
+
+
 def test_the_host_pool_defaults_follow_the_device_and_yield_to_the_flags() -> None:
     """No flag: page_first on a copy stream on CUDA (whole pages of every layer per copy),
     layer_first copied directly elsewhere; a flag given wins on either device."""
