@@ -14,6 +14,8 @@ a ``row_block``-row product (measured in docs/benchmarks.md's deterministic sect
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,6 +26,12 @@ GPU_ROW_BLOCK = 64
 
 
 def row_block_for(device: torch.device | str) -> int:
+    """Rows per product on ``device``; RADIXSERVE_INVARIANT_ROW_BLOCK overrides it (for A/B
+    runs: a larger block re-reads the weights fewer times in a prefill and costs a small
+    batch more arithmetic)."""
+    chosen = os.environ.get("RADIXSERVE_INVARIANT_ROW_BLOCK")
+    if chosen:
+        return int(chosen)
     return CPU_ROW_BLOCK if torch.device(device).type == "cpu" else GPU_ROW_BLOCK
 
 

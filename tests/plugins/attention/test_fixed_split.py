@@ -114,3 +114,14 @@ def test_cpu_panel_linears_are_batch_invariant() -> None:
         for offset in (0, 1):
             rows = x[offset : offset + n].contiguous()
             assert torch.equal(packing(rows, packed, 1000, None), full[offset : offset + n])
+
+
+def test_the_row_block_follows_the_device_unless_the_environment_sets_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from radixserve.plugins.models.invariant_ops import CPU_ROW_BLOCK, GPU_ROW_BLOCK, row_block_for
+
+    monkeypatch.delenv("RADIXSERVE_INVARIANT_ROW_BLOCK", raising=False)
+    assert (row_block_for("cpu"), row_block_for("cuda")) == (CPU_ROW_BLOCK, GPU_ROW_BLOCK)
+    monkeypatch.setenv("RADIXSERVE_INVARIANT_ROW_BLOCK", "128")
+    assert row_block_for("cuda") == 128 and row_block_for("cpu") == 128
