@@ -105,6 +105,9 @@ MODULES: dict[str, list[str]] = {
     "core/logprobs.py": ["tests/core/test_logprobs.py"],
     # Reload checks on a tiny random Llama's files (built once per run: ~3 s).
     "core/checkpoint.py": ["tests/core/test_checkpoint.py"],
+    # The strategy on a real registry, PEFT directories and recorded slot loads (the LoRA
+    # engine tests run the tiny Llama: too slow once per mutant).
+    "core/lora_strategy.py": ["tests/core/test_lora_strategy.py", "tests/core/test_lora.py"],
 }
 
 
