@@ -108,6 +108,9 @@ MODULES: dict[str, list[str]] = {
     # The strategy on a real registry, PEFT directories and recorded slot loads (the LoRA
     # engine tests run the tiny Llama: too slow once per mutant).
     "core/lora_strategy.py": ["tests/core/test_lora_strategy.py", "tests/core/test_lora.py"],
+    # Spans, slices and M-RoPE positions with a stand-in encoder (the vision tests run the tiny
+    # VLMs: too slow once per mutant).
+    "core/multimodal_strategy.py": ["tests/core/test_multimodal_strategy.py"],
 }
 
 
