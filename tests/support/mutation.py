@@ -111,6 +111,9 @@ MODULES: dict[str, list[str]] = {
     # Spans, slices and M-RoPE positions with a stand-in encoder (the vision tests run the tiny
     # VLMs: too slow once per mutant).
     "core/multimodal_strategy.py": ["tests/core/test_multimodal_strategy.py"],
+    # Masks, verify chains and jump-forward with a fixed-sequence matcher on a tiny BPE
+    # tokenizer (the structured-output tests run a model).
+    "core/grammar.py": ["tests/core/test_grammar.py"],
 }
 
 
