@@ -114,6 +114,8 @@ MODULES: dict[str, list[str]] = {
     # Masks, verify chains and jump-forward with a fixed-sequence matcher on a tiny BPE
     # tokenizer (the structured-output tests run a model).
     "core/grammar.py": ["tests/core/test_grammar.py"],
+    # A tiny BPE tokenizer alone, + the chat renderer through it (test_chat_template.py, ~2 s).
+    "core/tokenizer.py": ["tests/core/test_tokenizer.py", "tests/core/test_chat_template.py"],
 }
 
 
