@@ -116,6 +116,10 @@ MODULES: dict[str, list[str]] = {
     "core/grammar.py": ["tests/core/test_grammar.py"],
     # A tiny BPE tokenizer alone, + the chat renderer through it (test_chat_template.py, ~2 s).
     "core/tokenizer.py": ["tests/core/test_tokenizer.py", "tests/core/test_chat_template.py"],
+    # Plans and pooled vectors on hand-made hidden states (the embedding tests run a model).
+    "core/pooling.py": ["tests/core/test_pooling.py"],
+    # ForwardBatch's sizes and prepare_from_device with a recording attention backend.
+    "core/batch.py": ["tests/core/test_batch.py"],
 }
 
 
