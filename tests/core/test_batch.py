@@ -57,7 +57,10 @@ def test_a_backend_that_prepares_on_the_device_gets_the_tensors() -> None:
     b = batch()
     assert prepare_from_device(attention, b, rows, lens) is b
     assert prepare_from_device(attention, b, rows, lens, q_len=3) is b
-    assert attention.calls == [("decode_graph", [2, 0], [5, 7]), ("verify_graph", [2, 0], [5, 7], 3)]
+    assert attention.calls == [
+        ("decode_graph", [2, 0], [5, 7]),
+        ("verify_graph", [2, 0], [5, 7], 3),
+    ]
 
 
 def test_any_other_backend_prepares_a_host_copy() -> None:

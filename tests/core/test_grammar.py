@@ -6,7 +6,6 @@ matcher that accepts one fixed token sequence."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -219,6 +218,8 @@ def test_dead_rows_are_marked_only_where_constrained() -> None:
     logits[2] = -math.inf
     logits[3] = -math.inf
     ids = [1, 2, 1, 0]
-    mark_dead_rows(logits, ids, [req(Sequence([1])), req(Sequence([2])), req(None), req(Sequence([0]))])
+    mark_dead_rows(
+        logits, ids, [req(Sequence([1])), req(Sequence([2])), req(None), req(Sequence([0]))]
+    )
     assert ids == [NO_TOKEN, 2, 1, NO_TOKEN]
     assert NO_TOKEN == -1

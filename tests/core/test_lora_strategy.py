@@ -32,7 +32,10 @@ def peft_dir(path: Path, rank: int = 2) -> str:
     path.mkdir(parents=True)
     (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank}))
     key = "base_model.model.model.layers.0.self_attn.q_proj"
-    tensors = {f"{key}.lora_A.weight": torch.ones(rank, 8), f"{key}.lora_B.weight": torch.ones(8, rank)}
+    tensors = {
+        f"{key}.lora_A.weight": torch.ones(rank, 8),
+        f"{key}.lora_B.weight": torch.ones(8, rank),
+    }
     save_file(tensors, str(path / "adapter_model.safetensors"))
     return str(path)
 

@@ -41,7 +41,9 @@ def image(h: int, offset: int, length: int) -> ImageInput:
     return ImageInput(hash=h, pixels=b"", shape=(0,), grid=(1,), offset=offset, length=length)
 
 
-def req(rid: str, n: int, images: list[ImageInput] | None, row: int | None = None, **mm: Any) -> Req:
+def req(
+    rid: str, n: int, images: list[ImageInput] | None, row: int | None = None, **mm: Any
+) -> Req:
     r = Req(rid, list(range(1, n + 1)), SamplingParams())
     r.mm_inputs = None if images is None else MultimodalInputs(images=images, **mm)
     r.req_pool_idx = row
@@ -105,7 +107,8 @@ def test_image_rows_and_slices_across_chunks_and_the_cache() -> None:
     assert batch.mm.rows.tolist() == [0, 1, 3, 4] and embeds(batch) == [702.0, 703.0, 800.0, 801.0]
     assert model.calls == [[7], [8]]  # 7 from the cache
     assert mm.stats() == {"images_encoded": 2, "encoder_steps": 2, "encoder_cache_hits": 1,
-                          "encoder_cache_entries": 2, "encoder_cache_bytes": (4 + 2) * 2 * 4}  # fmt: skip
+                          "encoder_cache_entries": 2,
+                          "encoder_cache_bytes": (4 + 2) * 2 * 4}  # fmt: skip
 
 
 def test_one_encoder_call_a_step_each_image_once() -> None:

@@ -150,9 +150,9 @@ def test_messages_are_checked(tok: Tokenizer, folder: Path, tmp_path: Path) -> N
             tok.apply_chat_template(messages)  # type: ignore[arg-type]
         assert str(err.value) == message
     for role in CHAT_ROLES:
-        assert tok.apply_chat_template([{"role": role, "content": "c"}], add_generation_prompt=False) == (
-            f"<|im_start|>[{role}]c"
-        )
+        assert tok.apply_chat_template(
+            [{"role": role, "content": "c"}], add_generation_prompt=False
+        ) == (f"<|im_start|>[{role}]c")
 
 
 def test_the_byte_level_alphabet() -> None:
