@@ -235,3 +235,76 @@ def test_text_ids() -> None:
     with pytest.raises(InvalidRequest) as err:
         text_ids(r)
     assert str(err.value) == "a request with images cannot continue a session yet"
+
+
+def test_a_finished_request_without_images_ends_quietly() -> None:
+    mm = MultimodalStrategy(Encoder(), "cpu", 1 << 20)
+    text = req("t", 4, None)
+    mm.admit(text, False)
+    text.finish(FinishReason("length"))
+    mm.ended([text])  # never tracked: nothing to drop
+    assert mm.tracked == {}
+
+
+def test_a_model_without_the_mrope_flag_takes_plain_positions() -> None:
+    class Plain:
+        def encode_images(self, images: list[ImageInput]) -> list[torch.Tensor]:
+            return [torch.zeros(i.length, 2) for i in images]
+
+    mm = MultimodalStrategy(Plain(), "cpu", 1 << 20)
+    assert mm.mrope is False
+    mm.admit(req("a", 4, [image(1, 0, 2)], row=0), False)
+    batch = step([0], [4], [4])
+    mm.before_forward(batch)
+    assert batch.mm.mrope is None
+
+
+def test_the_cache_is_asked_once_per_image_and_step() -> None:
+    model = Encoder()
+    mm = MultimodalStrategy(model, "cpu", 1 << 20)
+    a = req("a", 4, [image(5, 0, 2), image(6, 2, 2)], row=0)
+    b = req("b", 4, [image(5, 0, 2), image(7, 2, 2)], row=1)  # 5 again, then a new image
+    c = req("c", 6, [image(8, 3, 2)], row=2)  # after two requests: rows from 4 + 4 + 3
+    for r in (a, b, c):
+        mm.admit(r, False)
+    batch = step([0, 1, 2], [4, 4, 6], [4, 4, 6])
+    mm.before_forward(batch)
+    assert model.calls == [[5, 6, 7, 8]]
+    assert batch.mm.rows.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 11, 12]
+    assert embeds(batch) == [500.0, 501.0, 600.0, 601.0, 500.0, 501.0, 700.0, 701.0, 800.0, 801.0]
+    assert (mm.cache.misses, mm.cache.hits) == (4, 0)
+    batch = step([0, 1], [4, 4], [4, 4])  # again: each from the cache, asked once
+    mm.before_forward(batch)
+    assert (mm.cache.misses, mm.cache.hits) == (4, 3) and len(model.calls) == 1
+
+
+def test_an_encoder_or_a_batch_of_the_wrong_size_is_refused() -> None:
+    class Short(Encoder):
+        def encode_images(self, images: list[ImageInput]) -> list[torch.Tensor]:
+            return super().encode_images(images)[:-1]
+
+    mm = MultimodalStrategy(Short(), "cpu", 1 << 20)
+    mm.admit(req("a", 4, [image(1, 0, 2), image(2, 2, 2)], row=0), False)
+    with pytest.raises(ValueError):
+        mm.before_forward(step([0], [4], [4]))
+    mm = MultimodalStrategy(Encoder(), "cpu", 1 << 20)
+    mm.admit(req("a", 4, [image(1, 0, 2)], row=0), False)
+    with pytest.raises(ValueError):
+        mm.before_forward(step([0, 1], [4], [4, 1]))
+
+
+def test_mrope_tables_are_built_once_and_decodes_after_the_prompt() -> None:
+    mm = MultimodalStrategy(Encoder(mrope=True), "cpu", 1 << 20)
+    table = [[0, 1, 1], [0, 1, 2], [0, 2, 1]]
+    a = req("a", 3, [image(1, 1, 2)], row=0, mrope=table, mrope_delta=4)
+    mm.admit(a, False)
+    mm.before_forward(step([0], [2], [2]))
+    built = a.mrope_table
+    assert built.tolist() == table and built.dtype == torch.int64
+    a.mrope_table = torch.tensor([[9, 9, 9]] * 3)  # the request's own table is what is read
+    batch = step([0], [3], [3])
+    mm.before_forward(batch)
+    assert batch.mm.mrope.tolist() == [[9, 9, 9]] * 3
+    batch = step([0], [2], [6])  # two tokens after the prompt: 4 + 4, 5 + 4
+    mm.before_forward(batch)
+    assert batch.mm.mrope.tolist() == [[8, 9]] * 3
