@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import torch
 from tiny_models import make_tokenizer_json
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import processors
 
 from radixserve.core.grammar import NO_TOKEN, GrammarMasker, GrammarStepper, mark_dead_rows
 from radixserve.core.interfaces import Grammar, GrammarBackend
@@ -55,6 +57,7 @@ class Backend(GrammarBackend):
     def __init__(self) -> None:
         self.allocated: list[tuple[int, int]] = []
         self.applied: list[list[int]] = []
+        self.masks: list[torch.Tensor] = []
 
     def compile(self, kind: str, spec: str) -> Grammar:
         raise AssertionError("not compiled here")
@@ -65,17 +68,19 @@ class Backend(GrammarBackend):
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         self.applied.append(list(rows))
-        super().apply_bitmask(logits, bitmask, rows)
+        self.masks.append(bitmask)
+        if logits.device.type != "meta":
+            super().apply_bitmask(logits, bitmask, rows)
 
 
-def masker(rows: int = 3) -> tuple[GrammarMasker, Backend, list[int]]:
+def masker(rows: int = 3, vocab: int = VOCAB) -> tuple[GrammarMasker, Backend, list[int]]:
     backend, made = Backend(), []
 
     def factory() -> GrammarBackend:
         made.append(1)
         return backend
 
-    return GrammarMasker(factory, rows, VOCAB), backend, made
+    return GrammarMasker(factory, rows, vocab), backend, made
 
 
 def req(grammar: Grammar | None, out: list[int] | None = None, **params: Any) -> Req:
@@ -129,6 +134,10 @@ def test_verify_chains_mask_each_draft_position_and_leave_the_matchers() -> None
     assert backend2.allocated == [(4, VOCAB)]  # never fewer rows than the masker's own
     m2.apply(torch.zeros(1, VOCAB), [req(Sequence([1]))])
     assert backend2.allocated == [(4, VOCAB)]
+    m2.apply_chains(torch.zeros(4, VOCAB), [(0, Sequence([6, 7, 8]), [6, 7])])  # 3 rows of 4
+    assert backend2.allocated == [(4, VOCAB)]
+    m2.apply_chains(torch.zeros(4, VOCAB), [(1, Sequence([6, 7, 8]), [6, 7])])  # all 4 rows
+    assert backend2.allocated == [(4, VOCAB)]
     with pytest.raises(RuntimeError) as err:
         m2.apply_chains(torch.zeros(4, VOCAB), [(0, Sequence([6, 7]), [6, 8])])
     assert str(err.value) == "a checked draft token 8 broke the grammar"
@@ -138,6 +147,11 @@ def test_verify_chains_mask_each_draft_position_and_leave_the_matchers() -> None
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     path = tmp_path_factory.mktemp("tok")
     make_tokenizer_json(path / "tokenizer.json")
+    tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)]
+    )  # a BOS that jump-forward must not add
+    tok.save(str(path / "tokenizer.json"))
     return Tokenizer(path)
 
 
@@ -223,3 +237,50 @@ def test_dead_rows_are_marked_only_where_constrained() -> None:
     )
     assert ids == [NO_TOKEN, 2, 1, NO_TOKEN]
     assert NO_TOKEN == -1
+
+
+class Copies(torch.overrides.TorchFunctionMode):
+    """Records each ``Tensor.copy_``: (destination and source devices, rows, non_blocking)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, str, int, Any]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.Tensor.copy_:
+            dst, src = args
+            self.calls.append(
+                (dst.device.type, src.device.type, src.shape[0], kwargs.get("non_blocking"))
+            )
+        return func(*args, **kwargs)
+
+
+def test_logits_on_another_device_get_a_mirror_of_the_used_rows() -> None:
+    """The host mask's rows up to the last constrained one are copied (asynchronously) into
+    one mirror on the logits' device, made once and grown only for longer verify chains
+    (logits on the meta device: another device on a CPU-only machine)."""
+    m, backend, _ = masker(rows=3)
+    logits = torch.zeros(3, VOCAB, device="meta")
+    with Copies() as copies:
+        m.apply(logits, [req(None), req(Sequence([1])), req(None)])
+        m.apply(logits, [req(Sequence([1])), req(None), req(Sequence([1]))])
+    assert copies.calls == [("meta", "cpu", 2, True), ("meta", "cpu", 3, True)]
+    mirror = backend.masks[0]
+    assert mirror.device.type == "meta" and mirror.shape == (3, 2) and mirror.dtype == torch.int32
+    assert backend.masks[1] is mirror
+    with Copies() as copies:  # two rows: the mirror serves
+        m.apply_chains(logits, [(0, Sequence([6]), [6])])
+    assert backend.masks[2] is mirror and copies.calls == [("meta", "cpu", 2, True)]
+    with Copies() as copies:  # three rows, as many as the mirror's
+        m.apply_chains(logits, [(0, Sequence([6, 7]), [6, 7])])
+    assert backend.masks[3] is mirror and copies.calls == [("meta", "cpu", 3, True)]
+    with Copies() as copies:  # five rows: a larger host mask and mirror
+        m.apply_chains(torch.zeros(6, VOCAB, device="meta"), [(1, Sequence([6, 7, 8]), [6, 7, 8])])
+    assert copies.calls == [("meta", "cpu", 5, True)]
+    assert backend.masks[4].shape == (5, 2) and backend.masks[4].device.type == "meta"
+    assert backend.allocated == [(3, VOCAB), (5, VOCAB)]
+    wide, backend, _ = masker(rows=3, vocab=200)  # more words a row than rows
+    wide.apply(torch.zeros(3, 200, device="meta"), [req(Sequence([1]))])
+    wide.apply_chains(torch.zeros(3, 200, device="meta"), [(0, Sequence([6]), [6])])
+    assert backend.masks[1] is backend.masks[0] and backend.masks[0].shape == (3, 7)
