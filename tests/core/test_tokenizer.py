@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from tiny_models import make_tokenizer_json
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import processors
+from tokenizers import decoders, models, pre_tokenizers, processors
 
 from radixserve.core.config import ConfigError
 from radixserve.core.request import InvalidRequest
@@ -177,6 +177,19 @@ def test_incremental_detokenization(tok: Tokenizer) -> None:
     assert det.text == " lazy é€" and (det.prefix_offset, det.read_offset) == (9, 12)
     assert det.flush() == "" and det.text == " lazy é€"
     assert det.add(2) == "" and det.text == " lazy é€"  # a special token, skipped
+    assert det.flush() == "" and det.text == " lazy é€"  # held back, and nothing to show
+
+
+def test_the_prompt_gives_the_first_token_its_leading_space(tmp_path: Path) -> None:
+    """A sentencepiece-style decoder drops the space of a text's first word: the prompt's
+    last tokens, decoded before the output, keep it."""
+    words = HFTokenizer(models.WordLevel({"▁Hello": 0, "▁world": 1, "<unk>": 2}, "<unk>"))
+    words.pre_tokenizer, words.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    words.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(tmp_path)
+    assert tok.encode("Hello world") == [0, 1] and tok.decode([1]) == "world"
+    assert IncrementalDetokenizer(tok, [0]).add(1) == " world"
+    assert IncrementalDetokenizer(tok, []).add(1) == "world"
 
 
 def test_a_flush_emits_what_is_held_back(tok: Tokenizer) -> None:
