@@ -57,6 +57,12 @@ def test_mean_pooling_accumulates_across_chunks() -> None:
     assert r.embedding == pytest.approx([0.0, 1.0])
 
 
+def test_the_floor_of_the_norm_applies_to_the_mean() -> None:
+    r = req(4, "mean")  # a mean of norm 0.5e-12, under the 1e-12 floor: divided by the floor
+    finish_pooling(PoolPlan([0], [(r, 0, 4, True)]), torch.tensor([[0.3e-12, 0.4e-12]] * 4))
+    assert r.embedding == pytest.approx([0.3, 0.4])
+
+
 def test_last_pooling_takes_the_last_row_normalised() -> None:
     r, other = req(3, "last"), req(2, "last")
     hidden = torch.tensor([[1.0, 1.0], [3.0, 4.0], [0.0, 0.0]])
