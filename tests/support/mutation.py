@@ -105,6 +105,21 @@ MODULES: dict[str, list[str]] = {
     "core/logprobs.py": ["tests/core/test_logprobs.py"],
     # Reload checks on a tiny random Llama's files (built once per run: ~3 s).
     "core/checkpoint.py": ["tests/core/test_checkpoint.py"],
+    # The strategy on a real registry, PEFT directories and recorded slot loads (the LoRA
+    # engine tests run the tiny Llama: too slow once per mutant).
+    "core/lora_strategy.py": ["tests/core/test_lora_strategy.py", "tests/core/test_lora.py"],
+    # Spans, slices and M-RoPE positions with a stand-in encoder (the vision tests run the tiny
+    # VLMs: too slow once per mutant).
+    "core/multimodal_strategy.py": ["tests/core/test_multimodal_strategy.py"],
+    # Masks, verify chains and jump-forward with a fixed-sequence matcher on a tiny BPE
+    # tokenizer (the structured-output tests run a model).
+    "core/grammar.py": ["tests/core/test_grammar.py"],
+    # A tiny BPE tokenizer alone, + the chat renderer through it (test_chat_template.py, ~2 s).
+    "core/tokenizer.py": ["tests/core/test_tokenizer.py", "tests/core/test_chat_template.py"],
+    # Plans and pooled vectors on hand-made hidden states (the embedding tests run a model).
+    "core/pooling.py": ["tests/core/test_pooling.py"],
+    # ForwardBatch's sizes and prepare_from_device with a recording attention backend.
+    "core/batch.py": ["tests/core/test_batch.py"],
 }
 
 
