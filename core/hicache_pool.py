@@ -5,19 +5,14 @@ The host pool has its own slots (and page 0 as padding, as the device pool); the
 records, per node, its device slots and its host slots. Layouts (``--hicache-mem-layout``):
 ``layer_first`` keeps a K and a V buffer per layer, as the device pool; ``page_first`` keeps
 one buffer [slots, layers, 2, heads, head_dim], so a storage page is one contiguous piece.
-Copies (``--hicache-io-backend``): ``direct`` copies on the compute stream; ``kernel`` (CUDA)
-queues backups and loads on two copy streams, each first waiting for the compute stream. The
-compute stream waits for a load before its next kernels (a step reads the loaded pages), but
-not for a backup: ``backup`` returns an event that the caller passes to ``fence`` before the
-backed-up device slots are freed (so a step writes them only after they were read) and to
-``load`` for the host slots it wrote (so a load reads them only after they were written).
-Backups wait for the last load queued (a host slot a load reads may be freed and reused).
+Copies (``--hicache-io-backend``): their order against the compute stream is
+core/hicache_streams.py's.
 
 Host slots come in pages, so a node's host slots are mostly long runs of consecutive slots:
 the copies move whole runs between the (pinned, on CUDA) host buffers and a device staging
 tensor, and the scatter or gather by device slot happens on the device. On CUDA they are
-asynchronous: an event recorded after them is what host-side readers and writers of the host
-buffers (``read_pages``, ``write_pages``) wait for.
+asynchronous: host-side readers and writers of the host buffers (``read_pages``,
+``write_pages``) wait for them first.
 """
 
 from __future__ import annotations
@@ -28,6 +23,7 @@ from typing import Any
 import torch
 
 from radixserve.core.config_checks import ConfigError
+from radixserve.core.hicache_streams import CopyStreams
 from radixserve.core.memory import KVPool, TokenAllocator
 
 #: layer_first loads (CUDA) with at most this many runs of host slots copy each run of each
@@ -58,13 +54,8 @@ class HostKVPool:
                 "--hicache-io-backend kernel needs a CUDA device pool; use direct on "
                 f"{k0.device.type}"
             )
-        kernel = io_backend == "kernel"
-        self._backup_stream: Any = torch.cuda.Stream(k0.device) if kernel else None
-        self._load_stream: Any = torch.cuda.Stream(k0.device) if kernel else None
+        self.streams = CopyStreams(k0.device, io_backend)
         self._pin = on_cuda  # host buffers pinned, copies asynchronous
-        # CUDA events after the last queued backup and the last queued load
-        self._pending: Any = None
-        self._pending_load: Any = None
         self.staging_bytes = STAGING_BYTES.get(k0.device.type, STAGING_BYTES["cpu"])
         #: loads with more runs of host slots than this gather on the host instead. On the CPU
         #: always: with no bus between the pools, staging runs would only add a copy; on CUDA
@@ -97,20 +88,18 @@ class HostKVPool:
         runs = slot_runs(host_slots)
         if not runs:
             return None
-        with _CopyStream(self._backup_stream, self._pending_load, compute_waits=False):
+        with self.streams.backup():
             index = self._on_device(device_slots)
             if not self._pin and len(runs) > self.run_copy_max_runs:
                 self._backup_scattered(host_slots, index)
             else:
                 self._backup_runs(runs, index)
-            self._pending = self._event()
-        return self._pending if self._backup_stream is not None else None
+        return self.streams.backup_event()
 
     def fence(self, backup: Any) -> None:
-        """Make the compute stream wait (on the device) for ``backup``'s copies: before the
-        device slots they read are freed for a step to write."""
-        if backup is not None:
-            torch.cuda.current_stream(self.device_pool.k[0].device).wait_event(backup)
+        """Before the device slots a backup read are freed for a step to write: the compute
+        stream waits (on the device) for ``backup`` (``backup``'s event; None: nothing)."""
+        self.streams.fence(backup)
 
     def _backup_runs(self, runs: list[tuple[int, int]], index: torch.Tensor) -> None:
         dev = self.device_pool
@@ -146,13 +135,12 @@ class HostKVPool:
         runs = slot_runs(host_slots)
         if not runs:
             return
-        with _CopyStream(self._load_stream, *backups, compute_waits=True):
+        with self.streams.load(backups):
             index = self._on_device(device_slots)
             if len(runs) > self.run_copy_max_runs:
                 self._load_gathered(host_slots, index)
             else:
                 self._load_runs(runs, index)
-            self._pending_load = self._event()
 
     def _load_runs(self, runs: list[tuple[int, int]], index: torch.Tensor) -> None:
         dev = self.device_pool
@@ -216,18 +204,7 @@ class HostKVPool:
     def wait_copies(self) -> None:
         """Block until the copies queued so far (backups and loads) ran: any host-side read or
         write of the host buffers calls this first."""
-        for pending in (self._pending, self._pending_load):
-            if pending is not None:
-                pending.synchronize()
-        self._pending = self._pending_load = None
-
-    def _event(self) -> Any:
-        """CUDA: an event after the copies just queued (they are asynchronous); else None."""
-        if not self._pin:
-            return None
-        event = torch.cuda.Event()
-        event.record()
-        return event
+        self.streams.wait()
 
     def _on_device(self, slots: torch.Tensor) -> torch.Tensor:
         device = self.device_pool.k[0].device
@@ -291,30 +268,3 @@ def _copy_runs(
         else:
             dst[at : at + length].copy_(src[first : first + length], non_blocking=True)
         at += length
-
-
-class _CopyStream:
-    """With a copy stream: run the block on it after the compute stream's queued work and the
-    events ``after`` (None ones skipped); with ``compute_waits``, make the compute stream wait
-    for it afterwards. Without one: nothing (the copies run in the compute stream's order)."""
-
-    def __init__(self, stream: Any, *after: Any, compute_waits: bool) -> None:
-        self.stream, self.after, self.compute_waits = stream, after, compute_waits
-        self._ctx: Any = None
-
-    def __enter__(self) -> None:
-        if self.stream is None:
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        for event in self.after:
-            if event is not None:
-                self.stream.wait_event(event)
-        self._ctx = torch.cuda.stream(self.stream)
-        self._ctx.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        if self.stream is None:
-            return
-        self._ctx.__exit__(*exc)
-        if self.compute_waits:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)

@@ -332,9 +332,9 @@ def test_cuda_backup_is_asynchronous_and_host_readers_wait(layout: str, io_backe
     want = [dev.k[layer][[1, 2, 3, 4, 5, 6, 7, 8]].cpu() for layer in range(LAYERS)]
     torch.cuda._sleep(200_000_000)  # the device busy for ~0.1 s: the copies queue behind it
     host.backup(torch.arange(1, 9), slots)
-    assert host._pending is not None and not host._pending.query()
+    assert host.streams.pending_backup is not None and not host.streams.pending_backup.query()
     pages = host.read_pages(slots)
-    assert host._pending is None
+    assert host.streams.pending_backup is None
     for layer in range(LAYERS):
         assert torch.equal(pages[:, layer, 0], want[layer])
     data = pages + 1
@@ -378,7 +378,7 @@ def test_cuda_backups_hold_up_neither_steps_nor_loads_of_other_pages(layout: str
     host = HostKVPool(dev, 64, 4, layout, "kernel")
     slots = torch.tensor([*range(8, 12), *range(20, 24)])
     want = [dev.k[layer][1:9].cpu() for layer in range(LAYERS)]
-    with torch.cuda.stream(host._backup_stream):
+    with torch.cuda.stream(host.streams.backup_stream):
         torch.cuda._sleep(500_000_000)  # the backup stream busy for ~0.3 s
     backup = host.backup(torch.arange(1, 9), slots)
     assert backup is not None
@@ -408,3 +408,23 @@ def test_the_host_pool_defaults_follow_the_device_and_yield_to_the_flags() -> No
     assert host_pool_defaults(chosen, cuda) == ("layer_first", "direct")
     chosen = EngineConfig(hicache_mem_layout="page_first")
     assert host_pool_defaults(chosen, cpu) == ("page_first", "direct")
+
+
+def test_direct_copies_run_in_the_compute_streams_order() -> None:
+    """``direct`` on a CPU pool: the copies run in place, with no events to fence or wait for
+    (the kernel mode's waits are the gpu-marked tests')."""
+    from radixserve.core.hicache_streams import CopyStreams
+
+    streams = CopyStreams(torch.device("cpu"), "direct")
+    ran = []
+    with streams.backup():
+        ran.append("backup")
+    assert streams.backup_event() is None and streams.pending_backup is None
+    with streams.load((None,)):
+        ran.append("load")
+    assert ran == ["backup", "load"] and streams.pending_load is None
+    streams.fence(None)
+    streams.wait()
+    dev = device_pool()
+    host = HostKVPool(dev, 64, 4, "page_first", "direct")
+    assert host.backup(torch.arange(1, 5), torch.arange(8, 12)) is None
