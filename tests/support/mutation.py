@@ -105,6 +105,14 @@ MODULES: dict[str, list[str]] = {
     "core/logprobs.py": ["tests/core/test_logprobs.py"],
     # Reload checks on a tiny random Llama's files (built once per run: ~3 s).
     "core/checkpoint.py": ["tests/core/test_checkpoint.py"],
+    # mutF: ModelConfig from dicts and config.json files written by the test (no model).
+    "core/model_config.py": ["tests/core/test_model_config.py"],
+    # mutF: weight files written by the test, a small torch module for the reload (no model).
+    "core/weights.py": ["tests/core/test_weights.py"],
+    # mutF: the default seed and the batch-invariant switch on plain objects (no engine).
+    "core/deterministic.py": ["tests/core/test_deterministic_unit.py"],
+    # mutF: CORE_DEFAULTS and PlatformSettings.describe, same file (no engine).
+    "core/platform_settings.py": ["tests/core/test_deterministic_unit.py"],
 }
 
 
