@@ -113,6 +113,11 @@ MODULES: dict[str, list[str]] = {
     "core/deterministic.py": ["tests/core/test_deterministic_unit.py"],
     # mutF: CORE_DEFAULTS and PlatformSettings.describe, same file (no engine).
     "core/platform_settings.py": ["tests/core/test_deterministic_unit.py"],
+    # mutF: the three engine setup modules on real pools, plugin hosts and strategy classes,
+    # with namespaces standing for the runner and the core (no model).
+    "core/cache_setup.py": ["tests/core/test_cache_setup.py"],
+    "core/engine_views.py": ["tests/core/test_engine_views.py"],
+    "core/spec_setup.py": ["tests/core/test_spec_setup.py"],
 }
 
 
