@@ -74,8 +74,9 @@ def test_a_vision_language_config_reads_its_text_config() -> None:
     assert mc.eos_token_ids == (3,)  # the top level wins
     assert mc.raw == {**text, **raw}
     # a top-level hidden_size means the text_config is not the language model's
-    top = {**BASE, "text_config": {**text, "hidden_size": 8}}
+    top = {**BASE, "text_config": {**text, "hidden_size": 8, "num_key_value_heads": 1}}
     assert ModelConfig.from_dict(top).hidden_size == 64
+    assert ModelConfig.from_dict(top).num_kv_heads == 4  # text_config not read at all
     assert ModelConfig.from_dict({**BASE, "text_config": "no"}).hidden_size == 64
 
 
