@@ -70,22 +70,33 @@ def test_the_hierarchical_cache_sized_by_ratio(caplog: pytest.LogCaptureFixture)
     ]
 
 
-def test_the_hierarchical_cache_sized_in_gb_and_its_page_size(tmp_path: Path) -> None:
+def test_the_hierarchical_cache_sized_in_gb_and_its_page_size(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     runner = _runner("file", page=4)
-    gb = 100 * PER_TOKEN / 1e9  # 100 tokens, rounded down to whole pages
     config = EngineConfig(
-        enable_hierarchical_cache=True, hicache_size=gb, hicache_ratio=9.0, page_size=4,
+        enable_hierarchical_cache=True, hicache_size=0.01, hicache_ratio=9.0, page_size=4,
         hicache_write_policy="write_back", hicache_storage_backend="file",
         hicache_storage_backend_extra_config=f'{{"dir": "{tmp_path}"}}',
     )  # fmt: skip
-    cache = build_cache(runner, config, default_host(), "d")
+    with caplog.at_level(logging.INFO, logger="radixserve.core.cache_setup"):
+        cache = build_cache(runner, config, default_host(), "d")
     assert isinstance(cache, HiRadixCache)
-    assert cache.host.size == 96 and cache.page_size == 4
+    # 10 MB of 128-byte tokens, in whole pages of 4, less the allocator's reserved page
+    assert cache.host.size == 78120 and cache.page_size == 4
     assert cache.write_policy == "write_back"
     assert isinstance(cache.storage, GuardedStorage) and cache.storage.name == "file"
     assert isinstance(cache.storage.backend, FileStorage)
     assert cache.storage.backend.dir == tmp_path
     assert cache.namespace == f"d|{LAYERS}|{HEADS}|{HEAD_DIM}|torch.float32|4"
+    assert caplog.messages[-1].startswith("hierarchical cache: host pool of 78120 tokens (0.01 GB")
+    assert caplog.messages[-1].endswith("write policy write_back, storage file")
+
+
+def test_the_io_backend_reaches_the_host_pool() -> None:
+    config = EngineConfig(enable_hierarchical_cache=True, hicache_io_backend="kernel")
+    with pytest.raises(ConfigError, match="--hicache-io-backend kernel needs a CUDA device pool"):
+        build_cache(_runner(), config, default_host(), "m")
 
 
 @pytest.mark.parametrize(

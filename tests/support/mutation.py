@@ -105,6 +105,9 @@ MODULES: dict[str, list[str]] = {
     "core/logprobs.py": ["tests/core/test_logprobs.py"],
     # Reload checks on a tiny random Llama's files (built once per run: ~3 s).
     "core/checkpoint.py": ["tests/core/test_checkpoint.py"],
+    # mutF: the prefetch on a real HiRadixCache (CPU device pool, host pool, in-memory storage),
+    # reads awaited through their events (test_hicache_prefetch.py runs the tiny Llama: ~30 s).
+    "core/hicache_prefetch.py": ["tests/core/test_hicache_prefetch_unit.py"],
     # mutF: ModelConfig from dicts and config.json files written by the test (no model).
     "core/model_config.py": ["tests/core/test_model_config.py"],
     # mutF: weight files written by the test, a small torch module for the reload (no model).
