@@ -76,10 +76,13 @@ class Views(EngineViews):
 
 def _views(strategies: list[StepStrategy], **config: Any) -> Views:
     v = Views()
-    v.config = EngineConfig(model_path="/m", plugin_allow=("p",), grammar_compile_memory=300,
-                            **config)  # fmt: skip
-    settings = PlatformSettings(**{n: i + 2 for i, n in enumerate(CORE_DEFAULTS)},  # type: ignore[arg-type]
-                                origins={n: "flag" for n in CORE_DEFAULTS})  # fmt: skip
+    v.config = EngineConfig(
+        model_path="/m", plugin_allow=("p",), grammar_compile_memory=300, **config
+    )
+    settings = PlatformSettings(
+        **{n: i + 2 for i, n in enumerate(CORE_DEFAULTS)},  # type: ignore[arg-type]
+        origins={n: "flag" for n in CORE_DEFAULTS},
+    )
     platform, runner_calls = _Calls(), _Calls()
     v.runner = SimpleNamespace(  # type: ignore[assignment]
         model_config=SimpleNamespace(vocab_size=321),
@@ -92,8 +95,7 @@ def _views(strategies: list[StepStrategy], **config: Any) -> Views:
         close=runner_calls.close,
         calls=runner_calls.calls,
     )
-    stats = SchedulerStats(prompt_tokens=10, cached_tokens=4, retractions=3, preemptions=1,
-                           steps=7)  # fmt: skip
+    stats = SchedulerStats(prompt_tokens=10, cached_tokens=4, retractions=3, preemptions=1, steps=7)
     stats.by_kind["decode"].steps = 5
     v.scheduler = SimpleNamespace(  # type: ignore[assignment]
         running=[SimpleNamespace(rid="b"), SimpleNamespace(rid="a")],
@@ -176,8 +178,14 @@ def test_grammar_compiles_are_isolated_with_the_engines_spec() -> None:
     v = _views([])
     v.isolate_grammar_compiles()
     assert v.grammars.specs == [  # type: ignore[attr-defined]
-        SandboxSpec(backend="xgrammar", model_dir="/m", vocab_size=321, stop_token_ids=(5, 6),
-                    plugin_allow=("p",), memory_mb=300)  # fmt: skip
+        SandboxSpec(
+            backend="xgrammar",
+            model_dir="/m",
+            vocab_size=321,
+            stop_token_ids=(5, 6),
+            plugin_allow=("p",),
+            memory_mb=300,
+        )
     ]
     assert type(v.grammars.specs[0].stop_token_ids) is tuple  # type: ignore[attr-defined]
     none = _views([])

@@ -27,8 +27,9 @@ class Algo(SpeculativeAlgorithm):
 
     drafts_trees = True
 
-    def __init__(self, layers: tuple[int, ...] = (), capturable: bool = False,
-                 cycle: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self, layers: tuple[int, ...] = (), capturable: bool = False, cycle: bool = True
+    ) -> None:
         self.capture_hidden_layers = layers
         self.target_hidden_capturable = capturable
         self.offers_cycle = cycle
@@ -73,8 +74,9 @@ def test_the_algorithm_and_its_memory_needs() -> None:
 def test_tensor_parallelism_refuses_all_but_ngram_chains(name: str, topk: int) -> None:
     cfg = SimpleNamespace(speculative_eagle_topk=topk)
     with pytest.raises(ConfigError) as e:
-        algorithm_for(PluginHost(load_entry_points=False), {"speculative": name}, cfg,
-                      torch.float32, 2)  # fmt: skip
+        algorithm_for(
+            PluginHost(load_entry_points=False), {"speculative": name}, cfg, torch.float32, 2
+        )
     assert str(e.value) == (
         f"speculative decoding ({name}, speculative_eagle_topk={topk}) does not run with "
         "tp_size=2 yet (only ngram chains do); drop one of them"
@@ -87,24 +89,32 @@ def test_what_tensor_parallelism_lets_through() -> None:
     algorithm, weights, kv = algorithm_for(host, {"speculative": "ngram"}, chains, torch.float32, 2)
     assert type(algorithm).__module__ == "radixserve.plugins.speculative.ngram"
     assert (weights, kv) == (0, 0)
-    none = algorithm_for(host, {"speculative": "none"}, SimpleNamespace(speculative_eagle_topk=3),
-                         torch.float32, 4)  # fmt: skip
+    none = algorithm_for(
+        host, {"speculative": "none"}, SimpleNamespace(speculative_eagle_topk=3), torch.float32, 4
+    )
     assert none[1:] == (0, 0)
 
 
 def _config(**over: Any) -> Any:
     values = dict(
-        draft_depth=3, tree_nodes=0, speculative_simulate_accept_len=None, random_seed=11,
-        speculative_disable_pause=False, speculative_adaptive=False, page_size=2,
-        disable_speculative_loop=False, enable_speculative_loop=False,
-    )  # fmt: skip
+        draft_depth=3,
+        tree_nodes=0,
+        speculative_simulate_accept_len=None,
+        random_seed=11,
+        speculative_disable_pause=False,
+        speculative_adaptive=False,
+        page_size=2,
+        disable_speculative_loop=False,
+        enable_speculative_loop=False,
+    )
     return SimpleNamespace(**{**values, **over})
 
 
 def _core(algo: Algo, name: str = "mine", **over: Any) -> Any:
     kept: list[Any] = []
-    runner_over = {k: over.pop(k) for k in ("asynchronous", "ranks", "on_device", "on_host")
-                   if k in over}  # fmt: skip
+    runner_over = {
+        k: over.pop(k) for k in ("asynchronous", "ranks", "on_device", "on_host") if k in over
+    }
     runner = SimpleNamespace(
         plugins=SimpleNamespace(names={"speculative": name, "attention": "att"}),
         reservation=SimpleNamespace(algorithm=algo),
@@ -130,9 +140,13 @@ def _core(algo: Algo, name: str = "mine", **over: Any) -> Any:
         kept=kept,
     )
     return SimpleNamespace(
-        runner=runner, config=_config(**over), eos_token_ids=(1, 2), max_context=500,
-        overlap=True, scheduler=object(),
-    )  # fmt: skip
+        runner=runner,
+        config=_config(**over),
+        eos_token_ids=(1, 2),
+        max_context=500,
+        overlap=True,
+        scheduler=object(),
+    )
 
 
 def test_no_speculation() -> None:
@@ -149,11 +163,21 @@ def test_the_plugin_is_set_up_with_the_engines_parts() -> None:
     r = core.runner
     assert algo.contexts == [
         SpeculativeContext(
-            config=core.config, model_config=r.model_config, model_path="/models/m", host=host,
-            platform=r.platform, dtype=torch.bfloat16, device="cpu", attention="att",
-            kv_size=64, page_size=2, req_to_token=r.req_to_token, eos_token_ids=(1, 2),
-            target_model=r.model, free_counts=len,
-        )  # fmt: skip
+            config=core.config,
+            model_config=r.model_config,
+            model_path="/models/m",
+            host=host,
+            platform=r.platform,
+            dtype=torch.bfloat16,
+            device="cpu",
+            attention="att",
+            kv_size=64,
+            page_size=2,
+            req_to_token=r.req_to_token,
+            eos_token_ids=(1, 2),
+            target_model=r.model,
+            free_counts=len,
+        )
     ]
 
 
@@ -165,21 +189,33 @@ def test_the_speculator_and_the_strategy() -> None:
     assert isinstance(strategy, Speculation)
     sp = strategy.speculator
     assert (sp.algorithm, sp.name, sp.num_draft, sp.disable_batch_size, sp.vocab_size) == (
-        algo, "mine", 3, 9, 77
+        algo,
+        "mine",
+        3,
+        9,
+        77,
     )
     assert sp.simulate_accept_len is None and sp.tree_nodes == 0 and sp.adaptive is None
     assert sp.pause_unprofitable is True
     assert sp._rng.random() == random.Random(11).random()
     assert (strategy.runner, strategy.max_context, strategy.overlap, strategy.host) == (
-        core.runner, 500, True, host
+        core.runner,
+        500,
+        True,
+        host,
     )
     assert strategy.uniform is True
     assert core.runner.kept == []  # no layers to keep
 
 
 def test_the_speculators_options_from_the_config() -> None:
-    core = _core(Algo(), tree_nodes=6, speculative_simulate_accept_len=2.5,
-                 speculative_disable_pause=True, speculative_adaptive=True)  # fmt: skip
+    core = _core(
+        Algo(),
+        tree_nodes=6,
+        speculative_simulate_accept_len=2.5,
+        speculative_disable_pause=True,
+        speculative_adaptive=True,
+    )
     strategy = build(core, PluginHost(load_entry_points=False), "/m")  # type: ignore[arg-type]
     assert strategy is not None
     sp = strategy.speculator
@@ -215,14 +251,19 @@ def test_the_device_loop_where_asked_on_a_synchronous_device(
     assert strategy is not None and isinstance(strategy.loop, SpecLoop)
     loop = strategy.loop
     assert (loop.scheduler, loop.speculator, loop.max_context) == (
-        core.scheduler, strategy.speculator, 500
+        core.scheduler,
+        strategy.speculator,
+        500,
     )
     assert loop.cycle.max_batch == 4  # min(LOOP_BATCH, disable batch size 9)
     [(verify, max_batch)] = algo.cycles
     assert max_batch == 4
     r = core.runner
     assert (verify.model, verify.attention, verify.kv_pool, verify.req_to_token) == (
-        r.model, r.attention, r.kv_pool, r.req_to_token
+        r.model,
+        r.attention,
+        r.kv_pool,
+        r.req_to_token,
     )
     assert verify.capture_layers == (4,) and verify.consumer == algo.target_hidden
     assert caplog.messages == ["speculation loops on the device for up to 4 requests"]
@@ -259,4 +300,3 @@ def test_no_loop_where_the_plugin_offers_no_cycle() -> None:
     algo = Algo(cycle=False)
     strategy = build(_core(algo, asynchronous=True), PluginHost(load_entry_points=False), "/m")  # type: ignore[arg-type]
     assert strategy is not None and strategy.loop is None and len(algo.cycles) == 1
-

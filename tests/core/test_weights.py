@@ -10,7 +10,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from radixserve.core.weights import count_parameters, iter_weights, reload_in_place, weights_reloaded
+from radixserve.core.weights import (
+    count_parameters,
+    iter_weights,
+    reload_in_place,
+    weights_reloaded,
+)
 
 
 def _shards(tmp_path: Path) -> Path:
