@@ -37,6 +37,7 @@ class Algo(SpeculativeAlgorithm):
         self.cycles: list[tuple[DeviceVerify, int]] = []
 
     def memory_needs(self, config: Any, host: Any, dtype: torch.dtype) -> tuple[int, int]:
+        self.asked = (config, host)
         return (1000, 24) if dtype == torch.float16 else (1, 2)
 
     def setup(self, context: SpeculativeContext) -> None:
@@ -68,6 +69,7 @@ def test_the_algorithm_and_its_memory_needs() -> None:
     cfg = SimpleNamespace(speculative_eagle_topk=2)
     assert algorithm_for(host, {"speculative": "mine"}, cfg, torch.float16, 1) == (algo, 1000, 24)
     assert algorithm_for(host, {"speculative": "mine"}, cfg, torch.float32, 1)[1:] == (1, 2)
+    assert algo.asked == (cfg, host)
 
 
 @pytest.mark.parametrize(("name", "topk"), [("ngram", 2), ("standalone", 1), ("eagle", 1)])
