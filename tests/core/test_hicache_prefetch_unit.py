@@ -284,7 +284,7 @@ def test_wait_complete_waits_for_the_whole_read() -> None:
     read.deadline = 0.0  # past: no matter under this policy
     assert not pf.admissible(r) and not read.landed
     pf.poll()
-    assert not read.landed and not pf.queued["a"].loaded or True
+    assert not read.landed  # not done: nothing lands
     store.gate.set()  # type: ignore[union-attr]
     assert read.done.wait(WAIT)
     assert pf.admissible(r) and read.landed
@@ -537,3 +537,187 @@ def test_build() -> None:
     core.config.enable_hicache_prefetch = True
     core.cache = RadixCache(TokenAllocator(4, 1), ReqToTokenPool(1, 4))
     assert build(core) is None
+
+
+def extend(cache: HiRadixCache, prefix: list[int], more: list[int]) -> None:
+    """``prefix + more`` inserted where ``prefix`` is cached on the device: a child node."""
+    held = cache.match_prefix(prefix).kv_indices
+    slots = cache.allocator.alloc(len(more))
+    assert slots is not None
+    dev = cache.host.device_pool
+    for layer in range(LAYERS):
+        for slot, token in zip(slots.tolist(), more, strict=True):
+            dev.k[layer][slot] = float(100 * token + layer)
+            dev.v[layer][slot] = float(-100 * token - layer)
+    assert cache.insert(prefix + more, torch.cat([held, slots])) == len(prefix)
+
+
+def test_host_tokens_adds_up_a_path_of_several_nodes() -> None:
+    cache = make(None, device=32)
+    put(cache, [1, 2])
+    extend(cache, [1, 2], [3, 4])
+    extend(cache, [1, 2, 3, 4], [5, 6])
+    extend(cache, [1, 2, 3, 4, 5, 6], [7, 8])
+    for end in (8, 6, 4):  # the leaves, deepest first
+        node = cache._walk([1, 2, 3, 4, 5, 6, 7, 8][:end], None)[0][-1]
+        assert node.key == [end - 1, end] and cache._backup(node)
+        assert cache.evict(2) == 2 and node.value is None
+    pf = prefetch(cache, reserve=100)  # no room: nothing loads
+    pf.admit(req("all", [1, 2, 3, 4, 5, 6, 7, 8, 9]), False)
+    pf.admit(req("part", [1, 2, 3, 4, 5, 6, 9]), False)  # the whole key matched, more below
+    pf.admit(req("stop", [1, 2, 3, 4, 9, 9, 9]), False)
+    pf.poll()
+    assert [pf._host_tokens(pf.queued[r]) for r in ("all", "part", "stop")] == [6, 4, 2]
+
+
+def test_a_load_keeps_the_device_prefix_it_extends() -> None:
+    cache = make(None, device=16)
+    put(cache, [1, 2])
+    extend(cache, [1, 2], [3, 4])
+    child = cache._walk([1, 2, 3, 4], None)[0][-1]
+    assert cache._backup(child) and cache.evict(2) == 2 and child.value is None
+    put(cache, [7, 8])  # newer than [1, 2]
+    assert cache.allocator.alloc(cache.allocator.available()) is not None  # no free slot
+    pf = prefetch(cache)  # room: 0 free + 4 evictable - 1 = 3
+    pf.admit(req("a", [1, 2, 3, 4, 9]), False)
+    pf.poll()
+    assert child.value is not None and host_node(cache, [1, 2]).value is not None
+    assert host_node(cache, [7, 8]).value is None  # evicted instead of the locked prefix
+    cache.check_tiers()
+
+
+@pytest.mark.parametrize(("room", "looked_at"), [(-1, False), (0, False), (1, True)])
+def test_load_ahead_looks_at_entries_only_with_room(room: int, looked_at: bool) -> None:
+    cache = make(None, device=16)
+    pf = prefetch(cache, reserve=13 - room)  # room: 14 - reserve - 1
+    pf.admit(req("a", [5, 6, 7]), False)  # nothing cached: nothing to load
+    pf.poll()
+    assert pf.queued["a"].loaded is looked_at
+
+
+def test_load_ahead_goes_on_past_an_entry_that_does_not_fit() -> None:
+    cache = make(None, device=16)
+    _on_host(cache, [1, 2, 3, 4])
+    _on_host(cache, [5, 6])
+    pf = prefetch(cache, reserve=10)  # room: 3
+    pf.admit(req("big", [1, 2, 3, 4, 9]), False)
+    pf.admit(req("small", [5, 6, 9]), False)
+    pf.poll()
+    assert not pf.queued["big"].loaded and pf.queued["small"].loaded
+    assert host_node(cache, [5, 6]).value is not None
+    assert host_node(cache, [1, 2, 3, 4]).value is None
+
+
+def test_load_ahead_goes_on_past_a_split_longer_than_counted() -> None:
+    cache = make(None, device=16)
+    _on_host(cache, [1, 2, 3, 4])
+    pf = prefetch(cache, reserve=12)  # room: 1
+    pf.admit(req("split", [1, 2, 9, 9, 9]), False)  # counted 0; the split makes [1, 2]
+    pf.admit(req("none", [8, 8, 8]), False)
+    pf.poll()
+    assert pf.queued["split"].loaded and pf.queued["none"].loaded
+    assert host_node(cache, [1, 2]).value is None
+
+
+def test_the_worker_goes_on_after_a_read_that_stopped() -> None:
+    store = stored(A)
+    keys = page_keys(A, P, "m", None, 4)
+    store.missing.add(keys[1])
+    cache = make(store)
+    pf = prefetch(cache)
+    first = req("a", A + [9])
+    pf.admit(first, False)
+    assert len(done(pf, first).pages) == 1  # stopped at a missing page
+    store.missing.clear()
+    store.fail_get.add(keys[2])
+    second = req("b", A + [9])
+    pf.admit(second, False)
+    assert len(done(pf, second).pages) == 2  # stopped at a failed get
+    store.fail_get.clear()
+    third = req("c", A + [9])
+    pf.admit(third, False)
+    assert len(done(pf, third).pages) == 4
+    pf.close()
+
+
+def test_pages_are_read_in_the_host_pools_dtype() -> None:
+    store = Storage()
+    writer = HiRadixCache(
+        TokenAllocator(64, P), ReqToTokenPool(2, 64),
+        HostKVPool(KVPool(64, LAYERS, HEADS, HEAD_DIM, torch.float16, "cpu"), 128, P,
+                   "layer_first", "direct"),
+        "write_back", GuardedStorage(store, "mem"), "m",
+    )  # fmt: skip
+    put(writer, A)
+    writer.evict(8)
+    dev = KVPool(32, LAYERS, HEADS, HEAD_DIM, torch.float16, "cpu")
+    cache = HiRadixCache(
+        TokenAllocator(32, P), ReqToTokenPool(2, 64),
+        HostKVPool(dev, 64, P, "layer_first", "direct"), "write_back",
+        GuardedStorage(store, "mem"), "m",
+    )  # fmt: skip
+    pf = prefetch(cache)
+    r = req("a", A + [9])
+    pf.admit(r, False)
+    read = done(pf, r)
+    assert [p.dtype for p in read.pages] == [torch.float16] * 4
+    pf.close()
+
+
+def test_a_held_prefix_under_an_extra_key() -> None:
+    store = stored(A, "lora")
+    cache = make(store)
+    put(cache, [1, 2], "lora")
+    pf = prefetch(cache, prefetch_timeout_base=0.0, prefetch_timeout_per_ki_token=1024.0)
+    r = req("a", A + [9], "lora")
+    before = time.monotonic()
+    pf.admit(r, False)
+    read = done(pf, r)
+    assert read.first == 1 and store.gets == page_keys(A, P, "m", "lora", 4)[1:]
+    assert before + 6.0 <= read.deadline <= time.monotonic() + 6.0  # 6 tokens to read
+    pf.poll()
+    first = host_node(cache, [1, 2], "lora")
+    [node] = first.children.values()
+    assert node.key == [3, 4, 5, 6, 7, 8]
+    assert cache._root(None).children == {}
+    pf.close()
+
+
+def test_landing_leaves_a_held_prefix_held_and_counts_every_landing() -> None:
+    store = stored(A)
+    cache = make(store)
+    _on_host(cache, [20, 21])  # an older host node
+    put(cache, [1, 2])
+    first = host_node(cache, [1, 2])
+    first.host_ref = 1  # a match is loading it
+    pf = prefetch(cache, reserve=100)  # no device room: what lands stays on the host
+    r = req("a", A + [9])
+    pf.admit(r, False)
+    done(pf, r)
+    pf.poll()
+    assert first.host_ref == 1
+    [node] = first.children.values()
+    assert node.last_access > host_node(cache, [20, 21]).last_access  # LRU-fresh
+    cache._evict_host(2)  # the oldest host leaf goes first
+    assert cache._child_key([20]) not in cache._root(None).children
+    assert node.host_value is not None
+    first.host_ref = 0
+    other = req("b", [1, 2, 3, 4, 5, 6, 7, 8, 9], "x")
+    store_x = stored([1, 2, 3, 4], "x")
+    store.pages.update(store_x.pages)
+    pf.admit(other, False)
+    done(pf, other)
+    pf.poll()
+    assert cache.stats.prefetch_storage_tokens == 6 + 4
+
+
+def test_every_cancelled_read_is_counted() -> None:
+    cache, store, pf, r = _held("wait_complete")
+    other = req("b", A + [9])
+    pf.admit(other, False)
+    r.finish(FinishReason("abort"))
+    other.finish(FinishReason("abort"))
+    pf.ended([r, other])
+    assert cache.stats.prefetch_cancelled == 2
+    store.gate.set()  # type: ignore[union-attr]
+    pf.close()
