@@ -608,11 +608,11 @@ def test_load_ahead_goes_on_past_an_entry_that_does_not_fit() -> None:
     assert host_node(cache, [1, 2, 3, 4]).value is None
 
 
-def test_load_ahead_goes_on_past_a_split_longer_than_counted() -> None:
+def test_a_partial_match_of_a_host_node_loads_nothing_ahead() -> None:
     cache = make(None, device=16)
     _on_host(cache, [1, 2, 3, 4])
     pf = prefetch(cache, reserve=12)  # room: 1
-    pf.admit(req("split", [1, 2, 9, 9, 9]), False)  # counted 0; the split makes [1, 2]
+    pf.admit(req("split", [1, 2, 9, 9, 9]), False)  # left to admission (it splits the node)
     pf.admit(req("none", [8, 8, 8]), False)
     pf.poll()
     assert pf.queued["split"].loaded and pf.queued["none"].loaded
@@ -721,3 +721,35 @@ def test_every_cancelled_read_is_counted() -> None:
     assert cache.stats.prefetch_cancelled == 2
     store.gate.set()  # type: ignore[union-attr]
     pf.close()
+
+
+def test_a_load_never_evicts_the_device_prefix_it_extends() -> None:
+    cache = make(None, device=16)
+    put(cache, [1, 2, 3, 4])
+    extend(cache, [1, 2, 3, 4], [5, 6])
+    child = cache._walk([1, 2, 3, 4, 5, 6], None)[0][-1]
+    assert cache._backup(child) and cache.evict(2) == 2 and child.value is None
+    assert cache.allocator.alloc(cache.allocator.available()) is not None  # no free slot
+    pf = prefetch(cache)  # room: 0 free + 4 evictable - 1 = 3, all of it the prefix
+    pf.admit(req("a", [1, 2, 3, 4, 5, 6, 9]), False)
+    pf.poll()
+    assert host_node(cache, [1, 2, 3, 4]).value is not None and child.value is None
+    assert cache.stats.prefetch_device_tokens == 0
+    cache.check_tiers()
+
+
+def test_load_ahead_goes_on_past_a_host_path_that_a_split_makes_longer() -> None:
+    cache = make(None, device=16)
+    put(cache, [1, 2])
+    extend(cache, [1, 2], [3, 4, 5, 6])
+    for end in (6, 2):
+        node = cache._walk([1, 2, 3, 4, 5, 6][:end], None)[0][-1]
+        assert cache._backup(node)
+        assert cache.evict(len(node.key)) == len(node.key) and node.value is None
+    pf = prefetch(cache, reserve=10)  # room: 14 - 10 - 1 = 3
+    pf.admit(req("split", [1, 2, 3, 4, 9]), False)  # counted 2; the split makes [1, 2] + [3, 4]
+    pf.admit(req("none", [8, 8, 8]), False)
+    pf.poll()
+    assert pf.queued["split"].loaded and pf.queued["none"].loaded
+    assert host_node(cache, [1, 2]).value is None
+    assert cache.stats.prefetch_device_tokens == 0
