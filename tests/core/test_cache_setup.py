@@ -58,14 +58,14 @@ def test_the_hierarchical_cache_sized_by_ratio(caplog: pytest.LogCaptureFixture)
         cache = build_cache(runner, config, default_host(), "/models/m")
     assert isinstance(cache, HiRadixCache)
     assert cache.allocator is runner.allocator and cache.req_to_token is runner.req_to_token
-    assert cache.host.size == 80 and cache.host.layout == config.hicache_mem_layout
+    assert cache.host.size == 80 and cache.host.layout == "layer_first"  # the CPU's default
     assert cache.host.device_pool is runner.kv_pool
     assert cache.write_policy == config.hicache_write_policy
     assert cache.storage is None
     assert cache.namespace == f"/models/m|{LAYERS}|{HEADS}|{HEAD_DIM}|torch.float32|1"
     assert caplog.messages == [
         f"hierarchical cache: host pool of 80 tokens ({80 * PER_TOKEN / 1e9:.2f} GB, "
-        f"{config.hicache_mem_layout}), write policy {config.hicache_write_policy}, "
+        f"layer_first), write policy {config.hicache_write_policy}, "
         "storage none"
     ]
 
@@ -76,6 +76,7 @@ def test_the_hierarchical_cache_sized_in_gb_and_its_page_size(
     runner = _runner("file", page=4)
     config = EngineConfig(
         enable_hierarchical_cache=True, hicache_size=0.01, hicache_ratio=9.0, page_size=4,
+        hicache_mem_layout="page_first",
         hicache_write_policy="write_back", hicache_storage_backend="file",
         hicache_storage_backend_extra_config=f'{{"dir": "{tmp_path}"}}',
     )  # fmt: skip
@@ -84,12 +85,14 @@ def test_the_hierarchical_cache_sized_in_gb_and_its_page_size(
     assert isinstance(cache, HiRadixCache)
     # 10 MB of 128-byte tokens, in whole pages of 4, less the allocator's reserved page
     assert cache.host.size == 78120 and cache.page_size == 4
-    assert cache.write_policy == "write_back"
+    assert cache.write_policy == "write_back" and cache.host.layout == "page_first"
     assert isinstance(cache.storage, GuardedStorage) and cache.storage.name == "file"
     assert isinstance(cache.storage.backend, FileStorage)
     assert cache.storage.backend.dir == tmp_path
     assert cache.namespace == f"d|{LAYERS}|{HEADS}|{HEAD_DIM}|torch.float32|4"
-    assert caplog.messages[-1].startswith("hierarchical cache: host pool of 78120 tokens (0.01 GB")
+    assert caplog.messages[-1].startswith(
+        "hierarchical cache: host pool of 78120 tokens (0.01 GB, page_first)"
+    )
     assert caplog.messages[-1].endswith("write policy write_back, storage file")
 
 
