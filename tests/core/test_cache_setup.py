@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from radixserve.core import cache_setup
 from radixserve.core.cache_setup import build_cache
 from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.core.hicache import HiRadixCache
@@ -23,6 +24,8 @@ from radixserve.core.radix_cache import NoPrefixCache, RadixCache
 from radixserve.plugins.hicache_storage.file import FileStorage
 
 LAYERS, HEADS, HEAD_DIM, SLOTS = 2, 2, 4, 32
+# The host pool's layout and io backend per device (on main, not yet on this branch's base)
+host_pool_defaults = getattr(cache_setup, "host_pool_defaults", None)
 PER_TOKEN = 2 * LAYERS * HEADS * HEAD_DIM * 4  # K and V, float32
 
 
@@ -118,3 +121,16 @@ def test_a_host_pool_no_larger_than_the_device_pool_is_refused(
     # one token more is enough
     more = EngineConfig(enable_hierarchical_cache=True, hicache_ratio=33 / 32)
     assert build_cache(_runner(), more, default_host(), "m").host.size == 33  # type: ignore[union-attr]
+
+
+@pytest.mark.skipif(host_pool_defaults is None, reason="no per-device host pool defaults here")
+def test_the_host_pools_layout_and_io_backend_per_device() -> None:
+    assert host_pool_defaults is not None
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")  # a description: no GPU needed
+    unset = EngineConfig(enable_hierarchical_cache=True)
+    assert host_pool_defaults(unset, cuda) == ("page_first", "kernel")
+    assert host_pool_defaults(unset, cpu) == ("layer_first", "direct")
+    flags = EngineConfig(hicache_mem_layout="layer_first", hicache_io_backend="direct")
+    assert host_pool_defaults(flags, cuda) == ("layer_first", "direct")
+    flags = EngineConfig(hicache_mem_layout="page_first", hicache_io_backend="kernel")
+    assert host_pool_defaults(flags, cpu) == ("page_first", "kernel")
