@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.core.config import EngineConfig
 from radixserve.core.config_checks import ConfigError
 from radixserve.core.hicache_pool import HostKVPool, _chunks, slot_runs
 from radixserve.core.memory import KVPool
@@ -394,20 +393,6 @@ def test_cuda_backups_hold_up_neither_steps_nor_loads_of_other_pages(layout: str
     for layer in range(LAYERS):
         assert torch.equal(dev.k[layer][9:17].cpu(), want[layer])
         assert not dev.k[layer][1:9].any()
-
-
-def test_the_host_pool_defaults_follow_the_device_and_yield_to_the_flags() -> None:
-    """No flag: page_first on a copy stream on CUDA (whole pages of every layer per copy),
-    layer_first copied directly elsewhere; a flag given wins on either device."""
-    from radixserve.core.cache_setup import host_pool_defaults
-
-    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert host_pool_defaults(EngineConfig(), cuda) == ("page_first", "kernel")
-    assert host_pool_defaults(EngineConfig(), cpu) == ("layer_first", "direct")
-    chosen = EngineConfig(hicache_mem_layout="layer_first", hicache_io_backend="direct")
-    assert host_pool_defaults(chosen, cuda) == ("layer_first", "direct")
-    chosen = EngineConfig(hicache_mem_layout="page_first")
-    assert host_pool_defaults(chosen, cpu) == ("page_first", "direct")
 
 
 def test_direct_copies_run_in_the_compute_streams_order() -> None:

@@ -120,6 +120,22 @@ MODULES: dict[str, list[str]] = {
     "core/pooling.py": ["tests/core/test_pooling.py"],
     # ForwardBatch's sizes and prepare_from_device with a recording attention backend.
     "core/batch.py": ["tests/core/test_batch.py"],
+    # mutF: the prefetch on a real HiRadixCache (CPU device pool, host pool, in-memory storage),
+    # reads awaited through their events (test_hicache_prefetch.py runs the tiny Llama: ~30 s).
+    "core/hicache_prefetch.py": ["tests/core/test_hicache_prefetch_unit.py"],
+    # mutF: ModelConfig from dicts and config.json files written by the test (no model).
+    "core/model_config.py": ["tests/core/test_model_config.py"],
+    # mutF: weight files written by the test, a small torch module for the reload (no model).
+    "core/weights.py": ["tests/core/test_weights.py"],
+    # mutF: the default seed and the batch-invariant switch on plain objects (no engine).
+    "core/deterministic.py": ["tests/core/test_deterministic_unit.py"],
+    # mutF: CORE_DEFAULTS and PlatformSettings.describe, same file (no engine).
+    "core/platform_settings.py": ["tests/core/test_deterministic_unit.py"],
+    # mutF: the three engine setup modules on real pools, plugin hosts and strategy classes,
+    # with namespaces standing for the runner and the core (no model).
+    "core/cache_setup.py": ["tests/core/test_cache_setup.py"],
+    "core/engine_views.py": ["tests/core/test_engine_views.py"],
+    "core/spec_setup.py": ["tests/core/test_spec_setup.py"],
 }
 
 
