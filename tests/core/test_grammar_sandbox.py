@@ -33,7 +33,7 @@ def spec(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SandboxSpec]:
     # the sandbox imports this radixserve (the one under test), and the plugin from its site
     package_root = str(Path(radixserve.__file__).resolve().parents[1])
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONPATH", os.pathsep.join([env["PYTHONPATH"], package_root]))
+        mp.setenv("PYTHONPATH", os.pathsep.join([package_root, env["PYTHONPATH"]]))
         mp.syspath_prepend(str(tmp / "site"))
         yield SandboxSpec("runaway", str(tmp), VOCAB, (0,), ("radixserve_test_faults",), MEMORY_MB)
 
