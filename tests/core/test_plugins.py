@@ -261,8 +261,8 @@ def test_registration_mistakes_and_plain_defaults_are_named_exactly() -> None:
             PluginHost(load_entry_points=False, extra_plugins=[("bad", registering(**kw))])
         assert str(info.value).startswith(message), kw
     with pytest.raises(PluginError) as info:
-        PluginHost(load_entry_points=False, extra_plugins=[("p", registering()),
-                                                           ("p", registering(name="y"))])  # fmt: skip
+        twice = [("p", registering()), ("p", registering(name="y"))]
+        PluginHost(load_entry_points=False, extra_plugins=twice)
     assert str(info.value) == "plugin name 'p' is used twice; rename one"
     empty = PluginHost(load_entry_points=False)
     with pytest.raises(PluginError) as info:
