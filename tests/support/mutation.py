@@ -133,6 +133,7 @@ MODULES: dict[str, list[str]] = {
     # The Speculator's payoff policy, draft checks and step times on hand-made requests (the
     # engine-level speculation tests take minutes).
     "core/speculative.py": [
+        "tests/core/test_speculator.py",
         "tests/core/test_speculative_policy.py",
         "tests/core/test_spec_loop_policy.py",
         "tests/core/test_speculative_step_times.py",
