@@ -245,3 +245,51 @@ def test_forgetting_a_request_drops_its_pause_and_its_simulated_remainder() -> N
     assert sim.simulated(4, "a") == 1 + int(first)
     sim.forget("a")
     assert sim.simulated(4, "a") == 1 + int(draws.random() + 0.5)  # a fresh start
+
+
+def test_only_judged_verifies_pause_a_request() -> None:
+    for kw, judge in (({}, False), ({"pause_unprofitable": False}, True)):
+        spec, r = spec_of(**kw), req()
+        spec.observe_step(False, 1, 0.010)
+        spec.observe_step(True, 1, 0.020)
+        for _ in range(6):  # gains of 1 where 2 pay
+            spec.verified([r], [4], [0], batch_size=1, judge=judge)
+            assert spec.wants(r), kw
+
+
+class Ending:
+    """A grammar that accepts any token and ends after ``length`` of them; records rollbacks."""
+
+    def __init__(self, length: int) -> None:
+        self.length, self.taken, self.rollbacks = length, 0, []  # type: ignore[var-annotated]
+
+    def accept_token(self, t: int) -> bool:
+        self.taken += 1
+        return True
+
+    def is_terminated(self) -> bool:
+        return self.taken >= self.length
+
+    def rollback(self, n: int) -> None:
+        self.rollbacks.append(n)
+        self.taken -= n
+
+
+def test_token_zero_counts_and_a_grammar_keeps_what_comes_before_its_end() -> None:
+    spec = spec_of(Scripted([Draft([0, 5, 6, 7])]))
+    r = req()
+    assert spec.propose([r], [4])[0].tokens == [0, 5, 6, 7]
+    r.grammar = grammar = Ending(3)
+    assert spec.propose([r], [4])[0].tokens == [0, 5]  # the ending token: the target's
+    assert grammar.rollbacks == [1, 2] and grammar.taken == 0
+
+
+def test_who_may_speculate() -> None:
+    from radixserve.core.speculative import may_speculate, speculating
+
+    r = req()
+    assert speculating(r) and may_speculate(r)
+    r.num_pending = 1
+    assert not speculating(r) and may_speculate(r)  # once its last token is on the host
+    waiting = req(decoding=False)
+    assert not speculating(waiting) and not may_speculate(waiting)
