@@ -46,6 +46,7 @@ def expected(backend: Any, kind: str, text: str) -> int | str:
         return str(e)
 
 
+@pytest.mark.slow  # sandbox processes: ~3 s each
 def test_a_sandbox_answers_as_the_backend_would_here_until_it_dies(spec: SandboxSpec) -> None:
     backend = grammar_sandbox._build_backend(spec)  # the same backend, in this process
     fixed, bad = expected(backend, "regex", "abc"), expected(backend, "regex", "(")
@@ -73,6 +74,7 @@ def test_a_sandbox_answers_as_the_backend_would_here_until_it_dies(spec: Sandbox
         box.close()
 
 
+@pytest.mark.slow  # sandbox processes: ~3 s each
 def test_a_runaway_in_memory_or_time_is_refused_and_ends_the_sandbox(spec: SandboxSpec) -> None:
     box = GrammarSandbox(spec)
     try:
@@ -95,6 +97,7 @@ def test_a_runaway_in_memory_or_time_is_refused_and_ends_the_sandbox(spec: Sandb
         box.close()
 
 
+@pytest.mark.slow  # sandbox processes: ~3 s each
 def test_a_backend_the_sandbox_cannot_build_is_an_error_naming_it(spec: SandboxSpec) -> None:
     with pytest.raises(RuntimeError) as err:
         GrammarSandbox(SandboxSpec("nope", spec.model_dir, VOCAB, (0,), (), MEMORY_MB))
