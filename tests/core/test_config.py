@@ -85,3 +85,20 @@ def test_every_flag_has_its_help() -> None:
     assert helps["plugins"] == "Plugin selection KIND=NAME (repeatable)"
     assert helps["mm_encoder_cache_mb"] == "MiB of vision-encoder outputs kept by image hash"
     assert all(helps.values()) and "model_path" in helps
+
+
+def test_each_alias_conflict_names_its_own_flag() -> None:
+    cases = [
+        ({"disaggregation_mode": "decode", "disaggregation_transfer_backend": "tcp"},
+         "kv_transfer", "disaggregation_transfer_backend 'tcp'"),
+        ({"speculative_algorithm": "ngram"}, "speculative", "speculative_algorithm 'ngram'"),
+        ({"hicache_storage_backend": "file", "enable_hierarchical_cache": True},
+         "hicache_storage", "hicache_storage_backend 'file'"),
+    ]  # fmt: skip
+    for kw, kind, flag in cases:
+        with pytest.raises(ConfigError) as err:
+            EngineConfig(plugins=(f"{kind}=other",), **kw)
+        assert str(err.value) == f"{flag} conflicts with --plugin {kind}=other; give one"
+    # the name is everything after the kind's "="
+    same = EngineConfig(plugins=("grammar=a=b",), grammar_backend="a=b")
+    assert same.plugins == ("grammar=a=b",)
