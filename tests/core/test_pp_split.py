@@ -224,7 +224,7 @@ def _pipeline(monkeypatch: pytest.MonkeyPatch, steps: list[ForwardBatch]) -> tup
         try:
             for batch in steps:
                 outs[rank].append(step(replace_batch(batch)))
-                clock[0] += 1000  # the wait for rank 0 to schedule: not busy
+                clock[0] += 1000.1  # the wait for rank 0 to schedule: not busy
         except BaseException as e:  # noqa: BLE001 - reported by the test
             errors.append(e)
         step.synced = synced[0]  # type: ignore[attr-defined]
@@ -253,11 +253,13 @@ def test_micro_batches_go_through_the_stages_and_the_logits_back_to_rank_0(
     # two micro-batches, the first without logits rows (a prefill chunk); then a step with none
     first = _batch([3, 3], 0, [5])
     none = _batch([2], 0, [])
-    outs, execs, net = _pipeline(monkeypatch, [first, none])
+    both = _batch([2, 2], 0, [1, 3])  # two micro-batches with a logits row each
+    outs, execs, net = _pipeline(monkeypatch, [first, none, both])
     # rank 0 gets the last stage's logits rows: input id 105 (token 5), + 1, VOCAB wide
-    logits, empty = outs[0]
+    logits, empty, two = outs[0]
     assert logits.dtype == torch.float32 and torch.equal(logits, torch.full((1, VOCAB), 106.0))
     assert empty.shape == (0, VOCAB) and empty.dtype == torch.float32
+    assert torch.equal(two, torch.tensor([[102.0] * VOCAB, [104.0] * VOCAB]))  # in order
     # the residual stream goes to the same tensor-parallel rank of the next stage; only the
     # last stage's rank 0 sends logits rows, for the micro-batch that has some
     assert sorted(net.sent) == sorted([
@@ -265,17 +267,18 @@ def test_micro_batches_go_through_the_stages_and_the_logits_back_to_rank_0(
         (1, 3, (3, HIDDEN), torch.float64), (1, 3, (3, HIDDEN), torch.float64),
         (0, 2, (2, HIDDEN), torch.float64), (1, 3, (2, HIDDEN), torch.float64),
         (2, 0, (1, VOCAB), torch.float32),
-    ])  # fmt: skip
+    ] + [(0, 2, (2, HIDDEN), torch.float64), (1, 3, (2, HIDDEN), torch.float64),
+         (2, 0, (1, VOCAB), torch.float32)] * 2)  # fmt: skip
     assert net.waited == len(net.sent)  # every send waited for before the step returns
     assert not any(q.qsize() for q in net.queues.values())
     # the other ranks return what their stage computed last
     assert outs[1][0].shape == (3, HIDDEN) and outs[3][0].shape == (1, VOCAB)
-    assert [p.num_tokens for p in execs[2].run.parts] == [3, 3, 2]
+    assert [p.num_tokens for p in execs[2].run.parts] == [3, 3, 2, 2, 2]
     # busy: a tick per token (+ 0.5 a micro-batch where the device is waited for); wall: from
     # the first step's start to the last one's end, the wait between the steps included
-    assert execs[2].synced == 3  # type: ignore[attr-defined]
-    assert execs[2].stats() == {"stage": 1.0, "busy_s": 8 + 1.5, "wall_s": 8 + 1.5 + 1000}
-    assert execs[1].stats() == {"stage": 0.0, "busy_s": 8.0, "wall_s": 1008.0}
+    assert execs[2].synced == 5  # type: ignore[attr-defined]
+    assert execs[2].stats() == pytest.approx({"stage": 1.0, "busy_s": 14.5, "wall_s": 2014.7})
+    assert execs[1].stats() == pytest.approx({"stage": 0.0, "busy_s": 12.0, "wall_s": 2012.2})
     # a step that has run no step yet
     fresh = execs[1].__class__(execs[1].run, execs[1].stage, 1, 2, _mc(), torch.float64, "cpu")
     assert fresh.stats() == {"stage": 0.0, "busy_s": 0.0, "wall_s": 0.0}
@@ -289,9 +292,10 @@ def test_micro_batches_go_through_the_stages_and_the_logits_back_to_rank_0(
 
     monkeypatch.setattr(torch.distributed, "all_gather", all_gather)
     world = TensorParallel(2, 2, cpu_group="gloo")
+    # float64 on the wire: a float32 would round 2014.7 by ~1e-4
     assert gather_stats(world, execs[2]) == [
-        {"stage": 1.0, "busy_s": 9.5, "wall_s": 1009.5},
-        {"stage": 2.0, "busy_s": 19.0, "wall_s": 2019.0},
+        pytest.approx({"stage": 1.0, "busy_s": 14.5, "wall_s": 2014.7}, rel=1e-12, abs=0),
+        pytest.approx({"stage": 2.0, "busy_s": 29.0, "wall_s": 4029.4}, rel=1e-12, abs=0),
     ]
     assert gathered == ["gloo"]
     ints = torch.nn.Linear(1, 1).half()
