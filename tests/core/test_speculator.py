@@ -175,9 +175,9 @@ def test_a_new_request_inherits_half_a_device_loop_pause() -> None:
     spec = spec_of()
     spec.observe_step(False, 1, 0.010)
     spec.observe_step(True, 1, 0.020)
-    spec.pause([req("a")], 5)
+    spec.pause([req("a")], 8)
     b = req("b")
-    assert pauses(spec, b, 3) == [False, False, True]  # 5 // 2 steps
+    assert pauses(spec, b, 5) == [False] * 4 + [True]  # 8 // 2 steps
     spec.verified([b], [4], [3], batch_size=1)  # its retry, judged
     assert spec.wants(b)
     spec.paying()
@@ -293,3 +293,23 @@ def test_who_may_speculate() -> None:
     assert not speculating(r) and may_speculate(r)  # once its last token is on the host
     waiting = req(decoding=False)
     assert not speculating(waiting) and not may_speculate(waiting)
+
+
+def test_a_one_step_device_loop_pause_passes_on_its_verdict_not_a_pause() -> None:
+    spec = spec_of()
+    spec.observe_step(False, 1, 0.010)
+    spec.observe_step(True, 1, 0.020)
+    spec.pause([req("a")], 1)
+    b = req("b")
+    assert spec.wants(b)  # half of one step: no pause, but the loop's verdict (no gain) ...
+    spec.verified([b], [4], [1], batch_size=1)
+    assert not spec.wants(b)  # ... so a first verify at break-even does not lift it
+
+
+def test_trees_where_none_were_asked_for_and_empty_trees_are_empty_drafts() -> None:
+    r = req()
+    spec = spec_of(Scripted([Draft([3], None, None, [-1])]), tree_nodes=4)
+    assert spec.propose([r], [2])[0].tokens == []  # a chain was asked for: no tree nodes
+    spec = spec_of(Scripted([Draft([], None, None, [])]), tree_nodes=4)
+    empty = spec.propose([r], [2], [4])[0]
+    assert (empty.tokens, empty.parents) == ([], None) and spec.stats.trees == 0
