@@ -313,3 +313,29 @@ def test_trees_where_none_were_asked_for_and_empty_trees_are_empty_drafts() -> N
     spec = spec_of(Scripted([Draft([], None, None, [])]), tree_nodes=4)
     empty = spec.propose([r], [2], [4])[0]
     assert (empty.tokens, empty.parents) == ([], None) and spec.stats.trees == 0
+
+
+def test_the_simulated_accept_length_from_the_environment_and_its_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from radixserve.core.config import ConfigError
+
+    monkeypatch.setenv("RADIXSERVE_SIMULATE_ACC_LEN", "2.5")
+    with caplog.at_level(logging.WARNING, logger="radixserve.core.speculative"):
+        assert spec_of().simulate_accept_len == 2.5
+    assert [r.getMessage() for r in caplog.records] == [
+        "speculation simulates an accept length of 2.50: outputs are meaningless"
+    ]
+    assert spec_of(simulate_accept_len=3.0).simulate_accept_len == 3.0  # the setting wins
+    monkeypatch.delenv("RADIXSERVE_SIMULATE_ACC_LEN")
+    assert spec_of().simulate_accept_len is None
+
+    class Chains(Scripted):
+        drafts_trees = False
+
+    with pytest.raises(ConfigError) as err:
+        spec_of(Chains(), tree_nodes=4)
+    assert str(err.value) == (
+        "speculative plugin 'scripted' drafts chains only; speculative_eagle_topk > 1 "
+        "(draft trees) needs eagle or eagle3"
+    )
