@@ -339,3 +339,23 @@ def test_the_simulated_accept_length_from_the_environment_and_its_warning(
         "speculative plugin 'scripted' drafts chains only; speculative_eagle_topk > 1 "
         "(draft trees) needs eagle or eagle3"
     )
+
+
+def test_step_times_go_to_the_adaptive_cost_model_and_keep_a_window() -> None:
+    adaptive = AdaptiveDrafting(4)
+    spec = spec_of(adaptive=adaptive)
+    spec.observe_step(False, 2, 0.010, draft_rows=3)  # a decode step: its rows do not count
+    assert adaptive.decode_time(2) == 0.010
+    spec.observe_step(True, 2, 0.030, draft_rows=4)
+    assert adaptive.row_cost(2) == pytest.approx((0.030 - 0.010) / 0.010 / 4)
+    spec.observe_step(True, 2, 0.050)  # no draft rows given: a decode step to the model
+    assert adaptive.decode_time(2) == pytest.approx(0.030)
+    adaptive.observed("x", 4, 0)
+    assert adaptive.accept_prob("x") != adaptive.accept_prob("unseen")
+    spec.forget("x")
+    assert adaptive.accept_prob("x") == adaptive.accept_prob("unseen")
+    # the policy's own step times: the median of the last 15 of a kind and size
+    plain = spec_of()
+    for seconds in [1.0] * 15 + [3.0] * 15:
+        plain.observe_step(False, 1, seconds)
+    assert plain.step_time(False, 1) == 3.0
