@@ -114,7 +114,10 @@ class GrammarSandbox:
         self.proc.wait()
         for stream in (self.proc.stdin, self.proc.stdout):
             if stream is not None:
-                stream.close()
+                try:
+                    stream.close()
+                except BrokenPipeError:
+                    pass  # a request left unsent to a child that was gone (closed all the same)
 
     def _death(self) -> str:
         code = self.proc.wait()

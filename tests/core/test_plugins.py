@@ -237,3 +237,62 @@ def test_no_available_hardware_is_an_error() -> None:
     host = PluginHost(load_entry_points=False, extra_plugins=[("hw", platforms)])
     with pytest.raises(PluginError, match="no hardware platform is available"):
         host.select_hardware()
+
+
+def test_registration_mistakes_and_plain_defaults_are_named_exactly() -> None:
+    def registering(**kw: Any) -> SimpleNamespace:
+        def register_attention_backends(register: Any) -> None:
+            register(kw.pop("name", "x"), kw.pop("factory", FakeBackend), **kw)
+
+        return fake_plugin(register_attention_backends=register_attention_backends)
+
+    host = PluginHost(load_entry_points=False, extra_plugins=[("plain", registering())])
+    plain = host.registries["attention"].get("x")
+    assert (plain.kind, plain.description, plain.priority, plain.available) == (
+        "attention", "", 0, None)  # fmt: skip
+    cases = [
+        ({"name": ""}, "plugin 'bad' registered a attention with no name"),
+        ({"name": 7}, "plugin 'bad' registered a attention with no name"),
+        ({"factory": 3}, "plugin 'bad': attention 'x' factory not callable"),
+        ({"colour": 1}, "plugin 'bad' failed in register_attention_backends: "),
+    ]
+    for kw, message in cases:
+        with pytest.raises(PluginError) as info:
+            PluginHost(load_entry_points=False, extra_plugins=[("bad", registering(**kw))])
+        assert str(info.value).startswith(message), kw
+    with pytest.raises(PluginError) as info:
+        twice = [("p", registering()), ("p", registering(name="y"))]
+        PluginHost(load_entry_points=False, extra_plugins=twice)
+    assert str(info.value) == "plugin name 'p' is used twice; rename one"
+    empty = PluginHost(load_entry_points=False)
+    with pytest.raises(PluginError) as info:
+        empty.registries["attention"].get("x")
+    assert str(info.value) == (
+        "unknown attention plugin 'x'; available: none; see `radixserve plugins`"
+    )
+    with pytest.raises(PluginError) as info:
+        empty.select_hardware()
+    assert str(info.value) == "no hardware platform is available; see `radixserve plugins`"
+    two = PluginHost(load_entry_points=False,
+                     extra_plugins=[("f", attention_plugin("a", "b"))])  # fmt: skip
+    with pytest.raises(PluginError) as info:
+        two.select("attention", None, None)
+    assert str(info.value).endswith("(available: a, b)")
+    # a name holding "=" keeps it: only the first one separates the kind
+    assert parse_plugin_selections(["model=a=b"]) == {"model": "a=b"}
+    with pytest.raises(PluginError, match="got '=triton'"):
+        parse_plugin_selections(["=triton"])
+
+
+def test_a_pending_hook_of_an_unknown_name_names_its_plugin() -> None:
+    plugin = fake_plugin(register_things=lambda register: None)
+    with pytest.raises(PluginError) as info:
+        PluginHost(load_entry_points=False, extra_plugins=[("oddity", plugin)])
+    assert str(info.value).startswith("plugin 'oddity' is invalid: ")
+
+
+def test_the_builtin_plugins_are_radixserves_own_entry_points() -> None:
+    names = plugins_module.builtin_plugin_names()
+    assert {"cpu", "torch_native", "llama", "grammar_none", "speculative_none"} <= names
+    eps = importlib.metadata.entry_points(group=plugins_module.ENTRY_POINT_GROUP)
+    assert names == {ep.name for ep in eps if ep.value.startswith("radixserve.")}

@@ -179,3 +179,145 @@ def test_followers_get_each_step_as_the_leader_ran_it(monkeypatch: pytest.Monkey
         assert (a.seq_lens, a.extend_lens, a.num_decode) == (b.seq_lens, b.extend_lens,
                                                               b.num_decode)  # fmt: skip
     assert torch.equal(follower_pool.table, leader_pool.table)
+
+
+class Wire:
+    """A fake broadcast: the leader's sends recorded as (tensor, src, group), then handed to a
+    follower's receives in order, each checked for the size and dtype it was sent with."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[torch.Tensor, Any, Any]] = []
+
+    def send(self, t: torch.Tensor, src: Any, group: Any = "unset") -> None:
+        self.sent.append((t.clone(), src, group))
+
+    def receive(self, t: torch.Tensor, src: Any, group: Any = "unset") -> None:
+        sent, sent_src, sent_group = self.sent.pop(0)
+        assert (src, group) == (sent_src, sent_group)
+        assert (t.dtype, t.numel()) == (sent.dtype, sent.numel())
+        t.copy_(sent)
+
+
+class Executor:
+    """A step executor replaying graphs of one length, holding a capture to release."""
+
+    uniform_verify = True
+
+    def __init__(self, fail_on: int = -1) -> None:
+        self.ran: list[ForwardBatch] = []
+        self.released = 0
+        self.fail_on = fail_on
+
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        self.ran.append(batch)
+        if len(self.ran) == self.fail_on:
+            raise RuntimeError("the step broke")
+        return torch.zeros(1)
+
+    def release(self) -> None:
+        self.released += 1
+
+
+def test_steps_with_hidden_rows_and_failures_reach_the_follower_whole(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from radixserve.core.memory import ReqToTokenPool
+    from radixserve.core.tp_step import HEADER, MESSAGE, StepBroadcaster, follow_steps
+
+    wire = Wire()
+    monkeypatch.setattr(torch.distributed, "broadcast", wire.send)
+    leader_pool, follower_pool = ReqToTokenPool(4, 4096), ReqToTokenPool(4, 4096)
+    tp = TensorParallel(0, 2, group="device group", cpu_group="gloo group")
+    executor = Executor()
+    leader = StepBroadcaster(tp, leader_pool, "cpu", executor)
+    assert leader.uniform_verify is True and leader.stopped is False
+    plain = StepBroadcaster(tp, ReqToTokenPool(4, 64), "cpu", executor.ran.append)  # type: ignore[arg-type]
+    assert plain.uniform_verify is False
+    # a 300-token prefill (its metadata inline, more than half the message), then one whose
+    # 407 tokens and one hidden row fill the message exactly, then a decode with hidden rows
+    steps = (([0], [300], [300], None), ([1], [407], [407], [5]), ([0, 1], [301, 408], [1, 1],
+             [0, 1]))  # fmt: skip
+    for rows, lens, new, hidden in steps:
+        batch = _batch(leader_pool, rows, lens, new)
+        batch.hidden_rows = None if hidden is None else torch.tensor(hidden)
+        leader(batch)
+    leader.stop()
+    leader.stop()  # once only
+    assert leader.stopped is True
+    assert [(t.numel(), t.dtype, src, group) for t, src, group in wire.sent] == [
+        (MESSAGE, torch.int64, 0, "gloo group")
+    ] * 4
+    second = wire.sent[1][0]
+    assert second[HEADER - 1] == 1  # inline ...
+    assert HEADER + 3 + 2 * 407 + 3 * 407 + 1 + 1 == MESSAGE  # ... though it fills the message
+
+    monkeypatch.setattr(torch.distributed, "broadcast", wire.receive)
+    follower = Executor(fail_on=2)
+    kv_pool = object()
+    with caplog.at_level("ERROR", logger="radixserve.core.tp_step"):
+        count = follow_steps(TensorParallel(1, 2, "device group", "gloo group"), follower_pool,
+                             kv_pool, "cpu", follower)  # type: ignore[arg-type]  # fmt: skip
+    assert count == 3 and not wire.sent  # the failed step counted, the loop went on
+    assert [r.getMessage() for r in caplog.records] == [
+        "rank 1: a step failed; rank 0 fails its requests"
+    ]
+    for a, b in zip(executor.ran, follower.ran, strict=True):
+        for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices",
+                     "logits_indices"):  # fmt: skip
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        if a.hidden_rows is None:
+            assert b.hidden_rows is None
+        else:
+            assert torch.equal(a.hidden_rows, b.hidden_rows)
+        assert b.kv_pool is kv_pool and b.req_to_token_pool is follower_pool
+        assert b.req_to_token is follower_pool.table
+    assert torch.equal(follower_pool.table, leader_pool.table)
+
+
+def test_off_the_cpu_the_device_ints_go_over_the_device_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from radixserve.core.memory import ReqToTokenPool
+    from radixserve.core.tp_step import MESSAGE, StepBroadcaster, follow_steps
+
+    wire = Wire()
+    monkeypatch.setattr(torch.distributed, "broadcast", wire.send)
+    leader_pool, follower_pool = ReqToTokenPool(4, 4096), ReqToTokenPool(4, 4096)
+    tp = TensorParallel(0, 2, group="device group", cpu_group="gloo group")
+    ran: list[ForwardBatch] = []
+    leader = StepBroadcaster(tp, leader_pool, "meta", ran.append)  # type: ignore[arg-type]
+    for rows, lens, new, hidden in (([0, 1], [5, 9], [1, 1], [1]), ([2], [1500], [1500], None)):
+        batch = _batch(leader_pool, rows, lens, new)
+        batch.hidden_rows = None if hidden is None else torch.tensor(hidden)
+        leader(batch)
+    # each step: its message, (the large one: its host metadata,) its device ints
+    assert [(t.numel(), group) for t, _, group in wire.sent] == [
+        (MESSAGE, "gloo group"), (3 * 2 + 1 + 1, "device group"),
+        (MESSAGE, "gloo group"), (3 + 2 * 1500, "gloo group"), (3 * 1500 + 1, "device group"),
+    ]  # fmt: skip
+    assert all(src == 0 and t.dtype == torch.int64 for t, src, _ in wire.sent)
+    leader.stop()
+    monkeypatch.setattr(torch.distributed, "broadcast", wire.receive)
+    followed: list[ForwardBatch] = []
+    steps = follow_steps(TensorParallel(1, 2, "device group", "gloo group"), follower_pool,
+                         None, "meta", followed.append)  # type: ignore[arg-type]  # fmt: skip
+    assert steps == 2 and not wire.sent
+    decode, prefill = followed
+    assert decode.input_ids.device.type == "meta" and decode.input_ids.dtype == torch.int64
+    assert decode.hidden_rows is not None and decode.hidden_rows.shape == (1,)
+    assert [decode.logits_indices.numel(), prefill.logits_indices.numel()] == [1, 1]
+    assert prefill.hidden_rows is None and prefill.positions.shape == (1500,)
+    assert (prefill.seq_lens, prefill.extend_lens) == ([1500], [1500])
+    assert torch.equal(follower_pool.table, leader_pool.table)
+
+
+def test_the_step_executor_under_the_broadcaster_releases_its_capture() -> None:
+    from radixserve.core.memory import ReqToTokenPool
+    from radixserve.core.tp_step import StepBroadcaster, release_step
+
+    inner = Executor()
+    release_step(StepBroadcaster(TensorParallel(0, 2), ReqToTokenPool(2, 8), "cpu", inner))
+    assert inner.released == 1
+    release_step(inner)
+    assert inner.released == 2
+    release_step(lambda batch: batch)  # nothing to release

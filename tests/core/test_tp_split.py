@@ -4,13 +4,17 @@ and a checkpoint cut by a tp_plan puts back together into the original tensors."
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from radixserve.core.config import ConfigError, ModelConfig
 from radixserve.core.parallel import (
+    SHARD_KINDS,
     TensorParallel,
     local_model_config,
+    pipeline_stage,
     shard_weights,
     split_heads,
     split_range,
@@ -116,3 +120,128 @@ def test_sharded_checkpoint_tensors_put_back_together() -> None:
 def test_an_unknown_shard_kind_names_the_known_ones() -> None:
     with pytest.raises(ConfigError, match="tp_plan kind 'diagonal' is unknown; choose one of"):
         list(shard_weights([], {"x.*": "diagonal"}, _config(), TensorParallel(0, 2)))
+
+
+def test_each_rank_holds_its_own_share_of_a_checkpoint_tensor() -> None:
+    # 6 query heads over 3 KV heads on 2 ranks: 2 and 4 query heads, not an even 3 and 3
+    config, hd = _config(), 4
+    plan = {"q": "q_heads", "o": "q_heads_in", "k": "kv_heads", "gate": "column", "down": "row"}
+    full = {"q": torch.randn(6 * hd, 5), "o": torch.randn(5, 6 * hd), "k": torch.randn(3 * hd, 5),
+            "gate": torch.randn(7, 32), "down": torch.randn(32, 7)}  # fmt: skip
+    a, b = (dict(shard_weights(full.items(), plan, config, tp)) for tp in _ranks(2))
+    assert torch.equal(a["q"], full["q"][: 2 * hd]) and torch.equal(b["q"], full["q"][2 * hd :])
+    assert torch.equal(a["o"], full["o"][:, : 2 * hd]) and torch.equal(
+        b["o"], full["o"][:, 2 * hd :]
+    )
+    assert torch.equal(a["k"], full["k"][:hd]) and torch.equal(b["k"], full["k"][hd:])
+    assert torch.equal(a["gate"], full["gate"][:3]) and torch.equal(b["gate"], full["gate"][3:])
+    assert torch.equal(a["down"], full["down"][:, :3]) and b["down"].shape == (32, 4)
+    assert all(t.is_contiguous() for t in (*a.values(), *b.values()))
+    with pytest.raises(ConfigError) as err:
+        list(shard_weights([], {"x": "diagonal", "y": "wedge"}, config, TensorParallel(0, 2)))
+    assert str(err.value) == (
+        f"tp_plan kind 'diagonal' is unknown; choose one of {', '.join(SHARD_KINDS)}"
+    )
+    one = [("q", full["q"])]
+    assert list(shard_weights(one, plan, config, TensorParallel())) == one  # one rank: whole
+
+
+def test_single_rank_and_boundary_splits() -> None:
+    assert split_heads(6, 3, TensorParallel()) == ((0, 6), (0, 3))
+    # as many KV heads as ranks: one each, with their query heads
+    assert [split_heads(8, 2, tp) for tp in _ranks(2)] == [((0, 4), (0, 1)), ((4, 4), (1, 1))]
+    assert pipeline_stage(3, 2, 3).layers == (2, 1)  # one layer per stage still works
+    with pytest.raises(ConfigError) as err:
+        pipeline_stage(2, 0, 3)
+    assert str(err.value) == (
+        "pp_size=3 needs at least one decoder layer per stage; the model has 2: a pp_size of at "
+        "most 2 works"
+    )
+    default = TensorParallel()
+    assert (default.rank, default.size, default.leader, default.stage) == (0, 1, True, None)
+    assert not TensorParallel(1, 2).leader
+
+
+class Collectives:
+    """torch.distributed's collectives as two ranks would answer them: the other rank holds
+    ``other`` (a tensor) or ``other_value``; every call logged with its group."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        dist = torch.distributed
+        monkeypatch.delattr(dist, "all_gather_single", raising=False)
+        for name in ("all_reduce", "all_gather_into_tensor", "all_to_all_single"):
+            monkeypatch.setattr(dist, name, getattr(self, name))
+
+    def all_reduce(self, t: torch.Tensor, op: Any = None, group: Any = None) -> None:
+        self.calls.append(("all_reduce", (op, group)))
+        if op == torch.distributed.ReduceOp.MIN:
+            t.copy_(torch.minimum(t, torch.tensor([5])))
+        else:
+            t.add_(t)  # both ranks hold the same here
+
+    def all_gather_into_tensor(self, out: torch.Tensor, x: torch.Tensor, group: Any = None) -> None:
+        self.calls.append(("all_gather", group))
+        out.copy_(torch.cat([x, x + 100]))  # rank 1's columns are rank 0's + 100
+
+    def all_to_all_single(self, out: torch.Tensor, x: torch.Tensor, receive: list[int],
+                          send: list[int], group: Any = None) -> None:  # fmt: skip
+        self.calls.append(("all_to_all", (receive, send, group)))
+        out.copy_(x.flip(0)[: out.shape[0]])
+
+
+def test_collectives_on_two_ranks_and_none_on_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    net = Collectives(monkeypatch)
+    tp = TensorParallel(0, 2, group="device", cpu_group="gloo")
+    x = torch.arange(6.0).view(3, 2)
+    assert torch.equal(tp.gather_columns(x), torch.cat([x, x + 100], dim=1))
+    assert tp.agree_min(9) == 5 and tp.agree_min(3) == 3
+    assert torch.equal(tp.all_reduce(torch.ones(2)), torch.full((2,), 2.0))
+    rows = torch.arange(8.0).view(4, 2)
+    moved = tp.all_to_all(rows, send=[1, 3], receive=[2, 1])
+    assert moved.shape == (3, 2) and torch.equal(moved, rows.flip(0)[:3])
+    min_op = torch.distributed.ReduceOp.MIN
+    assert net.calls == [("all_gather", "device"), ("all_reduce", (min_op, "gloo")),
+                         ("all_reduce", (min_op, "gloo")), ("all_reduce", (None, "device")),
+                         ("all_to_all", ([2, 1], [1, 3], "device"))]  # fmt: skip
+    # where torch has all_gather_single, that one
+    single: list[Any] = []
+    monkeypatch.setattr(torch.distributed, "all_gather_single",
+                        lambda out, x, group=None: single.append(group) or out.copy_(
+                            torch.cat([x, -x])), raising=False)  # fmt: skip
+    assert torch.equal(tp.gather_columns(x), torch.cat([x, -x], dim=1)) and single == ["device"]
+    net.calls.clear()
+    one = TensorParallel()
+    assert one.gather_columns(x) is x and one.agree_min(9) == 9
+    assert torch.equal(one.all_reduce(torch.ones(2)), torch.ones(2))
+    assert net.calls == []
+
+
+class FusedFast:
+    """A platform's fast all-reduce with the fused add + RMS norm."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def __call__(self, x: torch.Tensor) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+    def add_rms_norm(self, *args: Any) -> tuple[str, str]:
+        self.calls.append(args)
+        return "normed", "residual"
+
+
+def test_the_fused_all_reduce_and_norm_only_with_several_ranks() -> None:
+    fast = FusedFast()
+    x, r, w = torch.ones(1), torch.zeros(1), torch.full((1,), 2.0)
+    assert TensorParallel(0, 2, fast_all_reduce=fast).all_reduce_add_rms_norm(x, r, w, 1e-6, 1) == (
+        "normed", "residual")  # fmt: skip
+    assert fast.calls == [(x, r, w, 1e-6, 1)]
+    assert (
+        TensorParallel(0, 1, fast_all_reduce=fast).all_reduce_add_rms_norm(x, r, w, 1e-6, 0) is None
+    )
+    assert TensorParallel(0, 2).all_reduce_add_rms_norm(x, r, w, 1e-6, 0) is None
+    assert len(fast.calls) == 1

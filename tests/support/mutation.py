@@ -136,6 +136,34 @@ MODULES: dict[str, list[str]] = {
     "core/cache_setup.py": ["tests/core/test_cache_setup.py"],
     "core/engine_views.py": ["tests/core/test_engine_views.py"],
     "core/spec_setup.py": ["tests/core/test_spec_setup.py"],
+    # mutG: the strategies' reservation and model preparation on a real plugin host (no engine).
+    "core/strategies.py": ["tests/core/test_strategies.py"],
+    # The broadcast step against a one-rank gloo group (threads, no model).
+    "core/tp_step.py": ["tests/core/test_tp_collectives.py"],
+    # Stage splits and micro-batches on hand-made ForwardBatches (no model, no process group).
+    "core/pp_step.py": ["tests/core/test_pp_split.py"],
+    # A real sandbox child with the test plugin's grammar backend (no model, no engine).
+    "core/grammar_sandbox.py": ["tests/core/test_grammar_sandbox.py"],
+    # Registries and hosts built from entry points and in-test plugins.
+    "core/plugins.py": ["tests/core/test_plugins.py"],
+    # The Speculator's payoff policy, draft checks and step times on hand-made requests (the
+    # engine-level speculation tests take minutes).
+    "core/speculative.py": [
+        "tests/core/test_speculator.py",
+        "tests/core/test_speculative_policy.py",
+        "tests/core/test_spec_loop_policy.py",
+        "tests/core/test_speculative_step_times.py",
+        "tests/core/test_spec_tree.py",
+    ],
+    # Head, vocabulary and layer splits and the collectives on one-rank gloo groups.
+    "core/parallel.py": [
+        "tests/core/test_tp_split.py",
+        "tests/core/test_distributed.py",
+        "tests/core/test_tp_collectives.py",
+        "tests/core/test_pp_split.py",
+    ],
+    # EngineConfig's own merging and derived sizes through EngineConfig(...) alone.
+    "core/config.py": ["tests/core/test_config_checks.py", "tests/core/test_config.py"],
 }
 
 
