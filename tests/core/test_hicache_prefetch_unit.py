@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from kv_fingerprints import kv_tokens, write_fingerprints
 
 from radixserve.core.hicache import HiRadixCache, HiTreeNode
 from radixserve.core.hicache_pool import HostKVPool
@@ -71,24 +72,8 @@ def put(cache: HiRadixCache, tokens: list[int], extra_key: str | None = None) ->
     """``tokens`` inserted on the device with their fingerprints."""
     slots = cache.allocator.alloc(len(tokens))
     assert slots is not None
-    dev = cache.host.device_pool
-    for layer in range(LAYERS):
-        for slot, token in zip(slots.tolist(), tokens, strict=True):
-            dev.k[layer][slot] = float(100 * token + layer)
-            dev.v[layer][slot] = float(-100 * token - layer)
+    write_fingerprints(cache, slots, tokens)
     assert cache.insert(tokens, slots, extra_key) == 0
-
-
-def kv_tokens(cache: HiRadixCache, slots: torch.Tensor) -> list[int]:
-    dev = cache.host.device_pool
-    out = []
-    for slot in slots.tolist():
-        token = int(dev.k[0][slot, 0, 0].item()) // 100
-        for layer in range(LAYERS):
-            assert dev.k[layer][slot].tolist() == [[100.0 * token + layer] * HEAD_DIM]
-            assert dev.v[layer][slot].tolist() == [[-100.0 * token - layer] * HEAD_DIM]
-        out.append(token)
-    return out
 
 
 def stored(tokens: list[int], extra_key: str | None = None) -> Storage:

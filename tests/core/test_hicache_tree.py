@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_fingerprints import kv_tokens, write_fingerprints
 
 from radixserve.core.hicache import HiCacheStats, HiRadixCache, HiTreeNode
 from radixserve.core.hicache_pool import HostKVPool
@@ -84,25 +85,8 @@ def put_new(cache: HiRadixCache, tokens: list[int]) -> torch.Tensor:
     """Fresh device slots holding ``tokens``' fingerprints (not inserted)."""
     slots = cache.allocator.alloc(len(tokens))
     assert slots is not None
-    dev = cache.host.device_pool
-    for layer in range(LAYERS):
-        for slot, token in zip(slots.tolist(), tokens, strict=True):
-            dev.k[layer][slot] = float(100 * token + layer)
-            dev.v[layer][slot] = float(-100 * token - layer)
+    write_fingerprints(cache, slots, tokens)
     return slots
-
-
-def kv_tokens(cache: HiRadixCache, slots: torch.Tensor) -> list[int]:
-    """The tokens whose fingerprints the device slots hold (every layer, K and V checked)."""
-    dev = cache.host.device_pool
-    out = []
-    for slot in slots.tolist():
-        token = int(dev.k[0][slot, 0, 0].item()) // 100
-        for layer in range(LAYERS):
-            assert dev.k[layer][slot].tolist() == [[100.0 * token + layer] * HEAD_DIM]
-            assert dev.v[layer][slot].tolist() == [[-100.0 * token - layer] * HEAD_DIM]
-        out.append(token)
-    return out
 
 
 def node_of(cache: HiRadixCache, tokens: list[int], extra_key: str | None = None) -> HiTreeNode:
