@@ -20,8 +20,10 @@ def read(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+@cache
 def entries(path: Path, *keys: str) -> dict[int, Any]:
-    """The table's {row count: entry} under ``keys`` (the device name first), {} if absent."""
+    """The table's {row count: entry} under ``keys`` (the device name first), {} if absent;
+    built once per process (kernels ask at every eager launch; do not mutate it)."""
     node: Any = read(path)
     for key in keys:
         node = node.get(key, {})
