@@ -20,9 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: rows per product on the CPU and on GPUs (a GPU's GEMM costs the same at 1 and 64 rows)
+#: rows per product on the CPU and on GPUs. On an H100 at the 8B shape a GPU's product costs
+#: about the same at 1 and 128 rows; 128 against 64 halves a prefill's weight reads for the same
+#: batch-1 speed (1.25x against 1.21x slower than the mode off; 256 rows: 1.42x).
 CPU_ROW_BLOCK = 8
-GPU_ROW_BLOCK = 64
+GPU_ROW_BLOCK = 128
 
 
 def row_block_for(device: torch.device | str) -> int:
