@@ -107,7 +107,7 @@ def _chunk(x_ptr, w_ptr, rows, cols, M, N, K, k_start, k_len, stride_xm, stride_
     return acc
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "stride_os"])
 def _gemm(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_len, stride_xm, stride_xk, stride_wn,
           stride_wk, stride_om, stride_os, SPLITS: tl.constexpr, IN_REGISTERS: tl.constexpr,
           HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -137,7 +137,7 @@ def _gemm(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_len, stride_xm, stride_xk, st
         tl.store(dst + s.to(tl.int64) * stride_os, part, mask=inside)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "stride_os"])
 def _sum_splits(ws_ptr, b_ptr, out_ptr, M, N, stride_os, SPLITS: tl.constexpr,
                 HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """out = bias + the workspace's SPLITS partials added in order, from zero (as _gemm's
