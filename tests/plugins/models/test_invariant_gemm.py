@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,3 +183,33 @@ def test_gpu_an_8b_layers_rows_are_batch_invariant(n: int, k: int) -> None:
         for start in (0, 7):
             part = invariant_linear(x[start : start + m], w)
             assert torch.equal(part, full[start : start + m]), (m, start)
+
+
+@pytest.mark.slow
+def test_the_engine_runs_its_linears_through_the_kernel(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A tiny bfloat16 Llama in deterministic mode with RADIXSERVE_INVARIANT_GEMM=triton (the
+    interpreter on a CPU machine): the layers and the LM head call the kernel, and greedy
+    outputs are the same alone and in a batch."""
+    from tiny_models import make_tiny_llama_dir
+
+    from radixserve import Engine
+
+    monkeypatch.setenv(GEMM_ENV, "triton")
+    calls = _spy(monkeypatch)
+    model = make_tiny_llama_dir(tmp_path / "tiny")
+    prompts = [list(range(3, 30)), list(range(50, 55)), [7] * 12]
+    greedy = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+    hardware = "hardware=cuda" if DEVICE == "cuda" else "hardware=cpu"
+    with Engine(str(model), dtype="bfloat16", max_total_tokens=1024,
+                plugins=(hardware, "attention=torch_native"),
+                enable_deterministic_inference=True) as engine:  # fmt: skip
+        alone = [engine.generate(input_ids=p, sampling_params=greedy)["output_ids"]
+                 for p in prompts]  # fmt: skip
+        batch = [r["output_ids"] for r in engine.generate(input_ids=prompts,
+                                                          sampling_params=greedy)]  # fmt: skip
+    assert batch == alone and all(len(ids) == 4 for ids in alone)
+    # 16 steps (4 per prompt alone, 4 for the batch), each 2 layers x (qkv, o, gate_up, down)
+    # and the head
+    assert len(calls) >= 16 * 9
