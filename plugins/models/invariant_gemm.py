@@ -180,7 +180,8 @@ def invariant_linear(
     target = torch.empty(t.splits, m, n, dtype=torch.float32, device=x.device) if workspace else out
     k_len = triton.cdiv(triton.cdiv(k, t.block_k), t.splits) * t.block_k
     on_cpu = x.device.type == "cpu"  # TRITON_INTERPRET=1
-    precision = "ieee" if x.dtype == torch.float32 or on_cpu else "tf32"  # tf32: fp32 only
+    # float32 sums of exact float32 products; 16-bit inputs ignore the setting on a GPU
+    precision = "ieee" if x.dtype == torch.float32 or on_cpu else "tf32"
     bias_arg = bias if bias is not None else out  # never read without HAS_BIAS
     _gemm[(output_tiles, splits_launched)](
         x2, weight, bias_arg, target, m, n, k, k_len, x2.stride(0), x2.stride(1),
