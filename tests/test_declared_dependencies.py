@@ -37,6 +37,7 @@ MODULE_EXTRAS = {
     "plugins/hardware/gemv.py": "gpu",
     "plugins/models/lora_triton.py": "gpu",
     "plugins/models/fp8_kernels.py": "gpu",
+    "plugins/models/invariant_gemm.py": "gpu",
     "plugins/attention/flashinfer/": "flashinfer",
 }
 # Import name -> distribution where the two differ, for packages that may not be installed.

@@ -10,11 +10,18 @@ the same inner kernel (``tests/plugins/test_deterministic.py`` checks both on th
 
 Cost: a step of n rows pays ceil(n / row_block) calls of row_block rows; a one-row decode pays
 a ``row_block``-row product (measured in docs/benchmarks.md's deterministic section).
+
+Opt-in on CUDA: with ``RADIXSERVE_INVARIANT_GEMM=triton`` the layers swapped here run CUDA
+tensors through invariant_gemm.py's Triton kernel instead (one launch per product, tiles chosen
+without M, so no row blocks to pay for); the CPU keeps the row blocks (except under
+TRITON_INTERPRET=1, the tests' way to run the kernel on a CPU machine).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +33,11 @@ from torch import nn
 CPU_ROW_BLOCK = 8
 GPU_ROW_BLOCK = 128
 
+GEMM_ENV = "RADIXSERVE_INVARIANT_GEMM"
+
+#: invariant_gemm.invariant_linear's signature: (x, weight, bias) -> x @ weight.T + bias
+Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
 
 def row_block_for(device: torch.device | str) -> int:
     """Rows per product on ``device``; RADIXSERVE_INVARIANT_ROW_BLOCK overrides it (for A/B
@@ -35,6 +47,35 @@ def row_block_for(device: torch.device | str) -> int:
     if chosen:
         return int(chosen)
     return CPU_ROW_BLOCK if torch.device(device).type == "cpu" else GPU_ROW_BLOCK
+
+
+def chosen_gemm() -> Gemm | None:
+    """The Triton kernel when RADIXSERVE_INVARIANT_GEMM=triton, None for the row blocks (unset
+    or ``blocks``); read when the layers are swapped, not per step."""
+    choice = os.environ.get(GEMM_ENV, "blocks")
+    if choice == "blocks":
+        return None
+    if choice != "triton":
+        raise ValueError(f"{GEMM_ENV}={choice!r}: expected 'blocks' (the default) or 'triton'")
+    try:
+        from radixserve.plugins.models import invariant_gemm
+    except ImportError as exc:
+        raise ImportError(f"{GEMM_ENV}=triton needs the 'triton' package: {exc}") from exc
+    return invariant_gemm.invariant_linear
+
+
+def fixed_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    row_block: int,
+    gemm: Gemm | None,
+) -> torch.Tensor:
+    """``F.linear`` through ``gemm`` where Triton runs (CUDA tensors; the CPU under
+    TRITON_INTERPRET=1), else in row blocks."""
+    if gemm is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return gemm(x, weight, bias)
+    return block_linear(x, weight, bias, row_block)
 
 
 def block_linear(
@@ -54,28 +95,31 @@ def block_linear(
 
 class BlockLinear(nn.Linear):
     """An ``nn.Linear`` (its class swapped in place: same parameters and state dict) whose
-    product runs in fixed row blocks."""
+    product runs in fixed row blocks (or through ``gemm``: ``fixed_linear``)."""
 
     row_block: int
+    gemm: Gemm | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return block_linear(x, self.weight, self.bias, self.row_block)
+        return fixed_linear(x, self.weight, self.bias, self.row_block, self.gemm)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """A row-parallel layer's share before its all-reduce (one rank: the product)."""
-        return block_linear(x, self.weight, None, self.row_block)
+        return fixed_linear(x, self.weight, None, self.row_block, self.gemm)
 
 
 class BlockHead(nn.Module):
-    """The LM head (``model.head``) over ``weight`` in fixed row blocks."""
+    """The LM head (``model.head``) over ``weight`` in fixed row blocks (or through the
+    kernel ``chosen_gemm`` names)."""
 
     def __init__(self, weight: torch.Tensor, row_block: int) -> None:
         super().__init__()
         self.weight = weight
         self.row_block = row_block
+        self.gemm = chosen_gemm()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return block_linear(h, self.weight, None, self.row_block)
+        return fixed_linear(h, self.weight, None, self.row_block, self.gemm)
 
 
 def keeps_rows_apart(module: nn.Module) -> bool:
@@ -87,12 +131,13 @@ def keeps_rows_apart(module: nn.Module) -> bool:
 
 def block_linears(module: nn.Module, row_block: int) -> int:
     """Swap ``module``'s ``nn.Linear`` layers (row-parallel ones of one rank included) for
-    ``BlockLinear`` in place, except those whose kernel is batch-invariant already. Returns
-    the layers swapped."""
-    swapped = 0
+    ``BlockLinear`` in place, except those whose kernel is batch-invariant already; their
+    products go through ``chosen_gemm()`` where it names one. Returns the layers swapped."""
+    swapped, gemm = 0, chosen_gemm()
     for child in module.modules():
         if isinstance(child, nn.Linear) and not keeps_rows_apart(child):
             child.__class__ = BlockLinear
-            child.row_block = row_block  # type: ignore[attr-defined]
+            layer = cast(BlockLinear, child)
+            layer.row_block, layer.gemm = row_block, gemm
             swapped += 1
     return swapped
