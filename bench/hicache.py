@@ -87,7 +87,9 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def _engine(model_dir: Path, args: argparse.Namespace, hicache: bool) -> EngineCore:
+def _engine(
+    model_dir: Path, args: argparse.Namespace, hicache: bool, stats: StepStats
+) -> EngineCore:
     attention = "triton" if args.device == "cuda" else "torch_native"
     context = args.turns * (args.user + args.output) + 16
     config = EngineConfig(
@@ -99,7 +101,7 @@ def _engine(model_dir: Path, args: argparse.Namespace, hicache: bool) -> EngineC
         hicache_io_backend=args.io_backend, hicache_mem_layout=args.mem_layout,
         **(_prefetch_flags(args) if hicache else {}),
     )  # fmt: skip
-    return EngineCore(model_dir, config, bench_host(StepStats()))
+    return EngineCore(model_dir, config, bench_host(stats))
 
 
 def _prefetch_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -115,7 +117,8 @@ def _prefetch_flags(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(model_dir: Path, args: argparse.Namespace, vocab: int, hicache: bool) -> dict[str, Any]:
-    core = _engine(model_dir, args, hicache)
+    stats = StepStats()
+    core = _engine(model_dir, args, hicache, stats)
     rng = random.Random(0)
     users = [
         [[rng.randrange(3, vocab) for _ in range(args.user)] for _ in range(args.turns)]
@@ -126,6 +129,9 @@ def run(model_dir: Path, args: argparse.Namespace, vocab: int, hicache: bool) ->
     ready = deque(range(args.conversations))
     sent: dict[str, float] = {}
     first: dict[str, float] = {}
+    steps_at: dict[str, int] = {}  # the engine steps taken when a turn was sent
+    ttft_steps: list[int] = []  # steps from a turn's submission to its first token
+    taken = 0
     outputs: dict[str, list[int]] = {}
     live: dict[str, tuple[int, Req]] = {}
     params = SamplingParams(max_new_tokens=args.output, temperature=0.0, ignore_eos=True)
@@ -138,15 +144,18 @@ def run(model_dir: Path, args: argparse.Namespace, vocab: int, hicache: bool) ->
             req = Req(f"c{c}t{turn[c]}", prompt, params)
             live[req.rid] = (c, req)
             sent[req.rid] = time.perf_counter()
+            steps_at[req.rid] = taken
             core.add_request(req)
 
     submit()
     while live:
         changed = core.step()
+        taken += 1
         now = time.perf_counter()
         for req in changed:
             if req.rid not in first and req.output_ids:
                 first[req.rid] = now
+                ttft_steps.append(taken - steps_at[req.rid])
             if req.finished and req.rid in live:
                 c, _ = live.pop(req.rid)
                 outputs[req.rid] = list(req.output_ids)
@@ -157,20 +166,34 @@ def run(model_dir: Path, args: argparse.Namespace, vocab: int, hicache: bool) ->
         submit()
     wall = time.perf_counter() - start
     ttft = [first[r] - sent[r] for r in first]
-    stats = core.cache.tier_stats()
+    tiers = core.cache.tier_stats()
     cached = core.scheduler.stats.cached_tokens
     kinds = core.scheduler.stats.by_kind.values()
     steps, prefilled = sum(k.steps for k in kinds), sum(k.prefill_tokens for k in kinds)
     core.shutdown()
     return {
         "ttft_s": ttft,
+        "ttft_steps": ttft_steps,
         "output_tokens": sum(len(o) for o in outputs.values()),
         "wall_s": wall,
         "cached_tokens": cached,
         "steps": steps,
         "prefill_tokens": prefilled,
-        "tiers": stats,
+        "tiers": tiers,
         "outputs": outputs,
+        **_step_times(stats.steps),
+    }
+
+
+def _step_times(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median host time of the steps that prefilled and of those that only decoded (with
+    overlap a step's host time is about the device time of the step before it)."""
+    prefill = [s["step_time_s"] for s in steps if s["num_prefill_tokens"] > 0]
+    decode = [s["step_time_s"] for s in steps if s["num_prefill_tokens"] == 0]
+    return {
+        "prefill_steps": len(prefill),
+        "prefill_step_ms_p50": statistics.median(prefill) * 1e3 if prefill else 0.0,
+        "decode_step_ms_p50": statistics.median(decode) * 1e3 if decode else 0.0,
     }
 
 
@@ -179,13 +202,16 @@ def _pool(a: dict[str, Any], b: dict[str, Any] | None) -> dict[str, Any]:
     runs' turns, throughput over their wall time."""
     runs = [a] if b is None else [a, b]
     ttft = sorted(t for r in runs for t in r["ttft_s"])
+    ttft_steps = sorted(t for r in runs for t in r["ttft_steps"])
     assert all(r["outputs"] == a["outputs"] for r in runs), "a system's runs differ"
     return {
         "ttft_p50_s": statistics.median(ttft),
         "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+        "ttft_steps_p50": statistics.median(ttft_steps),
         "output_tok_s": sum(r["output_tokens"] for r in runs) / sum(r["wall_s"] for r in runs),
         "wall_s": [r["wall_s"] for r in runs],
         **{k: a[k] for k in ("cached_tokens", "steps", "prefill_tokens", "tiers", "outputs")},
+        **{k: a[k] for k in ("prefill_steps", "prefill_step_ms_p50", "decode_step_ms_p50")},
     }
 
 
@@ -221,8 +247,15 @@ def main() -> None:
     for name, r in results.items():
         print(
             f"hicache {name:3s}: TTFT p50 {r['ttft_p50_s'] * 1e3:8.1f} ms  p99 "
-            f"{r['ttft_p99_s'] * 1e3:8.1f} ms  {r['output_tok_s']:8.1f} out tok/s  "
+            f"{r['ttft_p99_s'] * 1e3:8.1f} ms ({r['ttft_steps_p50']:.0f} steps at p50)  "
+            f"{r['output_tok_s']:8.1f} out tok/s  "
             f"{r['steps']} steps  {r['prefill_tokens']} prefilled  cached {r['cached_tokens']}"
+        )
+    for name, r in results.items():
+        print(
+            f"steps {name:3s}: {r['prefill_steps']} prefilled, median "
+            f"{r['prefill_step_ms_p50']:.1f} ms; decode only median "
+            f"{r['decode_step_ms_p50']:.1f} ms"
         )
     print(f"tiers (on): {on['tiers']}  walls off {off['wall_s']} on {on['wall_s']}")
     print(" ".join(f"{k}={v:.2f}" for k, v in summary.items()))
