@@ -173,6 +173,7 @@ MODULES: dict[str, list[str]] = {
     # mutI: Speculation's hooks on a Scheduler driven by hand and on hand-made rows and logits
     # (the engine-level speculation tests take minutes).
     "core/spec_strategy.py": [
+        "tests/core/test_spec_strategy.py",
         "tests/core/test_scheduler_unit.py",
         "tests/core/test_speculative_policy.py",
         "tests/core/test_spec_setup.py",
