@@ -535,3 +535,132 @@ def test_device_verify_hands_hidden_states_on_only_where_layers_are_kept() -> No
     model = Model()
     DeviceVerify(model, Attention(), None, table, (2,), None)(*args, 2)  # no consumer: fine
     assert len(model.batches) == 1 and model.batches[0].capture_hidden_layers == (2,)
+
+
+def test_a_fresh_or_stopped_loop_stops_and_abandons_as_a_no_op(tokenizer: Tokenizer) -> None:
+    sched = make(tokenizer)
+    cycle = Scripted(sched)
+    loop = SpecLoop(cycle, sched, Recording(), max_context=64)
+    assert not loop.active and loop.stop() == [] and loop.abandon() == []
+    a, b = decoding(sched, prompt("a"), prompt("b", start=30))
+    taken = sched.allocator.alloc(sched.allocator.available() - 1)
+    assert not loop.start([a, b]) and loop.stop() == [] and cycle.ended == []
+    sched.allocator.free(taken)
+    assert loop.start([a, b])
+    # stopped before its first cycle: the drafter trusts none of its own KV
+    assert loop.stop() == [] and cycle.ended == [(["a", "b"], [0, 0])]
+    assert loop.stop() == [] and len(cycle.ended) == 1
+    assert loop.start([a, b]) and loop.loops == 2
+    loop.stop()
+    check_accounting(sched)
+
+
+def test_each_request_gets_its_slots_when_it_needs_them(tokenizer: Tokenizer) -> None:
+    """b accepts every draft, a none: b needs slots first, a checked before it."""
+    sched = make(tokenizer)
+    cycle = Scripted(sched)
+    loop = SpecLoop(cycle, sched, Recording(), max_context=64)
+    a, b = decoding(sched, prompt("a"), prompt("b", start=30))
+    assert loop.start([a, b])
+    cycle.queue = [[[31, 32, 33, 0], [41, 42, 43, 2]] for _ in range(5)]
+    for _ in range(5):
+        loop.advance()  # launched with b at 4, 7, 10, then 13: 9 more slots at the 5th
+    assert (a.kv_len, b.kv_len) == (PROMPT + 4, PROMPT + 12)
+    assert loop._slot_end == {"a": 16, "b": 25}
+    assert cycle.seen_slots[-1][1] == table_row(sched, b, 13, 19)
+    loop.stop()
+    check_accounting(sched)
+
+
+def test_committed_cycles_are_judged_by_the_pause_policy(tokenizer: Tokenizer) -> None:
+    """Measured: a decode step of 0.25 s, cycles of 0.375 (a window full of them, which the
+    cycles timed here do not move): break-even 1.5 tokens. Cycles gaining 3 pay; then five
+    gaining 1 lose 2.5 > MIN_DEFICIT: the loop's requests pause together."""
+    sched = make(tokenizer)
+    spec = Recording(pause_unprofitable=True)
+    spec.observe_step(False, 2, 0.25)
+    for _ in range(15):
+        spec.observe_step(True, 2, 0.375)
+    cycle = Scripted(sched)
+    loop = SpecLoop(cycle, sched, spec, max_context=64)
+    a, b = decoding(sched, prompt("a"), prompt("b", start=30))
+    assert loop.start([a, b])
+    good, poor = [[31, 32, 33, 2], [41, 42, 43, 2]], [[31, 32, 33, 0], [41, 42, 43, 0]]
+    cycle.queue = [good, good] + [poor] * 5 + [poor]
+    loop.advance()
+    for _ in range(6):
+        loop.advance()
+        assert loop.can_continue() and loop.verdicts == 0
+    loop.advance()  # commits the fifth poor cycle
+    assert loop.verdicts == 1 and not loop.can_continue()
+    assert not spec.may_draft(a) and not spec.may_draft(b)
+    loop.stop()
+    check_accounting(sched)
+
+
+def _judged(decode_s: float | None = 0.25, cycle_s: float = 0.375) -> tuple[SpecLoop, Any, Req]:
+    spec = Recording(pause_unprofitable=True)
+    if decode_s is not None:
+        spec.observe_step(False, 1, decode_s)
+    spec.observe_step(True, 1, cycle_s)
+    loop = SpecLoop(SimpleCycle(), None, spec, max_context=64)
+    req = Req("r", [1, 2, 3, 4], greedy())
+    req.state = ReqState.DECODE
+    loop.reqs = [req]
+    return loop, spec, req
+
+
+class SimpleCycle(DeviceCycle):
+    k, max_batch = K, 4
+
+    def begin(self, reqs: Sequence[Any]) -> None: ...
+
+    def launch(self) -> Callable[[], list[list[int]]]:
+        raise AssertionError("not launched here")
+
+    def end(self, reqs: Sequence[Any], trusted: Sequence[int]) -> None: ...
+
+
+def _episode(loop: SpecLoop, spec: Any, req: Req, gains: Sequence[int]) -> int:
+    """Judge one cycle per gain (tokens) from a fresh start; the pause it ended in, in steps
+    (0: none)."""
+    loop._deficit = loop._episode = 0.0
+    for g in gains:
+        loop._judge([req], [g - 1])
+    steps = 0
+    while not spec.wants(req):
+        steps += 1
+    return steps
+
+
+def test_a_deficit_exactly_at_the_threshold_does_not_stop_the_loop() -> None:
+    loop, spec, req = _judged()  # break-even 1.5: a cycle gaining 1 loses 0.5
+    assert _episode(loop, spec, req, [1] * 4) == 0 and loop._deficit == 2.0
+    assert _episode(loop, spec, req, [1] * 5) == 4 and loop.verdicts == 1
+
+
+def test_an_episode_that_broke_even_pauses_briefly() -> None:
+    """After a losing episode the next pause would be 8 steps; one that gained exactly what it
+    lost (2.5 tokens, then five cycles losing 0.5) pauses FIRST_PAUSE steps."""
+    loop, spec, req = _judged()
+    assert _episode(loop, spec, req, [1] * 5) == 4 and loop._pause == 8
+    assert _episode(loop, spec, req, [4] + [1] * 5) == 4 and loop._pause == 8
+    assert _episode(loop, spec, req, [1] * 5) == 8 and loop._pause == 16
+    assert loop.verdicts == 3
+
+
+def test_only_recent_restarts_price_a_stop() -> None:
+    """Nine restarts of 2.5 s (10 decode steps) then eight instant ones: the recent eight
+    say a restart costs nothing, so a deficit of 2.5 stops the loop."""
+    loop, spec, req = _judged()
+    loop._restarts.extend([2.5] * 9 + [0.0] * 8)
+    assert _episode(loop, spec, req, [1] * 5) == 4
+
+
+def test_without_a_decode_step_once_the_probes_ran_out_nothing_is_judged() -> None:
+    loop, spec, req = _judged(decode_s=None)
+    for _ in range(3):  # each verify step probes once: a pause of a few steps
+        spec.stats.verify_steps += 1
+        assert _episode(loop, spec, req, [1]) > 0
+    spec.stats.verify_steps += 1
+    assert _episode(loop, spec, req, [1] * 10) == 0 and loop.verdicts == 0
