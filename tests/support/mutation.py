@@ -164,6 +164,21 @@ MODULES: dict[str, list[str]] = {
     ],
     # EngineConfig's own merging and derived sizes through EngineConfig(...) alone.
     "core/config.py": ["tests/core/test_config_checks.py", "tests/core/test_config.py"],
+    # mutI: the device loop with a scripted DeviceCycle on a Scheduler driven by hand, and its
+    # policy on measured step times (test_spec_loop.py runs SmolLM2 and the tiny Llama).
+    "core/spec_loop.py": [
+        "tests/core/test_spec_loop_unit.py",
+        "tests/core/test_spec_loop_policy.py",
+    ],
+    # mutI: Speculation's hooks on a Scheduler driven by hand and on hand-made rows and logits
+    # (the engine-level speculation tests take minutes).
+    "core/spec_strategy.py": [
+        "tests/core/test_spec_strategy.py",
+        "tests/core/test_scheduler_unit.py",
+        "tests/core/test_speculative_policy.py",
+        "tests/core/test_spec_setup.py",
+        "tests/core/test_engine_views.py",
+    ],
 }
 
 
