@@ -164,6 +164,9 @@ MODULES: dict[str, list[str]] = {
     ],
     # EngineConfig's own merging and derived sizes through EngineConfig(...) alone.
     "core/config.py": ["tests/core/test_config_checks.py", "tests/core/test_config.py"],
+    # mutJ: both sides on a real Scheduler driven by hand and a recording connector (the
+    # in-process engine pairs of test_disaggregation.py run the tiny Llama: too slow per mutant).
+    "core/disaggregation.py": ["tests/core/test_disaggregation_unit.py"],
 }
 
 
