@@ -167,6 +167,9 @@ MODULES: dict[str, list[str]] = {
     # mutJ: both sides on a real Scheduler driven by hand and a recording connector (the
     # in-process engine pairs of test_disaggregation.py run the tiny Llama: too slow per mutant).
     "core/disaggregation.py": ["tests/core/test_disaggregation_unit.py"],
+    # mutJ: Ranks and join on fake collectives and a recording platform, + the fast
+    # all-reduce's agreement and the stuck teardown (test_tp_collectives.py), no process group.
+    "core/distributed.py": ["tests/core/test_distributed.py", "tests/core/test_tp_collectives.py"],
 }
 
 
