@@ -591,7 +591,9 @@ def test_decode_times_out_rooms_whose_kv_or_slots_do_not_come(
     )
     assert b.failed == "timed out after 2.5 s waiting for free KV slots"
     assert conn.named("cancel") == [(3, "the decode server waited 2.5 s", False)]
-    assert f"request a: {a.failed}" in caplog.text
+    assert [r.getMessage() for r in caplog.records] == [
+        f"request {r.rid}: {r.failed}" for r in (a, b)
+    ]
     # c got the slots a gave back, and keeps its own deadline
     assert list(side.transfers) == [5] and side.deadlines == {"c": 1003.5}
     assert in_use(side.scheduler) == 5 and a.req_pool_idx is None
@@ -624,3 +626,15 @@ def test_transfers_meta_round_trips_with_its_defaults() -> None:
                                                                       token=1)))  # fmt: skip
     assert meta == {"input_len": 3, "ids_crc": 5, "token": 1, "logprob": None, "top": None,
                     "cached_tokens": 0}  # fmt: skip
+
+
+def test_prefill_ended_goes_through_every_request_of_the_step(tokenizer: Tokenizer) -> None:
+    side, conn, _ = prefill_side(tokenizer)
+    sent, told = req("s", 4, 1), req("t", 4, 2)
+    for r in (sent, told):
+        side.admit(r, False)
+        r.finish(FinishReason("abort", message="done"))
+    side.sent.add("s")  # its KV went out: nothing to tell
+    side.ended([sent, told])
+    assert side.live == {} and side.sent == set()
+    assert conn.named("cancel") == [(2, "the prefill server ended the request: done", False)]
