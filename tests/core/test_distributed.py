@@ -175,7 +175,7 @@ def test_several_ranks_refuse_a_reload_naming_their_sizes() -> None:
     assert str(e.value) == "loading new weights is not supported with tp_size=2 x pp_size=3 yet"
     # one rank per stage: the weights' share is the world's, the checkpoint is not cut
     one_per_stage = Ranks(TensorParallel(0, 1), world=TensorParallel(1, 2), pp_size=2)
-    assert one_per_stage.share(10) == 5
+    assert one_per_stage.share(11) == 5 and type(one_per_stage.share(11)) is int
     weights = [("w", torch.ones(2))]
     assert one_per_stage.shard(weights, object(), "m", _config()) is weights  # type: ignore[arg-type]
 
@@ -274,7 +274,7 @@ def test_pipeline_stages_run_the_platforms_eager_step_between_them() -> None:
     from radixserve.core.pp_step import PipelineStep
 
     platform = Platform()
-    config = EngineConfig()
+    config = EngineConfig(enable_torch_compile=True)
     one = Ranks(TensorParallel(0, 2))
     assert one.step_executor(platform, "model", "attn", "kv", "table", config) == "step"  # type: ignore[arg-type]
     assert platform.calls[-1] == ("step_executor", "model", "attn", "kv", "table", config)
@@ -285,12 +285,14 @@ def test_pipeline_stages_run_the_platforms_eager_step_between_them() -> None:
     model = torch.nn.Linear(2, 2).to(torch.float64)
     step = ranks.step_executor(platform, model, "attn", "kv", "table", config)  # type: ignore[arg-type]
     assert isinstance(step, PipelineStep) and ranks.pipeline is step
+    assert platform.calls[-1][:5] == ("step_executor", model, "attn", "kv", "table")
     eager = platform.calls[-1][-1]
-    assert eager.disable_cuda_graph and not eager.enable_torch_compile
+    assert eager.disable_cuda_graph is True and eager.enable_torch_compile is False
     assert eager.max_total_tokens == config.max_total_tokens
     assert step.run == "step" and step.stage == pipeline_stage(4, 1, 2) == group.stage
     assert (step.rank, step.prev, step.next) == (3, 1, None)
     assert step.hidden == (32, torch.float64) and step.synchronize is None
+    assert step.device == "cpu"
     platform.asynchronous = True
     synced = Ranks(TensorParallel(0, 2), world=TensorParallel(0, 4), pp_size=2)
     synced.local_config(_config(layers=4))
@@ -352,7 +354,7 @@ def test_close_stops_the_followers_releases_the_step_and_leaves_the_group(
 
     calls: list[tuple[Any, ...]] = []
     monkeypatch.setattr(distributed, "release_step", lambda s: calls.append(("release", s)))
-    monkeypatch.setattr(distributed, "gather_stats", lambda w, p: [{"busy": 1.0}])
+    monkeypatch.setattr(distributed, "gather_stats", lambda w, p: [{"world": w, "step": p}])
     fake_dist.initialized = True
     fast = Closable()
     group = TensorParallel(0, 2, fast_all_reduce=fast)
@@ -363,10 +365,10 @@ def test_close_stops_the_followers_releases_the_step_and_leaves_the_group(
     with caplog.at_level(logging.WARNING, logger="radixserve.core.distributed"):
         ranks.close("the step")
     assert ranks.broadcaster.stopped == 1  # type: ignore[union-attr]
-    assert ranks.pipeline_stats == ([] if stop_fails else [{"busy": 1.0}])
-    assert ("could not stop the other tensor-parallel ranks: rank 1 is gone" in caplog.text) is (
-        stop_fails
-    )
+    gathered = [{"world": ranks.world, "step": "pipeline"}]
+    assert ranks.pipeline_stats == ([] if stop_fails else gathered)
+    warned = ["could not stop the other tensor-parallel ranks: rank 1 is gone"]
+    assert [r.getMessage() for r in caplog.records] == (warned if stop_fails else [])
     assert calls == [("release", "the step")]
     assert torch.get_num_threads() == ranks._threads_before
     assert fast.closed == 1 and group.fast_all_reduce is None
@@ -378,14 +380,49 @@ def test_close_stops_the_followers_releases_the_step_and_leaves_the_group(
     assert calls == [("release", "the step")]
 
 
-def test_teardown_leaves_only_a_group_that_exists(fake_dist: FakeDist) -> None:
+def test_teardown_leaves_only_a_group_that_exists(
+    fake_dist: FakeDist, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
     from radixserve.core.distributed import teardown
 
     teardown()
     assert fake_dist.calls == []
     fake_dist.initialized = True
+    closers: list[threading.Thread] = []
+    monkeypatch.setattr(
+        torch.distributed,
+        "destroy_process_group",
+        lambda: closers.append(threading.current_thread()),
+    )
     teardown()
-    assert fake_dist.calls == [("destroy",)]
+    # on a daemon thread of its own: a group that never closes cannot hold the process
+    assert [(t.name, t.daemon) for t in closers] == [("tp-teardown", True)]
+
+
+def test_a_group_that_does_not_close_is_named_in_the_log(
+    fake_dist: FakeDist, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import threading
+
+    from radixserve.core import distributed
+
+    release = threading.Event()
+    fake_dist.initialized = True
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", release.wait)
+    monkeypatch.setattr(distributed, "TEARDOWN_TIMEOUT_S", 0.05)
+    try:
+        with caplog.at_level(logging.ERROR, logger="radixserve.core.distributed"):
+            distributed.teardown()
+    finally:
+        release.set()
+    assert [r.getMessage() for r in caplog.records] == [
+        "the tensor-parallel group did not close in 0 s; left open"
+    ]
+    for t in threading.enumerate():
+        if t.name == distributed._CLOSER_THREAD:
+            t.join(5)
 
 
 def test_loopback_rendezvous() -> None:
@@ -422,7 +459,10 @@ def test_join_refuses_without_a_rendezvous_of_every_rank(fake_dist: FakeDist) ->
 
 @pytest.mark.parametrize("other_has_fast", [1, 0])
 def test_join_a_tensor_parallel_group(
-    fake_dist: FakeDist, monkeypatch: pytest.MonkeyPatch, other_has_fast: int
+    fake_dist: FakeDist,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    other_has_fast: int,
 ) -> None:
     import datetime
     import os
@@ -434,9 +474,15 @@ def test_join_a_tensor_parallel_group(
     platform = Platform(fast)
     config = _engine_config(tp_size=4, ep_size=4, nnodes=2, dist_init_addr="127.0.0.1:1234")
     monkeypatch.setattr(sys, "platform", "linux")
-    ranks = join(platform, config, Rendezvous("tcp://127.0.0.1:1234", 3, 4, timeout_s=9.0))  # type: ignore[arg-type]
+    threads = torch.get_num_threads()
+    rendezvous = Rendezvous("tcp://127.0.0.1:1234", 3, 4, timeout_s=9.0)
+    with caplog.at_level(logging.INFO, logger="radixserve.core.distributed"):
+        ranks = join(platform, config, rendezvous)  # type: ignore[arg-type]
+    assert [r.getMessage() for r in caplog.records] == ["tensor-parallel rank 3 of 4 on cpu (gloo)"]
+    assert ranks._threads_before == threads
     assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
-    assert ("bind_rank", 1, 2) in platform.calls  # rank 3 is the second of its node's two
+    bind = platform.calls[0]  # rank 3 is the second of its node's two
+    assert bind == ("bind_rank", 1, 2) and [type(v) for v in bind[1:]] == [int, int]
     assert fake_dist.calls[0] == ("init", "gloo", {"init_method": "tcp://127.0.0.1:1234",
                                   "rank": 3, "world_size": 4,
                                   "timeout": datetime.timedelta(seconds=9.0)})  # fmt: skip
@@ -450,10 +496,21 @@ def test_join_a_tensor_parallel_group(
     fake_dist.initialized = False
     one_host = _engine_config(tp_size=2)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")
-    ranks = join(platform, one_host, Rendezvous("file:///x", 1, 2))  # type: ignore[arg-type]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="radixserve.core.distributed"):
+        ranks = join(platform, one_host, Rendezvous("file:///x", 1, 2))  # type: ignore[arg-type]
     assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7"  # the user's choice stays
-    assert ("bind_rank", 1, 2) == platform.calls[-2] and platform.calls[-1][0] == "fast_all_reduce"
+    assert platform.calls[-2:] == [("bind_rank", 1, 2), ("fast_all_reduce", "world", 2)]
+    assert fake_dist.calls[-1] == ("all_reduce", torch.distributed.ReduceOp.MIN, "group5")
     assert ranks.group.fast_all_reduce is (fast if other_has_fast else None)
+    assert [r.getMessage() for r in caplog.records] == (
+        ["tensor-parallel rank 1 of 2 on cpu (gloo, small all-reduces: Closable)"]
+        if other_has_fast
+        else [
+            "custom all-reduce off: another rank could not set it up",
+            "tensor-parallel rank 1 of 2 on cpu (gloo)",
+        ]  # fmt: skip
+    )
     fake_dist.initialized = False
     off = _engine_config(tp_size=2, disable_custom_all_reduce=True)
     ranks = join(platform, off, Rendezvous("file:///x", 0, 2))  # type: ignore[arg-type]
@@ -496,13 +553,21 @@ def test_join_that_fails_after_the_group_formed_leaves_it(
     assert fake_dist.calls[-1] == ("destroy",) and not fake_dist.initialized
 
 
-def test_join_with_pipeline_stages_builds_every_stages_groups(fake_dist: FakeDist) -> None:
+def test_join_with_pipeline_stages_builds_every_stages_groups(
+    fake_dist: FakeDist, caplog: pytest.LogCaptureFixture
+) -> None:
     import datetime
 
     from radixserve.core.distributed import Rendezvous, join
 
     config = _engine_config(tp_size=2, pp_size=3)
-    ranks = join(Platform(Closable()), config, Rendezvous("file:///x", 3, 6))  # type: ignore[arg-type]
+    threads = torch.get_num_threads()
+    with caplog.at_level(logging.INFO, logger="radixserve.core.distributed"):
+        ranks = join(Platform(Closable()), config, Rendezvous("file:///x", 3, 6))  # type: ignore[arg-type]
+    assert [r.getMessage() for r in caplog.records] == [
+        "engine rank 3 of 6: pipeline stage 1 of 3, tensor-parallel rank 1 of 2"
+    ]
+    assert ranks._threads_before == threads
     groups = [c[1:] for c in fake_dist.calls if c[0] == "new_group"]
     day30 = datetime.timedelta(days=30)
     assert groups == [
@@ -521,3 +586,33 @@ def test_join_with_pipeline_stages_builds_every_stages_groups(fake_dist: FakeDis
     assert (group.rank, group.size, group.group, group.cpu_group) == (1, 2, "group5", "group6")
     assert group.fast_all_reduce is None  # none within a stage yet
     assert not any(c[0] == "all_reduce" for c in fake_dist.calls)
+
+
+def test_two_pipeline_stages_are_stages_too(fake_dist: FakeDist) -> None:
+    from radixserve.core.distributed import Rendezvous, join, stage_groups
+
+    ranks = join(Platform(), _engine_config(pp_size=2), Rendezvous("file:///x", 1, 2))  # type: ignore[arg-type]
+    assert ranks.pp_size == 2 and ranks.group.size == 1 and ranks.world.size == 2
+    assert ranks.group.cpu_group == "group6"  # stage 1's own groups, not the world's
+    with pytest.raises(AssertionError):
+        stage_groups(4, 2, 2)  # a rank in no stage
+
+
+def test_a_platform_that_cannot_build_its_fast_all_reduce_is_named(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from radixserve.core.distributed import _agreed_fast_all_reduce
+
+    class Failing(Platform):
+        def fast_all_reduce(self, group: Any, size: int) -> Any:
+            self.calls.append(("fast_all_reduce", group, size))
+            raise RuntimeError("no peer access")
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda x, op=None, group=None: None)
+    platform = Failing()
+    with caplog.at_level(logging.WARNING, logger="radixserve.core.distributed"):
+        assert _agreed_fast_all_reduce(platform, "g", 4, "cpu", True) is None
+    assert platform.calls == [("fast_all_reduce", "g", 4)]
+    assert [r.getMessage() for r in caplog.records] == [
+        "custom all-reduce unavailable, gloo's is used: no peer access"
+    ]
