@@ -170,6 +170,13 @@ MODULES: dict[str, list[str]] = {
     # mutJ: Ranks and join on fake collectives and a recording platform, + the fast
     # all-reduce's agreement and the stuck teardown (test_tp_collectives.py), no process group.
     "core/distributed.py": ["tests/core/test_distributed.py", "tests/core/test_tp_collectives.py"],
+    # mutJ: the contracts' executable defaults (optional hooks, the default step executor, the
+    # bitmask operations, Draft.decode_rows, StepCapabilities.of) on minimal subclasses.
+    "core/interfaces.py": ["tests/core/test_interfaces_defaults.py"],
+    "core/interfaces_speculative.py": ["tests/core/test_interfaces_defaults.py"],
+    "core/interfaces_capabilities.py": ["tests/core/test_interfaces_defaults.py"],
+    # (not here: interfaces_kv_transfer.py and hookspecs.py, declarations only: mutmut makes
+    # no mutant of either)
 }
 
 
