@@ -224,3 +224,12 @@ def test_a_kv_connectors_optional_parts() -> None:
     assert w.wakeup_fd is None and w.bootstrap_host == ""
     event = TransferEvent(3, True)
     assert (event.meta, event.error, event.refused) == (b"", "", False)
+
+
+def test_bitmasks_apply_on_the_logits_device() -> None:
+    """The masking's own tensors are made on the logits' device: the meta device stands for an
+    accelerator here (a host tensor mixed in fails there as it would on CUDA)."""
+    logits = torch.zeros(3, 40, device="meta")
+    mask = torch.full((3, 2), -1, dtype=torch.int32, device="meta")
+    Backend().apply_bitmask(logits, mask, [0, 2])
+    assert logits.device.type == "meta" and logits.shape == (3, 40)
