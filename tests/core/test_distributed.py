@@ -140,7 +140,9 @@ def fake_dist(monkeypatch: pytest.MonkeyPatch) -> FakeDist:
         monkeypatch.setattr(dist, name, getattr(fake, name))
     monkeypatch.setattr(dist, "is_initialized", lambda: fake.initialized)
     monkeypatch.setattr(dist.distributed_c10d._world, "default_pg", "world")  # group.WORLD
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    # set, then removed: undoing both leaves the variable as it was, also where join set it
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "unset")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     threads = torch.get_num_threads()
     yield fake
     torch.set_num_threads(threads)
