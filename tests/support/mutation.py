@@ -179,6 +179,19 @@ MODULES: dict[str, list[str]] = {
         "tests/core/test_spec_setup.py",
         "tests/core/test_engine_views.py",
     ],
+    # mutJ: both sides on a real Scheduler driven by hand and a recording connector (the
+    # in-process engine pairs of test_disaggregation.py run the tiny Llama: too slow per mutant).
+    "core/disaggregation.py": ["tests/core/test_disaggregation_unit.py"],
+    # mutJ: Ranks and join on fake collectives and a recording platform, + the fast
+    # all-reduce's agreement and the stuck teardown (test_tp_collectives.py), no process group.
+    "core/distributed.py": ["tests/core/test_distributed.py", "tests/core/test_tp_collectives.py"],
+    # mutJ: the contracts' executable defaults (optional hooks, the default step executor, the
+    # bitmask operations, Draft.decode_rows, StepCapabilities.of) on minimal subclasses.
+    "core/interfaces.py": ["tests/core/test_interfaces_defaults.py"],
+    "core/interfaces_speculative.py": ["tests/core/test_interfaces_defaults.py"],
+    "core/interfaces_capabilities.py": ["tests/core/test_interfaces_defaults.py"],
+    # (not here: interfaces_kv_transfer.py and hookspecs.py, declarations only: mutmut makes
+    # no mutant of either)
 }
 
 
