@@ -164,6 +164,9 @@ MODULES: dict[str, list[str]] = {
     ],
     # EngineConfig's own merging and derived sizes through EngineConfig(...) alone.
     "core/config.py": ["tests/core/test_config_checks.py", "tests/core/test_config.py"],
+    # mutH: the loop's fixed points driven by test strategies and plugins on the tiny random
+    # Llama (a core in ~0.2 s; test_scheduler*.py take ~100 s, too long once per mutant).
+    "core/engine_core.py": ["tests/core/test_engine_core_unit.py"],
 }
 
 
