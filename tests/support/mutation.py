@@ -167,6 +167,13 @@ MODULES: dict[str, list[str]] = {
     # mutH: the loop's fixed points driven by test strategies and plugins on the tiny random
     # Llama (a core in ~0.2 s; test_scheduler*.py take ~100 s, too long once per mutant).
     "core/engine_core.py": ["tests/core/test_engine_core_unit.py"],
+    # mutH: the runner built on the tiny random Llama (a platform with a fixed KV budget, test
+    # plugins), its steps launched by hand and checked against transformers' forward; + the
+    # loop's tests, which step it with overlap, logprobs and failing strategies.
+    "core/model_runner.py": [
+        "tests/core/test_model_runner_unit.py",
+        "tests/core/test_engine_core_unit.py",
+    ],
 }
 
 
