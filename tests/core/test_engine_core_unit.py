@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import transformers.models.llama.modeling_llama  # noqa: F401 - see below
 from platform_choice import on_cpu
 from scheduler_checks import check_accounting, greedy, tokens
+from tiny_models import make_tiny_llama_dir
 
 from radixserve.core.config import EngineConfig
 from radixserve.core.engine_core import EngineCore
@@ -22,6 +24,10 @@ from radixserve.core.plugins import PluginHost
 from radixserve.core.request import InvalidRequest, Req, ReqState, SamplingParams
 
 POOL = 256  # KV tokens of every core here
+
+# transformers' Llama (the tiny model's builder and the reference forward use it) is imported
+# at collection, not at first use: mutmut's fork server (tests/support/mutation.py) then loads
+# it once, not once per mutant (~6 s each on the shared VM).
 
 
 def make_core(model_dir: Path, *plugins: object, **settings: Any) -> EngineCore:
@@ -660,8 +666,6 @@ def test_flush_cache_only_while_quiet(tiny_llama_dir: Path) -> None:
 def test_update_weights_reports_a_bad_path_and_loads_a_good_one(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
-    from tiny_models import make_tiny_llama_dir
-
     rec = Recorder()
     core = make_core(tiny_llama_dir, rec)
     first = add(core, "a", max_new_tokens=3)

@@ -13,8 +13,11 @@ from typing import Any
 
 import pytest
 import torch
+import transformers.models.llama.modeling_llama  # noqa: F401 - see below
 from platform_choice import on_cpu
 from scheduler_checks import greedy, tokens
+from tiny_models import make_tiny_llama_dir
+from transformers import AutoModelForCausalLM
 
 from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.core.engine_core import EngineCore
@@ -30,6 +33,10 @@ from radixserve.plugins.hardware.cpu import CpuPlatform
 from radixserve.plugins.models.llama import LlamaForCausalLM
 
 PER_TOKEN = KVPool.bytes_per_token(2, 2, 16, torch.float32)  # the tiny Llama's KV, float32
+
+# transformers' Llama (the tiny model's builder and the reference forward use it) is imported
+# at collection, not at first use: mutmut's fork server (tests/support/mutation.py) then loads
+# it once, not once per mutant (~6 s each on the shared VM).
 
 
 class Sized:
@@ -229,8 +236,6 @@ def test_quantization_at_load_and_no_reload_of_a_quantized_model(tiny_llama_dir:
 
 
 def test_reload_weights_replaces_them_in_place(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    from tiny_models import make_tiny_llama_dir
-
     runner = runner_of(tiny_llama_dir, max_total_tokens=64)
     param = next(runner.model.parameters())
     before = param.detach().clone()
@@ -320,8 +325,6 @@ def test_the_first_strategy_that_samples_a_step_wins(tiny_llama_dir: Path) -> No
 
 @pytest.fixture(scope="module")
 def hf(tiny_llama_dir: Path) -> Any:
-    from transformers import AutoModelForCausalLM
-
     return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32).eval()
 
 
