@@ -707,3 +707,159 @@ def test_shutdown_closes_the_strategies_once(tiny_llama_dir: Path) -> None:
     assert not hasattr(core, "runner") and not hasattr(core, "scheduler")
     core.shutdown()  # again: nothing left to do
     assert closed == ["x"]
+
+
+# -- what the mutation run showed (tests/TESTING.md, run 17) ---------------------------------
+
+
+class Clock:
+    """time.perf_counter for the engine core: one second later at each reading."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_each_steps_time_from_a_clock_that_ticks_per_reading(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, overlap: bool
+) -> None:
+    import radixserve.core.engine_core as engine_core
+
+    done: list[tuple[str, float, bool]] = []
+
+    class Done(StepStrategy):
+        def step_done(self, plan: Any, seconds: float, overlapped: bool) -> None:
+            done.append((plan.kind, seconds, overlapped))
+
+    rec = Recorder()
+    core = make_core(tiny_llama_dir, rec, enable_overlap_schedule=overlap)
+    core.strategies.append(Done())
+    add(core, "a", max_new_tokens=4)
+    monkeypatch.setattr(engine_core, "time", Clock())
+    run_to_idle(core)
+    kinds = core.scheduler.stats.by_kind
+    times = [s["step_time_s"] for s in rec.stats]
+    if not overlap:  # per step: start, launch, result, stats
+        assert done == [("prefill", 2.0, False)] + [("decode", 2.0, False)] * 3
+        assert times == [3.0] * 4
+        assert (kinds["prefill"].seconds, kinds["decode"].seconds) == (1.0, 3.0)
+    else:  # a result comes during the next step (the last one's in a step planning nothing),
+        # timed from its launch or the previous result, whichever came later
+        assert done == [
+            ("prefill", 5.0, False), ("decode", 4.0, True), ("decode", 4.0, True),
+            ("decode", 3.0, True),
+        ]  # fmt: skip
+        assert times == [2.0, 3.0, 3.0, 3.0]
+        assert (kinds["prefill"].seconds, kinds["decode"].seconds) == (4.0, 11.0)
+
+
+def test_changes_made_outside_a_step_are_reported_by_the_next_one(tiny_llama_dir: Path) -> None:
+    outside = Req("outside", [3], greedy(1))
+    drained: list[Any] = []
+
+    class Drain(StepStrategy):
+        def drain(self, scheduler: Any) -> list[Req]:
+            drained.append(scheduler)
+            return [outside] if len(drained) == 1 else []
+
+    core = grammar_core(tiny_llama_dir)
+    core.strategies.append(Drain())
+    assert not core.has_work()
+    core.abort("nobody")  # the strategy hands a request back
+    assert drained == [core.scheduler] and core.has_work()
+    forced = add(core, "g", max_new_tokens=1, regex="The quick brown fox jumps")
+    core.grammars.wait(30.0)  # until it compiled (on a worker thread)
+    assert sorted(r.rid for r in core.step()) == ["g", "outside"]
+    assert forced.finished and not core.has_work()
+
+
+def test_a_compiled_request_ending_at_admission_is_reported_beside_the_step_in_flight(
+    tiny_llama_dir: Path,
+) -> None:
+    asked: list[Any] = []
+
+    class Host(StepStrategy):
+        def needs_host_tokens(self, scheduler: Any) -> bool:
+            asked.append(scheduler)
+            return True
+
+    core = grammar_core(tiny_llama_dir, enable_overlap_schedule=True)
+    core.strategies.append(Host())
+    add(core, "a", max_new_tokens=3)
+    assert core.step() == []  # the prefill is in flight
+    add(core, "g", max_new_tokens=1, regex="The quick brown fox jumps")
+    core.grammars.wait(30.0)  # until it compiled (on a worker thread)
+    assert sorted(r.rid for r in core.step()) == ["a", "g"]
+    assert asked and all(s is core.scheduler for s in asked)
+
+
+def test_idle_wait_is_none_while_a_grammar_compiles(tiny_llama_dir: Path) -> None:
+    core = grammar_core(tiny_llama_dir)
+    core.strategies.append(Waits(0.5))
+    add(core, "g", regex="x")
+    assert core.idle_wait() is None
+    core.abort("g")
+    assert core.idle_wait() == 0.5
+
+
+def test_the_sampler_is_given_the_engines_stop_tokens(tiny_llama_dir: Path) -> None:
+    core = make_core(tiny_llama_dir)
+    first = add(core, "a", max_new_tokens=1)
+    run_to_idle(core)
+    [token] = first.output_ids
+    core.eos_token_ids = (token,)  # the sampler's stop tokens (the stop checker keeps its own)
+    again = Req("b", list(first.input_ids), SamplingParams(max_new_tokens=1, min_new_tokens=1))
+    again.sampling.temperature, again.sampling.ignore_eos = 0.0, True
+    core.add_request(again)
+    run_to_idle(core)
+    assert again.output_ids != [token]  # a stop token is masked before min_new_tokens
+
+
+def test_the_leak_check_runs_only_when_asked_and_idle(tiny_llama_dir: Path) -> None:
+    for check in (False, True):
+        core = make_core(tiny_llama_dir, debug_leak_check=check)
+        add(core, "a", max_new_tokens=1)
+        add(core, "bb", max_new_tokens=3)
+        core.step()  # "a" ended: work is left
+        core.scheduler.allocator.alloc(4)  # slots nobody holds: a leak
+        core.step()
+        if check:
+            with pytest.raises(AssertionError, match="KV leak at idle"):
+                core.step()
+        else:
+            core.step()
+            assert not core.has_work()
+
+
+def test_failures_are_logged(tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    class Boom(StepStrategy):
+        def before_forward(self, batch: Any) -> None:
+            raise RuntimeError("boom")
+
+    core = make_core(tiny_llama_dir)
+    boom = Boom()
+    core.strategies.append(boom)
+    add(core, "a"), add(core, "bb")
+    with caplog.at_level("INFO", logger="radixserve.core.engine_core"):
+        core.step()
+        core.strategies.remove(boom)
+        assert not core.update_weights("/nonexistent")[0]
+        assert core.update_weights(str(tiny_llama_dir))[0]
+    assert [r.getMessage() for r in caplog.records] == [
+        "a step of 2 requests failed: RuntimeError('boom'); aborting them",
+        "weights from /nonexistent not loaded: '/nonexistent' is not a model directory or a "
+        ".gguf file",
+        f"loaded weights from {tiny_llama_dir}",
+    ]
+
+
+def test_weights_are_updated_only_when_drained(tiny_llama_dir: Path) -> None:
+    core = make_core(tiny_llama_dir)
+    add(core, "a")
+    core.step()
+    with pytest.raises(AssertionError, match="^update the weights only when no request runs$"):
+        core.update_weights(str(tiny_llama_dir))
