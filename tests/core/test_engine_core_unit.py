@@ -863,3 +863,34 @@ def test_weights_are_updated_only_when_drained(tiny_llama_dir: Path) -> None:
     core.step()
     with pytest.raises(AssertionError, match="^update the weights only when no request runs$"):
         core.update_weights(str(tiny_llama_dir))
+
+
+def test_the_engines_settings_reach_its_parts(tiny_llama_dir: Path) -> None:
+    core = grammar_core(
+        tiny_llama_dir, chunked_prefill_size=64, max_running_requests=5, schedule_policy="fcfs",
+        random_seed=3, enable_priority_scheduling=True, schedule_low_priority_values_first=True,
+        priority_aging_steps=7, schedule_conservativeness=0.5, disable_mixed_chunk=True,
+        prefill_shrink_after_decodes=3, prefill_gather_steps=2, context_length=300,
+        grammar_compile_timeout=12.0, session_pin_ratio=0.25,
+    )  # fmt: skip
+    cfg = core.scheduler.config
+    assert (cfg.max_running_requests, cfg.chunked_prefill_size) == (5, 64)
+    assert (cfg.prefill_shrink_after_decodes, cfg.prefill_gather_steps) == (3, 2)
+    assert (cfg.mixed_chunk, cfg.schedule_policy, cfg.max_context) == (False, "fcfs", 300)
+    assert cfg.random_seed == 3 and cfg.enable_priority_scheduling
+    assert cfg.schedule_low_priority_values_first and cfg.priority_aging_steps == 7
+    assert cfg.init_new_token_ratio == pytest.approx(0.35)
+    assert cfg.min_new_token_ratio == pytest.approx(0.35 * 0.14)
+    stop = core.scheduler.stop_checker
+    assert stop.eos_token_ids == {0} and stop.max_context == 300 == core.max_context
+    assert core.scheduler.grammar is core.grammar_stepper
+    assert core.grammar_stepper.tokenizer is core.tokenizer
+    assert core.scheduler.cache is core.cache and core.scheduler.allocator is core.runner.allocator
+    assert core.scheduler.req_to_token is core.runner.req_to_token
+    assert core.scheduler.strategies is core.strategies is core.runner.strategies
+    assert core.strategies[-1] is core.sessions and core.sessions.pin_limit == POOL // 4
+    masker = core.runner.grammar_masker
+    assert (masker.rows, masker.vocab_size) == (5, core.runner.model_config.vocab_size)
+    assert (core.grammars.backend_name, core.grammars.timeout_s) == ("forced", 12.0)
+    default = make_core(tiny_llama_dir)
+    assert default.scheduler.config.mixed_chunk and default.grammar_stepper.jump_forward
