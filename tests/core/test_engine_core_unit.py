@@ -894,3 +894,42 @@ def test_the_engines_settings_reach_its_parts(tiny_llama_dir: Path) -> None:
     assert (core.grammars.backend_name, core.grammars.timeout_s) == ("forced", 12.0)
     default = make_core(tiny_llama_dir)
     assert default.scheduler.config.mixed_chunk and default.grammar_stepper.jump_forward
+
+
+def test_the_callers_defaults_and_the_ready_log(
+    tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = EngineConfig(**on_cpu({"max_total_tokens": POOL}))
+    with caplog.at_level("INFO", logger="radixserve.core.engine_core"):
+        core = EngineCore(
+            tiny_llama_dir, config, PluginHost(), usage=("test", {"chunked_prefill_size": 96})
+        )
+    assert core.scheduler.config.chunked_prefill_size == 96
+    assert core.runner.settings.origins["chunked_prefill_size"] == "test default"
+    [ready] = [r.getMessage() for r in caplog.records]
+    assert ready.startswith(f"engine ready: {{'model_path': '{tiny_llama_dir}', 'plugins': ")
+
+
+def test_stop_tokens_from_the_model_config_else_the_tokenizer(tmp_path: Path) -> None:
+    own = make_core(make_tiny_llama_dir(tmp_path / "own", eos_token_id=5))
+    assert own.eos_token_ids == (5,) and own.scheduler.stop_checker.eos_token_ids == {5}
+    none = make_core(make_tiny_llama_dir(tmp_path / "none", eos_token_id=None))
+    assert none.eos_token_ids == none.tokenizer.eos_token_ids() != ()
+
+
+@pytest.mark.parametrize(
+    ("pooling", "labels", "message"),
+    [
+        ("max", None, "pooling must be one of ('last', 'mean'), got 'max'"),
+        (None, [3, 10**6], "label_token_ids must be token ids in [0, "),
+    ],
+)
+def test_pooling_and_labels_are_validated(
+    tiny_llama_dir: Path, pooling: str | None, labels: list[int] | None, message: str
+) -> None:
+    core = make_core(tiny_llama_dir)
+    req = Req("e", [3, 4], SamplingParams(max_new_tokens=0))
+    req.pooling, req.label_token_ids = pooling, labels
+    with pytest.raises(InvalidRequest) as e:
+        core.add_request(req)
+    assert str(e.value).startswith(message)
