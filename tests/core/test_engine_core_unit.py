@@ -6,6 +6,7 @@ scheduler's own behaviour through the engine is in test_scheduler*.py.)"""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -351,6 +352,7 @@ def test_a_strategy_that_runs_its_own_step_replaces_the_scheduler(tiny_llama_dir
         ran = True
 
         def run_own_step(self, scheduler: Any, hold: bool) -> tuple[list[Any], bool]:
+            assert scheduler is core.scheduler
             calls.append(hold)
             return [other], self.ran
 
@@ -551,9 +553,29 @@ class ForcedBackend(GrammarBackend):
 
 
 class ForcedPlugin:
+    """Registers grammar backend ``forced``, recording what each build of it was given; with
+    ``release``, a compile first waits for it."""
+
+    def __init__(self, release: threading.Event | None = None) -> None:
+        self.release = release
+        self.made: list[tuple[Any, int, list[int]]] = []
+
     @hookimpl
     def register_grammar_backends(self, register: Any) -> None:
-        register("forced", lambda tokenizer, vocab, stops: ForcedBackend())
+        def build(tokenizer: Any, vocab: int, stops: list[int]) -> ForcedBackend:
+            self.made.append((tokenizer, vocab, stops))
+            backend = ForcedBackend()
+            if self.release is not None:
+                release, compile_now = self.release, backend.compile
+
+                def compile_later(kind: str, spec: str) -> Grammar:
+                    assert release.wait(30)
+                    return compile_now(kind, spec)
+
+                backend.compile = compile_later  # type: ignore[method-assign]
+            return backend
+
+        register("forced", build)
 
 
 def grammar_core(model_dir: Path, **settings: Any) -> EngineCore:
@@ -933,3 +955,26 @@ def test_pooling_and_labels_are_validated(
     with pytest.raises(InvalidRequest) as e:
         core.add_request(req)
     assert str(e.value).startswith(message)
+
+
+def test_a_strategys_own_step_holds_while_a_grammar_compiles(tiny_llama_dir: Path) -> None:
+    holds: list[bool] = []
+
+    class Own(StepStrategy):
+        def run_own_step(self, scheduler: Any, hold: bool) -> tuple[list[Any], bool]:
+            holds.append(hold)
+            return [], True
+
+    release = threading.Event()
+    plugin = ForcedPlugin(release)
+    core = make_core(tiny_llama_dir, plugin, grammar_backend="forced")
+    core.strategies.append(Own())
+    add(core, "g", regex="x")
+    core.step()
+    release.set()
+    core.grammars.wait(30.0)
+    core.step()
+    assert holds == [True, False]
+    [(tokenizer, vocab, stops)] = plugin.made
+    assert tokenizer is core.tokenizer and stops == [0]
+    assert vocab == core.runner.model_config.vocab_size
