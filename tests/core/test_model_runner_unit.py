@@ -306,6 +306,7 @@ def test_the_first_strategy_that_samples_a_step_wins(tiny_llama_dir: Path) -> No
         def sample_rows(self, logits: Any, batch: Any, plans: Any, rows: Any, eos: Any) -> Any:
             asked.append("take")
             assert logits.shape[0] == 1 and rows == [0] and eos == (0,)
+            assert [p.sample_row for p in plans] == [0]
             return {0: (7, None, None)}
 
     class Never(StepStrategy):
@@ -450,3 +451,60 @@ def test_logprobs_under_a_grammar_are_the_models_unmasked_ones(
     assert masked.output_logprobs == pytest.approx([ref[OneToken.ONLY].item()], abs=1e-4)
     assert ref[OneToken.ONLY].item() < -1e-3  # the mask would have made it 0
     assert plain.output_ids == [int(ref.argmax())]
+
+
+def test_a_strategy_adds_the_rows_of_an_entry_with_extra_rows(tiny_llama_dir: Path) -> None:
+    calls: list[tuple[str, int, str, int, object]] = []
+
+    class Rows(StepStrategy):
+        def __init__(self, name: str, takes: bool) -> None:
+            self.name, self.takes = name, takes
+
+        def add_rows(self, rows: Any, index: int, req: Req, n: int, extra: Any) -> bool:
+            calls.append((self.name, index, req.rid, n, extra))
+            if self.takes:
+                rows.add_extend(req, n)
+            return self.takes
+
+    core = core_of(tiny_llama_dir)
+    core.strategies.extend([Rows("declines", False), Rows("takes", True), Rows("never", True)])
+    plan = plan_of(core, Req("a", tokens(1, 5), greedy(2)), Req("b", tokens(2, 3), greedy(2)))
+    plain, plain_plans = core.runner.build_batch(plan)
+    assert calls == []  # no entry has extra rows
+    extra = object()
+    plan.extra[1] = extra
+    fb, plans = core.runner.build_batch(plan)
+    assert calls == [("declines", 1, "b", 3, extra), ("takes", 1, "b", 3, extra)]
+    assert plans == plain_plans and torch.equal(fb.input_ids, plain.input_ids)
+
+
+def test_only_plain_decodes_may_have_a_pending_token(tiny_llama_dir: Path) -> None:
+    core = core_of(tiny_llama_dir)
+    plan = plan_of(core, Req("a", tokens(1, 5), greedy(2)))
+    plan.reqs[0].num_pending = 1
+    with pytest.raises(AssertionError, match="^only plain decodes have pending tokens$"):
+        core.runner.build_batch(plan)
+
+
+def test_the_stop_tokens_given_are_masked_before_min_new_tokens(tiny_llama_dir: Path) -> None:
+    core = core_of(tiny_llama_dir)
+    for logprobs in (False, True):  # sampled on the device, or at once
+        params = SamplingParams(max_new_tokens=2, temperature=0.0, logprobs=logprobs)
+        plan = plan_of(core, Req(f"a{logprobs}", tokens(1, 5), params))
+        [(token, *_)] = core.runner.run(plan, [0], ()).values()
+        params.min_new_tokens = 1
+        [(masked, *_)] = core.runner.run(plan, [0], (token,)).values()
+        assert masked != token
+        core.scheduler.abort(plan.reqs[0].rid, "done")
+
+
+def test_a_runner_without_a_grammar_masker_samples_unmasked(tiny_llama_dir: Path) -> None:
+    core = core_of(tiny_llama_dir)
+    params = SamplingParams(max_new_tokens=2, temperature=0.0, logprobs=True)
+    plan = plan_of(core, Req("a", tokens(1, 5), params))
+    [(token, *_)] = core.runner.run(plan, [0], ()).values()
+    assert token != OneToken.ONLY
+    plan.reqs[0].grammar = OneToken()
+    assert core.runner.run(plan, [0], ())[0][0] == OneToken.ONLY
+    core.runner.grammar_masker = None  # a runner alone (EngineCore gives it one)
+    assert core.runner.run(plan, [0], ())[0][0] == token
