@@ -19,6 +19,7 @@ from scheduler_checks import greedy, tokens
 from tiny_models import make_tiny_llama_dir
 from transformers import AutoModelForCausalLM
 
+from radixserve.core.batch import ForwardBatch
 from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.core.engine_core import EngineCore
 from radixserve.core.hookspecs import hookimpl
@@ -285,7 +286,7 @@ def test_rows_with_logprobs_are_sampled_now(tiny_llama_dir: Path) -> None:
     plan = plan_of(core, a, b)
     plain = core.runner.launch(plan, [0, 1], core.eos_token_ids)
     plain_again = core.runner.launch(plan, [1], core.eos_token_ids)
-    assert not plain.overlappable and plain.next_ids is None
+    assert plain.overlappable is False and plain.next_ids is None
     result = plain.result()
     token, logprob, top = result[0]
     assert top[0][1] == token and top[0][0] == pytest.approx(logprob) and logprob < 0
@@ -318,7 +319,8 @@ def test_the_first_strategy_that_samples_a_step_wins(tiny_llama_dir: Path) -> No
     plan = plan_of(core, Req("a", tokens(1, 5), greedy(2)))
     launched = core.runner.launch(plan, [0], core.eos_token_ids)
     assert launched.result() == {0: (7, None, None)}
-    assert not launched.overlappable and launched.next_ids is None and asked == ["pass", "take"]
+    assert launched.overlappable is False and launched.next_ids is None
+    assert asked == ["pass", "take"]
 
 
 # -- against transformers' forward -----------------------------------------------------------
@@ -508,3 +510,23 @@ def test_a_runner_without_a_grammar_masker_samples_unmasked(tiny_llama_dir: Path
     assert core.runner.run(plan, [0], ())[0][0] == OneToken.ONLY
     core.runner.grammar_masker = None  # a runner alone (EngineCore gives it one)
     assert core.runner.run(plan, [0], ())[0][0] == token
+
+
+def test_strategies_see_the_steps_forward_batch_before_and_after_the_model(
+    tiny_llama_dir: Path,
+) -> None:
+    seen: list[tuple[str, Any, int]] = []
+
+    class Watch(StepStrategy):
+        def before_forward(self, batch: Any) -> None:
+            seen.append(("before", batch, len(batch.input_ids)))
+
+        def after_forward(self, batch: Any) -> None:
+            seen.append(("after", batch, len(batch.input_ids)))
+
+    core = core_of(tiny_llama_dir)
+    core.strategies.append(Watch())
+    plan = plan_of(core, Req("a", tokens(1, 5), greedy(2)), Req("b", tokens(2, 3), greedy(2)))
+    core.runner.run(plan, [0, 1], core.eos_token_ids)
+    assert [(w, n) for w, _, n in seen] == [("before", 8), ("after", 8)]
+    assert seen[0][1] is seen[1][1] and isinstance(seen[0][1], ForwardBatch)
