@@ -48,6 +48,7 @@ class Sized:
         self.tokens, self.max_kv_tokens = tokens, max_kv_tokens
         self.asked: list[tuple[int, float]] = []
         self.quantized: list[str] = []
+        self.prepared: list[tuple[Any, EngineConfig]] = []
 
     @hookimpl
     def register_hardware_platforms(self, register: Any) -> None:
@@ -63,6 +64,9 @@ class Sized:
 
             def quantize_model(self, model: Any, method: str) -> None:
                 plugin.quantized.append(method)
+
+            def prepare_model(self, model: Any, config: EngineConfig) -> None:
+                plugin.prepared.append((model, config))
 
         register("sized_cpu", SizedCpu, description="test: a fixed KV budget", priority=-1)
 
@@ -226,6 +230,7 @@ def test_quantization_at_load_and_no_reload_of_a_quantized_model(tiny_llama_dir:
     plugin = Sized(1000)
     runner = sized(tiny_llama_dir, plugin, max_total_tokens=64, quantization="int8wo")
     assert plugin.quantized == ["int8wo"]
+    assert plugin.prepared == [(runner.model, runner.config)]
     with pytest.raises(ConfigError) as e:
         runner.reload_weights(tiny_llama_dir)
     assert str(e.value) == (
@@ -530,3 +535,50 @@ def test_strategies_see_the_steps_forward_batch_before_and_after_the_model(
     core.runner.run(plan, [0, 1], core.eos_token_ids)
     assert [(w, n) for w, _, n in seen] == [("before", 8), ("after", 8)]
     assert seen[0][1] is seen[1][1] and isinstance(seen[0][1], ForwardBatch)
+
+
+class NotInvariant:
+    """Registers attention ``plain`` and model ``PlainLlama``, neither with a batch-invariant
+    mode."""
+
+    @hookimpl
+    def register_attention_backends(self, register: Any) -> None:
+        class PlainAttention(TorchNativeAttention):
+            set_batch_invariant = None  # type: ignore[assignment]
+
+        register("plain", PlainAttention, description="test: no batch-invariant mode")
+
+    @hookimpl
+    def register_models(self, register: Any) -> None:
+        class PlainLlama(LlamaForCausalLM):
+            set_batch_invariant = None  # type: ignore[assignment]
+
+        register("PlainLlama", PlainLlama, description="test: no batch-invariant mode")
+
+
+@pytest.mark.parametrize(
+    ("plugins", "what"),
+    [
+        (("attention=plain",), "the plain attention backend"),
+        (("attention=torch_native", "model=PlainLlama"), "model plugin 'PlainLlama'"),
+    ],
+)
+def test_deterministic_inference_needs_batch_invariant_parts(
+    tiny_llama_dir: Path, plugins: tuple[str, ...], what: str
+) -> None:
+    settings: dict[str, Any] = {"max_total_tokens": 64, "plugins": plugins}
+    assert runner_of(tiny_llama_dir, NotInvariant(), **settings).plugins
+    with pytest.raises(ConfigError) as e:
+        runner_of(tiny_llama_dir, NotInvariant(), enable_deterministic_inference=True, **settings)
+    assert str(e.value).startswith(
+        f"--enable-deterministic-inference: {what} has no batch-invariant mode"
+    )
+
+
+def test_pages_and_the_pools_compute_dtype(tiny_llama_dir: Path) -> None:
+    runner = runner_of(
+        tiny_llama_dir, max_total_tokens=64, page_size=4, kv_cache_dtype="float16",
+        plugins=("attention=torch_native",),
+    )  # fmt: skip
+    assert runner.allocator.page_size == 4 == runner.kv_pool.page_size
+    assert runner.kv_pool.compute_dtype == torch.float32
