@@ -47,7 +47,7 @@ class Sized:
     def __init__(self, tokens: int, max_kv_tokens: int | None = None) -> None:
         self.tokens, self.max_kv_tokens = tokens, max_kv_tokens
         self.asked: list[tuple[int, float]] = []
-        self.quantized: list[str] = []
+        self.quantized: list[tuple[Any, str]] = []
         self.prepared: list[tuple[Any, EngineConfig]] = []
 
     @hookimpl
@@ -63,7 +63,7 @@ class Sized:
                 return plugin.tokens * PER_TOKEN + PER_TOKEN - 1
 
             def quantize_model(self, model: Any, method: str) -> None:
-                plugin.quantized.append(method)
+                plugin.quantized.append((model, method))
 
             def prepare_model(self, model: Any, config: EngineConfig) -> None:
                 plugin.prepared.append((model, config))
@@ -106,6 +106,7 @@ def test_dtypes_auto_and_chosen(tiny_llama_dir: Path) -> None:
     assert auto.kv_pool.k[0].dtype == torch.float32
     bf16 = runner_of(tiny_llama_dir, max_total_tokens=64, dtype="bfloat16")
     assert (bf16.dtype, bf16.kv_dtype) == (torch.bfloat16, torch.bfloat16)
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.bfloat16}
     fp16_kv = runner_of(
         tiny_llama_dir, max_total_tokens=64, kv_cache_dtype="float16",
         plugins=("attention=torch_native",),
@@ -131,9 +132,10 @@ def test_a_kv_dtype_the_attention_backend_cannot_read_is_refused(tiny_llama_dir:
             tiny_llama_dir, Narrow(), max_total_tokens=64, kv_cache_dtype="float16",
             plugins=("attention=narrow",),
         )  # fmt: skip
-    assert str(e.value).startswith(
+    assert str(e.value) == (
         "--kv-cache-dtype float16: the narrow attention backend reads KV only in the "
-        "model's dtype (float32); choose --kv-cache-dtype auto"
+        "model's dtype (float32); choose --kv-cache-dtype auto, or the torch_native or "
+        "cpu_paged backend (fp8_e4m3: the triton or torch_native backend)"
     )
     same = runner_of(tiny_llama_dir, Narrow(), max_total_tokens=64, plugins=("attention=narrow",))
     assert same.kv_dtype == torch.float32
@@ -229,7 +231,7 @@ def test_a_model_without_a_plugin_is_refused_by_its_architecture(
 def test_quantization_at_load_and_no_reload_of_a_quantized_model(tiny_llama_dir: Path) -> None:
     plugin = Sized(1000)
     runner = sized(tiny_llama_dir, plugin, max_total_tokens=64, quantization="int8wo")
-    assert plugin.quantized == ["int8wo"]
+    assert plugin.quantized == [(runner.model, "int8wo")]
     assert plugin.prepared == [(runner.model, runner.config)]
     with pytest.raises(ConfigError) as e:
         runner.reload_weights(tiny_llama_dir)
@@ -238,7 +240,7 @@ def test_quantization_at_load_and_no_reload_of_a_quantized_model(tiny_llama_dir:
         "supported; restart instead"
     )
     assert sized(tiny_llama_dir, plugin, max_total_tokens=64).config.quantization is None
-    assert plugin.quantized == ["int8wo"]
+    assert len(plugin.quantized) == 1
 
 
 def test_reload_weights_replaces_them_in_place(tiny_llama_dir: Path, tmp_path: Path) -> None:
