@@ -181,17 +181,22 @@ def test_a_pool_under_16_tokens_is_refused(tiny_llama_dir: Path) -> None:
     )
 
 
-def test_a_default_running_limit_is_fitted_to_the_pool(tiny_llama_dir: Path) -> None:
+def test_a_default_running_limit_is_fitted_to_the_pool(
+    tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     default = 64  # the CPU's default max_running_requests
-    runner = sized(tiny_llama_dir, Sized(1000))
+    with caplog.at_level("WARNING", logger="radixserve.core.model_runner"):
+        runner = sized(tiny_llama_dir, Sized(1000))
     assert runner.settings.max_running_requests == 7 == runner.config.max_running_requests
     why = f"lowered from {default}: the KV pool holds 1000 tokens, 128 per running request"
     assert runner.settings.origins["max_running_requests"] == why
+    assert [r.getMessage() for r in caplog.records] == [f"max_running_requests 7: {why}"]
     assert tuple(runner.req_to_token.table.shape)[0] == 7 + 1 + runner.reservation.table_rows
     assert sized(tiny_llama_dir, Sized(20)).settings.max_running_requests == 1
-    full = sized(tiny_llama_dir, Sized(default * 128))
+    full = sized(tiny_llama_dir, Sized(default * 128))  # holds exactly the default
     assert full.settings.max_running_requests == default
-    assert full.settings.origins["max_running_requests"] != why
+    assert full.settings.origins["max_running_requests"] == "default"
+    assert full.settings.origins["prefill_shrink_after_decodes"] == "sized_cpu default"
     flag = sized(tiny_llama_dir, Sized(1000), max_running_requests=20)
     assert flag.settings.max_running_requests == 20 == flag.config.max_running_requests
     assert sized(tiny_llama_dir, Sized(1000), max_total_tokens=1000).config.max_running_requests
@@ -218,10 +223,11 @@ def test_a_model_without_a_plugin_is_refused_by_its_architecture(
     other = _with_architecture(tiny_llama_dir, tmp_path / "m", "NopeForCausalLM")
     with pytest.raises(PluginError) as e:
         runner_of(other, max_total_tokens=64)
-    assert str(e.value).startswith(
-        "no model plugin for architecture 'NopeForCausalLM'; available: "
+    names = PluginHost().registries["model"].available_names()
+    assert "LlamaForCausalLM" in names
+    assert str(e.value) == (
+        f"no model plugin for architecture 'NopeForCausalLM'; available: {', '.join(names)}"
     )
-    assert "LlamaForCausalLM" in str(e.value)
     with pytest.raises(PluginError) as asked:
         runner_of(tiny_llama_dir, max_total_tokens=64, plugins=("model=nope",))
     assert "no model plugin for architecture" not in str(asked.value)
