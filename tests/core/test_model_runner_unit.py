@@ -487,9 +487,9 @@ def test_a_strategy_adds_the_rows_of_an_entry_with_extra_rows(tiny_llama_dir: Pa
     plain, plain_plans = core.runner.build_batch(plan)
     assert calls == []  # no entry has extra rows
     extra = object()
-    plan.extra[1] = extra
+    plan.extra[0] = extra  # the entries after it are built as usual
     fb, plans = core.runner.build_batch(plan)
-    assert calls == [("declines", 1, "b", 3, extra), ("takes", 1, "b", 3, extra)]
+    assert calls == [("declines", 0, "a", 5, extra), ("takes", 0, "a", 5, extra)]
     assert plans == plain_plans and torch.equal(fb.input_ids, plain.input_ids)
 
 
