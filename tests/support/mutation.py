@@ -192,6 +192,20 @@ MODULES: dict[str, list[str]] = {
     "core/interfaces_capabilities.py": ["tests/core/test_interfaces_defaults.py"],
     # (not here: interfaces_kv_transfer.py and hookspecs.py, declarations only: mutmut makes
     # no mutant of either)
+    # mutH: the loop's fixed points driven by test strategies and plugins on the tiny random
+    # Llama (a core in ~0.2 s; test_scheduler*.py take ~100 s, too long once per mutant); + a
+    # grammar's mask applied by the runner (the grammar masker the core gives it).
+    "core/engine_core.py": [
+        "tests/core/test_engine_core_unit.py",
+        "tests/core/test_model_runner_unit.py::test_logprobs_under_a_grammar_are_the_models_unmasked_ones",
+    ],
+    # mutH: the runner built on the tiny random Llama (a platform with a fixed KV budget, test
+    # plugins), its steps launched by hand and checked against transformers' forward; + the
+    # loop's tests, which step it with overlap, logprobs and failing strategies.
+    "core/model_runner.py": [
+        "tests/core/test_model_runner_unit.py",
+        "tests/core/test_engine_core_unit.py",
+    ],
 }
 
 
