@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import transformers.models.llama.modeling_llama  # noqa: F401 - see below
+from allow_all_grammar import AllowAllGrammar
 from platform_choice import on_cpu
 from scheduler_checks import check_accounting, greedy, tokens
 from tiny_models import make_tiny_llama_dir
@@ -519,7 +520,7 @@ def test_retraction_in_overlap_commits_the_step_in_flight_first(tiny_llama_dir: 
 # -- grammar admission -----------------------------------------------------------------------
 
 
-class Forced(Grammar):
+class Forced(AllowAllGrammar):
     """Forces its spec's text, then allows anything."""
 
     def __init__(self, text: str) -> None:
@@ -528,15 +529,6 @@ class Forced(Grammar):
     def accept_token(self, token_id: int) -> bool:
         self.text = ""
         return True
-
-    def fill_bitmask(self, bitmask: Any, index: int) -> None:
-        bitmask[index].fill_(-1)
-
-    def is_terminated(self) -> bool:
-        return False
-
-    def rollback(self, num_tokens: int) -> None:
-        pass
 
     def forced_string(self) -> str:
         return self.text

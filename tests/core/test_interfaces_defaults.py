@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from allow_all_grammar import AllowAllGrammar
 
 from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.core.interfaces import (
@@ -78,14 +79,11 @@ def test_the_default_step_prepares_attention_then_runs_the_model() -> None:
     assert calls == [("prepare", "batch"), ("forward", "batch")]
 
 
-class Matcher(Grammar):
+class Matcher(AllowAllGrammar):
     """Allows the tokens in ``allowed`` (bitmask row ``index``)."""
 
     def __init__(self, allowed: list[int]) -> None:
         self.allowed = allowed
-
-    def accept_token(self, token_id: int) -> bool:
-        return True
 
     def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
         bitmask[index] = 0
@@ -93,15 +91,6 @@ class Matcher(Grammar):
             word = bitmask[index, t // 32].item()
             value = (word | (1 << (t % 32))) & 0xFFFFFFFF
             bitmask[index, t // 32] = value - (1 << 32) if value >= 1 << 31 else value
-
-    def is_terminated(self) -> bool:
-        return False
-
-    def rollback(self, num_tokens: int) -> None:
-        pass
-
-    def forced_string(self) -> str:
-        return ""
 
     def copy(self) -> Grammar:
         return Matcher(self.allowed)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import transformers.models.llama.modeling_llama  # noqa: F401 - see below
+from allow_all_grammar import AllowAllGrammar
 from platform_choice import on_cpu
 from scheduler_checks import greedy, tokens
 from tiny_models import make_tiny_llama_dir
@@ -415,7 +416,7 @@ def test_embeddings_need_a_model_that_keeps_final_hidden_states(tiny_llama_dir: 
     )
 
 
-class OneToken(Grammar):
+class OneToken(AllowAllGrammar):
     """Allows only token ``ONLY``."""
 
     ONLY = 9
@@ -426,15 +427,6 @@ class OneToken(Grammar):
     def fill_bitmask(self, bitmask: Any, index: int) -> None:
         bitmask[index].zero_()
         bitmask[index, self.ONLY // 32] = 1 << (self.ONLY % 32)
-
-    def is_terminated(self) -> bool:
-        return False
-
-    def rollback(self, num_tokens: int) -> None:
-        pass
-
-    def forced_string(self) -> str:
-        return ""
 
     def copy(self) -> Grammar:
         return OneToken()
