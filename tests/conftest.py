@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
@@ -19,14 +18,6 @@ sys.path.insert(0, str(Path(__file__).parent / "support"))
 # spawned server, runs the exact mode unless a test asks for the fast one
 # (tests/plugins/hardware/test_cpu_fast.py).
 os.environ.setdefault("RADIXSERVE_CPU_MODE", "exact")
-
-# Without a GPU the kernel tests run Triton's interpreter, which must be on before anything
-# imports triton: triton.language's own helpers (tl.cdiv, tl.sum, ...) are @triton.jit
-# functions, and ones defined outside interpreter mode cannot be called from an interpreted
-# kernel. Test modules that import transformers' models import triton at collection, before
-# the kernel tests' modules would set the variable themselves.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _pin_to_this_workers_cores() -> None:
@@ -43,6 +34,16 @@ def _pin_to_this_workers_cores() -> None:
 
 
 _pin_to_this_workers_cores()
+
+# Without a GPU the kernel tests run Triton's interpreter, which must be on before anything
+# imports triton: triton.language's own helpers (tl.cdiv, tl.sum, ...) are @triton.jit
+# functions, and ones defined outside interpreter mode cannot be called from an interpreted
+# kernel. Test modules that import transformers' models import triton at collection, before
+# the kernel tests' modules would set the variable themselves.
+import torch  # noqa: E402 - after the pinning: its thread pool sizes itself from the affinity
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 from tiny_models import make_tiny_llama_dir  # noqa: E402
