@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
+from hand_scheduler import hand_scheduler
 from tiny_models import make_tokenizer_json
 
 from radixserve.core import disaggregation
@@ -32,12 +33,9 @@ from radixserve.core.disaggregation import (
     transfers,
 )
 from radixserve.core.interfaces import KVConnector, TransferEvent
-from radixserve.core.memory import ReqToTokenPool, TokenAllocator
 from radixserve.core.plugins import Registration, Registry
-from radixserve.core.radix_cache import RadixCache
 from radixserve.core.request import FinishReason, InvalidRequest, Req, ReqState, SamplingParams
-from radixserve.core.scheduler import Scheduler, SchedulerConfig
-from radixserve.core.stop import StopChecker
+from radixserve.core.scheduler import Scheduler
 from radixserve.core.tokenizer import Tokenizer
 
 EOS = 0
@@ -91,21 +89,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 
 
 def scheduler(tokenizer: Tokenizer, running: int = 4, pool: int = 256) -> Scheduler:
-    allocator = TokenAllocator(pool, 1)
-    table = ReqToTokenPool(running + 1, 129)
-    return Scheduler(
-        SchedulerConfig(
-            max_running_requests=running,
-            chunked_prefill_size=-1,
-            max_context=128,
-            schedule_policy="fcfs",
-        ),
-        allocator,
-        table,
-        RadixCache(allocator, table),
-        StopChecker(tokenizer, [EOS], 128),
-        None,
-    )
+    return hand_scheduler(tokenizer, EOS, pool=pool, context=128, running=running)
 
 
 def req(rid: str, n: int, room: int | None, max_new: int = 4, start: int = 10, **kw: Any) -> Req:

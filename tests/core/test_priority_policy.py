@@ -9,15 +9,13 @@ import time
 from typing import Any
 
 import pytest
+from hand_scheduler import hand_scheduler
 from tiny_models import make_tokenizer_json
 
-from radixserve.core.memory import ReqToTokenPool, TokenAllocator
 from radixserve.core.priority import PriorityPolicy, PriorityStats
-from radixserve.core.radix_cache import RadixCache
 from radixserve.core.request import Req, ReqState, SamplingParams
-from radixserve.core.scheduler import Scheduler, SchedulerConfig
+from radixserve.core.scheduler import Scheduler
 from radixserve.core.step_plan import RetractionNeeded
-from radixserve.core.stop import StopChecker
 from radixserve.core.tokenizer import Tokenizer
 
 EOS, TOKEN = 0, 7
@@ -32,23 +30,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 
 def make(tokenizer: Tokenizer, *, pool: int = 256, running: int = 2, **config: Any) -> Scheduler:
     config.setdefault("enable_priority_scheduling", True)
-    allocator = TokenAllocator(pool, 1)
-    table = ReqToTokenPool(running + 1, 65)
-    return Scheduler(
-        SchedulerConfig(
-            max_running_requests=running,
-            chunked_prefill_size=-1,
-            schedule_policy="fcfs",
-            max_context=64,
-            **config,
-        ),
-        allocator,
-        table,
-        RadixCache(allocator, table),
-        StopChecker(tokenizer, [EOS], 64),
-        None,
-        [],
-    )
+    return hand_scheduler(tokenizer, EOS, pool=pool, context=64, running=running, **config)
 
 
 def req(rid: str, priority: int = 0, n: int = 4, start: int = 10, arrival: float = 0.0) -> Req:

@@ -13,18 +13,17 @@ from typing import Any
 
 import pytest
 import torch
+from hand_scheduler import hand_scheduler
 from tiny_models import make_tokenizer_json
 
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.interfaces import DeviceCycle, Draft, SpeculativeAlgorithm
-from radixserve.core.memory import ReqToTokenPool, TokenAllocator
-from radixserve.core.radix_cache import RadixCache
+from radixserve.core.memory import ReqToTokenPool
 from radixserve.core.request import Req, ReqState, SamplingParams
-from radixserve.core.scheduler import Scheduler, SchedulerConfig
+from radixserve.core.scheduler import Scheduler
 from radixserve.core.spec_adaptive import AdaptiveDrafting
 from radixserve.core.spec_loop import DeviceVerify, SpecLoop, loops_greedily
 from radixserve.core.speculative import Speculator
-from radixserve.core.stop import StopChecker
 from radixserve.core.tokenizer import Tokenizer
 
 EOS = 0
@@ -104,22 +103,7 @@ class Scripted(DeviceCycle):
 
 
 def make(tokenizer: Tokenizer, pool: int = 256, context: int = 64, running: int = 4) -> Scheduler:
-    allocator = TokenAllocator(pool, 1)
-    table = ReqToTokenPool(running + 1, context + 1)
-    return Scheduler(
-        SchedulerConfig(
-            max_running_requests=running,
-            chunked_prefill_size=-1,
-            max_context=context,
-            schedule_policy="fcfs",
-        ),
-        allocator,
-        table,
-        RadixCache(allocator, table),
-        StopChecker(tokenizer, [EOS], context),
-        None,
-        [],
-    )
+    return hand_scheduler(tokenizer, EOS, pool=pool, context=context, running=running)
 
 
 def greedy(max_new_tokens: int = 40, **kw: Any) -> SamplingParams:

@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 import torch
+from hand_scheduler import hand_scheduler
 from tiny_models import make_tokenizer_json
 
 from radixserve.core.interfaces import DeviceCycle, Draft, SpeculativeAlgorithm, StepStrategy
-from radixserve.core.memory import ReqToTokenPool, TokenAllocator
-from radixserve.core.radix_cache import RadixCache
+from radixserve.core.memory import ReqToTokenPool
 from radixserve.core.request import Req, ReqState, SamplingParams
-from radixserve.core.scheduler import Scheduler, SchedulerConfig
+from radixserve.core.scheduler import Scheduler
 from radixserve.core.spec_adaptive import AdaptiveDrafting
 from radixserve.core.spec_loop import SpecLoop
 from radixserve.core.spec_strategy import (
@@ -37,7 +37,6 @@ from radixserve.core.spec_strategy import (
 from radixserve.core.speculative import Speculator
 from radixserve.core.step_plan import StepPlan
 from radixserve.core.step_rows import LogitsPlan, StepRows
-from radixserve.core.stop import StopChecker
 from radixserve.core.tokenizer import Tokenizer
 
 EOS = 0
@@ -104,23 +103,11 @@ def make(
     host: Any = None,
     scratch: int = 0,
 ) -> tuple[Scheduler, Speculation]:
-    allocator = TokenAllocator(pool, 1)
-    table = ReqToTokenPool(running + scratch + 1, CONTEXT + 1)
     strategy = Speculation(spec, runner, CONTEXT, False, host)
-    sched = Scheduler(
-        SchedulerConfig(
-            max_running_requests=running,
-            chunked_prefill_size=-1,
-            max_context=CONTEXT,
-            schedule_policy="fcfs",
-        ),
-        allocator,
-        table,
-        RadixCache(allocator, table),
-        StopChecker(tokenizer, [EOS], CONTEXT),
-        None,
-        [strategy],
-    )
+    sched = hand_scheduler(
+        tokenizer, EOS, pool=pool, context=CONTEXT, running=running, extra_rows=scratch,
+        strategies=[strategy],
+    )  # fmt: skip
     return sched, strategy
 
 
