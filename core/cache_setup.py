@@ -14,6 +14,7 @@ from radixserve.core.config import ConfigError, EngineConfig
 from radixserve.core.hicache import HiRadixCache
 from radixserve.core.hicache_pool import HostKVPool
 from radixserve.core.hicache_storage import GuardedStorage
+from radixserve.core.interfaces_capabilities import CopiesHostKVLayers
 from radixserve.core.plugins import PluginHost
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
 
@@ -40,7 +41,9 @@ def build_cache(
             f"({runner.allocator.size} tokens): raise --hicache-ratio above 1 or --hicache-size"
         )
     layout, io_backend = host_pool_defaults(config, pool.k[0].device)
-    host_pool = HostKVPool(pool, size, config.page_size, layout, io_backend)
+    platform = runner.platform
+    layer_copy = platform.host_kv_layer_copy() if isinstance(platform, CopiesHostKVLayers) else None
+    host_pool = HostKVPool(pool, size, config.page_size, layout, io_backend, layer_copy)
     storage = _storage(runner, config, host)
     mc = runner.model_config
     namespace = "|".join(
@@ -48,8 +51,9 @@ def build_cache(
                          host_pool.dtype, config.page_size)
     )  # fmt: skip
     logger.info(
-        "hierarchical cache: host pool of %d tokens (%.2f GB, %s), write policy %s, storage %s",
-        host_pool.size, host_pool.size * per_token / 1e9, layout,
+        "hierarchical cache: host pool of %d tokens (%.2f GB, %s, %s loads), write policy %s, "
+        "storage %s", host_pool.size, host_pool.size * per_token / 1e9, layout,
+        "per-layer" if host_pool.layer_copy is not None else "whole",
         config.hicache_write_policy, runner.plugins.names["hicache_storage"],
     )  # fmt: skip
     return HiRadixCache(

@@ -39,7 +39,7 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 class HiTreeNode(TreeNode):
-    __slots__ = ("host_value", "host_ref", "hit_count", "stored", "backup")
+    __slots__ = ("host_value", "host_ref", "hit_count", "stored", "backup", "load_batch")
     value: torch.Tensor | None  # type: ignore[assignment]  # None: not on the device
 
     def __init__(self, key: list[int], value: torch.Tensor | None, parent: TreeNode | None) -> None:
@@ -51,6 +51,9 @@ class HiTreeNode(TreeNode):
         # the host pool's event of the copy to host_value (HostKVPool.backup), None when done
         # in the compute stream's order: fenced before the device slots are freed
         self.backup: Any = None
+        # the host pool's batch of loads that wrote its device slots (HostKVPool.load): its
+        # slots are freed only once that batch went out
+        self.load_batch = -1
 
 
 @dataclass
@@ -202,9 +205,10 @@ class HiRadixCache(RadixCache):
         if slots is None:
             return []
         host_slots = torch.cat([n.host_value for n in nodes if n.host_value is not None])
-        self.host.load(host_slots, slots, tuple(n.backup for n in nodes))
+        batch = self.host.load(host_slots, slots, tuple(n.backup for n in nodes))
         start = 0
         for node in nodes:
+            node.load_batch = batch
             node.value = slots[start : start + len(node.key)]
             start += len(node.key)
             self.evictable_size += len(node.key)
@@ -276,6 +280,7 @@ class HiRadixCache(RadixCache):
                            child.parent)  # fmt: skip
         upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
         upper.hit_count, upper.stored, upper.backup = child.hit_count, child.stored, child.backup
+        upper.load_batch = child.load_batch
         if child.host_value is not None:
             upper.host_value, child.host_value = child.host_value[:n], child.host_value[n:]
         upper.children = {self._child_key(child.key[n:]): child}
@@ -354,6 +359,8 @@ class HiRadixCache(RadixCache):
             if node.host_value is None and self.write_policy != "write_through_selective":
                 self._backup(node)
             assert node.value is not None
+            if self.host.queued(node.load_batch):  # a queued load still writes its slots
+                self.host.issue_loads()
             self.host.fence(node.backup)  # its backup has read the slots before a step writes
             node.backup = None
             self.allocator.free(node.value)
@@ -429,6 +436,7 @@ class HiRadixCache(RadixCache):
     def flush(self) -> None:
         """Drop every host copy and every unlocked device node (storage stays: see
         ``clear_storage``)."""
+        self.host.issue_loads()  # before the slots they write are freed
         for root in self._roots.values():
             for child in list(root.children.values()):
                 self._flush_under(child)  # type: ignore[arg-type]

@@ -17,7 +17,7 @@ asynchronous: host-side readers and writers of the host buffers (``read_pages``,
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -38,8 +38,16 @@ STAGING_BYTES = {"cuda": 64 << 20, "cpu": 30 << 20}
 
 class HostKVPool:
     def __init__(
-        self, device_pool: KVPool, size: int, page_size: int, layout: str, io_backend: str
+        self,
+        device_pool: KVPool,
+        size: int,
+        page_size: int,
+        layout: str,
+        io_backend: str,
+        layer_copy: Callable[..., None] | None = None,
     ) -> None:
+        """``layer_copy``: the platform's gather of one layer's rows from the host buffers
+        (``CopiesHostKVLayers``; None: the copies by runs or gathers below)."""
         self.device_pool = device_pool
         self.allocator = TokenAllocator(size, page_size)
         self.size = self.allocator.size
@@ -55,6 +63,12 @@ class HostKVPool:
                 f"{k0.device.type}"
             )
         self.streams = CopyStreams(k0.device, io_backend)
+        self.layer_copy = layer_copy
+        #: loads queued for the next forward (host slots, device slots, backups), and how many
+        #: batches of them went out
+        self._queued: list[tuple[torch.Tensor, torch.Tensor, tuple[Any, ...]]] = []
+        self.batches_issued = 0
+        device_pool.issue_loads = self.issue_loads
         self._pin = on_cuda  # host buffers pinned, copies asynchronous
         self.staging_bytes = STAGING_BYTES.get(k0.device.type, STAGING_BYTES["cpu"])
         #: loads with more runs of host slots than this gather on the host instead. On the CPU
@@ -125,22 +139,59 @@ class HostKVPool:
 
     def load(
         self, host_slots: torch.Tensor, device_slots: torch.Tensor, backups: tuple[Any, ...] = ()
-    ) -> None:
-        """Copy the host pool's KV at ``host_slots`` into the device pool at ``device_slots``:
-        one copy per run of consecutive host slots into device staging (page_first: all
-        layers at once; layer_first: per layer's K and V), then one ``index_copy_`` per
-        layer's K and V on the device. Past ``run_copy_max_runs`` runs: a gather on the host
-        into (pinned) staging per layer's K and V instead, one copy each. ``backups``: the
-        events of the backups that wrote ``host_slots`` (``backup``'s), waited for first."""
-        runs = slot_runs(host_slots)
-        if not runs:
+    ) -> int:
+        """Queue a copy of the host pool's KV at ``host_slots`` into the device pool at
+        ``device_slots``, after the backups ``backups`` (``backup``'s events) that wrote
+        ``host_slots``. The queued loads go out together before the next forward
+        (``issue_loads``, which the device pool calls) or sooner, when the cache frees device
+        slots a queued load writes (``queued``). Returns the batch the load joined."""
+        if len(host_slots):
+            self._queued.append((host_slots, device_slots, backups))
+        return self.batches_issued
+
+    def queued(self, batch: int) -> bool:
+        """Whether the loads of ``batch`` (``load``'s return) are still queued."""
+        return batch == self.batches_issued and bool(self._queued)
+
+    def issue_loads(self) -> None:
+        """Issue the queued loads as one: with the platform's per-layer kernel, a launch per
+        layer, each followed by an event the forward waits on before that layer
+        (``KVPool.layer_loads``); else the copies below, which the compute stream waits for
+        as a whole."""
+        if not self._queued:
             return
+        queued, self._queued = self._queued, []
+        self.batches_issued += 1
+        host_slots = torch.cat([q[0] for q in queued])
+        device_slots = torch.cat([q[1] for q in queued])
+        backups = tuple(b for q in queued for b in q[2])
+        if self.layer_copy is not None:
+            self._load_layers(host_slots, device_slots, backups)
+            return
+        runs = slot_runs(host_slots)
         with self.streams.load(backups):
             index = self._on_device(device_slots)
             if len(runs) > self.run_copy_max_runs:
                 self._load_gathered(host_slots, index)
             else:
                 self._load_runs(runs, index)
+
+    def _load_layers(
+        self, host_slots: torch.Tensor, device_slots: torch.Tensor, backups: tuple[Any, ...]
+    ) -> None:
+        """Layer by layer, each layer's K and V rows gathered from the host buffers by the
+        platform's kernel (reading pinned host memory): no staging, and the forward's first
+        layers run while the later ones copy."""
+        assert self.layer_copy is not None
+        events = []
+        with self.streams.load_layers(backups) as mark:
+            src_rows, dst_rows = self._on_device(host_slots), self._on_device(device_slots)
+            for layer in range(self.num_layers):
+                (src_k, dst_k), (src_v, dst_v) = self._layer_pairs(layer)
+                self.layer_copy(src_k, src_v, src_rows, dst_k, dst_v, dst_rows)
+                events.append(mark())
+        if events[-1] is not None:
+            self.device_pool.layer_loads = events
 
     def _load_runs(self, runs: list[tuple[int, int]], index: torch.Tensor) -> None:
         dev = self.device_pool
@@ -203,7 +254,8 @@ class HostKVPool:
 
     def wait_copies(self) -> None:
         """Block until the copies queued so far (backups and loads) ran: any host-side read or
-        write of the host buffers calls this first."""
+        write of the host buffers calls this first. Queued loads go out first."""
+        self.issue_loads()
         self.streams.wait()
 
     def _on_device(self, slots: torch.Tensor) -> torch.Tensor:

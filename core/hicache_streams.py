@@ -4,7 +4,8 @@
 device. ``kernel`` (CUDA): backups and loads run on two copy streams, each first waiting for
 the compute stream's queued work (the KV a backup reads is written; the slots a load writes
 are free). The compute stream waits for a load before its next kernels (a step reads the
-loaded pages) but not for a backup: a backup's event is what the cache passes to ``fence``
+loaded pages), or for each layer of a per-layer load before that layer's attention, but not
+for a backup: a backup's event is what the cache passes to ``fence``
 before the backed-up device slots are freed (a step writes them only after they were read),
 and to ``load`` for the host slots it wrote (a load reads them only after they were written).
 A backup waits for the last load queued (a host slot a load reads may be freed and reused).
@@ -17,7 +18,7 @@ of tests/core/test_hicache_pool.py check the waits, each against a stream held u
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -53,6 +54,17 @@ class CopyStreams:
         done already); the compute stream waits for it."""
         with _on(self.load_stream, backups, compute_waits=True):
             yield
+            self.pending_load = self._event()
+
+    @contextmanager
+    def load_layers(self, backups: tuple[Any, ...]) -> Iterator[Callable[[], Any]]:
+        """The block's copies as a load the compute stream does not wait for as a whole: the
+        yielded ``mark()`` records an event after the copies so far (one per layer) and
+        returns it, for the compute stream to wait on layer by layer (``KVPool.wait_layer``);
+        it returns None where the copies are in the compute stream's order."""
+        stream = self.load_stream
+        with _on(stream, backups, compute_waits=False):
+            yield (lambda: None) if stream is None else self._event
             self.pending_load = self._event()
 
     def fence(self, backup: Any) -> None:

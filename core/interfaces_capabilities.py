@@ -65,6 +65,27 @@ class BatchInvariant(Protocol):
     def set_batch_invariant(self) -> None: ...
 
 
+@runtime_checkable
+class WaitsForKVLayers(Protocol):
+    """A model plugin whose eager forward calls ``batch.kv_pool.wait_layer(layer)`` before each
+    layer's attention reads its KV (HiCache: the prefix loaded from host memory then overlaps
+    the step's earlier layers; a model without it waits for the whole load first).
+    ``waits_for_kv_layers`` True declares it. Checked once when the runner starts."""
+
+    waits_for_kv_layers: bool
+
+
+@runtime_checkable
+class CopiesHostKVLayers(Protocol):
+    """A hardware platform with a kernel that gathers KV rows of one layer from pinned host
+    memory into the device pool (HiCache's per-layer loads): ``host_kv_layer_copy()`` returns
+    ``copy(src_k, src_v, src_rows, dst_k, dst_v, dst_rows)`` (``dst_k[dst_rows] =
+    src_k[src_rows]``, the same for V; rows as device int64 tensors; ``src_*`` host views with
+    a row stride, ``dst_*`` contiguous device buffers), or None where it has none."""
+
+    def host_kv_layer_copy(self) -> Callable[..., None] | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class StepCapabilities:
     """What the step executor offers (``KeepsHiddenLayers``, ``UniformRows``), read once."""

@@ -12,6 +12,9 @@ retract), it is never a crash.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 
@@ -274,12 +277,39 @@ class KVPool:
         self.k_scales = [1.0] * num_layers
         self.v_scales = [1.0] * num_layers
         self.saturate = dtype.itemsize == 1  # FP8: stores clamp to the format's range
+        #: HiCache (core/hicache_pool.py): issues the host->device loads queued for the next
+        #: forward; and the events after each layer of the last ones issued, on a copy stream
+        #: (None: nothing to wait for)
+        self.issue_loads: Callable[[], None] | None = None
+        self.layer_loads: list[Any] | None = None
 
     @staticmethod
     def bytes_per_token(
         num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+    def prepare_loads(self, per_layer: bool) -> None:
+        """Before a forward: issue the queued loads. ``per_layer``: the forward waits for each
+        layer's with ``wait_layer`` (a ``WaitsForKVLayers`` model run eagerly), so its first
+        layers overlap the copies of the later ones; else the device waits for all now."""
+        if self.issue_loads is not None:
+            self.issue_loads()
+        if not per_layer:
+            self.wait_loads()
+
+    def wait_layer(self, layer_id: int) -> None:
+        """The device waits (in stream order, not the host) until layer ``layer_id``'s KV of
+        the issued loads is in place."""
+        if self.layer_loads is not None:
+            self.layer_loads[layer_id].wait()
+
+    def wait_loads(self) -> None:
+        """The device waits until every issued load is in place (the last layer's event comes
+        after all others on its stream); nothing is pending afterwards."""
+        if self.layer_loads is not None:
+            self.layer_loads[-1].wait()
+            self.layer_loads = None
 
     def set_scales(self, layer_id: int, k_scale: float, v_scale: float) -> None:
         self.k_scales[layer_id], self.v_scales[layer_id] = float(k_scale), float(v_scale)

@@ -29,6 +29,7 @@ from radixserve.core.interfaces import (
     StepCapabilities,
     StepExecutor,
 )
+from radixserve.core.interfaces_capabilities import WaitsForKVLayers
 from radixserve.core.logprobs import record_input_logprobs
 from radixserve.core.memory import KVPool, ReqToTokenPool, TokenAllocator
 from radixserve.core.plugins import PluginError, PluginHost, parse_plugin_selections
@@ -192,6 +193,9 @@ class ModelRunner:
         self.lora_weights = strategies.prepare_model(self.model, config, self.device)
         self.platform.prepare_model(self.model, config)
         make_batch_invariant(self.model, f"model plugin '{model_reg.name}'", config)
+        self.waits_for_kv_layers = (
+            isinstance(self.model, WaitsForKVLayers) and self.model.waits_for_kv_layers
+        )
         # The platform decides how a step runs (eagerly here; e.g. CUDA graphs for decodes).
         self.step = self.ranks.step_executor(
             self.platform, self.model, self.attention, self.kv_pool, self.req_to_token, config
@@ -345,7 +349,9 @@ class ModelRunner:
         for strategy in self.strategies.on.before_forward:
             strategy.before_forward(fb)
         self.req_to_token.sync()  # the device mirror of the slot table, before any kernel
+        self.kv_pool.prepare_loads(per_layer=self.waits_for_kv_layers)
         logits = self.step(fb)
+        self.kv_pool.wait_loads()
         for strategy in self.strategies.on.after_forward:
             strategy.after_forward(fb)
         for req, n, plan in zip(batch.reqs, batch.extend_lens, plans, strict=True):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -132,6 +133,10 @@ class CpuPlatform(HardwarePlatform):
     _deterministic = False  # --enable-deterministic-inference (resolve_config)
     _threads: int | None = None  # --cpu-threads
 
+    def host_kv_layer_copy(self) -> Callable[..., None]:
+        """HiCache's per-layer loads (``CopiesHostKVLayers``): index gathers on the host."""
+        return gather_layer_rows
+
     def seed_everything(self, seed: int) -> None:
         torch.manual_seed(seed)
 
@@ -157,6 +162,21 @@ class CpuPlatform(HardwarePlatform):
                     # inductor's C++ kernels keep the thread count they were generated with
                     # (2 threads run on 1 were 10% slower than eager): compile them again
                     self._compiled.recompile()
+
+
+def gather_layer_rows(
+    src_k: torch.Tensor,
+    src_v: torch.Tensor,
+    src_rows: torch.Tensor,
+    dst_k: torch.Tensor,
+    dst_v: torch.Tensor,
+    dst_rows: torch.Tensor,
+) -> None:
+    """``dst_k[dst_rows] = src_k[src_rows]``, the same for V (``CopiesHostKVLayers``)."""
+    for src, dst in ((src_k, dst_k), (src_v, dst_v)):
+        if dst.element_size() == 1:  # FP8: as bytes (torch's CPU index_copy_ takes no FP8)
+            src, dst = src.view(torch.uint8), dst.view(torch.uint8)
+        dst.index_copy_(0, dst_rows, src.index_select(0, src_rows))
 
 
 def refuse_fp8(platform: str, method: str | None) -> None:

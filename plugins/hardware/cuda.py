@@ -228,6 +228,20 @@ class CudaPlatform(HardwarePlatform):
         if fused is not None and getattr(head, "supports_fused_ops", False):
             attach_fused_ops(head, fused)
 
+    def host_kv_layer_copy(self) -> Callable[..., None] | None:
+        """HiCache's per-layer loads (``CopiesHostKVLayers``): a Triton kernel reading pinned
+        host memory. ``RADIXSERVE_HICACHE_LAYER_LOADS=0`` turns it off (whole loads by copy
+        engine, for an A-B)."""
+        if os.environ.get("RADIXSERVE_HICACHE_LAYER_LOADS", "1") == "0":
+            return None
+        from radixserve.plugins.hardware.host_kv_copy import copy_layer_rows, reads_host_memory
+
+        if not reads_host_memory(self.device):
+            logger.warning("HiCache: this GPU cannot read pinned host memory from a kernel; "
+                           "loads go whole, by copy engine")  # fmt: skip
+            return None
+        return copy_layer_rows
+
     def step_executor(self, model: Any, attention: Any, kv_pool: Any, req_to_token: Any,
                       config: Any) -> StepExecutor:  # fmt: skip
         """CUDA graphs for decode-only batches up to ``cuda_graph_max_bs`` and for short

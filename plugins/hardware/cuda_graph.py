@@ -272,7 +272,7 @@ class CudaGraphRunner:
             return None
         prefill.fill(batch, shape)
         graph, logits = self.prefill_graphs[shape]
-        graph.replay()
+        self._replay(graph)
         self.prefill_replays += 1
         self._hand_hidden(batch, self.p_hidden_out[shape], batch.num_tokens)
         return logits[: batch.batch_size]
@@ -298,10 +298,15 @@ class CudaGraphRunner:
                 torch.arange(q, device=self.v_positions.device).repeat(padded - bs)
             )
         graph, logits = self.verify_graphs[padded]
-        graph.replay()
+        self._replay(graph)
         self.verify_replays += 1
         self._hand_hidden(batch, self.v_hidden_out[padded], n)
         return logits[:n]
+
+    def _replay(self, graph: torch.cuda.CUDAGraph) -> None:
+        # a graph cannot wait for HiCache's loads layer by layer (KVPool.wait_layer): for all
+        self._kv_pool.wait_loads()
+        graph.replay()
 
     def _hand_hidden(self, batch: ForwardBatch, kept: dict[int, torch.Tensor], rows: int) -> None:
         """The replayed graph's kept layer outputs, as an eager forward leaves them; or, where
@@ -368,6 +373,6 @@ class CudaGraphRunner:
                 static[bs:padded].zero_()
         self._plan(padded, rows[:padded], lens[:padded])
         graph, logits = self.graphs[padded]
-        graph.replay()
+        self._replay(graph)
         self._hand_hidden(batch, self.hidden_out[padded], bs)
         return logits[:bs]

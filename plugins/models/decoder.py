@@ -263,6 +263,8 @@ class DecoderForCausalLM(nn.Module, CausalLM):
     default_tie_word_embeddings: bool = False
     #: how the checkpoint's tensors shard under tensor parallelism (None: not supported)
     tp_plan: dict[str, str] | None = DECODER_TP_PLAN
+    #: the forward waits for each layer's KV loaded from host memory (WaitsForKVLayers)
+    waits_for_kv_layers: bool = True
 
     def __init__(
         self,
@@ -407,7 +409,10 @@ class DecoderForCausalLM(nn.Module, CausalLM):
         capture = batch.capture_hidden_layers
         if capture:
             batch.hidden_states = {}
+        loads = batch.kv_pool.layer_loads  # HiCache: KV still copying in, per layer
         for i, layer in enumerate(self.layers):
+            if loads is not None:
+                loads[layer.kv_layer].wait()
             h, residual = layer(h, residual, self.rope, batch)
             if i in capture:
                 h = reduced(h, self.tp)

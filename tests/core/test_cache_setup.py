@@ -20,6 +20,7 @@ from radixserve.core.memory import KVPool, ReqToTokenPool, TokenAllocator
 from radixserve.core.model_config import ModelConfig
 from radixserve.core.plugins import default_host
 from radixserve.core.radix_cache import NoPrefixCache, RadixCache
+from radixserve.plugins.hardware.cpu import CpuPlatform, gather_layer_rows
 from radixserve.plugins.hicache_storage.file import FileStorage
 
 LAYERS, HEADS, HEAD_DIM, SLOTS = 2, 2, 4, 32
@@ -39,6 +40,7 @@ def _runner(storage: str = "none", page: int = 1) -> Any:
         kv_pool=KVPool(SLOTS, LAYERS, HEADS, HEAD_DIM, torch.float32, "cpu"),
         model_config=mc,
         plugins=SimpleNamespace(names={"hicache_storage": storage}),
+        platform=CpuPlatform(),
     )
 
 
@@ -61,12 +63,14 @@ def test_the_hierarchical_cache_sized_by_ratio(caplog: pytest.LogCaptureFixture)
     assert cache.allocator is runner.allocator and cache.req_to_token is runner.req_to_token
     assert cache.host.size == 80 and cache.host.layout == "layer_first"  # the CPU's default
     assert cache.host.device_pool is runner.kv_pool
+    assert cache.host.layer_copy is gather_layer_rows  # the platform's per-layer loads
+    assert runner.kv_pool.issue_loads == cache.host.issue_loads
     assert cache.write_policy == config.hicache_write_policy
     assert cache.storage is None
     assert cache.namespace == f"/models/m|{LAYERS}|{HEADS}|{HEAD_DIM}|torch.float32|1"
     assert caplog.messages == [
         f"hierarchical cache: host pool of 80 tokens ({80 * PER_TOKEN / 1e9:.2f} GB, "
-        f"layer_first), write policy {config.hicache_write_policy}, "
+        f"layer_first, per-layer loads), write policy {config.hicache_write_policy}, "
         "storage none"
     ]
 
@@ -92,7 +96,7 @@ def test_the_hierarchical_cache_sized_in_gb_and_its_page_size(
     assert cache.storage.backend.dir == tmp_path
     assert cache.namespace == f"d|{LAYERS}|{HEADS}|{HEAD_DIM}|torch.float32|4"
     assert caplog.messages[-1].startswith(
-        "hierarchical cache: host pool of 78120 tokens (0.01 GB, page_first)"
+        "hierarchical cache: host pool of 78120 tokens (0.01 GB, page_first, per-layer loads)"
     )
     assert caplog.messages[-1].endswith("write policy write_back, storage file")
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from platform_choice import CPU
 
 from radixserve.core.config import ConfigError, EngineConfig
@@ -213,3 +214,32 @@ def test_an_insert_over_a_host_only_prefix_adopts_the_callers_slots(tiny_llama_d
     assert cache.match_prefix(prefix + rest).kv_indices.tolist() == slots.tolist()
     cache.check_tiers()
     core.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cuda_layer_loads_give_the_whole_loads_outputs(
+    tiny_llama_dir: Path, page_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA (triton attention, float32, overlap, CUDA graphs) the per-layer loads (a kernel
+    reading pinned host memory; each layer's attention waits for its copy) give the outputs
+    of whole loads by the copy engine: same matches, same kernels, so a layer read before its
+    copy landed shows as a difference."""
+
+    def run(layer_loads: bool) -> list[list[int]]:
+        monkeypatch.setenv("RADIXSERVE_HICACHE_LAYER_LOADS", "1" if layer_loads else "0")
+        config = EngineConfig(
+            page_size=page_size, max_total_tokens=POOL, chunked_prefill_size=64,
+            max_running_requests=2, plugins=("hardware=cuda",), dtype="float32",
+            enable_hierarchical_cache=True, hicache_ratio=8.0, enable_overlap_schedule=True,
+        )  # fmt: skip
+        core = EngineCore(tiny_llama_dir, config, default_host())
+        try:
+            assert isinstance(core.cache, HiRadixCache)
+            assert (core.cache.host.layer_copy is not None) == layer_loads
+            return _conversations(core, check_demoted=True)
+        finally:
+            core.shutdown()
+
+    assert run(True) == run(False)

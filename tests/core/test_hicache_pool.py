@@ -30,6 +30,12 @@ def device_pool(
     return pool
 
 
+def load_now(host: HostKVPool, *args: object) -> None:
+    """``HostKVPool.load`` queues until the next forward: queue and issue at once."""
+    host.load(*args)  # type: ignore[arg-type]
+    host.issue_loads()
+
+
 def test_size_shape_and_bytes_per_token() -> None:
     dev = device_pool(torch.float16)
     host = HostKVPool(dev, 43, 4, "layer_first", "direct")  # pages 1..10 (page 0 pads)
@@ -70,7 +76,7 @@ def test_backup_then_load_moves_each_slots_kv(layout: str) -> None:
     for layer in range(LAYERS):  # the device slots are overwritten, then loaded back
         dev.k[layer].zero_()
         dev.v[layer].zero_()
-    host.load(torch.tensor([17, 10]), torch.tensor([8, 1]))
+    load_now(host, torch.tensor([17, 10]), torch.tensor([8, 1]))
     for layer in range(LAYERS):
         assert torch.equal(dev.k[layer][[1, 8]], want_k[layer][[0, 2]])
         assert torch.equal(dev.v[layer][[1, 8]], want_v[layer][[0, 2]])
@@ -88,7 +94,7 @@ def test_storage_pages_written_are_read_and_loaded_back(layout: str) -> None:
     assert torch.equal(host.read_pages(torch.tensor([4, 9])), data)
     assert torch.equal(host.read_pages(torch.tensor([9])), data[1:])
     assert not host.read_pages(torch.tensor([5, 8])).any()
-    host.load(torch.tensor([9]), torch.tensor([2]))
+    load_now(host, torch.tensor([9]), torch.tensor([2]))
     for layer in range(LAYERS):
         assert torch.equal(dev.k[layer][2], data[1, layer, 0])
         assert torch.equal(dev.v[layer][2], data[1, layer, 1])
@@ -119,7 +125,7 @@ def test_a_pool_of_one_layer() -> None:
     want = dev.k[0][[2, 4]].clone()
     host.backup(torch.tensor([2, 4]), torch.tensor([7, 8]))
     dev.k[0].zero_()
-    host.load(torch.tensor([8, 7]), torch.tensor([1, 3]))
+    load_now(host, torch.tensor([8, 7]), torch.tensor([1, 3]))
     assert torch.equal(dev.k[0][[3, 1]], want)
 
 
@@ -140,7 +146,7 @@ def test_copies_between_a_cuda_pool_and_pinned_host_memory(layout: str, io_backe
     for layer in range(LAYERS):
         dev.k[layer].zero_()
         dev.v[layer].zero_()
-    host.load(torch.tensor([2, 10]), torch.tensor([1, 8]))
+    load_now(host, torch.tensor([2, 10]), torch.tensor([1, 8]))
     torch.cuda.synchronize()
     for layer in range(LAYERS):
         assert torch.equal(dev.k[layer][[8, 1]].cpu(), want_k[layer])
@@ -208,7 +214,7 @@ def test_run_copies_equal_indexed_copies(
     # load back into other device slots, in another scattered order
     target = torch.randperm(64, generator=torch.Generator().manual_seed(n + 1))[:n] + 1
     before = [t.clone() for t in [*dev.k, *dev.v]]
-    got.load(host_slots, target)
+    load_now(got, host_slots, target)
     for i, t in enumerate([*dev.k, *dev.v]):
         expect = before[i].clone()
         expect[target] = before[i][device_slots]
@@ -235,7 +241,7 @@ def test_chunked_staging_and_both_load_paths(layout: str, max_runs: int) -> None
         assert torch.equal(pages[:, layer, 1], dev.v[layer][device_slots])
     for t in [*dev.k, *dev.v]:
         t.zero_()
-    host.load(host_slots, torch.tensor([1, 3, 5, 7, 9, 12, 15]))
+    load_now(host, host_slots, torch.tensor([1, 3, 5, 7, 9, 12, 15]))
     for layer in range(LAYERS):
         assert torch.equal(dev.k[layer][[1, 3, 5, 7, 9, 12, 15]], pages[:, layer, 0])
         assert torch.equal(dev.v[layer][[1, 3, 5, 7, 9, 12, 15]], pages[:, layer, 1])
@@ -270,16 +276,16 @@ def test_run_copies_make_one_copy_per_run(layout: str) -> None:
         host.backup(device_slots, host_slots)
     assert calls.count == 2 * per_run
     with CopyCalls() as calls:
-        host.load(host_slots, device_slots)
+        load_now(host, host_slots, device_slots)
     assert calls.count == 2 * per_run
     per_token = HostKVPool.bytes_per_token(dev) // (1 if layout == "page_first" else 2 * LAYERS)
     host.staging_bytes = per_token // 2  # less than a token: chunks of one slot
     with CopyCalls() as calls:
-        host.load(host_slots, device_slots)
+        load_now(host, host_slots, device_slots)
     assert calls.count == 8 * per_run
     host.run_copy_max_runs = 1
     with CopyCalls() as calls:
-        host.load(host_slots, device_slots)
+        load_now(host, host_slots, device_slots)
     assert calls.count == 0  # gathered on the host: index_select and index_copy_ only
 
 
@@ -288,7 +294,7 @@ def test_an_empty_copy_moves_nothing() -> None:
     host = HostKVPool(dev, 20, 1, "page_first", "direct")
     empty = torch.tensor([], dtype=torch.int64)
     host.backup(empty, empty)
-    host.load(empty, empty)
+    load_now(host, empty, empty)
     assert not host.buf.any()
 
 
@@ -338,9 +344,9 @@ def test_cuda_backup_is_asynchronous_and_host_readers_wait(layout: str, io_backe
         assert torch.equal(pages[:, layer, 0], want[layer])
     data = pages + 1
     torch.cuda._sleep(200_000_000)
-    host.load(slots, torch.arange(1, 9))
+    load_now(host, slots, torch.arange(1, 9))
     host.write_pages(slots, data)  # waits for the queued load's reads of the old page
-    host.load(slots, torch.arange(9, 17))
+    load_now(host, slots, torch.arange(9, 17))
     torch.cuda.synchronize()
     for layer in range(LAYERS):
         assert torch.equal(dev.k[layer][1:9].cpu(), want[layer])
@@ -359,7 +365,7 @@ def test_cuda_host_gather_waits_for_a_queued_backup(io_backend: str) -> None:
     want = [dev.k[layer][1:5].cpu() for layer in range(LAYERS)]
     torch.cuda._sleep(200_000_000)
     host.backup(torch.arange(1, 5), torch.tensor([30, 10, 50, 20]))
-    host.load(torch.tensor([30, 10, 50, 20]), torch.arange(9, 13))
+    load_now(host, torch.tensor([30, 10, 50, 20]), torch.arange(9, 13))
     torch.cuda.synchronize()
     for layer in range(LAYERS):
         assert torch.equal(dev.k[layer][9:13].cpu(), want[layer])
@@ -388,7 +394,7 @@ def test_cuda_backups_hold_up_neither_steps_nor_loads_of_other_pages(layout: str
     host.fence(backup)  # the slots are freed: a step writes them only after the backup read
     for layer in range(LAYERS):
         dev.k[layer][1:9].zero_()
-    host.load(slots, torch.arange(9, 17), (backup,))  # reads what the backup wrote
+    load_now(host, slots, torch.arange(9, 17), (backup,))  # reads what the backup wrote
     torch.cuda.synchronize()
     for layer in range(LAYERS):
         assert torch.equal(dev.k[layer][9:17].cpu(), want[layer])
@@ -413,3 +419,39 @@ def test_direct_copies_run_in_the_compute_streams_order() -> None:
     dev = device_pool()
     host = HostKVPool(dev, 64, 4, "page_first", "direct")
     assert host.backup(torch.arange(1, 5), torch.arange(8, 12)) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cuda_layer_loads_leave_the_compute_stream_free_and_order_each_layer(layout: str) -> None:
+    """Per-layer loads (the Triton gather from pinned host memory) on a load stream held up by
+    a sleep: the compute stream does not wait for them as a whole, and a read of a layer after
+    ``wait_layer`` sees that layer's loaded KV (a missing wait reads zeros every time)."""
+    from radixserve.plugins.hardware.host_kv_copy import copy_layer_rows
+
+    dev = device_pool(device="cuda")
+    host = HostKVPool(dev, 64, 4, layout, "kernel", layer_copy=copy_layer_rows)
+    slots = torch.tensor([*range(8, 12), *range(20, 24)])
+    want = [dev.k[layer][1:9].cpu() for layer in range(LAYERS)]
+    host.backup(torch.arange(1, 9), slots)
+    host.wait_copies()
+    for t in [*dev.k, *dev.v]:
+        t.zero_()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(host.streams.load_stream):
+        torch.cuda._sleep(500_000_000)  # the load stream busy for ~0.3 s
+    host.load(slots, torch.arange(9, 17))
+    dev.prepare_loads(per_layer=True)
+    assert dev.layer_loads is not None and len(dev.layer_loads) == LAYERS
+    step = torch.cuda.Event()
+    step.record()  # compute-stream work after the issue: not ordered after the load
+    step.synchronize()
+    assert not dev.layer_loads[0].query()
+    dev.wait_layer(0)
+    first = dev.k[0][9:17].clone()
+    dev.wait_loads()
+    last = dev.k[LAYERS - 1][9:17].clone()
+    torch.cuda.synchronize()
+    assert torch.equal(first.cpu(), want[0])
+    assert torch.equal(last.cpu(), want[LAYERS - 1])
