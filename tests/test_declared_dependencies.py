@@ -35,6 +35,7 @@ MODULE_EXTRAS = {
     "plugins/models/fused_moe.py": "gpu",
     "plugins/hardware/allreduce_norm.py": "gpu",
     "plugins/hardware/gemv.py": "gpu",
+    "plugins/hardware/host_kv_copy.py": "gpu",
     "plugins/models/lora_triton.py": "gpu",
     "plugins/models/fp8_kernels.py": "gpu",
     "plugins/models/invariant_gemm.py": "gpu",

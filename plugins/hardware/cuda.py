@@ -234,8 +234,13 @@ class CudaPlatform(HardwarePlatform):
         engine, for an A-B)."""
         if os.environ.get("RADIXSERVE_HICACHE_LAYER_LOADS", "1") == "0":
             return None
-        from radixserve.plugins.hardware.host_kv_copy import copy_layer_rows, reads_host_memory
-
+        try:
+            from radixserve.plugins.hardware.host_kv_copy import (
+                copy_layer_rows,
+                reads_host_memory,
+            )
+        except ImportError:  # no Triton (the gpu extra)
+            return None
         if not reads_host_memory(self.device):
             logger.warning("HiCache: this GPU cannot read pinned host memory from a kernel; "
                            "loads go whole, by copy engine")  # fmt: skip
