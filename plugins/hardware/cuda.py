@@ -230,9 +230,9 @@ class CudaPlatform(HardwarePlatform):
 
     def host_kv_layer_copy(self) -> Callable[..., None] | None:
         """HiCache's per-layer loads (``CopiesHostKVLayers``): a Triton kernel reading pinned
-        host memory. ``RADIXSERVE_HICACHE_LAYER_LOADS=0`` turns it off (whole loads by copy
-        engine, for an A-B)."""
-        if os.environ.get("RADIXSERVE_HICACHE_LAYER_LOADS", "1") == "0":
+        host memory, with ``RADIXSERVE_HICACHE_LAYER_LOADS=1``. Off by default until its
+        figures on a GPU are in (loads go whole, by the copy engine)."""
+        if os.environ.get("RADIXSERVE_HICACHE_LAYER_LOADS", "0") != "1":
             return None
         try:
             from radixserve.plugins.hardware.host_kv_copy import (

@@ -34,7 +34,11 @@ MODULES: dict[str, list[str]] = {
     ],
     "core/stop.py": ["tests/core/test_stop.py", "tests/core/test_stop_regex.py"],
     "core/sampling.py": ["tests/core/test_sampling.py"],
-    "core/memory.py": ["tests/core/test_memory.py", "tests/core/test_memory_journal.py"],
+    "core/memory.py": [
+        "tests/core/test_memory.py",
+        "tests/core/test_memory_journal.py",
+        "tests/core/test_hicache_layer_loads.py::test_the_device_pool_waits_per_layer_or_for_all",
+    ],
     # + the hierarchical cache's hooks into RadixCache.insert (one engine-free test)
     "core/radix_cache.py": [
         "tests/core/test_radix_cache.py",
@@ -60,7 +64,11 @@ MODULES: dict[str, list[str]] = {
     # Llama: ~30 s)
     "core/priority.py": ["tests/core/test_priority_policy.py"],
     # The host pool alone on a CPU device pool (test_hicache.py runs the tiny Llama: ~30 s)
-    "core/hicache_pool.py": ["tests/core/test_hicache_pool.py"],
+    "core/hicache_pool.py": [
+        "tests/core/test_hicache_pool.py",
+        "tests/core/test_hicache_layer_loads.py::test_a_steps_loads_go_out_together_a_layer_at_a_time",
+        "tests/core/test_hicache_layer_loads.py::test_evicting_a_node_whose_load_is_queued_issues_it_first",
+    ],
     "core/validation.py": ["tests/core/test_validation.py"],
     # Adaptive drafting's policy on synthetic acceptances and step times (no engine, no clock).
     "core/spec_adaptive.py": ["tests/core/test_spec_adaptive.py"],
@@ -88,7 +96,11 @@ MODULES: dict[str, list[str]] = {
     "core/grammar_queue.py": ["tests/core/test_grammar_queue.py"],
     # The tiered tree on a CPU device pool, a host pool and an in-memory storage backend
     # (test_hicache.py runs the tiny Llama: ~30 s).
-    "core/hicache.py": ["tests/core/test_hicache_tree.py"],
+    "core/hicache.py": [
+        "tests/core/test_hicache_tree.py",
+        "tests/core/test_hicache_layer_loads.py::test_evicting_a_node_whose_load_is_queued_issues_it_first",
+        "tests/core/test_hicache_layer_loads.py::test_a_cache_flush_issues_queued_loads_first",
+    ],
     # The page keys and the guard, engine-free (the file backend for a real one; NIXL and
     # Mooncake start their own servers: left out).
     "core/hicache_storage.py": [
