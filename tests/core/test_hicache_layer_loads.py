@@ -117,6 +117,29 @@ def test_evicting_a_node_whose_load_is_queued_issues_it_first() -> None:
     cache.check_tiers()
 
 
+def test_evicting_a_node_whose_load_went_out_leaves_the_queue_alone() -> None:
+    """Only a node of the queued batch issues it: one loaded in an earlier step (here the
+    second batch of the run) is evicted without sending the next step's loads early."""
+    copy = RecordingCopy()
+    cache = make(copy)
+    x, a, b = [1, 2], [3, 4, 5], [6, 7, 8, 9]
+    demoted(cache, x, a, b)
+    issue = cache.host.device_pool.prepare_loads
+    cache.match_prefix(x)
+    issue(per_layer=True)
+    node = cache.match_prefix(a).last_node
+    issue(per_layer=True)
+    cache.match_prefix(b)  # queued for the next step
+    assert copy.rows == [len(x)] * LAYERS + [len(a)] * LAYERS
+    assert isinstance(node, HiTreeNode) and not cache.host.queued(node.load_batch)
+    freed = cache.evict(len(x) + len(a))  # x and a: the LRU device leaves
+    assert freed >= len(a) and node.value is None
+    assert copy.rows == [len(x)] * LAYERS + [len(a)] * LAYERS  # b's load still queued
+    issue(per_layer=True)
+    assert copy.rows[-LAYERS:] == [len(b)] * LAYERS
+    cache.check_tiers()
+
+
 def test_a_cache_flush_issues_queued_loads_first() -> None:
     copy = RecordingCopy()
     cache = make(copy)

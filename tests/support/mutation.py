@@ -68,6 +68,7 @@ MODULES: dict[str, list[str]] = {
         "tests/core/test_hicache_pool.py",
         "tests/core/test_hicache_layer_loads.py::test_a_steps_loads_go_out_together_a_layer_at_a_time",
         "tests/core/test_hicache_layer_loads.py::test_evicting_a_node_whose_load_is_queued_issues_it_first",
+        "tests/core/test_hicache_layer_loads.py::test_evicting_a_node_whose_load_went_out_leaves_the_queue_alone",
     ],
     "core/validation.py": ["tests/core/test_validation.py"],
     # Adaptive drafting's policy on synthetic acceptances and step times (no engine, no clock).
