@@ -99,8 +99,10 @@ def test_overlap_gives_the_same_outputs_as_synchronous_steps(
     for mode in ("sync", "overlap"):
         # sync asks for it by name: a CUDA platform overlaps by default
         with Engine(
-            str(tiny_llama_dir), enable_overlap_schedule=mode == "overlap",
-            disable_overlap_schedule=mode == "sync", **settings,
+            str(tiny_llama_dir),
+            enable_overlap_schedule=mode == "overlap",
+            disable_overlap_schedule=mode == "sync",
+            **settings,
         ) as engine:
             assert engine.core.overlap is (mode == "overlap")
             outputs[mode] = [comparable(r) for r in run_all(engine, jobs)]
