@@ -17,7 +17,6 @@ import msgspec
 import pytest
 import torch
 from hand_scheduler import hand_scheduler
-from tiny_models import make_tokenizer_json
 
 from radixserve.core import disaggregation
 from radixserve.core.disaggregation import (
@@ -79,13 +78,6 @@ class Recorder(KVConnector):
 
     def named(self, kind: str) -> list[tuple[Any, ...]]:
         return [c[1:] for c in self.calls if c[0] == kind]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    folder = tmp_path_factory.mktemp("tiny-tokenizer")
-    make_tokenizer_json(folder / "tokenizer.json")
-    return Tokenizer(folder)
 
 
 def scheduler(tokenizer: Tokenizer, running: int = 4, pool: int = 256) -> Scheduler:

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 from hand_scheduler import hand_scheduler
-from tiny_models import make_tokenizer_json
 
 from radixserve.core.priority import PriorityPolicy, PriorityStats
 from radixserve.core.request import Req, ReqState, SamplingParams
@@ -19,13 +18,6 @@ from radixserve.core.step_plan import RetractionNeeded
 from radixserve.core.tokenizer import Tokenizer
 
 EOS, TOKEN = 0, 7
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    folder = tmp_path_factory.mktemp("tiny-tokenizer")
-    make_tokenizer_json(folder / "tokenizer.json")
-    return Tokenizer(folder)
 
 
 def make(tokenizer: Tokenizer, *, pool: int = 256, running: int = 2, **config: Any) -> Scheduler:

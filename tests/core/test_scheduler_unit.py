@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_models import make_tokenizer_json
 
 from radixserve.core.interfaces import Draft, StepStrategy
 from radixserve.core.memory import ReqToTokenPool, TokenAllocator
@@ -33,14 +32,6 @@ from radixserve.core.tokenizer import Tokenizer
 EOS = 0  # the tiny Llama's; tests sample TOKEN, never EOS
 TOKEN = 7
 MAX_STEPS = 400  # a loop that has not ended by then makes no progress
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    """The tiny Llama's tokenizer alone (no weights: nothing here runs a model)."""
-    folder = tmp_path_factory.mktemp("tiny-tokenizer")
-    make_tokenizer_json(folder / "tokenizer.json")
-    return Tokenizer(folder)
 
 
 def make(

@@ -11,10 +11,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import pytest
 import torch
 from hand_scheduler import hand_scheduler
-from tiny_models import make_tokenizer_json
 
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.interfaces import DeviceCycle, Draft, SpeculativeAlgorithm
@@ -31,13 +29,6 @@ FIRST = 7  # the token every prefill samples
 K = 2  # drafts a cycle: q = 3 positions a cycle
 Q = K + 1
 PROMPT = 4  # prompt tokens: kv_len 4 after the prefill
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    folder = tmp_path_factory.mktemp("loop-tokenizer")
-    make_tokenizer_json(folder / "tokenizer.json")
-    return Tokenizer(folder)
 
 
 class Nothing(SpeculativeAlgorithm):

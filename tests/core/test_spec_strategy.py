@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 from hand_scheduler import hand_scheduler
-from tiny_models import make_tokenizer_json
 
 from radixserve.core.interfaces import DeviceCycle, Draft, SpeculativeAlgorithm, StepStrategy
 from radixserve.core.memory import ReqToTokenPool
@@ -42,13 +41,6 @@ from radixserve.core.tokenizer import Tokenizer
 EOS = 0
 FIRST = 7  # what every prefill samples
 CONTEXT = 64
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    folder = tmp_path_factory.mktemp("strategy-tokenizer")
-    make_tokenizer_json(folder / "tokenizer.json")
-    return Tokenizer(folder)
 
 
 class Script(SpeculativeAlgorithm):
