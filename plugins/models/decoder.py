@@ -409,10 +409,11 @@ class DecoderForCausalLM(nn.Module, CausalLM):
         capture = batch.capture_hidden_layers
         if capture:
             batch.hidden_states = {}
-        loads = batch.kv_pool.layer_loads  # HiCache: KV still copying in, per layer
+        pool = batch.kv_pool
+        loading = pool.layer_loads is not None  # HiCache: KV still copying in, per layer
         for i, layer in enumerate(self.layers):
-            if loads is not None:
-                loads[layer.kv_layer].wait()
+            if loading:
+                pool.wait_layer(layer.kv_layer)
             h, residual = layer(h, residual, self.rope, batch)
             if i in capture:
                 h = reduced(h, self.tp)
